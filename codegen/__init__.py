@@ -1,0 +1,1 @@
+"""Code generation: static execution plans, memory planning, kernels."""

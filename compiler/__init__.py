@@ -1,0 +1,1 @@
+"""Compiler stage: IR, frontends, lowering, targets, pipeline driver, artifact."""

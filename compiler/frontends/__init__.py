@@ -1,0 +1,1 @@
+"""Model frontends: each turns a model source into a torch module plus tokenizer."""

@@ -1,0 +1,214 @@
+"""The LLM-level op set: for each op, its type rule and a plain-torch reference
+implementation that defines its meaning (the interpreter and constant folding use it).
+
+Layouts are token-major: activations are `[tokens, features]`, optionally with a
+leading unit batch dim before lowering drops it. Attention-side tensors keep heads
+flattened into the feature dim: q is `[tokens, num_heads * head_dim]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmc.compiler.ir import Node, TensorType
+from llmc.errors import IRError
+
+TORCH_DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+    "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    infer: Callable[[list[TensorType], dict], list[TensorType]] | None
+    reference: Callable[..., list[torch.Tensor]]
+    elementwise: bool = False
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def op(name: str, infer=None, elementwise: bool = False):
+    def register(fn):
+        OPS[name] = OpDef(name, infer, fn, elementwise)
+        return fn
+    return register
+
+
+def infer_types(node: Node, in_types: list[TensorType]) -> list[TensorType] | None:
+    """Output types the op's rule gives, or None for ops without a rule (aten fallbacks)."""
+    d = OPS.get(node.op)
+    if d is None:
+        raise IRError(f"node {node.name}: unknown op {node.op!r}; known ops: {sorted(OPS)}")
+    return None if d.infer is None else d.infer(in_types, node.attrs)
+
+
+# -- type rules ----------------------------------------------------------------------
+def _same_as_first(ts, attrs):
+    return [ts[0]]
+
+
+def _broadcast(ts, attrs):
+    a, b = ts[0].shape, ts[1].shape
+    out = []
+    for i in range(max(len(a), len(b))):
+        da = a[len(a) - 1 - i] if i < len(a) else 1
+        db = b[len(b) - 1 - i] if i < len(b) else 1
+        if da != db and da != 1 and db != 1:
+            raise IRError(f"shapes {list(a)} and {list(b)} do not broadcast")
+        out.append(db if da == 1 else da)
+    dtype = ts[0].dtype if ts[0].rank >= ts[1].rank else ts[1].dtype
+    return [TensorType(tuple(reversed(out)), dtype)]
+
+
+def _embedding_type(ts, attrs):
+    ids, w = ts
+    return [TensorType(ids.shape + (w.shape[1],), w.dtype if not attrs.get("out_dtype") else attrs["out_dtype"])]
+
+
+def _linear_type(ts, attrs):
+    x, w = ts[0], ts[1]
+    if x.shape[-1] != w.shape[-1] and not attrs.get("packed"):
+        raise IRError(f"linear: input features {x.shape[-1]} differ from weight {list(w.shape)}")
+    return [TensorType(x.shape[:-1] + (attrs.get("out_features", w.shape[0]),), x.dtype)]
+
+
+def _attention_type(ts, attrs):
+    q = ts[0]
+    return [TensorType(q.shape[:-1] + (attrs["num_heads"] * attrs["head_dim"],), q.dtype)]
+
+
+# -- reference semantics --------------------------------------------------------------
+@op("embedding", _embedding_type)
+def embedding_ref(ids, weight, **attrs):
+    return [F.embedding(ids, weight)]
+
+
+@op("rms_norm", _same_as_first)
+def rms_norm_ref(x, weight, *, eps, **attrs):
+    # Normalise in fp32 then cast back before the weight, as HF Llama does.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return [weight * h.to(x.dtype)]
+
+
+@op("linear", _linear_type)
+def linear_ref(x, weight, bias=None, **attrs):
+    return [F.linear(x, weight, bias)]
+
+
+@op("silu", _same_as_first, elementwise=True)
+def silu_ref(x, **attrs):
+    return [F.silu(x)]
+
+
+@op("mul", _broadcast, elementwise=True)
+def mul_ref(a, b, **attrs):
+    return [a * b]
+
+
+@op("add", _broadcast, elementwise=True)
+def add_ref(a, b, **attrs):
+    return [a + b]
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype):
+    """cos/sin tables [tokens, head_dim] for the rotate-half (GPT-NeoX) convention."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """x: [..., tokens, heads * head_dim]; cos/sin: [tokens, head_dim]."""
+    shape = x.shape
+    x = x.reshape(*shape[:-1], -1, head_dim)
+    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = x * cos[:, None, :] + rotated * sin[:, None, :]
+    return out.reshape(shape)
+
+
+@op("rope", _same_as_first)
+def rope_ref(x, positions, inv_freq, *, head_dim, scaling=1.0, **attrs):
+    cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, scaling, x.dtype)
+    return [apply_rope(x, cos, sin, head_dim)]
+
+
+def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True):
+    """q: [tokens, heads*hd], k/v: [ctx, kv_heads*hd]; the last tokens of ctx are the queries."""
+    t, c = q.shape[0], k.shape[0]
+    qh = q.reshape(t, num_heads, head_dim).transpose(0, 1)
+    kh = k.reshape(c, num_kv_heads, head_dim).transpose(0, 1)
+    vh = v.reshape(c, num_kv_heads, head_dim).transpose(0, 1)
+    mask = None
+    if causal and t > 1:
+        # query i sits at context position c - t + i and sees keys 0..c - t + i
+        mask = torch.ones(t, c, dtype=torch.bool, device=q.device).tril(diagonal=c - t)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
+    return out.transpose(0, 1).reshape(t, num_heads * head_dim)
+
+
+@op("attention", _attention_type)
+def attention_ref(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, **attrs):
+    lead = q.shape[:-2]
+    q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
+    out = causal_attention(q2, k2, v2, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, scale=scale, causal=causal)
+    return [out.reshape(*lead, *out.shape)]
+
+
+# -- aten fallback ----------------------------------------------------------------------
+def resolve_aten(target: str):
+    """`aten.view.default` -> torch.ops.aten.view.default; only the aten namespace."""
+    parts = target.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        raise IRError(f"aten fallback target {target!r} is not of the form aten.<op>.<overload>")
+    try:
+        return getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+    except AttributeError as e:
+        raise IRError(f"aten fallback target {target!r} does not exist in this torch") from e
+
+
+def decode_arg(a: Any, inputs: list, device=None) -> Any:
+    """Rebuild an aten argument from its JSON form; {"$in": k} is the node's k-th input."""
+    if isinstance(a, list):
+        return [decode_arg(x, inputs, device) for x in a]
+    if isinstance(a, dict):
+        if "$in" in a:
+            return inputs[a["$in"]]
+        if "$dtype" in a:
+            return TORCH_DTYPES[a["$dtype"]]
+        if "$device" in a:
+            return device if device is not None else torch.device(a["$device"])
+        if "$layout" in a:
+            return getattr(torch, a["$layout"])
+        if "$memory_format" in a:
+            return getattr(torch, a["$memory_format"])
+        if "$float" in a:
+            return float(a["$float"])
+        raise IRError(f"unknown encoded aten argument {a}")
+    return a
+
+
+@op("aten")
+def aten_ref(*inputs, target, args, kwargs, **attrs):
+    device = next((i.device for i in inputs if isinstance(i, torch.Tensor)), None)
+    fn = resolve_aten(target)
+    out = fn(*decode_arg(args, list(inputs), device),
+             **{k: decode_arg(v, list(inputs), device) for k, v in kwargs.items()})
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def run_reference(node: Node, inputs: list) -> list:
+    return OPS[node.op].reference(*inputs, **node.attrs)

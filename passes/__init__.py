@@ -1,0 +1,1 @@
+"""Passes over the llmc IR and the manager that runs them."""

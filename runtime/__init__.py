@@ -1,0 +1,1 @@
+"""Runtime: executes plans, manages the KV cache, schedules and samples."""
