@@ -8,6 +8,7 @@ flattened into the feature dim: q is `[tokens, num_heads * head_dim]`.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -169,8 +170,15 @@ def attention_ref(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=T
 
 
 # -- aten fallback ----------------------------------------------------------------------
+_OPERATORS = {"operator.add": operator.add, "operator.sub": operator.sub, "operator.mul": operator.mul,
+              "operator.floordiv": operator.floordiv, "operator.neg": operator.neg}
+
+
 def resolve_aten(target: str):
-    """`aten.view.default` -> torch.ops.aten.view.default; only the aten namespace."""
+    """`aten.view.default` -> torch.ops.aten.view.default; only the aten namespace and
+    symbolic-size arithmetic, so an artifact can name no other code to run."""
+    if target in _OPERATORS:
+        return _OPERATORS[target]
     parts = target.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         raise IRError(f"aten fallback target {target!r} is not of the form aten.<op>.<overload>")

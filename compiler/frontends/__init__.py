@@ -1,1 +1,44 @@
-"""Model frontends: each turns a model source into a torch module plus tokenizer."""
+"""Model frontends: each turns a model source (a sample name, a GGUF file, or a Hugging Face
+checkpoint directory) into a LoadedModel: a torch module plus config and tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.compiler.frontends.gguf import load_gguf_file
+from llmc.compiler.frontends.hf import load_hf_dir
+from llmc.compiler.frontends.model import (SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES,
+                                           LoadedModel)
+from llmc.compiler.frontends.samples import SAMPLES, load_sample
+from llmc.errors import ModelLoadError
+
+__all__ = ["load_model", "LoadedModel", "SAMPLES", "SUPPORTED_ARCHITECTURES",
+           "SUPPORTED_GGUF_ARCHITECTURES"]
+
+ACCEPTED = "a sample name, a .gguf file, or a Hugging Face model directory with config.json"
+
+
+def load_model(source: str) -> LoadedModel:
+    """Load a model source: a sample name, a path to a .gguf file, or an HF checkpoint directory."""
+    if source in SAMPLES:
+        return load_sample(source)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return load_hf_dir(path, source=source)
+    if path.is_file():
+        return load_file(path, source)
+    raise missing_source_error(source)
+
+
+def load_file(path: Path, source: str) -> LoadedModel:
+    if path.suffix.lower() != ".gguf":
+        hint = "; pass the directory that holds it" if path.suffix in (".safetensors", ".json") else ""
+        raise ModelLoadError(f"'{path}' is not a model source: expected {ACCEPTED}{hint}")
+    return load_gguf_file(path, source=source)
+
+
+def missing_source_error(source: str) -> ModelLoadError:
+    if any(c in source for c in "/\\~.") or not source:
+        return ModelLoadError(f"model path '{source}' does not exist; pass {ACCEPTED}")
+    return ModelLoadError(f"unknown model {source!r}: not a sample ({', '.join(SAMPLES)}) "
+                          f"and no such file or directory")

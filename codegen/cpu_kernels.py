@@ -1,0 +1,133 @@
+"""CPU kernels: each plan op lowered onto torch operators, giving the results of the
+references in compiler/ops.py. A kernel takes its inputs, the step's attrs, and the
+per-forward context it names in `context` (attention backend, rope table cache)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from llmc.compiler.ops import OPS, apply_rope, decode_arg, resolve_aten, rope_cos_sin
+
+from llmc.errors import ArtifactError
+
+CPU_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
+
+
+def kernel(op: str, context: tuple[str, ...] = ()):
+    """Register `fn` as kernel cpu.<op>; `context` names the per-forward keyword args it takes."""
+    def register(fn):
+        fn.context = context
+        CPU_KERNELS[f"cpu.{op}"] = fn
+        return fn
+    return register
+
+
+class RopeCache:
+    """cos/sin tables of one forward, shared by every rope launch in it (all layers rotate
+    by the same positions, so the tables are computed once instead of twice per layer)."""
+
+    def __init__(self):
+        self._tables: dict[tuple, tuple] = {}
+
+    def cos_sin(self, positions, inv_freq, scaling: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(positions), id(inv_freq), scaling, dtype)
+        hit = self._tables.get(key)
+        # Identity check: an id can be reused once its tensor is freed.
+        if hit is not None and hit[0] is positions and hit[1] is inv_freq:
+            return hit[2], hit[3]
+        cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, scaling, dtype)
+        self._tables[key] = (positions, inv_freq, cos, sin)
+        return cos, sin
+
+
+@kernel("embedding")
+def embedding(ids, weight, **attrs):
+    return [F.embedding(ids, weight)]
+
+
+@kernel("rms_norm")
+def rms_norm(x, weight, *, eps, **attrs):
+    # Normalise in fp32 and cast back before the weight, as the reference (and HF Llama) do.
+    h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return [weight * h.to(x.dtype)]
+
+
+@kernel("linear")
+def linear(x, weight, bias=None, **attrs):
+    return [F.linear(x, weight, bias)]
+
+
+@kernel("silu")
+def silu(x, **attrs):
+    return [F.silu(x)]
+
+
+@kernel("mul")
+def mul(a, b, **attrs):
+    return [a * b]
+
+
+@kernel("add")
+def add(a, b, **attrs):
+    return [a + b]
+
+
+@kernel("rope", context=("rope_cache",))
+def rope(x, positions, inv_freq, *, head_dim, scaling=1.0, rope_cache: RopeCache | None = None, **attrs):
+    if rope_cache is None:
+        cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, scaling, x.dtype)
+    else:
+        cos, sin = rope_cache.cos_sin(positions, inv_freq, scaling, x.dtype)
+    return [apply_rope(x, cos, sin, head_dim)]
+
+
+@kernel("attention", context=("backend",))
+def attention(q, k, v, *, backend, layer, num_heads, num_kv_heads, head_dim, scale, causal=True, **attrs):
+    """q: [tokens, num_heads*head_dim], k/v: [tokens, num_kv_heads*head_dim] (optionally
+    after unit leading dims); the backend decides which cached keys the queries also see."""
+    lead = q.shape[:-2]
+    q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
+    out = backend.forward(layer, q2, k2, v2, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, scale=scale, causal=causal)
+    return [out.reshape(*lead, *out.shape)]
+
+
+# Resolving torch.ops.aten.<op>.<overload> walks attributes; do it once per target.
+_resolve_aten = functools.lru_cache(maxsize=None)(resolve_aten)
+
+
+@kernel("aten")
+def aten(*inputs, target, args, kwargs, **attrs):
+    fn = _resolve_aten(target)
+    device = next((i.device for i in inputs if isinstance(i, torch.Tensor)), None)
+    decoded_kwargs = {k: decode_arg(a, inputs, device) for k, a in kwargs.items()}
+    out = fn(*decode_arg(args, inputs, device), **decoded_kwargs)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _reference_kernel(op: str) -> Callable[..., list[torch.Tensor]]:
+    reference = OPS[op].reference
+
+    def run(*inputs, **attrs):
+        return reference(*inputs, **attrs)
+    run.context = ()
+    return run
+
+
+def resolve_kernel(name: str) -> Callable[..., list[torch.Tensor]]:
+    """The kernel a plan step names; an IR op without a CPU kernel of its own runs its
+    reference, which defines its meaning."""
+    fn = CPU_KERNELS.get(name)
+    if fn is not None:
+        return fn
+    ns, _, op = name.partition(".")
+    if ns == "cpu" and op in OPS:
+        return _reference_kernel(op)
+    raise ArtifactError(f"plan names kernel {name!r}, which this llmc does not have (CPU kernels: "
+                        f"{sorted(CPU_KERNELS)}); recompile the model for target 'cpu' with this llmc")
+
+
+__all__ = ["CPU_KERNELS", "RopeCache", "kernel", "resolve_kernel"]

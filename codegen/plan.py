@@ -1,0 +1,127 @@
+"""The static execution plan: the ordered kernel launches of a model for one target, with
+the memory plan and every name and type the runtime needs to run it without the Graph."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmc.codegen.memory_plan import MemoryPlan, plan_memory
+from llmc.compiler.ir import Graph, TensorType
+
+from llmc.errors import ArtifactError, TargetError
+
+PLAN_FORMAT = 1
+
+# Which kernel family a target's plan launches; GPU targets join when their kernels do.
+KERNEL_NAMESPACES = {"cpu": "cpu"}
+
+
+@dataclass
+class PlanStep:
+    kernel: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any]
+    node: str
+
+    def to_dict(self) -> dict:
+        return {"kernel": self.kernel, "inputs": list(self.inputs), "outputs": list(self.outputs),
+                "attrs": self.attrs, "node": self.node}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PlanStep":
+        return cls(d["kernel"], list(d["inputs"]), list(d["outputs"]), dict(d["attrs"]), d["node"])
+
+
+@dataclass
+class Plan:
+    steps: list[PlanStep]
+    inputs: list[str]
+    outputs: list[str]
+    memory: MemoryPlan
+    target: str
+    max_tokens: int
+    params: list[str] = field(default_factory=list)
+    # name -> {"shape": [...], "dtype": ...} for graph inputs, params and activations
+    types: dict[str, dict] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def type_of(self, name: str) -> TensorType:
+        t = self.types[name]
+        return TensorType(tuple(t["shape"]), t["dtype"])
+
+    def attention_steps(self) -> list[PlanStep]:
+        """Attention launches in layer order (what a KV cache is sized from)."""
+        steps = [s for s in self.steps if s.kernel.endswith(".attention")]
+        return sorted(steps, key=lambda s: s.attrs.get("layer", 0))
+
+    def kv_layout(self) -> dict[str, int]:
+        """num_layers, num_kv_heads and head_dim shared by every attention layer."""
+        steps = self.attention_steps()
+        shapes = {(s.attrs["num_kv_heads"], s.attrs["head_dim"]) for s in steps}
+        if len(shapes) > 1:
+            raise ArtifactError(f"plan for {self.target}: attention layers differ in "
+                                f"(num_kv_heads, head_dim): {sorted(shapes)}; a uniform KV cache "
+                                f"cannot hold them")
+        kv_heads, head_dim = shapes.pop() if shapes else (0, 0)
+        return {"num_layers": len(steps), "num_kv_heads": kv_heads, "head_dim": head_dim}
+
+    def to_dict(self) -> dict:
+        return {"format": PLAN_FORMAT, "target": self.target, "max_tokens": self.max_tokens,
+                "inputs": list(self.inputs), "outputs": list(self.outputs),
+                "params": list(self.params), "types": self.types, "meta": self.meta,
+                "steps": [s.to_dict() for s in self.steps], "memory": self.memory.to_dict()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        if d.get("format") != PLAN_FORMAT:
+            raise ArtifactError(f"plan.json has format {d.get('format')!r}, this llmc reads "
+                                f"format {PLAN_FORMAT}; recompile the model with this llmc")
+        return cls(steps=[PlanStep.from_dict(s) for s in d["steps"]], inputs=list(d["inputs"]),
+                   outputs=list(d["outputs"]), memory=MemoryPlan.from_dict(d["memory"]),
+                   target=d["target"], max_tokens=int(d["max_tokens"]), params=list(d["params"]),
+                   types=dict(d["types"]), meta=dict(d["meta"]))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"plan.json is not valid JSON ({e}); the artifact is corrupt, "
+                                f"recompile it") from e
+        return cls.from_dict(d)
+
+
+def kernel_namespace(target_name: str) -> str:
+    try:
+        return KERNEL_NAMESPACES[target_name]
+    except KeyError:
+        raise TargetError(f"no execution plan can be built for target {target_name!r} yet; "
+                          f"plans exist for {sorted(KERNEL_NAMESPACES)}") from None
+
+
+def _type_dict(t: TensorType) -> dict:
+    return {"shape": list(t.shape), "dtype": t.dtype}
+
+
+def build_plan(graph: Graph, target_name: str, max_tokens: int) -> Plan:
+    """Verify the graph, then lay its nodes out as kernel launches with a memory plan."""
+    graph.verify()
+    ns = kernel_namespace(target_name)
+    steps = [PlanStep(f"{ns}.{n.op}", list(n.inputs), [v.name for v in n.outputs], dict(n.attrs), n.name)
+             for n in graph.nodes]
+    used = {i for n in graph.nodes for i in n.inputs} | set(graph.outputs)
+    params = [p for p in graph.params if p in used]
+    types = {name: _type_dict(t) for name, t in graph.types().items()
+             if name in used or name not in graph.params}
+    return Plan(steps=steps, inputs=[v.name for v in graph.inputs], outputs=list(graph.outputs),
+                memory=plan_memory(graph, max_tokens), target=target_name, max_tokens=max_tokens,
+                params=params, types=types, meta=dict(graph.meta))
+
+
+__all__ = ["PLAN_FORMAT", "KERNEL_NAMESPACES", "PlanStep", "Plan", "kernel_namespace", "build_plan"]

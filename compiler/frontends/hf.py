@@ -1,0 +1,94 @@
+"""Load a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files) with
+transformers' own model classes, after checking each file so a bad one is named plainly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from llmc.compiler.frontends.model import (ARCHITECTURE_BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES,
+                                           LoadedModel, call_transformers, first_line, hash_files)
+from llmc.errors import ModelLoadError, UnsupportedModelError
+
+EXPECTED_FILES = "config.json, *.safetensors and tokenizer files (tokenizer.json or tokenizer.model)"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
+    """Check and load the checkpoint in directory `path`."""
+    config_path = find_config(path)
+    check_architecture(config_path)
+    for weights in find_safetensors(path):
+        check_safetensors(weights)
+    check_tokenizer_files(path)
+    config = call_transformers(path, AutoConfig.from_pretrained, path, local_files_only=True)
+    module = call_transformers(path, AutoModelForCausalLM.from_pretrained, path, config=config,
+                               dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True,
+                               local_files_only=True)
+    tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path, local_files_only=True)
+    return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
+                       name=path.resolve().name, source_hash=hash_source_dir(path),
+                       source=source or str(path), kind="hf")
+
+
+def find_config(path: Path) -> Path:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        found = sorted(p.name for p in path.iterdir())
+        listing = f"found {', '.join(found[:12])}{' …' if len(found) > 12 else ''}" if found else "it is empty"
+        raise ModelLoadError(f"directory '{path}' is not a model: no config.json ({listing}); "
+                             f"expected {EXPECTED_FILES}")
+    return config_path
+
+
+def check_architecture(config_path: Path) -> str:
+    """The config's causal-LM class, if llmc supports it."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"'{config_path}' is not valid JSON ({e}); re-download the model") from e
+    architectures = config.get("architectures") or [
+        ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), f"model_type={config.get('model_type')!r}")]
+    architecture = architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"'{config_path}': architecture {architecture} is not supported; "
+            f"llmc compiles {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return architecture
+
+
+def find_safetensors(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = (f" (found {', '.join(pickled)}: llmc reads only safetensors; re-save with "
+                f"save_pretrained(dir, safe_serialization=True))" if pickled else "")
+        raise ModelLoadError(f"directory '{path}' has no *.safetensors weights{hint}")
+    return files
+
+
+def check_safetensors(path: Path) -> None:
+    """safe_open checks the header and that the tensors exactly cover the file (catches truncation)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"weights file '{path}' is truncated or corrupt ({first_line(e)}); "
+                             f"re-download or re-save it") from e
+
+
+def check_tokenizer_files(path: Path) -> None:
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"directory '{path}' has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                             f"save one there with tokenizer.save_pretrained(dir)")
+
+
+def hash_source_dir(path: Path) -> str:
+    """Hash every visible file at the top of the directory, the model's source bytes."""
+    files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+    return hash_files(files, root=path)
+

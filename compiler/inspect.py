@@ -1,0 +1,78 @@
+"""What `llmc inspect` shows: an artifact's graph summary, pass log with timings, and
+memory figures, read from its manifest without loading the weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmc.errors import ArtifactError
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"'{path.parent}' is not an llmc artifact: {path.name} is missing; "
+                            f"compile one with `llmc compile MODEL -o DIR`") from None
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"artifact '{path.parent}': {what} {path.name} is corrupt ({e}); recompile") from None
+
+
+def report(artifact: str | Path) -> dict:
+    """Machine-readable summary; keys are stable for pipelines."""
+    path = Path(artifact)
+    manifest = _read_json(path / "manifest.json", "manifest")
+    timings = _read_json(path / "timings.json", "build log") if (path / "timings.json").exists() else {}
+    seconds = {p["name"]: p["seconds"] for p in timings.get("passes", [])}
+    rep = manifest["report"]
+    return {
+        "target": manifest["target"]["name"],
+        "model": manifest["model"],
+        "op_counts": rep["op_counts"],
+        "weight_bytes": rep["weight_bytes"],
+        "weight_bytes_total": sum(rep["weight_bytes"].values()),
+        "kv_bytes_per_token": rep["kv_bytes_per_token"],
+        "kv_bytes_full_context": rep["kv_bytes_full_context"],
+        "activation_peak_bytes": rep["activation_peak_bytes"],
+        "activation_naive_bytes": rep["activation_naive_bytes"],
+        "max_num_batched_tokens": rep["max_num_batched_tokens"],
+        "passes": [{**p, "seconds": seconds.get(p["name"])} for p in manifest["pipeline"]],
+        "stages": timings.get("stages", []),
+        "artifact_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
+        "llmc_version": manifest["llmc_version"],
+        "torch_version": manifest["torch_version"],
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) -> str:
+    r = report(artifact)
+    m = r["model"]
+    lines = [f"artifact {artifact}: {m['name']} ({m['architecture']}) for target {r['target']}",
+             f"  ops: " + ", ".join(f"{k} {v}" for k, v in r["op_counts"].items()),
+             f"  weights: " + ", ".join(f"{k} {_mib(v)}" for k, v in r["weight_bytes"].items()),
+             f"  KV cache: {r['kv_bytes_per_token']:,} bytes/token, "
+             f"{_mib(r['kv_bytes_full_context'])} for the full context of {m['max_position_embeddings']}",
+             f"  activations: peak {_mib(r['activation_peak_bytes'])} planned vs "
+             f"{_mib(r['activation_naive_bytes'])} naive at {r['max_num_batched_tokens']} tokens",
+             f"  artifact size: {_mib(r['artifact_bytes'])}"]
+    stage_time = sum(s["seconds"] for s in r["stages"]) + sum(p["seconds"] or 0 for p in r["passes"])
+    lines.append(f"  compile time: {stage_time:.1f} s")
+    if brief:
+        return "\n".join(lines)
+    lines.append("  stages:")
+    lines += [f"    {s['name']:<16} {s['seconds']:8.3f} s  {json.dumps(s['details'], sort_keys=True)}"
+              for s in r["stages"]]
+    lines.append("  passes:")
+    for p in r["passes"]:
+        t = f"{p['seconds']:8.3f} s" if p["seconds"] is not None else "       ? s"
+        lines.append(f"    {p['name']:<16} {t}  matches {p['matches']:<4} "
+                     f"bytes saved {p['bytes_saved']:,}  {json.dumps(p['details'], sort_keys=True)[:80]}")
+    if show_ir:
+        from llmc.compiler.ir import Graph
+        lines.append(str(Graph.from_json((Path(artifact) / "graph.json").read_text())))
+    return "\n".join(lines)

@@ -1,0 +1,428 @@
+"""Lowering: raise aten patterns of a translated graph into LLM-level ops (embedding,
+linear, rms_norm, rope, attention, silu, mul, add) and drop the unit batch dim.
+Whatever no pattern claims stays an `aten` fallback node.
+
+Attention is matched on whole SDPA nodes, before anything decomposes them; its mask is
+classified by evaluating the mask subgraph on probe inputs, so it does not matter how
+a transformers version builds its causal mask."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from llmc.compiler.interpreter import interpret
+from llmc.compiler.ir import Graph, Node, TensorType
+from llmc.compiler.ops import OPS, infer_types
+
+LAYOUT_NOOPS = {"aten.alias.default", "aten.clone.default", "aten.contiguous.default"}
+CASTS = {"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default"}
+
+
+class Matcher:
+    """Read-only queries over aten nodes: producers, args, transparent casts."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.prod = g.producers()
+        self.users = g.users()
+        self.types = g.types()
+
+    def node(self, value: str | None) -> Node | None:
+        return self.prod.get(value) if value is not None else None
+
+    @staticmethod
+    def is_(node: Node | None, *targets: str) -> bool:
+        return node is not None and node.op == "aten" and node.attrs["target"] in targets
+
+    @staticmethod
+    def arg(node: Node, i: int, kw: str | None = None, default=None):
+        """The i-th positional (or keyword `kw`) arg, with {"$in": k} resolved to a value name."""
+        args = node.attrs["args"]
+        a = args[i] if i < len(args) else node.attrs["kwargs"].get(kw, default) if kw else default
+        return _resolve(a, node.inputs)
+
+    def through_noops(self, value: str) -> str:
+        """Walk up through casts that keep the dtype and layout-only copies."""
+        while True:
+            n = self.node(value)
+            if n is None or n.op != "aten":
+                return value
+            t = n.attrs["target"]
+            src = n.inputs[0] if n.inputs else None
+            if t in LAYOUT_NOOPS or (t in CASTS and src and self.types[src].dtype == self.types[value].dtype):
+                value = src
+            else:
+                return value
+
+    def only_user(self, value: str) -> Node | None:
+        users = [u for u in self.users.get(value, []) if not self.is_(u, "aten._assert_tensor_metadata.default")]
+        return users[0] if len(users) == 1 else None
+
+
+def _resolve(a, inputs):
+    if isinstance(a, dict) and "$in" in a:
+        return inputs[a["$in"]]
+    if isinstance(a, list):
+        return [_resolve(x, inputs) for x in a]
+    return a
+
+
+# -- simple one-to-one raises ----------------------------------------------------------
+def raise_simple(g: Graph) -> int:
+    m = Matcher(g)
+    count = 0
+    for i, n in enumerate(g.nodes):
+        new = _simple(m, n)
+        if new is not None:
+            new.outputs = n.outputs
+            g.nodes[i] = new
+            count += 1
+    return count
+
+
+def _tensor(m: Matcher, a) -> bool:
+    return isinstance(a, str) and a in m.types and m.types[a].dtype != "symint"
+
+
+def _simple(m: Matcher, n: Node) -> Node | None:
+    if n.op != "aten":
+        return None
+    t, a = n.attrs["target"], n.attrs["args"]
+    if t == "aten.embedding.default":  # padding_idx and sparse only matter for training
+        return Node(n.name, "embedding", [m.arg(n, 1), m.arg(n, 0)], [])
+    if t == "aten.linear.default":
+        ins = [m.arg(n, 0), m.arg(n, 1)] + ([m.arg(n, 2)] if len(a) > 2 and m.arg(n, 2) else [])
+        return Node(n.name, "linear", ins, [])
+    if t == "aten.silu.default":
+        return Node(n.name, "silu", [m.arg(n, 0)], [])
+    if t in ("aten.mul.Tensor", "aten.add.Tensor") and not n.attrs["kwargs"]:
+        x, y = m.arg(n, 0), m.arg(n, 1)
+        if _tensor(m, x) and _tensor(m, y) and m.types[x].dtype == m.types[y].dtype:
+            return Node(n.name, t.split(".")[1], [x, y], [])
+    return None
+
+
+# -- rms_norm --------------------------------------------------------------------------
+def raise_rms_norm(g: Graph) -> int:
+    """weight * (x * rsqrt(mean(x^2, -1, keepdim) + eps)) -> rms_norm(x, weight, eps)."""
+    m = Matcher(g)
+    count = 0
+    for n in list(g.nodes):
+        if not m.is_(n, "aten.rsqrt.default"):
+            continue
+        hit = _match_rms(m, n)
+        if hit is None:
+            continue
+        final, x, weight, eps = hit
+        new = Node(final.name, "rms_norm", [x, weight], final.outputs, {"eps": eps})
+        g.nodes[g.nodes.index(final)] = new
+        count += 1
+    return count
+
+
+def _match_rms(m: Matcher, rsqrt: Node):
+    add = m.node(m.arg(rsqrt, 0))
+    if not m.is_(add, "aten.add.Tensor") or not isinstance(m.arg(add, 1), (int, float)):
+        return None
+    mean = m.node(m.arg(add, 0))
+    if not m.is_(mean, "aten.mean.dim") or m.arg(mean, 1) not in ([-1],) or m.arg(mean, 2) is not True:
+        return None
+    pw = m.node(m.arg(mean, 0))
+    if not m.is_(pw, "aten.pow.Tensor_Scalar") or m.arg(pw, 1) != 2:
+        return None
+    x = m.through_noops(m.arg(pw, 0))
+    normed = m.only_user(rsqrt.outputs[0].name)
+    if not m.is_(normed, "aten.mul.Tensor") or m.through_noops(m.arg(normed, 0)) != x:
+        return None
+    cur = normed.outputs[0].name
+    user = m.only_user(cur)
+    while m.is_(user, *CASTS) and m.types[user.outputs[0].name].dtype == m.types[x].dtype:
+        cur, user = user.outputs[0].name, m.only_user(user.outputs[0].name)
+    if not m.is_(user, "aten.mul.Tensor"):
+        return None
+    a, b = m.arg(user, 0), m.arg(user, 1)
+    weight = a if b == cur else b
+    if weight not in m.g.params or m.types[weight].rank != 1:
+        return None
+    return user, x, weight, float(m.arg(add, 1))
+
+
+# -- rope + attention --------------------------------------------------------------------
+@dataclass
+class _Rope:
+    source: str          # the head-split tensor [1, heads, T, hd] before rotation
+    positions: str
+    inv_freq: str
+    scaling: float
+
+
+def _match_rope(m: Matcher, value: str) -> _Rope | None:
+    """x*cos + cat(-x2, x1)*sin, with cos/sin built from positions and an inv_freq param."""
+    add = m.node(m.through_noops(value))
+    if not m.is_(add, "aten.add.Tensor"):
+        return None
+    l_mul, r_mul = m.node(m.arg(add, 0)), m.node(m.arg(add, 1))
+    if not (m.is_(l_mul, "aten.mul.Tensor") and m.is_(r_mul, "aten.mul.Tensor")):
+        return None
+    x, cos_v = m.arg(l_mul, 0), m.arg(l_mul, 1)
+    cat, sin_v = m.node(m.arg(r_mul, 0)), m.arg(r_mul, 1)
+    if not m.is_(cat, "aten.cat.default"):
+        return None
+    parts = m.arg(cat, 0)
+    neg, first = (m.node(p) for p in parts) if len(parts) == 2 else (None, None)
+    if not (m.is_(neg, "aten.neg.default") and m.is_(first, "aten.slice.Tensor")):
+        return None
+    second = m.node(m.arg(neg, 0))
+    if not m.is_(second, "aten.slice.Tensor") or m.arg(second, 0) != x or m.arg(first, 0) != x:
+        return None
+    table = _match_rope_table(m, cos_v, "aten.cos.default")
+    if table is None or _match_rope_table(m, sin_v, "aten.sin.default") != table:
+        return None
+    return _Rope(x, *table)
+
+
+def _strip(m: Matcher, value: str, targets: set[str]) -> str:
+    while True:
+        value = m.through_noops(value)
+        n = m.node(value)
+        if n is not None and n.op == "aten" and n.attrs["target"] in targets:
+            value = n.inputs[0]
+        else:
+            return value
+
+
+_SHAPE_OPS = {"aten.unsqueeze.default", "aten.expand.default", "aten.transpose.int",
+              "aten.view.default", "aten.reshape.default"} | CASTS
+
+
+def _match_rope_table(m: Matcher, value: str, trig: str):
+    """cos/sin table -> (positions input, inv_freq param, scaling)."""
+    scaling = 1.0
+    v = _strip(m, value, _SHAPE_OPS)
+    n = m.node(v)
+    if m.is_(n, "aten.mul.Tensor") and isinstance(m.arg(n, 1), (int, float)):
+        scaling = float(m.arg(n, 1))
+        n = m.node(_strip(m, m.arg(n, 0), _SHAPE_OPS))
+    if not m.is_(n, trig):
+        return None
+    cat = m.node(_strip(m, n.inputs[0], _SHAPE_OPS))
+    if not m.is_(cat, "aten.cat.default") or len(set(m.arg(cat, 0))) != 1:
+        return None
+    freqs = m.node(_strip(m, m.arg(cat, 0)[0], _SHAPE_OPS))
+    if not m.is_(freqs, "aten.mul.Tensor", "aten.matmul.default", "aten.bmm.default"):
+        return None
+    ends = {_strip(m, i, _SHAPE_OPS) for i in freqs.inputs}
+    positions = [e for e in ends if e in {v.name for v in m.g.inputs}]
+    inv_freq = [e for e in ends if e in m.g.params]
+    if positions != ["positions"] or len(inv_freq) != 1:
+        return None
+    return "positions", inv_freq[0], scaling
+
+
+def _head_split_source(m: Matcher, value: str, head_dim: int) -> str | None:
+    """transpose(view(x, [1, T, heads, hd]), 1, 2) -> x  (x: [1, T, heads * hd])."""
+    tr = m.node(m.through_noops(value))
+    if not m.is_(tr, "aten.transpose.int") or sorted([m.arg(tr, 1), m.arg(tr, 2)]) != [1, 2]:
+        return None
+    view = m.node(m.through_noops(tr.inputs[0]))
+    if not m.is_(view, "aten.view.default", "aten.reshape.default"):
+        return None
+    src = view.inputs[0]
+    if m.types[src].rank != 3 or m.types[view.outputs[0].name].shape[-1] != head_dim:
+        return None
+    return src
+
+
+def _repeat_kv_source(m: Matcher, value: str) -> str:
+    """reshape(expand(unsqueeze(x, 2), [b, kvh, rep, T, hd]), [b, kvh*rep, T, hd]) -> x."""
+    rs = m.node(m.through_noops(value))
+    if not m.is_(rs, "aten.reshape.default", "aten.view.default"):
+        return value
+    ex = m.node(m.through_noops(rs.inputs[0]))
+    if not m.is_(ex, "aten.expand.default"):
+        return value
+    un = m.node(m.through_noops(ex.inputs[0]))
+    if not m.is_(un, "aten.unsqueeze.default") or m.arg(un, 1) != 2:
+        return value
+    return un.inputs[0]
+
+
+def _merge_heads_user(m: Matcher, sdpa: Node) -> Node | None:
+    """Follow [1, H, T, hd] -> transpose(1, 2) -> reshape [1, T, H*hd]; returns the last node."""
+    out_t = m.types[sdpa.outputs[0].name]
+    cur, transposed = sdpa.outputs[0].name, False
+    while True:
+        u = m.only_user(cur)
+        if u is None or u.op != "aten":
+            return None
+        t = u.attrs["target"]
+        ut = m.types[u.outputs[0].name]
+        if t == "aten.transpose.int" and not transposed and sorted([m.arg(u, 1), m.arg(u, 2)]) == [1, 2]:
+            transposed = True
+        elif t in ("aten.reshape.default", "aten.view.default") and not transposed:
+            if ut.shape != out_t.shape:
+                return None
+        elif t in ("aten.reshape.default", "aten.view.default") and transposed:
+            heads, hd = out_t.shape[1], out_t.shape[3]
+            return u if ut.rank == 3 and ut.shape[-1] == heads * hd else None
+        elif t not in LAYOUT_NOOPS:
+            return None
+        cur = u.outputs[0].name
+
+
+def raise_attention(g: Graph, causal_masks: set[str]) -> int:
+    m = Matcher(g)
+    count = 0
+    layer = 0
+    for sdpa in [n for n in g.nodes if m.is_(n, "aten.scaled_dot_product_attention.default")]:
+        new_nodes = _match_attention(m, sdpa, causal_masks, layer)
+        if new_nodes is None:
+            continue
+        merged, nodes = new_nodes
+        for n in nodes:
+            g.insert_before(merged, n)
+        g.replace_uses(merged.outputs[0].name, nodes[-1].outputs[0].name)
+        layer += 1
+        count += 1
+    return count
+
+
+def _match_attention(m: Matcher, sdpa: Node, causal_masks: set[str], layer: int):
+    q4, k4, v4 = m.arg(sdpa, 0), m.arg(sdpa, 1), m.arg(sdpa, 2)
+    mask = m.arg(sdpa, 3, "attn_mask")
+    dropout = m.arg(sdpa, 4, "dropout_p", 0.0)
+    is_causal = m.arg(sdpa, 5, "is_causal", False)
+    scale = m.arg(sdpa, 6, "scale")
+    causal = (mask is None and is_causal) or (mask in causal_masks and not is_causal)
+    if not causal or dropout:
+        return None
+    qt = m.types[q4]
+    heads, hd = qt.shape[1], qt.shape[3]
+    merged = _merge_heads_user(m, sdpa)
+    if merged is None or not isinstance(heads, int):
+        return None
+    q_rope, k_rope = _match_rope(m, q4), _match_rope(m, _repeat_kv_source(m, k4))
+    if q_rope is None or k_rope is None or (q_rope.inv_freq, q_rope.scaling) != (k_rope.inv_freq, k_rope.scaling):
+        return None
+    flats = [_head_split_source(m, v, hd) for v in (q_rope.source, k_rope.source, _repeat_kv_source(m, v4))]
+    if None in flats:
+        return None
+    ropes = [q_rope, k_rope]
+    g = m.g
+    nodes = []
+    for name, flat in (("q", flats[0]), ("k", flats[1])):
+        r = ropes[0]
+        nodes.append(g.make_node("rope", [flat, r.positions, r.inv_freq], [m.types[flat]],
+                                 {"head_dim": hd, "scaling": r.scaling},
+                                 name=g.fresh(f"rope_{name}")))
+    kv_heads = m.types[flats[1]].shape[-1] // hd
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": hd,
+             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(hd),
+             "causal": True, "layer": layer}
+    out_t = TensorType(m.types[flats[0]].shape, m.types[flats[0]].dtype)
+    nodes.append(g.make_node("attention", [nodes[0].out.name, nodes[1].out.name, flats[2]], [out_t], attrs,
+                             name=g.fresh("attention")))
+    return merged, nodes
+
+
+def causal_mask_values(g: Graph, probe_lengths=(5, 7)) -> set[str]:
+    """Mask values of SDPA nodes that equal the causal (lower-triangular) mask at every
+    probe length. Evaluated, not pattern-matched: HF builds masks many ways."""
+    m = Matcher(g)
+    masks = {m.arg(n, 3, "attn_mask") for n in g.nodes if m.is_(n, "aten.scaled_dot_product_attention.default")}
+    masks.discard(None)
+    if not masks:
+        return set()
+    causal = set(masks)
+    for t in probe_lengths:
+        gen = torch.Generator().manual_seed(t)
+        vocab = next((p.type.shape[0] for n, p in g.params.items() if "embed" in n), 2)
+        ids = torch.randint(0, vocab, (t,), generator=gen)
+        vals = interpret(_mask_subgraph(g, masks), {"input_ids": ids, "positions": torch.arange(t)}, want=list(masks))
+        tril = torch.ones(t, t, dtype=torch.bool).tril()
+        for name, val in vals.items():
+            ok = val.dtype == torch.bool and torch.equal(val.broadcast_to(1, 1, t, t)[0, 0], tril)
+            ok = ok or (val.is_floating_point() and torch.equal(val.broadcast_to(1, 1, t, t)[0, 0] == 0, tril))
+            if not ok:
+                causal.discard(name)
+    return causal
+
+
+def _mask_subgraph(g: Graph, masks: set[str]) -> Graph:
+    """The nodes the mask values depend on, so probing skips the model's real work."""
+    prod = g.producers()
+    needed, stack = set(), list(masks)
+    while stack:
+        n = prod.get(stack.pop())
+        if n is not None and n.name not in needed:
+            needed.add(n.name)
+            stack.extend(n.inputs)
+    sub = Graph(g.name)
+    sub.inputs, sub.params, sub.weights = g.inputs, g.params, g.weights
+    sub.nodes = [n for n in g.nodes if n.name in needed]
+    return sub
+
+
+# -- batch dim ------------------------------------------------------------------------
+def drop_batch_dim(g: Graph) -> bool:
+    """Remove the wrapper's unsqueeze(·, 0) on inputs and select(·, 0, 0) on the output when
+    every other node is an LLM op, then re-infer types token-major."""
+    m = Matcher(g)
+    edges = [n for n in g.nodes if n.op == "aten"]
+    unsq = [n for n in edges if m.is_(n, "aten.unsqueeze.default") and m.arg(n, 1) == 0
+            and n.inputs[0] in ("input_ids", "positions")]
+    sel = [n for n in edges if m.is_(n, "aten.select.int") and m.arg(n, 1) == 0 and m.arg(n, 2) == 0
+           and n.outputs[0].name in g.outputs]
+    rest = [n for n in edges if n not in unsq and n not in sel]
+    if rest or not sel or any(OPS[n.op].infer is None for n in g.nodes if n.op != "aten"):
+        return False
+    for n in unsq + sel:
+        g.replace_uses(n.outputs[0].name, n.inputs[0])
+    g.remove_nodes(unsq + sel)
+    types = g.types()
+    for n in g.nodes:
+        n.outputs = [type(v)(v.name, t) for v, t in zip(n.outputs, infer_types(n, [types[i] for i in n.inputs]))]
+        types.update({v.name: v.type for v in n.outputs})
+    return True
+
+
+def rename_output(g: Graph, name: str = "logits") -> None:
+    """Give the single graph output a stable name the runtime can rely on."""
+    if len(g.outputs) != 1 or g.outputs[0] == name:
+        return
+    old = g.outputs[0]
+    for n in g.nodes:
+        for v in n.outputs:
+            if v.name == old:
+                v.name = name
+    g.replace_uses(old, name)
+
+
+def lower(g: Graph) -> dict[str, int]:
+    """Raise patterns in place (attention before anything that would take SDPA apart);
+    returns how many of each were raised."""
+    causal = causal_mask_values(g)
+    stats = {"attention": raise_attention(g, causal)}
+    stats["rms_norm"] = raise_rms_norm(g)
+    stats["simple"] = raise_simple(g)
+    return stats
+
+
+def canonical_names(g: Graph) -> None:
+    """Rename nodes and values `<op>_<k>` in graph order, so printed IR reads by op and
+    names do not depend on how the tracer numbered things."""
+    counters: dict[str, int] = {}
+    mapping: dict[str, str] = {}
+    for n in g.nodes:
+        kind = n.attrs["target"].split(".")[1] if n.op == "aten" else n.op
+        k = counters[kind] = counters.get(kind, -1) + 1
+        n.name = f"{kind}_{k}"
+        for i, v in enumerate(n.outputs):
+            new = n.name if i == 0 else f"{n.name}.{i}"
+            mapping[v.name] = new if v.name not in g.outputs else v.name
+            v.name = mapping[v.name]
+    for n in g.nodes:
+        n.inputs = [mapping.get(i, i) for i in n.inputs]

@@ -1,0 +1,124 @@
+"""The compile driver: model source -> trace -> lower -> target pipeline -> plan -> artifact.
+Each stage is timed and logged into the manifest's report."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import llmc
+from llmc.codegen.plan import build_plan
+from llmc.compiler.artifact import write_artifact
+from llmc.compiler.frontends import load_model
+from llmc.compiler.ir import DTYPE_BYTES, Graph
+from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output
+from llmc.compiler.targets import Target, get_target
+from llmc.compiler.trace import export_lm, translate
+from llmc.errors import ArtifactError
+from llmc.passes.base import PassContext, PassManager
+from llmc.passes.registry import build_pipeline, get_pass
+
+
+@dataclass
+class CompileOptions:
+    passes: str | None = None                 # comma list replacing the target's pipeline
+    disable: list[str] = field(default_factory=list)
+    pass_options: dict[str, dict] = field(default_factory=dict)
+    print_ir_after: set[str] = field(default_factory=set)
+    dump_ir: str | None = None
+    max_num_batched_tokens: int = 2048
+    force: bool = False
+    quiet: bool = False
+
+
+def model_meta(config, graph: Graph) -> dict:
+    """Facts the runtime needs without the HF config: shapes of the KV cache, special tokens."""
+    text = getattr(config, "text_config", config)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    eos = text.eos_token_id if getattr(text, "eos_token_id", None) is not None else []
+    dtype = graph.type_of(graph.outputs[0]).dtype
+    return {
+        "architecture": (getattr(config, "architectures", None) or [type(config).__name__])[0],
+        "num_layers": text.num_hidden_layers, "num_heads": heads, "num_kv_heads": kv_heads,
+        "head_dim": head_dim, "hidden_size": text.hidden_size, "vocab_size": text.vocab_size,
+        "max_position_embeddings": text.max_position_embeddings,
+        "eos_token_ids": eos if isinstance(eos, list) else [eos],
+        "bos_token_id": getattr(text, "bos_token_id", None),
+        "kv_dtype": dtype,
+        "kv_bytes_per_token": 2 * text.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype],
+    }
+
+
+def weight_bytes_by_dtype(graph: Graph) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in graph.params.values():
+        out[p.type.dtype] = out.get(p.type.dtype, 0) + p.type.nbytes()
+    return dict(sorted(out.items()))
+
+
+def trace_and_lower(module: torch.nn.Module, max_tokens: int, log: Callable[[str, float, dict], None]) -> Graph:
+    t = time.perf_counter()
+    ep = export_lm(module, max_tokens=max(max_tokens, 16))
+    graph = translate(ep)
+    log("trace", time.perf_counter() - t, {"aten_nodes": len(graph.nodes)})
+    t = time.perf_counter()
+    stats = lower(graph)
+    PassManager([get_pass("remove_noops"), get_pass("dce")], PassContext(quiet=True)).run(graph)
+    stats["batch_dim_dropped"] = int(drop_batch_dim(graph))
+    rename_output(graph)
+    canonical_names(graph)
+    graph.verify()
+    log("lower", time.perf_counter() - t, stats)
+    return graph
+
+
+def compile_model(source: str, target: str | Target = "cpu", output: str | Path = "model.llmc",
+                  options: CompileOptions | None = None, echo: Callable[[str], None] | None = None) -> Path:
+    """Compile `source` (sample name, HF dir, GGUF file) for `target` into an artifact dir."""
+    opts = options or CompileOptions()
+    tgt = get_target(target)
+    tgt.check_ready()
+    output = Path(output)
+    if output.exists() and not opts.force:
+        raise ArtifactError(f"output '{output}' exists; pass --force to overwrite it")
+    pipeline = build_pipeline(tgt.default_pipeline, opts.passes, opts.disable, opts.pass_options)
+    stages: list[dict] = []
+
+    def log(name, seconds, details):
+        stages.append({"name": name, "seconds": round(seconds, 4), "details": details})
+
+    t = time.perf_counter()
+    loaded = load_model(source)
+    log("load", time.perf_counter() - t, {"kind": loaded.kind, "name": loaded.name})
+    graph = trace_and_lower(loaded.module, opts.max_num_batched_tokens, log)
+    ctx = PassContext(target=tgt, options={}, print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
+                      quiet=opts.quiet, **({"echo": echo} if echo else {}))
+    records = PassManager(pipeline, ctx).run(graph)
+    graph.meta = model_meta(loaded.config, graph)
+    t = time.perf_counter()
+    plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens)
+    log("plan", time.perf_counter() - t, {"steps": len(plan.steps)})
+    manifest = {
+        "llmc_version": llmc.__version__, "torch_version": torch.__version__.split("+")[0],
+        "target": tgt.to_dict(), "model": {"name": loaded.name, "source_kind": loaded.kind,
+                                           "source_sha256": loaded.source_hash, **graph.meta},
+        "pipeline": [r.to_dict(include_timing=False) for r in records],
+        "report": {
+            "op_counts": graph.op_counts(), "weight_bytes": weight_bytes_by_dtype(graph),
+            "kv_bytes_per_token": graph.meta["kv_bytes_per_token"],
+            "kv_bytes_full_context": graph.meta["kv_bytes_per_token"] * graph.meta["max_position_embeddings"],
+            "activation_peak_bytes": plan.memory.peak_bytes, "activation_naive_bytes": plan.memory.naive_bytes,
+            "max_num_batched_tokens": opts.max_num_batched_tokens,
+        },
+    }
+    timings = {"stages": stages, "passes": [{"name": r.name, "seconds": round(r.seconds, 4)} for r in records],
+               "host": platform.machine()}
+    return write_artifact(output, graph_json=graph.to_json(), plan_json=plan.to_json(), weights=graph.weights,
+                          tokenizer=loaded.tokenizer, manifest=manifest, timings=timings, force=opts.force)

@@ -1,0 +1,168 @@
+"""The `llmc` command line: compile, inspect, targets, run, chat, bench.
+User errors print one line and exit 2; bugs keep their traceback and exit 1."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from llmc.errors import LlmcError
+
+
+def _fail(message: str) -> None:
+    click.echo(f"llmc: error: {message}", err=True)
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="llmc-compiler", prog_name="llmc")
+def cli():
+    """llmc: compile LLMs into artifacts and run them."""
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--target", "-t", default="cpu", show_default=True, help="Target name (see `llmc targets`).")
+@click.option("--output", "-o", required=True, help="Artifact directory to write.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("--passes", help="Comma list of passes replacing the target's pipeline (name:key=val).")
+@click.option("--disable-pass", multiple=True, help="Drop a pass from the pipeline (repeatable).")
+@click.option("--pass-option", multiple=True, help="pass.key=value (repeatable).")
+@click.option("--print-ir-after", multiple=True, help="Print the IR after this pass ('all' for every pass).")
+@click.option("--dump-ir", type=click.Path(file_okay=False), help="Write the IR before/after each pass here.")
+@click.option("--max-num-batched-tokens", default=2048, show_default=True,
+              help="Largest token batch the plan is sized for.")
+@click.option("--quiet", "-q", is_flag=True)
+def compile(model, target, output, force, passes, disable_pass, pass_option, print_ir_after, dump_ir,
+            max_num_batched_tokens, quiet):
+    """Compile MODEL (a sample name, an HF checkpoint dir, or a .gguf file) into an artifact."""
+    from llmc.api import compile as compile_api
+    from llmc.passes.registry import parse_pass_options
+
+    path = compile_api(model, target=target, output=output, force=force, passes=passes,
+                       disable=list(disable_pass), pass_options=parse_pass_options(pass_option),
+                       print_ir_after=set(print_ir_after), dump_ir=dump_ir,
+                       max_num_batched_tokens=max_num_batched_tokens, quiet=quiet)
+    if not quiet:
+        from llmc.compiler.inspect import summarize
+        click.echo(summarize(path, brief=True))
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
+@click.option("--ir", is_flag=True, help="Also print the graph IR.")
+def inspect(artifact, as_json, ir):
+    """Show an artifact's graph summary, pass log, and memory figures."""
+    from llmc.compiler.inspect import report, summarize
+
+    if as_json:
+        click.echo(json.dumps(report(artifact), indent=2, sort_keys=True))
+    else:
+        click.echo(summarize(artifact, show_ir=ir))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+def targets(as_json):
+    """List every target with its hardware facts and default pipeline."""
+    from llmc.compiler.targets import TARGETS
+
+    if as_json:
+        click.echo(json.dumps({n: t.to_dict() for n, t in TARGETS.items()}, indent=2, sort_keys=True))
+        return
+    for t in TARGETS.values():
+        click.echo(t.describe())
+        click.echo(f"    pipeline: {', '.join(t.default_pipeline)}")
+
+
+def sampling_options(f):
+    for opt in reversed([
+        click.option("--max-tokens", default=64, show_default=True),
+        click.option("--temperature", default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-p", default=1.0, show_default=True),
+        click.option("--top-k", default=-1, show_default=True),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--kv-memory", default="1GiB", show_default=True, help="KV cache budget."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _params(max_tokens, temperature, top_p, top_k, seed, stop):
+    from llmc.runtime.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          seed=seed, stop=list(stop))
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--prompt", "-p", multiple=True, help="Prompt text (repeatable).")
+@click.option("--prompts-file", type=click.File("r"), help="One prompt per line ('-' for stdin).")
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
+@click.option("--no-stream", is_flag=True, help="Print whole outputs at the end.")
+@sampling_options
+def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
+        kv_memory):
+    """Generate from one prompt (streamed) or many (batched together)."""
+    import llmc
+
+    prompts = list(prompt) + ([line.rstrip("\n") for line in prompts_file if line.strip()] if prompts_file else [])
+    if not prompts and not sys.stdin.isatty():
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
+    model = llmc.load(artifact, kv_memory=kv_memory)
+    params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
+    if chat:
+        prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    if len(prompts) == 1 and not no_stream:
+        for piece in model.stream(prompts[0], params):
+            click.echo(piece, nl=False)
+        click.echo()
+        return
+    for out in model.generate(prompts, params):
+        click.echo(f"--- {out.prompt!r}\n{out.outputs[0].text}")
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--system", default=None, help="System prompt.")
+@sampling_options
+def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv_memory):
+    """Interactive chat with the model's chat template, streaming replies. Ctrl-D ends."""
+    import llmc
+
+    model = llmc.load(artifact, kv_memory=kv_memory)
+    params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
+    messages = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            user = click.prompt(">>>", prompt_suffix=" ")
+        except (EOFError, click.Abort):
+            click.echo()
+            return
+        messages.append({"role": "user", "content": user})
+        reply = ""
+        for piece in model.stream(model.apply_chat_template(messages), params):
+            reply += piece
+            click.echo(piece, nl=False)
+        click.echo()
+        messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv=None):
+    try:
+        cli.main(args=argv, prog_name="llmc", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except LlmcError as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,222 @@
+"""Pass infrastructure: the `Pass` interface, the context a pipeline runs in, and the
+`PassManager` that runs passes in order, verifying, timing and dumping the IR around each."""
+
+from __future__ import annotations
+
+import abc
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import click
+from tqdm import tqdm
+
+from llmc.compiler.ir import Graph
+from llmc.errors import IRError, PassError
+from llmc.passes.registry import (
+    PASSES,
+    build_pipeline,
+    get_pass,
+    parse_pass_options,
+    register_pass,
+    valid_pass_names,
+)
+
+
+@dataclass
+class PassResult:
+    """What one pass did: how many patterns it rewrote, and what that bought or cost."""
+    matches: int
+    changed: bool
+    details: dict = field(default_factory=dict)   # JSON-serialisable
+    bytes_saved: int = 0
+    accuracy: dict | None = None                  # lossy passes: measured cost on calibration text
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def coerce_option(pass_name: str, key: str, value: Any, default: Any) -> Any:
+    """Turn a CLI string into the type of the option's default (bool, int, float, list)."""
+    if not isinstance(value, str) or isinstance(default, str):
+        return value
+    text = value.strip()
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in _TRUE | _FALSE:
+                raise ValueError(text)
+            return text.lower() in _TRUE
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        if isinstance(default, (list, tuple)):
+            return type(default)(x.strip() for x in text.split(",") if x.strip())
+    except ValueError:
+        raise PassError(f"pass {pass_name!r}: option {key}={value!r} is not a valid "
+                        f"{type(default).__name__} (default {default!r})") from None
+    if default is None:
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+    return value
+
+
+class Pass(abc.ABC):
+    """A graph transformation. Subclasses set `name`, `description`, `lossy` and the option
+    defaults in `options`; an instance's `options` holds the values it runs with."""
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    lossy: ClassVar[bool] = False
+    options: dict = {}
+
+    def __init__(self, **options):
+        defaults = type(self).options
+        unknown = sorted(set(options) - set(defaults))
+        if unknown:
+            valid = ", ".join(sorted(defaults)) or "none"
+            raise PassError(f"pass {self.name!r} has no option {unknown[0]!r}; valid options: {valid}")
+        self.options = {**defaults, **{k: coerce_option(self.name, k, v, defaults[k])
+                                       for k, v in options.items()}}
+
+    @abc.abstractmethod
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        """Rewrite `graph` in place and say what was done."""
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"{self.name}({opts})"
+
+
+def echo_stderr(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@dataclass
+class PassContext:
+    """Everything a pipeline run shares: target, global options, calibration data, and the
+    instruments (print IR after named passes, dump IR to a folder, disabled passes)."""
+    target: Any = None                  # a compiler.targets.Target or its name
+    options: dict = field(default_factory=dict)
+    calibration: Any = None
+    print_ir_after: set[str] = field(default_factory=set)   # pass names, or "all"
+    dump_ir: str | Path | None = None
+    disabled: set[str] = field(default_factory=set)
+    verbose: bool = False
+    quiet: bool = False
+    echo: Callable[[str], None] = echo_stderr
+
+    @property
+    def target_name(self) -> str | None:
+        return self.target if self.target is None or isinstance(self.target, str) else self.target.name
+
+
+@dataclass
+class PassRecord:
+    """One pass's entry in the compile report and the artifact manifest."""
+    name: str
+    options: dict
+    seconds: float
+    changed: bool
+    matches: int
+    details: dict
+    bytes_saved: int
+    accuracy: dict | None
+    op_counts_before: dict[str, int]
+    op_counts_after: dict[str, int]
+
+    def to_dict(self, include_timing: bool = True) -> dict:
+        """Plain JSON data; without timing it is identical for identical compiles."""
+        d = {"name": self.name, "options": self.options, "changed": self.changed,
+             "matches": self.matches, "details": self.details, "bytes_saved": self.bytes_saved,
+             "accuracy": self.accuracy, "op_counts_before": self.op_counts_before,
+             "op_counts_after": self.op_counts_after}
+        if include_timing:
+            d["seconds"] = self.seconds
+        return d
+
+
+class PassManager:
+    """Runs passes in order over one graph, verifying the IR after each."""
+
+    def __init__(self, passes: list[Pass], ctx: PassContext | None = None):
+        self.passes = list(passes)
+        self.ctx = ctx or PassContext()
+
+    def run(self, graph: Graph) -> list[PassRecord]:
+        self._check_instrument_names()
+        try:
+            graph.verify()
+        except IRError as e:
+            raise IRError(f"graph {graph.name} is invalid before any pass ran: {e}") from e
+        records = []
+        bar = tqdm(self.passes, desc="passes", unit="pass", leave=False, file=sys.stderr,
+                   disable=self.ctx.quiet or not sys.stderr.isatty())
+        for index, p in enumerate(bar, start=1):
+            if p.name in self.ctx.disabled:
+                continue
+            bar.set_postfix_str(p.name)
+            records.append(self._run_one(index, p, graph))
+        return records
+
+    def _run_one(self, index: int, p: Pass, graph: Graph) -> PassRecord:
+        before = graph.op_counts()
+        self._dump(index, p.name, "before", graph)
+        start = time.perf_counter()
+        result = p.run(graph, self.ctx)
+        seconds = time.perf_counter() - start
+        self._check_result(p, result)
+        self._dump(index, p.name, "after", graph)
+        if p.name in self.ctx.print_ir_after or "all" in self.ctx.print_ir_after:
+            self.ctx.echo(f"// IR after {p.name}\n{graph}")
+        self._verify(p, graph)
+        record = PassRecord(p.name, dict(p.options), seconds, result.changed, result.matches,
+                            result.details, result.bytes_saved, result.accuracy,
+                            before, graph.op_counts())
+        if self.ctx.verbose:
+            self.ctx.echo(summarize(record))
+        return record
+
+    def _verify(self, p: Pass, graph: Graph) -> None:
+        try:
+            graph.verify()
+        except Exception as e:  # any verifier failure here is the pass's doing
+            raise PassError(f"pass {p.name!r} left an invalid graph: {e}; "
+                            f"rerun with --disable-pass {p.name} to compile without it") from e
+
+    def _check_result(self, p: Pass, result: Any) -> None:
+        if not isinstance(result, PassResult):
+            raise TypeError(f"pass {p.name!r} returned {type(result).__name__}, not PassResult")
+        json.dumps(result.details)  # the manifest stores details; fail here, not at write time
+
+    def _dump(self, index: int, name: str, when: str, graph: Graph) -> None:
+        if self.ctx.dump_ir is None:
+            return
+        folder = Path(self.ctx.dump_ir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{index:02d}_{name}.{when}.txt").write_text(str(graph) + "\n")
+
+    def _check_instrument_names(self) -> None:
+        known = set(valid_pass_names()) | {p.name for p in self.passes}
+        for what, names in (("--print-ir-after", self.ctx.print_ir_after - {"all"}),
+                            ("--disable-pass", self.ctx.disabled)):
+            for name in sorted(names):
+                if name not in known:
+                    raise PassError(f"{what} names unknown pass {name!r}; "
+                                    f"valid passes: {', '.join(sorted(known))}")
+
+
+def summarize(record: PassRecord) -> str:
+    """One line per pass for verbose output: matches, bytes saved, time."""
+    saved = f", {record.bytes_saved / 2**20:.2f} MiB saved" if record.bytes_saved else ""
+    return f"{record.name}: {record.matches} matches{saved}, {record.seconds * 1e3:.1f} ms"
+
+
+__all__ = ["PassResult", "Pass", "PassContext", "PassRecord", "PassManager", "PASSES",
+           "register_pass", "get_pass", "build_pipeline", "parse_pass_options", "coerce_option",
+           "summarize"]

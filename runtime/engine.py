@@ -1,0 +1,221 @@
+"""The engine loop (as vLLM's LLMEngine): requests go in with `add_request`, each `step`
+schedules a batch, runs the model, samples, checks stops, and returns the outputs that
+moved; `abort` frees a request's KV blocks at once."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from llmc.codegen.plan import Plan
+from llmc.compiler.artifact import load_tokenizer, read_artifact
+from llmc.compiler.ops import TORCH_DTYPES
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.block_manager import BlockManager, num_blocks_for_budget, parse_bytes
+from llmc.runtime.executor import PlanExecutor
+from llmc.runtime.metrics import EngineMetrics
+from llmc.runtime.model_runner import ModelRunner
+from llmc.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmc.runtime.paged_attention import PagedKVCache
+from llmc.runtime.sampler import Sampler, SamplingState
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.scheduler import Scheduler, SchedulerConfig
+from llmc.runtime.sequence import Sequence, SequenceStatus
+from llmc.runtime.stop import StopChecker
+
+# Forked samples get ids far from Sequence's own counter.
+_fork_ids = itertools.count(1 << 40)
+
+
+@dataclass
+class EngineConfig:
+    kv_memory: str | int = "1GiB"           # KV cache budget
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None   # None: what the plan was sized for
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int | None = None                 # for requests without their own seed
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples: its sequence, sampler state and stop checker."""
+    seq: Sequence
+    state: SamplingState
+    stop: StopChecker
+    index: int
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: list[_Sample] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.stop.finished for s in self.samples)
+
+
+class Engine:
+    def __init__(self, artifact: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        art = read_artifact(artifact)
+        self.manifest = art.manifest
+        self.model = art.manifest["model"]
+        self.tokenizer = load_tokenizer(art)
+        plan = Plan.from_json(art.plan_json)
+        self.executor = PlanExecutor(plan, art.weights)
+        self.max_model_len = self.model["max_position_embeddings"]
+        num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
+                                           config.block_size)
+        self.cache = PagedKVCache(self.model["num_layers"], num_blocks, config.block_size,
+                                  self.model["num_kv_heads"], self.model["head_dim"],
+                                  TORCH_DTYPES[self.model["kv_dtype"]])
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        max_tokens = min(config.max_num_batched_tokens or plan.max_tokens, plan.max_tokens)
+        self.scheduler = Scheduler(SchedulerConfig(max_tokens, config.max_num_seqs, config.block_size,
+                                                   config.enable_chunked_prefill), self.block_manager)
+        self.runner = ModelRunner(self.executor, self.cache)
+        self.eos_token_ids = self.model["eos_token_ids"] or [self.tokenizer.eos_token_id]
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.requests: dict[str, _Request] = {}
+        self.metrics = EngineMetrics()
+        self._next_id = 0
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str | None = None, prompt: str | None = None,
+                    params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        if request_id in self.requests:
+            raise RuntimeLlmcError(f"request id {request_id!r} is already in use; pick another")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RuntimeLlmcError("a request needs a prompt string or prompt_token_ids")
+            prompt_token_ids = self.tokenizer(prompt)["input_ids"]
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.model["vocab_size"]
+        if any(t < 0 or t >= vocab for t in ids):
+            raise RuntimeLlmcError(f"request {request_id}: prompt token ids must lie in [0, {vocab})")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        req = _Request(request_id, prompt, ids, params, RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)))
+        seq = Sequence(ids, request_id=request_id, params=params, priority=priority, arrival_time=now)
+        req.samples.append(self._sample(seq, req, 0))
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        return request_id
+
+    def _sample(self, seq: Sequence, req: _Request, index: int) -> _Sample:
+        state = SamplingState(req.params, req.prompt_token_ids, [], sample_index=index)
+        stop = StopChecker(self.tokenizer, req.params, req.prompt_token_ids, self.eos_token_ids,
+                           max_model_len=self.max_model_len)
+        return _Sample(seq, state, stop, index)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.abort(request_id)
+        for s in req.samples:
+            s.stop.abort()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that moved or finished."""
+        out = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        for seq in out.rejected:
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                req.error = seq.error
+                touched[req.request_id] = req
+        if not out.is_empty:
+            t0 = time.perf_counter()
+            logits = self.runner.execute(out.scheduled, out.sampled, out.blocks_to_copy)
+            self._sample_and_stop(out, logits, touched)
+            self.metrics.on_step(out, time.perf_counter() - t0, self.scheduler, self.block_manager)
+        results = [self._output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                self._retire(req)
+        return results
+
+    def _sample_and_stop(self, out, logits: torch.Tensor, touched: dict) -> None:
+        samples = [self._find(seq) for seq in out.sampled]
+        result = self.sampler.sample(logits, [s.state for s in samples])
+        self.scheduler.postprocess(out, result.token_ids)
+        now = time.monotonic()
+        for i, s in enumerate(samples):
+            req = self.requests[s.seq.request_id]
+            touched[req.request_id] = req
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            first = not s.state.output_token_ids
+            self._accept(s, result, i)
+            if first and s.index == 0 and req.params.n > 1:
+                self._fork(req, s, logits[i])
+
+    def _accept(self, s: _Sample, result, i: int) -> None:
+        token = result.token_ids[i]
+        s.state.output_token_ids.append(token)
+        if s.state.params.logprobs is not None:
+            entry = {token: Logprob(result.logprobs[i], result.ranks[i] if result.ranks else None)}
+            for tok, lp in (result.top_logprobs[i] if result.top_logprobs else []):
+                entry.setdefault(tok, Logprob(lp, None))
+            s.logprobs = (s.logprobs or []) + [entry]
+            s.cumulative_logprob = (s.cumulative_logprob or 0.0) + result.logprobs[i]
+        if s.stop.append(token):
+            self.scheduler.finish(s.seq, s.stop.finish_reason)
+
+    def _fork(self, req: _Request, parent: _Sample, logits: torch.Tensor) -> None:
+        """n > 1: the other samples share the prompt's KV blocks (copy-on-write) and draw
+        their own first token from the same logits."""
+        for index in range(1, req.params.n):
+            seq = self.scheduler.fork(parent.seq, seq_id=next(_fork_ids))
+            seq.token_ids.pop()  # the parent's first token; this sample draws its own
+            sample = self._sample(seq, req, index)
+            req.samples.append(sample)
+            result = self.sampler.sample(logits[None], [sample.state])
+            seq.append_token(result.token_ids[0])
+            self._accept(sample, result, 0)
+
+    def _find(self, seq: Sequence) -> _Sample:
+        return next(s for s in self.requests[seq.request_id].samples if s.seq is seq)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [CompletionOutput(index=s.index, text=s.stop.output_text, token_ids=list(s.stop.token_ids),
+                                 cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+                                 finish_reason="abort" if req.error else s.stop.finish_reason,
+                                 stop_reason=req.error or s.stop.stop_reason)
+                for s in sorted(req.samples, key=lambda s: s.index)]
+        m = req.metrics
+        m.num_generated_tokens = sum(len(o.token_ids) for o in outs)
+        m.num_cached_tokens = req.samples[0].seq.num_cached_tokens
+        if req.finished and m.finished_time is None:
+            m.finished_time = time.monotonic()
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             outputs=outs, finished=req.finished, metrics=m)
+
+    def _retire(self, req: _Request) -> None:
+        for s in req.samples:
+            if s.seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(s.seq, s.stop.finish_reason or "abort")
+        self.metrics.on_finish(req.metrics)
+        self.requests.pop(req.request_id, None)

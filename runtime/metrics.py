@@ -1,0 +1,79 @@
+"""Engine metrics for benchmarks and serving: queue and batch sizes, KV block usage,
+prefix-cache hits, preemptions, token counters and latency samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "mean": None}
+    a = np.asarray(values, dtype=np.float64) * scale
+    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+@dataclass
+class EngineMetrics:
+    steps: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+    batch_tokens: list[int] = field(default_factory=list)
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    peak_kv_usage: float = 0.0
+    kv_waste_samples: list[float] = field(default_factory=list)
+    computed_tokens: int = 0             # tokens run through the model (prefill + decode)
+    generation_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    preemptions: int = 0
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    finished_requests: int = 0
+
+    def on_step(self, out, seconds: float, scheduler, block_manager) -> None:
+        self.steps += 1
+        self.step_seconds.append(seconds)
+        self.batch_tokens.append(out.num_batched_tokens)
+        self.generation_tokens += len(out.sampled)
+        self.computed_tokens += out.num_batched_tokens
+        self.num_waiting, self.num_running = scheduler.num_waiting, scheduler.num_running
+        self.kv_blocks_free = block_manager.num_free_blocks
+        self.kv_blocks_used = block_manager.num_blocks - self.kv_blocks_free
+        self.peak_kv_usage = max(self.peak_kv_usage, block_manager.usage)
+        if block_manager.seqs:
+            self.kv_waste_samples.append(block_manager.kv_waste)
+        self.prefix_hit_tokens = scheduler.num_prefix_hit_tokens
+        self.prefix_query_tokens = scheduler.num_admitted_tokens
+        self.preemptions = scheduler.num_preemptions
+
+    def on_finish(self, m) -> None:
+        self.finished_requests += 1
+        for name in ("ttft", "tpot", "e2e"):
+            value = getattr(m, name)
+            if value is not None:
+                getattr(self, name).append(value)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def kv_waste(self) -> float:
+        return float(np.mean(self.kv_waste_samples)) if self.kv_waste_samples else 0.0
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "num_waiting": self.num_waiting, "num_running": self.num_running,
+                "kv_blocks_used": self.kv_blocks_used, "kv_blocks_free": self.kv_blocks_free,
+                "peak_kv_usage": self.peak_kv_usage, "kv_waste": self.kv_waste,
+                "computed_tokens": self.computed_tokens, "generation_tokens": self.generation_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_hit_rate": self.prefix_hit_rate,
+                "preemptions": self.preemptions, "finished_requests": self.finished_requests,
+                "ttft_ms": percentiles(self.ttft, 1e3), "tpot_ms": percentiles(self.tpot, 1e3),
+                "e2e_ms": percentiles(self.e2e, 1e3)}

@@ -1,0 +1,113 @@
+"""Paged KV cache and the attention backend that reads it: new keys/values are written
+through a slot mapping, and each sequence's context is read back through its block table.
+Prefill chunks attend per sequence; decode tokens attend in one batched call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmc.runtime.attention import AttentionBackend, attend
+
+
+class PagedKVCache:
+    """Per layer `k_cache`/`v_cache`: [num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets src's keys and values in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs])
+        dst = torch.tensor([d for _, d in pairs])
+        for cache in self.k_cache + self.v_cache:
+            cache[dst] = cache[src]
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int            # first row of this sequence's queries in the packed batch
+    q_len: int
+    start: int              # position of the first query in its sequence
+    blocks: torch.Tensor    # block ids covering positions [0, start + q_len)
+
+
+@dataclass
+class StepMetadata:
+    """How one packed batch maps onto the cache; built once per step, used by every layer."""
+    slot_mapping: torch.Tensor              # [tokens] cache slot of each new token
+    prefills: list[PrefillChunk]
+    decode_rows: torch.Tensor | None        # [decodes] rows of single-token sequences
+    decode_blocks: torch.Tensor | None      # [decodes, max_blocks] block tables, padded
+    decode_mask: torch.Tensor | None        # [decodes, 1, 1, max_blocks * block_size] True = visible
+
+    @classmethod
+    def build(cls, seqs: list[tuple[list[int], int, int]], block_size: int) -> "StepMetadata":
+        """seqs: (block_table, start, num_new_tokens) in batch order."""
+        slots, prefills, dec_rows, dec_tables, dec_lens = [], [], [], [], []
+        row = 0
+        for table, start, n in seqs:
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+            if n == 1 and start > 0:
+                dec_rows.append(row)
+                dec_tables.append(table[: start // block_size + 1])
+                dec_lens.append(start + 1)
+            else:
+                used = (start + n + block_size - 1) // block_size
+                prefills.append(PrefillChunk(row, n, start, torch.tensor(table[:used])))
+            row += n
+        meta = cls(torch.tensor(slots), prefills, None, None, None)
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            meta.decode_rows = torch.tensor(dec_rows)
+            meta.decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
+            lens = torch.tensor(dec_lens)
+            meta.decode_mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
+        return meta
+
+
+class PagedAttention(AttentionBackend):
+    """Attention over a PagedKVCache for the batch described by `metadata` (set per step)."""
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+        self.metadata: StepMetadata | None = None
+
+    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal):
+        meta = self.metadata
+        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.reshape(-1, num_kv_heads, head_dim))
+        flat_v.index_copy_(0, meta.slot_mapping, v.reshape(-1, num_kv_heads, head_dim))
+        out = q.new_empty(q.shape[0], num_heads * head_dim)
+        for c in meta.prefills:
+            ctx = c.start + c.q_len
+            keys = k_cache[c.blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            values = v_cache[c.blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            out[c.q_start:c.q_start + c.q_len] = attend(
+                q[c.q_start:c.q_start + c.q_len], keys, values, start=c.start, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta,
+                                                 num_heads, num_kv_heads, head_dim, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale):
+        b = q.shape[0]
+        # gathered: [decodes, max_blocks * block_size, kv_heads, head_dim] -> heads first
+        keys = k_cache[meta.decode_blocks].reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[meta.decode_blocks].reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        qh = q.reshape(b, num_heads, 1, head_dim)
+        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        return o.reshape(b, num_heads * head_dim)

@@ -1,0 +1,112 @@
+"""How one request is to be sampled and when it stops: vLLM's `SamplingParams`, with
+the same field names and defaults, validated when it is made."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from llmc.errors import RuntimeLlmcError
+
+# Below this a temperature is treated as greedy: dividing logits by ~0 overflows (as vLLM).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = -1  # -1, 0 or None: disabled (normalised to -1)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = field(default_factory=list)
+    stop_token_ids: list[int] | None = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: until the context is full
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per token; 0 = only the chosen one
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self._normalise()
+        self._check_numbers()
+        self._check_lengths()
+        self._check_stops()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def _normalise(self):
+        if self.top_k is None or (_is_int(self.top_k) and self.top_k == 0):
+            self.top_k = -1
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                _fail(name, "must be a number", value)
+            setattr(self, name, float(value))
+
+    def _check_numbers(self):
+        _check_range("temperature", self.temperature, 0.0, math.inf, "[0, inf)")
+        _check_range("top_p", self.top_p, 0.0, 1.0, "(0, 1]", low_open=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
+                     "(0, inf)", low_open=True)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "[-2, 2]")
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            _fail("top_k", "must be -1, 0 or None (disabled) or an integer >= 1", self.top_k)
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", "must be an integer or None", self.seed)
+
+    def _check_lengths(self):
+        if not _is_int(self.n) or self.n < 1:
+            _fail("n", "must be an integer >= 1", self.n)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            _fail("max_tokens", "must be an integer >= 1 or None", self.max_tokens)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            _fail("min_tokens", "must be an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            _fail("logprobs", "must be an integer >= 0 or None", self.logprobs)
+
+    def _check_stops(self):
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                _fail("stop", "must hold non-empty strings", s)
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                _fail("stop_token_ids", "must hold integers >= 0", t)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, "must be True or False", getattr(self, name))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_range(name, value, low, high, shown, low_open=False):
+    too_low = value <= low if low_open else value < low
+    if math.isnan(value) or too_low or value > high:
+        _fail(name, f"must be in {shown}", value)
+
+
+def _fail(name, rule, value):
+    raise RuntimeLlmcError(f"SamplingParams.{name} {rule}, got {value!r}; "
+                           f"fix the request's {name}")

@@ -1,0 +1,255 @@
+"""Who runs this step: decodes of running sequences first, then (chunked) prefills of
+waiting ones by priority under a token budget; sequences join and leave every step
+(in-flight batching) and the newest are preempted by recompute when KV blocks run out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.sequence import Sequence, SequenceStatus
+
+PREEMPTION_MODES = ("recompute",)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    block_size: int = 16
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RuntimeLlmcError(f"SchedulerConfig.{name}={value!r}: must be an integer >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise RuntimeLlmcError(
+                f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                f"max_num_seqs={self.max_num_seqs}, so some decodes could never run; "
+                "raise max_num_batched_tokens or lower max_num_seqs")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise RuntimeLlmcError(f"SchedulerConfig.preemption_mode={self.preemption_mode!r}: "
+                                   f"use one of {PREEMPTION_MODES}")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. For each (seq, n) the runner computes KV for token positions
+    [seq.num_computed_tokens, seq.num_computed_tokens + n); sequences in `sampled` reach
+    their last known token this step and need a next token sampled."""
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the step
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)  # finished with seq.error set
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.scheduled.append((seq, num_new_tokens))
+        if seq.num_computed_tokens + num_new_tokens == seq.num_tokens:
+            self.sampled.append(seq)
+
+
+def _queue_key(seq: Sequence) -> tuple:
+    # Higher priority first; within a priority, preempted sequences go back to the front,
+    # then first come first served.
+    return (-seq.priority, seq.num_preemptions == 0, seq.arrival_index, seq.seq_id)
+
+
+def _victim_key(seq: Sequence) -> tuple:
+    # The lowest priority, then the latest arrival (the newest fork of a request last).
+    return (seq.priority, -seq.arrival_index, -seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        if block_manager.block_size != config.block_size:
+            raise RuntimeLlmcError(f"SchedulerConfig.block_size={config.block_size} differs from the "
+                                   f"KV cache's block_size={block_manager.block_size}; use one value")
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # kept sorted by _queue_key
+        self.running: list[Sequence] = []
+        self._rejected: list[Sequence] = []  # refused at add(), reported by the next schedule()
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_admitted_tokens = 0  # prompt tokens looked up in the prefix cache
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._rejected)
+
+    # --- entering and leaving ---------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        error = self._fit_error(seq)
+        if error is not None:
+            self._reject(seq, error, self._rejected)
+        else:
+            self._enqueue(seq)
+
+    def fork(self, parent: Sequence, seq_id: int) -> Sequence:
+        """Another sample of a running `parent`, sharing its KV blocks; runs from the next step."""
+        assert parent.status is SequenceStatus.RUNNING, f"fork of a {parent.status.name} sequence"
+        child = parent.fork(seq_id)
+        self.block_manager.fork(parent, child)
+        self.running.append(child)
+        return child
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of `request_id`, waiting or running, freeing its blocks."""
+        seqs = [s for s in self.waiting + self.running if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        key = _queue_key(seq)
+        i = next((i for i, s in enumerate(self.waiting) if _queue_key(s) > key), len(self.waiting))
+        self.waiting.insert(i, seq)
+
+    def _fit_error(self, seq: Sequence) -> str | None:
+        """Why `seq` could never be scheduled, even alone; None if it can."""
+        n, pool = seq.num_tokens, self.block_manager.num_blocks
+        needed = seq.num_blocks(self.block_manager.block_size)
+        if needed > pool and seq.num_output_tokens == 0:
+            return (f"prompt of {n} tokens needs {needed} KV blocks but the cache has only {pool}; "
+                    "raise --kv-memory or shorten the prompt")
+        if needed > pool:
+            return (f"request {seq.request_id} grew to {n} tokens (prompt and output), which needs "
+                    f"{needed} KV blocks but the cache has only {pool}; raise --kv-memory or lower "
+                    "max_tokens")
+        limit = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and n > limit:
+            return (f"sequence of {n} tokens exceeds max_num_batched_tokens={limit} with chunked "
+                    "prefill off; enable chunked prefill or raise max_num_batched_tokens")
+        return None
+
+    def _reject(self, seq: Sequence, error: str, into: list[Sequence]) -> None:
+        seq.error = error
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        into.append(seq)
+
+    # --- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(rejected=self._rejected)
+        self._rejected = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:  # admitting now would only evict what we just preempted for
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Decodes (one uncomputed token) before unfinished chunked prefills; each group by
+        # priority, then arrival, so any preemption victim is still unscheduled.
+        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, -s.priority,
+                                                    s.arrival_index, s.seq_id))
+        for seq in order:
+            n = min(seq.num_uncomputed_tokens, budget)
+            if seq.status is not SequenceStatus.RUNNING or n <= 0:
+                continue
+            if self._reserve_slots(seq, out):
+                out.add(seq, n)
+                budget -= n
+        return budget
+
+    def _reserve_slots(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make room for `seq`'s new tokens, preempting the newest running sequences if
+        blocks run out; False if `seq` itself had to go."""
+        while not self.block_manager.can_append(seq):
+            victim = min(self.running, key=_victim_key)
+            assert all(victim is not s for s, _ in out.scheduled), "preempting a scheduled sequence"
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        copy = self.block_manager.append_slot(seq)
+        if copy is not None:
+            out.blocks_to_copy.append(copy)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute mode: drop the KV; every known token (prompt and output) becomes the
+        prefill when it is admitted again."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        error = self._fit_error(seq)
+        if error is not None:
+            self._reject(seq, error, out.rejected)
+        else:
+            self._enqueue(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # Head of line blocks the queue, so priority and FCFS order hold.
+            if not bm.can_allocate(seq):
+                break
+            if not self.config.enable_chunked_prefill and \
+                    seq.num_tokens - bm.count_cached_tokens(seq) > budget:
+                break
+            self.waiting.pop(0)
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            self.num_admitted_tokens += seq.num_tokens
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.add(seq, n)
+            budget -= n
+
+    # --- after the model ran ----------------------------------------------------------
+
+    def update_computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """The KV of the scheduled tokens is now in the cache: advance and hash full blocks."""
+        for seq, n in scheduled:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += n
+            self.block_manager.mark_full_blocks(seq)
+
+    def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
+        """Record a step: `token_ids[i]` is the token sampled for `out.sampled[i]`. Returns
+        the sequences that grew; the caller decides which of them finish."""
+        assert len(token_ids) == len(out.sampled), (len(token_ids), len(out.sampled))
+        self.update_computed(out.scheduled)
+        grown = []
+        for seq, token_id in zip(out.sampled, token_ids):
+            if seq.status is SequenceStatus.RUNNING:
+                seq.append_token(token_id)
+                grown.append(seq)
+        return grown

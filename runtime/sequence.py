@@ -1,0 +1,104 @@
+"""One generation stream's state as the scheduler and KV block manager see it: its
+tokens, the KV blocks it owns, how much of it is computed, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Any
+
+from llmc.errors import RuntimeLlmcError
+
+_seq_ids = itertools.count()
+_arrivals = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted by recompute and queued again (as vLLM)
+    RUNNING = "running"  # owns KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens are one list (prompt then output); the KV of the first
+    `num_computed_tokens` of them is in the blocks of `block_table`."""
+
+    def __init__(self, prompt_token_ids: list[int], *, seq_id: int | None = None,
+                 request_id: str | None = None, params: Any = None, priority: int = 0,
+                 arrival_time: float | None = None):
+        self.seq_id = next(_seq_ids) if seq_id is None else seq_id
+        self.request_id = str(self.seq_id) if request_id is None else request_id
+        if len(prompt_token_ids) == 0:
+            raise RuntimeLlmcError(f"request {self.request_id}: the prompt has no tokens; "
+                                   "pass at least one token (e.g. the BOS token)")
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params  # sampling parameters; opaque to the scheduler
+        self.priority = priority  # higher runs first
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_index = next(_arrivals)  # FCFS order; ties in arrival_time broken here
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, served by the prefix cache at admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.error: str | None = None  # why the runtime refused it, when it did
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, "
+                f"status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        """KV blocks needed to hold every known token."""
+        return -(-len(self.token_ids) // block_size)
+
+    def block_token_ids(self, i: int, block_size: int) -> list[int]:
+        """Token ids held by block i of the table (the last one may be partial)."""
+        return self.token_ids[i * block_size:(i + 1) * block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def fork(self, new_id: int) -> Sequence:
+        """Another sample of the same request: same tokens and a copy of the block table.
+        The block manager's `fork` takes the extra references on the shared blocks."""
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.seq_id = new_id
+        child.token_ids = list(self.token_ids)
+        child.block_table = list(self.block_table)
+        return child

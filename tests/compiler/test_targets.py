@@ -1,0 +1,92 @@
+"""Targets carry datasheet facts, a default pipeline, and refuse to compile until ready."""
+
+import json
+
+import pytest
+
+from llmc.compiler.ir import DTYPE_BYTES
+from llmc.compiler.targets import PRECISION_DTYPES, TARGETS, Target, get_target, host_memory_bytes
+from llmc.errors import TargetError
+from llmc.passes.base import build_pipeline
+
+GiB = 2**30
+NAMES = ["cpu", "h100-fp8", "h100-bf16", "a100-bf16", "a100-int8", "rtx4090-int4", "orin-int4"]
+
+
+def test_all_targets_are_listed():
+    assert list(TARGETS) == NAMES
+    assert all(get_target(name) is TARGETS[name] for name in NAMES)
+
+
+def test_unknown_target_lists_valid_ones():
+    with pytest.raises(TargetError, match="unknown target 'h200'; valid targets: cpu, h100-fp8, .*orin-int4"):
+        get_target("h200")
+
+
+def test_get_target_passes_a_target_through():
+    assert get_target(TARGETS["cpu"]) is TARGETS["cpu"]
+
+
+def test_cpu_target_is_ready_with_the_cleanup_pipeline():
+    cpu = get_target("cpu")
+    cpu.check_ready()
+    assert cpu.device == "cpu" and cpu.compile_ready
+    assert cpu.default_pipeline == ["remove_noops", "fold_constants", "dce"]
+    assert [p.name for p in build_pipeline(cpu.default_pipeline)] == cpu.default_pipeline
+    assert cpu.memory_bytes == host_memory_bytes() > 0
+
+
+@pytest.mark.parametrize("name", NAMES[1:])
+def test_gpu_targets_refuse_to_compile_and_say_what_to_do(name):
+    target = get_target(name)
+    assert target.device == "cuda" and not target.compile_ready
+    with pytest.raises(TargetError, match=rf"target {name} needs the .* passes and Triton codegen, "
+                                          r"not built yet; use --target cpu"):
+        target.check_ready()
+    assert target.default_pipeline[0] == "remove_noops" and target.default_pipeline[-1] == "dce"
+
+
+@pytest.mark.parametrize("name, memory_gib, bandwidth, arch, dtype, peak", [
+    ("h100-fp8", 80, 3.35e12, "sm_90", "fp8", 1979.0),
+    ("h100-bf16", 80, 3.35e12, "sm_90", "bf16", 989.0),
+    ("a100-bf16", 80, 2.039e12, "sm_80", "bf16", 312.0),
+    ("a100-int8", 80, 2.039e12, "sm_80", "int8", 624.0),
+    ("rtx4090-int4", 24, 1.008e12, "sm_89", "int4", 1321.2),
+    ("orin-int4", 64, 204.8e9, "sm_87", "int8", 85.0),
+])
+def test_datasheet_facts(name, memory_gib, bandwidth, arch, dtype, peak):
+    t = get_target(name)
+    assert (t.memory_bytes, t.bandwidth_bytes_per_s, t.arch) == (memory_gib * GiB, bandwidth, arch)
+    assert t.peak_tflops[dtype] == peak
+
+
+def test_precision_names_match_ir_dtypes_and_fp8_support():
+    for t in TARGETS.values():
+        assert t.weight_ir_dtype in DTYPE_BYTES and t.activation_ir_dtype in DTYPE_BYTES
+        assert t.compute_dtype in t.peak_tflops
+        assert t.supports_fp8 == (t.name.startswith("h100") or t.name.startswith("rtx4090"))
+    assert get_target("h100-fp8").weight_ir_dtype == "float8_e4m3fn"
+    assert set(PRECISION_DTYPES) >= {"fp32", "bf16", "fp8", "int8", "int4"}
+
+
+def test_to_dict_is_json_and_round_trips():
+    for t in TARGETS.values():
+        d = json.loads(json.dumps(t.to_dict()))
+        assert Target(**d) == t
+        assert d["default_pipeline"] == t.default_pipeline
+
+
+def test_describe_is_one_line_of_facts():
+    line = get_target("h100-fp8").describe()
+    assert "\n" not in line
+    assert line.startswith("h100-fp8: ")
+    for fact in ("sm_90", "80 GiB", "3350.0 GB/s", "1979 fp8 TFLOPS", "not ready"):
+        assert fact in line
+    assert "624 int8 TOPS" in get_target("a100-int8").describe()
+
+
+def test_targets_are_hashable_and_immutable():
+    cpu = get_target("cpu")
+    assert {cpu: 1}[cpu] == 1
+    with pytest.raises(AttributeError):
+        cpu.name = "gpu"

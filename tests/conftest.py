@@ -1,0 +1,28 @@
+"""Shared fixtures: `tiny_model`, the tiny-llama sample built fresh for each test (it takes
+milliseconds, and tests may change it freely), and the SmolLM2-135M GGUF, fetched once into
+LLMC_CACHE; its tests skip only when that fetch fails."""
+
+import pytest
+
+
+@pytest.fixture
+def tiny_model():
+    from llmc.compiler.frontends import load_model
+    return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from llmc.compiler.frontends.samples import fetch_smollm2
+    from llmc.errors import ModelLoadError
+    try:
+        return fetch_smollm2()
+    except ModelLoadError as e:
+        pytest.skip(f"SmolLM2-135M GGUF unavailable, the fetch failed: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf):
+    """Loaded once per session (about 20 s): read it, do not modify it."""
+    from llmc.compiler.frontends import load_model
+    return load_model(str(smollm2_gguf))
