@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from llmc.compiler.ops import OPS, apply_rope, decode_arg, resolve_aten, rope_cos_sin
 
+from llmc.compiler.ops import OPS, apply_rope, decode_arg, resolve_aten, rope_cos_sin
 from llmc.errors import ArtifactError
 
 CPU_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -73,6 +73,11 @@ def mul(a, b, **attrs):
 @kernel("add")
 def add(a, b, **attrs):
     return [a + b]
+
+
+@kernel("select_rows")
+def select_rows(x, indices, **attrs):
+    return [x.index_select(0, indices)]
 
 
 @kernel("rope", context=("rope_cache",))

@@ -3,11 +3,11 @@ values whose lifetimes do not overlap share one, sized for the target's max batc
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from llmc.compiler.ir import Graph
-
+from llmc.compiler.ir import Graph, TensorType
 from llmc.errors import TargetError
 
 # A lifetime is [defining step, last use step], both inclusive: a kernel's inputs and
@@ -96,16 +96,21 @@ def assign_slots(lifetimes: dict[str, Lifetime], sizes: dict[str, int]) -> tuple
     return slot_of, slot_bytes
 
 
+def _dim_symbols(types: Iterable[TensorType]) -> set[str]:
+    return {s for t in types for d in t.shape if isinstance(d, str) for s in re.findall(r"[A-Za-z_]\w*", d)}
+
+
 def plan_memory(graph: Graph, max_tokens: int, dims: dict[str, int] | None = None) -> MemoryPlan:
-    """Plan the graph's activations with `tokens` bound to `max_tokens` (and any other
-    symbolic dims bound by `dims`)."""
+    """Plan the graph's activations at `max_tokens` batched tokens. Every symbolic dim counts
+    tokens or a subset of them (logit rows, sequences), so one not bound in `dims` is
+    bounded by `max_tokens`."""
     if max_tokens < 1:
         raise TargetError(f"graph {graph.name}: max_tokens must be a positive number of batched "
                           f"tokens, got {max_tokens}")
-    binding = {"tokens": max_tokens, **(dims or {})}
+    types = {v.name: v.type for n in graph.nodes for v in n.outputs}
+    binding = {s: max_tokens for s in _dim_symbols(types.values())} | {"tokens": max_tokens} | (dims or {})
     lifetimes = value_lifetimes([(n.inputs, [v.name for v in n.outputs]) for n in graph.nodes],
                                 graph.outputs)
-    types = {v.name: v.type for n in graph.nodes for v in n.outputs}
     sizes = {v: types[v].nbytes(binding) for v in lifetimes}
     slot_of, slot_bytes = assign_slots(lifetimes, sizes)
     return MemoryPlan(slot_of, slot_bytes, lifetimes, sizes)

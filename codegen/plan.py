@@ -9,7 +9,6 @@ from typing import Any
 
 from llmc.codegen.memory_plan import MemoryPlan, plan_memory
 from llmc.compiler.ir import Graph, TensorType
-
 from llmc.errors import ArtifactError, TargetError
 
 PLAN_FORMAT = 1

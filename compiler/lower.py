@@ -18,6 +18,9 @@ from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import OPS, infer_types
 
 LAYOUT_NOOPS = {"aten.alias.default", "aten.clone.default", "aten.contiguous.default"}
+# Unary elementwise aten ops: shape-polymorphic, so they survive dropping the batch dim.
+ELEMENTWISE_ATEN = {f"aten.{op}.default" for op in ("gelu", "relu", "tanh", "sigmoid", "exp", "neg", "abs",
+                                                      "sqrt", "rsqrt", "erf", "log", "sin", "cos", "hardswish")}
 CASTS = {"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default"}
 
 
@@ -376,7 +379,7 @@ def drop_batch_dim(g: Graph) -> bool:
             and n.inputs[0] in ("input_ids", "positions")]
     sel = [n for n in edges if m.is_(n, "aten.select.int") and m.arg(n, 1) == 0 and m.arg(n, 2) == 0
            and n.outputs[0].name in g.outputs]
-    rest = [n for n in edges if n not in unsq and n not in sel]
+    rest = [n for n in edges if n not in unsq and n not in sel and n.attrs["target"] not in ELEMENTWISE_ATEN]
     if rest or not sel or any(OPS[n.op].infer is None for n in g.nodes if n.op != "aten"):
         return False
     for n in unsq + sel:
@@ -384,7 +387,11 @@ def drop_batch_dim(g: Graph) -> bool:
     g.remove_nodes(unsq + sel)
     types = g.types()
     for n in g.nodes:
-        n.outputs = [type(v)(v.name, t) for v, t in zip(n.outputs, infer_types(n, [types[i] for i in n.inputs]))]
+        if n.op == "aten":  # an elementwise fallback keeps its input's shape
+            new = [TensorType(types[n.inputs[0]].shape, v.type.dtype) for v in n.outputs]
+        else:
+            new = infer_types(n, [types[i] for i in n.inputs])
+        n.outputs = [type(v)(v.name, t) for v, t in zip(n.outputs, new)]
         types.update({v.name: v.type for v in n.outputs})
     return True
 
@@ -409,6 +416,23 @@ def lower(g: Graph) -> dict[str, int]:
     stats["rms_norm"] = raise_rms_norm(g)
     stats["simple"] = raise_simple(g)
     return stats
+
+
+def select_logit_rows(g: Graph) -> bool:
+    """Compute the LM head only on the rows that are sampled (the last token of each
+    sequence): adds input `logits_indices: int64[rows]`, as vLLM's compute_logits does."""
+    prod = g.producers()
+    head = prod.get(g.outputs[0]) if len(g.outputs) == 1 else None
+    if head is None or head.op != "linear" or g.type_of(head.inputs[0]).rank != 2:
+        return False
+    g.add_input("logits_indices", TensorType(("rows",), "int64"))
+    hidden = head.inputs[0]
+    sel = g.make_node("select_rows", [hidden, "logits_indices"],
+                      [TensorType(("rows",) + g.type_of(hidden).shape[1:], g.type_of(hidden).dtype)])
+    g.insert_before(head, sel)
+    head.inputs[0] = sel.out.name
+    head.outputs = [type(v)(v.name, TensorType(("rows",) + v.type.shape[1:], v.type.dtype)) for v in head.outputs]
+    return True
 
 
 def canonical_names(g: Graph) -> None:

@@ -122,6 +122,17 @@ def add_ref(a, b, **attrs):
     return [a + b]
 
 
+def _select_rows_type(ts, attrs):
+    x, idx = ts
+    return [TensorType(idx.shape[:1] + x.shape[1:], x.dtype)]
+
+
+@op("select_rows", _select_rows_type)
+def select_rows_ref(x, indices, **attrs):
+    """x[indices]: keeps the rows (tokens) whose logits are needed."""
+    return [x.index_select(0, indices)]
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype):
     """cos/sin tables [tokens, head_dim] for the rotate-half (GPT-NeoX) convention."""
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]

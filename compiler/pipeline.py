@@ -16,7 +16,7 @@ from llmc.codegen.plan import build_plan
 from llmc.compiler.artifact import write_artifact
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph
-from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output
+from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output, select_logit_rows
 from llmc.compiler.targets import Target, get_target
 from llmc.compiler.trace import export_lm, translate
 from llmc.errors import ArtifactError
@@ -72,6 +72,7 @@ def trace_and_lower(module: torch.nn.Module, max_tokens: int, log: Callable[[str
     stats = lower(graph)
     PassManager([get_pass("remove_noops"), get_pass("dce")], PassContext(quiet=True)).run(graph)
     stats["batch_dim_dropped"] = int(drop_batch_dim(graph))
+    stats["logit_rows_selected"] = int(stats["batch_dim_dropped"] and select_logit_rows(graph))
     rename_output(graph)
     canonical_names(graph)
     graph.verify()

@@ -213,10 +213,19 @@ class PassManager:
 
 def summarize(record: PassRecord) -> str:
     """One line per pass for verbose output: matches, bytes saved, time."""
-    saved = f", {record.bytes_saved / 2**20:.2f} MiB saved" if record.bytes_saved else ""
+    saved = f", {format_bytes(record.bytes_saved)} saved" if record.bytes_saved else ""
     return f"{record.name}: {record.matches} matches{saved}, {record.seconds * 1e3:.1f} ms"
+
+
+def format_bytes(n: int) -> str:
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            break
+        size /= 1024
+    return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 __all__ = ["PassResult", "Pass", "PassContext", "PassRecord", "PassManager", "PASSES",
            "register_pass", "get_pass", "build_pipeline", "parse_pass_options", "coerce_option",
-           "summarize"]
+           "summarize", "format_bytes"]

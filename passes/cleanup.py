@@ -206,7 +206,7 @@ class FoldConstants(Pass):
             return False
         for name in node.inputs:
             p = graph.params.get(name)
-            if p is None or p.shard or not isinstance(graph.weights.get(name), torch.Tensor):
+            if p is None or p.quant or p.shard or not isinstance(graph.weights.get(name), torch.Tensor):
                 return False
         out_types = [v.type for v in node.outputs]
         if any(t.dtype == "symint" or not all(isinstance(d, int) for d in t.shape) for t in out_types):

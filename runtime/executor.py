@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+
 from llmc.codegen.cpu_kernels import RopeCache, resolve_kernel
 from llmc.codegen.plan import Plan
 from llmc.compiler.ops import TORCH_DTYPES
-from llmc.runtime.attention import AttentionBackend, NoCacheAttention
-
 from llmc.errors import ArtifactError, RuntimeLlmcError
+from llmc.runtime.attention import AttentionBackend, NoCacheAttention
 
 
 class Launch(NamedTuple):
@@ -97,10 +97,11 @@ class PlanExecutor:
             raise RuntimeLlmcError(f"plan input {name!r}: expected {want}, got {t.dtype} "
                                    f"{list(t.shape)}")
         for dim, size in zip(want.shape, t.shape):
-            if dim == "tokens" and size > self.plan.max_tokens:
-                raise RuntimeLlmcError(f"plan input {name!r} has {size} tokens, over the "
-                                       f"{self.plan.max_tokens} the plan was built for; split the "
-                                       f"batch or recompile with a larger max_tokens")
+            # every symbolic dim counts tokens or a subset of them (see plan_memory)
+            if isinstance(dim, str) and size > self.plan.max_tokens:
+                raise RuntimeLlmcError(f"plan input {name!r} has {size} along {dim!r}, over the "
+                                       f"{self.plan.max_tokens} batched tokens the plan was built "
+                                       f"for; split the batch or recompile with a larger max_tokens")
         return t.to(self.device)
 
 

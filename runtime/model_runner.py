@@ -30,6 +30,8 @@ class ModelRunner:
             last_row[seq.seq_id] = len(ids) - 1
             layout.append((seq.block_table, start, n))
         self.attention.metadata = StepMetadata.build(layout, self.cache.block_size)
-        logits = self.executor.run(torch.tensor(ids), torch.tensor(positions), self.attention)
         rows = torch.tensor([last_row[s.seq_id] for s in sampled], dtype=torch.long)
-        return logits[rows]
+        inputs = {"input_ids": torch.tensor(ids), "positions": torch.tensor(positions), "logits_indices": rows}
+        if "logits_indices" not in self.executor.plan.inputs:  # plans whose LM head could not be split
+            return self.executor.run(inputs["input_ids"], inputs["positions"], self.attention)[rows]
+        return self.executor.run_values(inputs, self.attention)["logits"]

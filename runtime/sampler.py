@@ -146,7 +146,7 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
         logits = torch.where((prompt_counts + output_counts) > 0, penalised, logits)
     frequency = _column([p.frequency_penalty for p in params], device)
     presence = _column([p.presence_penalty for p in params], device)
-    return logits - frequency * output_counts - presence * output_counts
+    return logits - frequency * output_counts - presence * (output_counts > 0).float()
 
 
 def token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:

@@ -3,10 +3,12 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from llmc.codegen.memory_plan import MemoryPlan, assign_slots, plan_memory, value_lifetimes
 from llmc.compiler.ir import Graph, TensorType
-
 from llmc.errors import TargetError
+
+from tiny_llama import build_tiny_llama
 
 
 def live_sets(graph: Graph) -> list[set[str]]:
@@ -44,6 +46,13 @@ def test_each_slot_is_sized_for_its_largest_value(tiny_llama):
         members = plan.values_in(slot)
         assert members
         assert size == max(16 * tiny_llama.type_of(v).shape[-1] * 4 for v in members)
+
+
+def test_other_symbolic_dims_are_bounded_by_max_tokens():
+    plan = plan_memory(build_tiny_llama(select_rows=True), max_tokens=16)
+    assert plan.value_bytes["last_rows"] == 16 * 32 * 4
+    bound = plan_memory(build_tiny_llama(select_rows=True), 16, dims={"rows": 2})
+    assert bound.value_bytes["logits"] == 2 * 50 * 4
 
 
 def test_peak_scales_with_max_tokens(tiny_llama):

@@ -5,14 +5,15 @@ import json
 
 import pytest
 import torch
+
 from llmc.codegen.cpu_kernels import CPU_KERNELS, RopeCache, resolve_kernel
 from llmc.codegen.plan import Plan, build_plan
 from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import OPS, run_reference
-from llmc.runtime.attention import NoCacheAttention
-from tiny_llama import build_tiny_llama
-
 from llmc.errors import ArtifactError, IRError, TargetError
+from llmc.runtime.attention import NoCacheAttention
+
+from tiny_llama import build_tiny_llama
 
 GEN = torch.Generator().manual_seed(7)
 
@@ -87,14 +88,20 @@ def check_kernel(op, inputs, **attrs):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
-def test_every_ir_op_has_a_cpu_kernel():
-    assert {f"cpu.{op}" for op in OPS} <= set(CPU_KERNELS)
+def test_every_ir_op_resolves_to_a_cpu_kernel():
+    assert {"cpu.embedding", "cpu.rms_norm", "cpu.linear", "cpu.rope", "cpu.attention", "cpu.silu",
+            "cpu.mul", "cpu.add", "cpu.aten"} <= set(CPU_KERNELS)
+    assert all(callable(resolve_kernel(f"cpu.{op}")) for op in OPS)
 
 
 def test_elementwise_kernels_match_references():
     check_kernel("silu", [randn(5, 12)])
     check_kernel("mul", [randn(5, 12), randn(5, 12)])
     check_kernel("add", [randn(5, 12), randn(12)])
+
+
+def test_select_rows_matches_reference():
+    check_kernel("select_rows", [randn(6, 16), torch.tensor([5, 0, 3])])
 
 
 def test_embedding_and_linear_match_references():

@@ -14,6 +14,7 @@ from llmc.passes.base import (
     PassManager,
     PassResult,
     build_pipeline,
+    format_bytes,
     get_pass,
     parse_pass_options,
     register_pass,
@@ -142,7 +143,13 @@ def test_verbose_prints_one_summary_per_pass():
     lines = []
     PassManager(build_pipeline(CLEANUP), quiet_ctx(verbose=True, echo=lines.append)).run(small_graph())
     assert [line.split(":")[0] for line in lines] == CLEANUP
-    assert lines[2].startswith("dce: 1 matches")
+    assert lines[2].startswith("dce: 1 matches, 128 B saved, ")
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"),
+                                     (-3 * 2**20, "-3.0 MiB"), (5 * 2**40, "5120.0 GiB")])
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text
 
 
 def test_pass_must_return_a_pass_result():

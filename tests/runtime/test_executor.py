@@ -1,17 +1,17 @@
 """The plan executor and the attention backends: logits equal an op-by-op reference run,
 activations die when the memory plan says, and cached decoding equals a full forward."""
 
-import gc
 import weakref
 
 import pytest
 import torch
+
 from llmc.codegen.plan import Plan, build_plan
+from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime.attention import ContiguousKVCache, NoCacheAttention
 from llmc.runtime.executor import PlanExecutor
-from tiny_llama import HEAD_DIM, HEADS, KV_HEADS, build_tiny_llama, random_tokens, reference_outputs
 
-from llmc.errors import ArtifactError, RuntimeLlmcError
+from tiny_llama import HEAD_DIM, HEADS, KV_HEADS, build_tiny_llama, random_tokens, reference_outputs
 
 ATTN = dict(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=HEAD_DIM ** -0.5)
 
@@ -68,6 +68,16 @@ def test_run_values_returns_every_plan_output():
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
 
 
+def test_logit_rows_are_selected_before_the_lm_head():
+    graph = build_tiny_llama(seed=4, select_rows=True)
+    ids, positions = random_tokens(7)
+    rows = torch.tensor([6, 2])
+    inputs = {"input_ids": ids, "positions": positions, "logits_indices": rows}
+    got = executor_for(graph).run_values(inputs)["logits"]
+    want = reference_outputs(build_tiny_llama(seed=4), inputs)["logits"][rows]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_activations_are_released_when_their_value_dies():
     graph = build_tiny_llama()
     ex = executor_for(graph)
@@ -78,7 +88,6 @@ def test_activations_are_released_when_their_value_dies():
     def watch(step, launch):
         def run(*args, **kwargs):
             nonlocal most_alive
-            gc.collect()
             # the executor's loop still holds the previous step's results list
             stale = [v for v, ref in alive.items()
                      if ref() is not None and lifetimes[v][1] < step - 1 and v not in outputs]

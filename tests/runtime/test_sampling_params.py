@@ -5,8 +5,7 @@ import json
 import pytest
 
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime.outputs import (CompletionOutput, Logprob, RequestMetrics,
-                                  RequestOutput)
+from llmc.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 
 

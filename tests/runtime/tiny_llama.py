@@ -4,6 +4,7 @@ evaluation of it through the ops.py references, shared by the codegen and runtim
 from __future__ import annotations
 
 import torch
+
 from llmc.compiler.ir import Graph, TensorType
 from llmc.compiler.ops import run_reference
 
@@ -64,9 +65,11 @@ def _mlp_block(b: _Builder, i: int, x: str) -> str:
     return b.node("add", [x, d], _f32("tokens", HIDDEN), f"l{i}.mlp_residual")
 
 
-def build_tiny_llama(seed: int = 0, num_layers: int = 2, aten_scale: bool = False) -> Graph:
+def build_tiny_llama(seed: int = 0, num_layers: int = 2, aten_scale: bool = False,
+                     select_rows: bool = False) -> Graph:
     """embedding -> num_layers x (attention block, MLP block) -> norm -> lm_head; with
-    `aten_scale`, an aten.mul fallback scales the embeddings (as Gemma does)."""
+    `aten_scale`, an aten.mul fallback scales the embeddings (as Gemma does); with
+    `select_rows`, the LM head runs only on the rows named by input `logits_indices: int64[rows]`."""
     g = Graph("tiny_llama")
     b = _Builder(g, seed)
     g.add_input("input_ids", TensorType(("tokens",), "int64"))
@@ -80,7 +83,14 @@ def build_tiny_llama(seed: int = 0, num_layers: int = 2, aten_scale: bool = Fals
                    args=[{"$in": 0}, {"$float": "1.5"}], kwargs={})
     for i in range(num_layers):
         x = _mlp_block(b, i, _attention_block(b, i, x))
-    b.linear(b.rms_norm(x, "norm", "final_norm"), "lm_head", VOCAB, HIDDEN, "logits")
+    x = b.rms_norm(x, "norm", "final_norm")
+    if select_rows:
+        g.add_input("logits_indices", TensorType(("rows",), "int64"))
+        x = b.node("select_rows", [x, "logits_indices"], _f32("rows", HIDDEN), "last_rows")
+        w = b.param("lm_head", VOCAB, HIDDEN)
+        b.node("linear", [x, w], _f32("rows", VOCAB), "logits")
+    else:
+        b.linear(x, "lm_head", VOCAB, HIDDEN, "logits")
     g.outputs = ["logits"]
     g.verify()
     return g
