@@ -21,6 +21,7 @@ from llmc.errors import ArtifactError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+TIMINGS = "timings.json"  # wall-clock build log: informational, not hashed
 GRAPH = "graph.json"
 PLAN = "plan.json"
 WEIGHTS = "weights.safetensors"
@@ -40,9 +41,11 @@ class Artifact:
 
 
 def write_artifact(path, *, graph_json: str, plan_json: str, weights: dict[str, torch.Tensor], tokenizer,
-                   manifest: dict, kernels: dict[str, str] | None = None, force: bool = False) -> Path:
+                   manifest: dict, kernels: dict[str, str] | None = None, timings: dict | None = None,
+                   force: bool = False) -> Path:
     """Write an artifact to `path` via a temporary sibling directory renamed into place, so a
-    failed write leaves nothing behind. The same inputs give byte-identical files."""
+    failed write leaves nothing behind. The same inputs give byte-identical files, except
+    `timings.json` (the build's wall-clock log), which is therefore not hashed."""
     path = Path(path)
     refuse_existing(path, force)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,6 +53,8 @@ def write_artifact(path, *, graph_json: str, plan_json: str, weights: dict[str, 
     try:
         staging.chmod(0o755)  # mkdtemp makes it owner-only
         write_contents(staging, graph_json, plan_json, weights, tokenizer, manifest, kernels or {})
+        if timings is not None:
+            (staging / TIMINGS).write_bytes(dump_json(timings).encode())
         move_into_place(staging, path, force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -128,7 +133,8 @@ def read_artifact(path, verify: bool = True) -> Artifact:
     """Read the artifact at `path`; with verify, first check every file against the manifest."""
     path = Path(path)
     if not path.is_dir():
-        raise ArtifactError(f"artifact '{path}' not found (no such directory); compile one with `llmc compile`")
+        raise ArtifactError(f"artifact '{path}' not found (no such directory); "
+                            f"compile one with `llmc compile`")
     manifest = read_manifest(path)
     if verify:
         verify_files(path, manifest)
@@ -156,7 +162,7 @@ def read_manifest(path: Path) -> dict:
 
 def verify_files(path: Path, manifest: dict) -> None:
     listed = manifest["files"]
-    unlisted = sorted(set(list_files(path)) - set(listed) - {MANIFEST})
+    unlisted = sorted(set(list_files(path)) - set(listed) - {MANIFEST, TIMINGS})
     if unlisted:
         raise ArtifactError(f"artifact '{path}': file {unlisted[0]} is not listed in {MANIFEST} "
                             f"(added after compiling?); remove it or recompile")

@@ -3,6 +3,7 @@ Each stage is timed and logged into the manifest's report."""
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ def model_meta(config, graph: Graph) -> dict:
         "bos_token_id": getattr(text, "bos_token_id", None),
         "kv_dtype": dtype,
         "kv_bytes_per_token": 2 * text.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype],
+        # the whole HF config, so tools (the HF bench baseline) can rebuild the reference model
+        "hf_config": json.loads(config.to_json_string(use_diff=False)),
     }
 
 

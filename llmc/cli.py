@@ -154,6 +154,76 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
         messages.append({"role": "assistant", "content": reply})
 
 
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--num-requests", "-n", default=64, show_default=True)
+@click.option("--input-len", default=128, show_default=True)
+@click.option("--output-len", default=128, show_default=True)
+@click.option("--input-spread", default=0.0, show_default=True, help="Prompt lengths uniform in len*(1±spread).")
+@click.option("--output-spread", default=0.0, show_default=True)
+@click.option("--prefix-len", default=0, show_default=True, help="Tokens every prompt shares.")
+@click.option("--qps", default="inf", show_default=True, help="Poisson arrival rate; inf = all at once.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--kv-memory", default="1GiB", show_default=True)
+@click.option("--max-num-seqs", default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=None)
+@click.option("--no-prefix-caching", is_flag=True)
+@click.option("--baseline", type=click.Choice(["none", "hf"]), default="none", show_default=True)
+@click.option("--baseline-batch-size", type=int, default=None, help="HF batch size (default: all requests).")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write latency CDFs and throughput to this PNG.")
+def bench(artifact, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps, seed,
+          kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline, baseline_batch_size,
+          as_json, plot):
+    """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers."""
+    from llmc.runtime.bench import Workload, hf_model_from_artifact, run_engine, run_hf_baseline
+    from llmc.runtime.engine import Engine, EngineConfig
+
+    try:
+        qps_value = float(qps)
+    except ValueError:
+        raise LlmcError(f"--qps {qps!r} is not a number; use e.g. 4 or inf") from None
+    workload = Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
+                        qps_value, seed)
+    engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens,
+                                           enable_prefix_caching=not no_prefix_caching))
+    requests = workload.build(engine.model["vocab_size"])
+    ours = run_engine(engine, requests, progress=not as_json)
+    result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}}
+    base = None
+    if baseline == "hf":
+        model = hf_model_from_artifact(engine)
+        pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
+        base = run_hf_baseline(model, requests, pad, baseline_batch_size, progress=not as_json)
+        result["baseline"] = base.to_dict()
+        result["ratio"] = ours.output_tokens_per_s / base.output_tokens_per_s
+    if plot:
+        from llmc.runtime.bench_plot import plot_bench
+        plot_bench(ours, plot, base, title=f"llmc bench: {artifact}")
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
+        return
+    click.echo(_bench_table(result))
+
+
+def _bench_table(r: dict) -> str:
+    def pct(d):
+        return "  ".join(f"{k} {d[k]:8.1f}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
+    lines = [f"requests/s        {r['requests_per_s']:.2f}",
+             f"output tokens/s   {r['output_tokens_per_s']:.1f}",
+             f"TTFT ms           {pct(r['ttft_ms'])}",
+             f"TPOT ms           {pct(r['tpot_ms'])}",
+             f"ITL ms            {pct(r['itl_ms'])}",
+             f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
+             f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}"]
+    if "baseline" in r:
+        b = r["baseline"]
+        lines += [f"HF baseline       {b['output_tokens_per_s']:.1f} output tokens/s, {b['requests_per_s']:.2f} req/s",
+                  f"ratio (ours / HF) {r['ratio']:.2f}x output tokens/s"]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     try:
         cli.main(args=argv, prog_name="llmc", standalone_mode=False)

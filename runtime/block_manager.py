@@ -218,7 +218,7 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            pass
+            del self.evictable_block_ids[block_id]
         block.ref_count += 1
         block.last_access = self._tick
 

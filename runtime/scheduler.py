@@ -218,7 +218,7 @@ class Scheduler:
             seq = self.waiting[0]
             # Head of line blocks the queue, so priority and FCFS order hold.
             if not bm.can_allocate(seq):
-                break
+                continue
             if not self.config.enable_chunked_prefill and \
                     seq.num_tokens - bm.count_cached_tokens(seq) > budget:
                 break

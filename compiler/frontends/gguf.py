@@ -9,8 +9,13 @@ import torch
 from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmc.compiler.frontends.model import (SUPPORTED_GGUF_ARCHITECTURES, LoadedModel, call_transformers,
-                                           first_line, sha256_file)
+from llmc.compiler.frontends.model import (
+    SUPPORTED_GGUF_ARCHITECTURES,
+    LoadedModel,
+    call_transformers,
+    first_line,
+    sha256_file,
+)
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"

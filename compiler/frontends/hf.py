@@ -10,8 +10,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from llmc.compiler.frontends.model import (ARCHITECTURE_BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES,
-                                           LoadedModel, call_transformers, first_line, hash_files)
+from llmc.compiler.frontends.model import (
+    ARCHITECTURE_BY_MODEL_TYPE,
+    SUPPORTED_ARCHITECTURES,
+    LoadedModel,
+    call_transformers,
+    first_line,
+    hash_files,
+)
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
 EXPECTED_FILES = "config.json, *.safetensors and tokenizer files (tokenizer.json or tokenizer.model)"
@@ -39,7 +45,8 @@ def find_config(path: Path) -> Path:
     config_path = path / "config.json"
     if not config_path.is_file():
         found = sorted(p.name for p in path.iterdir())
-        listing = f"found {', '.join(found[:12])}{' …' if len(found) > 12 else ''}" if found else "it is empty"
+        more = " …" if len(found) > 12 else ""
+        listing = f"found {', '.join(found[:12])}{more}" if found else "it is empty"
         raise ModelLoadError(f"directory '{path}' is not a model: no config.json ({listing}); "
                              f"expected {EXPECTED_FILES}")
     return config_path

@@ -168,6 +168,21 @@ def test_preemption_takes_the_newest_and_it_resumes_by_recompute():
     assert new.output_token_ids == expected_output(new, 12)
 
 
+def test_no_admission_in_a_step_that_preempted():
+    rng = random.Random(12)
+    h = Harness(num_blocks=6, prefix_caching=False, max_num_seqs=2)
+    h.add(prompt(rng, 8), max_tokens=12)
+    new = h.add(prompt(rng, 8), max_tokens=12)
+    h.step()
+    urgent = h.add(prompt(rng, 3), max_tokens=1, priority=1)  # waits: max_num_seqs is reached
+    outs = h.run()
+    at = next(i for i, o in enumerate(outs) if o.preempted)
+    assert outs[at].preempted == [new]
+    # Its freed blocks would fit `urgent`, but admitting now only invites the next preemption.
+    assert urgent not in [s for s, _ in outs[at].scheduled]
+    assert urgent in [s for s, _ in outs[at + 1].scheduled]
+
+
 def test_preemption_spares_higher_priority_even_if_newer():
     rng = random.Random(6)
     h = Harness(num_blocks=6, prefix_caching=False)

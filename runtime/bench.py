@@ -1,0 +1,175 @@
+"""Offline serving benchmark: a synthetic workload (prompt/output length distributions,
+arrival all at once or Poisson) run through the engine, with latency percentiles, KV
+figures, and optionally the same workload through HF transformers as a baseline."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.metrics import percentiles
+from llmc.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class Workload:
+    num_requests: int = 64
+    input_len: int = 128
+    output_len: int = 128
+    input_spread: float = 0.0        # lengths uniform in len * [1 - spread, 1 + spread]
+    output_spread: float = 0.0
+    prefix_len: int = 0              # tokens every prompt shares (prefix-cache workloads)
+    qps: float = math.inf            # inf: all requests arrive at once; else Poisson arrivals
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_requests", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise RuntimeLlmcError(f"bench: --{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.input_spread < 1 or not 0 <= self.output_spread < 1:
+            raise RuntimeLlmcError("bench: length spreads must lie in [0, 1)")
+        if self.qps <= 0:
+            raise RuntimeLlmcError("bench: --qps must be positive (or inf for all at once)")
+
+    def build(self, vocab_size: int) -> list[dict]:
+        rng = np.random.default_rng(self.seed)
+        prefix = rng.integers(0, vocab_size, self.prefix_len).tolist()
+        gaps = np.zeros(self.num_requests) if math.isinf(self.qps) else rng.exponential(1 / self.qps, self.num_requests)
+        arrivals = np.cumsum(gaps) - gaps[0]
+        reqs = []
+        for i in range(self.num_requests):
+            n_in = _spread(rng, self.input_len, self.input_spread)
+            n_out = _spread(rng, self.output_len, self.output_spread)
+            ids = prefix + rng.integers(0, vocab_size, max(1, n_in - self.prefix_len)).tolist()
+            reqs.append({"prompt_token_ids": ids, "max_tokens": n_out, "arrival": float(arrivals[i])})
+        return reqs
+
+
+def _spread(rng, n: int, spread: float) -> int:
+    return n if spread == 0 else int(rng.integers(max(1, round(n * (1 - spread))), round(n * (1 + spread)) + 1))
+
+
+@dataclass
+class BenchResult:
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_seconds: float
+    ttft_ms: dict
+    tpot_ms: dict
+    itl_ms: dict
+    kv_waste: float | None = None
+    prefix_hit_rate: float | None = None
+    preemptions: int | None = None
+    peak_kv_usage: float | None = None
+    timeline: list[tuple[float, int]] = field(default_factory=list)   # (seconds, tokens) per step
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        keys = ("requests_per_s", "output_tokens_per_s", "total_seconds", "ttft_ms", "tpot_ms", "itl_ms",
+                "kv_waste", "prefix_hit_rate", "preemptions", "peak_kv_usage")
+        return {k: getattr(self, k) for k in keys}
+
+
+def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResult:
+    """Feed requests at their arrival times, step until all finish; time every token."""
+    from tqdm import tqdm
+
+    pending = sorted(enumerate(requests), key=lambda r: r[1]["arrival"])
+    token_times: dict[str, list[float]] = {}
+    arrival: dict[str, float] = {}
+    timeline: list[tuple[float, int]] = []
+    bar = tqdm(total=len(requests), desc="bench", unit="req", disable=not progress)
+    start = time.perf_counter()
+    total_tokens = 0
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0][1]["arrival"] <= now:
+            i, r = pending.pop(0)
+            rid = f"bench-{i}"
+            params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+            engine.add_request(rid, prompt_token_ids=r["prompt_token_ids"], params=params,
+                               arrival_time=time.monotonic())
+            arrival[rid], token_times[rid] = now, []
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][1]["arrival"] - now))
+            continue
+        outs = engine.step()
+        t = time.perf_counter() - start
+        step_tokens = 0
+        for out in outs:
+            n = len(out.outputs[0].token_ids) - len(token_times[out.request_id])
+            token_times[out.request_id] += [t] * n
+            step_tokens += n
+            if out.finished:
+                bar.update(1)
+        total_tokens += step_tokens
+        timeline.append((t, step_tokens))
+    total = time.perf_counter() - start
+    bar.close()
+    ttft = [ts[0] - arrival[r] for r, ts in token_times.items() if ts]
+    itl = [b - a for ts in token_times.values() for a, b in zip(ts, ts[1:])]
+    tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in token_times.values() if len(ts) > 1]
+    m = engine.metrics
+    return BenchResult(len(requests) / total, total_tokens / total, total, percentiles(ttft, 1e3),
+                       percentiles(tpot, 1e3), percentiles(itl, 1e3), m.kv_waste, m.prefix_hit_rate,
+                       m.preemptions, m.peak_kv_usage, timeline, ttft, itl, tpot)
+
+
+def hf_model_from_artifact(engine) -> torch.nn.Module:
+    """Rebuild the HF model from the artifact's own config and weights (same numbers, no
+    download), so the baseline runs exactly what we compiled."""
+    import transformers
+
+    cfg_dict = dict(engine.manifest["model"]["hf_config"])
+    arch = cfg_dict.get("architectures", ["LlamaForCausalLM"])[0]
+    config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    config._attn_implementation = "sdpa"
+    model = getattr(transformers, arch)(config).eval()
+    state = engine.executor.plan.params
+    weights = {name: engine.executor.weight(name) for name in state}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if "rotary_emb" not in m and not (m == "model.embed_tokens.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise RuntimeLlmcError(f"artifact weights do not cover HF {arch}: missing {missing[:4]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def run_hf_baseline(model, requests: list[dict], pad_id: int, batch_size: int | None = None,
+                    progress: bool = True) -> BenchResult:
+    """HF `generate`, left-padded batches of `batch_size` (all at once by default), greedy."""
+    from tqdm import tqdm
+
+    batch_size = batch_size or len(requests)
+    bar = tqdm(total=len(requests), desc="hf baseline", unit="req", disable=not progress)
+    start = time.perf_counter()
+    tokens, ttft = 0, []
+    for b in range(0, len(requests), batch_size):
+        chunk = requests[b:b + batch_size]
+        width = max(len(r["prompt_token_ids"]) for r in chunk)
+        ids = torch.full((len(chunk), width), pad_id)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, r in enumerate(chunk):
+            p = r["prompt_token_ids"]
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        n_out = max(r["max_tokens"] for r in chunk)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
+                                 do_sample=False, pad_token_id=pad_id)
+        tokens += sum(min(r["max_tokens"], out.shape[1] - width) for r in chunk)
+        ttft += [time.perf_counter() - t0] * len(chunk)   # no streaming: tokens arrive at the end
+        bar.update(len(chunk))
+    total = time.perf_counter() - start
+    bar.close()
+    none = percentiles([])
+    return BenchResult(len(requests) / total, tokens / total, total, percentiles(ttft, 1e3), none, none)
