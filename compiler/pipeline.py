@@ -37,7 +37,7 @@ class CompileOptions:
     quiet: bool = False
 
 
-def model_meta(config, graph: Graph) -> dict:
+def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
     """Facts the runtime needs without the HF config: shapes of the KV cache, special tokens."""
     text = getattr(config, "text_config", config)
     heads = text.num_attention_heads
@@ -46,7 +46,7 @@ def model_meta(config, graph: Graph) -> dict:
     eos = text.eos_token_id if getattr(text, "eos_token_id", None) is not None else []
     dtype = graph.type_of(graph.outputs[0]).dtype
     return {
-        "architecture": (getattr(config, "architectures", None) or [type(config).__name__])[0],
+        "architecture": (getattr(config, "architectures", None) or [type(module).__name__])[0],
         "num_layers": text.num_hidden_layers, "num_heads": heads, "num_kv_heads": kv_heads,
         "head_dim": head_dim, "hidden_size": text.hidden_size, "vocab_size": text.vocab_size,
         "max_position_embeddings": text.max_position_embeddings,
@@ -105,7 +105,7 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     ctx = PassContext(target=tgt, options={}, print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
     records = PassManager(pipeline, ctx).run(graph)
-    graph.meta = model_meta(loaded.config, graph)
+    graph.meta = model_meta(loaded.config, graph, loaded.module)
     t = time.perf_counter()
     plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens)
     log("plan", time.perf_counter() - t, {"steps": len(plan.steps)})

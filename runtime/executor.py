@@ -44,6 +44,13 @@ class PlanExecutor:
         self._program = [self._launch(i, step) for i, step in enumerate(plan.steps)]
         self._outputs = [self._register(o, "graph output") for o in plan.outputs]
 
+    def weight(self, name: str) -> torch.Tensor:
+        """The plan parameter `name` as the executor holds it (on its device)."""
+        if name not in self.plan.params:
+            raise RuntimeLlmcError(f"the plan has no parameter {name!r}; its parameters are "
+                                   f"{self.plan.params[:5]}{' ...' if len(self.plan.params) > 5 else ''}")
+        return self._params[self._registers[name]]
+
     def _register(self, name: str, where: str) -> int:
         try:
             return self._registers[name]
@@ -62,6 +69,7 @@ class PlanExecutor:
                       [self._register(o, where) for o in step.outputs], step.attrs,
                       getattr(fn, "context", ()), sorted({self._registers[v] for v in dying}))
 
+    @torch.inference_mode()
     def run_values(self, inputs: dict[str, torch.Tensor],
                    backend: AttentionBackend | None = None) -> dict[str, torch.Tensor]:
         """Run the plan on its graph inputs; returns every plan output by name."""

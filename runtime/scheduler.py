@@ -175,8 +175,10 @@ class Scheduler:
         order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, -s.priority,
                                                     s.arrival_index, s.seq_id))
         for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget)
-            if seq.status is not SequenceStatus.RUNNING or n <= 0:
+            if n <= 0:
                 continue
             if self._reserve_slots(seq, out):
                 out.add(seq, n)
@@ -218,7 +220,7 @@ class Scheduler:
             seq = self.waiting[0]
             # Head of line blocks the queue, so priority and FCFS order hold.
             if not bm.can_allocate(seq):
-                continue
+                break
             if not self.config.enable_chunked_prefill and \
                     seq.num_tokens - bm.count_cached_tokens(seq) > budget:
                 break
