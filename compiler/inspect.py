@@ -19,12 +19,30 @@ def _read_json(path: Path, what: str) -> dict:
         raise ArtifactError(f"artifact '{path.parent}': {what} {path.name} is corrupt ({e}); recompile") from None
 
 
+def _read_manifest(path: Path) -> dict:
+    if not path.is_dir():
+        raise ArtifactError(f"artifact '{path}' not found (no such directory); "
+                            f"compile one with `llmc compile MODEL -o DIR`")
+    manifest = _read_json(path / "manifest.json", "manifest")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("report"), dict):
+        raise ArtifactError(f"'{path}' is not an llmc artifact: its manifest.json has no report; "
+                            f"compile one with `llmc compile MODEL -o DIR`")
+    return manifest
+
+
+def _pass_seconds(pipeline: list[dict], timed: list[dict]) -> list[float | None]:
+    """Each pipeline entry's wall time, paired by position: a pass may run more than once."""
+    if [t["name"] for t in timed] != [p["name"] for p in pipeline]:
+        return [None] * len(pipeline)
+    return [t["seconds"] for t in timed]
+
+
 def report(artifact: str | Path) -> dict:
     """Machine-readable summary; keys are stable for pipelines."""
     path = Path(artifact)
-    manifest = _read_json(path / "manifest.json", "manifest")
+    manifest = _read_manifest(path)
     timings = _read_json(path / "timings.json", "build log") if (path / "timings.json").exists() else {}
-    seconds = {p["name"]: p["seconds"] for p in timings.get("passes", [])}
+    seconds = _pass_seconds(manifest["pipeline"], timings.get("passes", []))
     rep = manifest["report"]
     return {
         "target": manifest["target"]["name"],
@@ -37,7 +55,7 @@ def report(artifact: str | Path) -> dict:
         "activation_peak_bytes": rep["activation_peak_bytes"],
         "activation_naive_bytes": rep["activation_naive_bytes"],
         "max_num_batched_tokens": rep["max_num_batched_tokens"],
-        "passes": [{**p, "seconds": seconds.get(p["name"])} for p in manifest["pipeline"]],
+        "passes": [{**p, "seconds": t} for p, t in zip(manifest["pipeline"], seconds)],
         "stages": timings.get("stages", []),
         "artifact_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
         "llmc_version": manifest["llmc_version"],

@@ -55,8 +55,16 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
         "kv_dtype": dtype,
         "kv_bytes_per_token": 2 * text.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype],
         # the whole HF config, so tools (the HF bench baseline) can rebuild the reference model
-        "hf_config": json.loads(config.to_json_string(use_diff=False)),
+        "hf_config": hf_config_dict(config),
     }
+
+
+def hf_config_dict(config) -> dict:
+    """The config as JSON data, less `_name_or_path`: it holds the path the model was loaded
+    from, which would make the artifact's bytes depend on where the checkpoint sits."""
+    data = json.loads(config.to_json_string(use_diff=False))
+    data.pop("_name_or_path", None)
+    return data
 
 
 def weight_bytes_by_dtype(graph: Graph) -> dict[str, int]:

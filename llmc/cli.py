@@ -224,14 +224,23 @@ def _bench_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+# Bare `llmc` raises this (click >= 8.2) to show the help, which is what the user asked for.
+_SHOW_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def main(argv=None):
     try:
         cli.main(args=argv, prog_name="llmc", standalone_mode=False)
     except click.exceptions.Abort:
         sys.exit(130)
-    except click.ClickException as e:
+    except _SHOW_HELP as e:
         e.show()
         sys.exit(2)
+    except click.UsageError as e:
+        command = e.ctx.command_path if e.ctx else "llmc"
+        _fail(f"{e.format_message().rstrip('.')}; see `{command} --help`")
+    except click.ClickException as e:
+        _fail(e.format_message())
     except LlmcError as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:

@@ -111,6 +111,9 @@ class Engine:
         vocab = self.model["vocab_size"]
         if any(t < 0 or t >= vocab for t in ids):
             raise RuntimeLlmcError(f"request {request_id}: prompt token ids must lie in [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise RuntimeLlmcError(f"request {request_id}: prompt of {len(ids)} tokens is longer than the "
+                                   f"model's context of {self.max_model_len} tokens; shorten the prompt")
         now = time.monotonic() if arrival_time is None else arrival_time
         req = _Request(request_id, prompt, ids, params, RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)))
         seq = Sequence(ids, request_id=request_id, params=params, priority=priority, arrival_time=now)
@@ -167,18 +170,18 @@ class Engine:
             touched[req.request_id] = req
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            first = not s.state.output_token_ids
-            self._accept(s, result, i)
-            if first and s.index == 0 and req.params.n > 1:
+            if not s.state.output_token_ids and s.index == 0 and req.params.n > 1:
+                # fork before the parent's stop check, which may finish it and free its blocks
                 self._fork(req, s, logits[i])
+            self._accept(s, result, i)
 
     def _accept(self, s: _Sample, result, i: int) -> None:
         token = result.token_ids[i]
         s.state.output_token_ids.append(token)
         if s.state.params.logprobs is not None:
             entry = {token: Logprob(result.logprobs[i], result.ranks[i] if result.ranks else None)}
-            for tok, lp in (result.top_logprobs[i] if result.top_logprobs else []):
-                entry.setdefault(tok, Logprob(lp, None))
+            for rank, (tok, lp) in enumerate(result.top_logprobs[i] if result.top_logprobs else [], 1):
+                entry.setdefault(tok, Logprob(lp, rank))
             s.logprobs = (s.logprobs or []) + [entry]
             s.cumulative_logprob = (s.cumulative_logprob or 0.0) + result.logprobs[i]
         if s.stop.append(token):
@@ -194,6 +197,7 @@ class Engine:
             req.samples.append(sample)
             result = self.sampler.sample(logits[None], [sample.state])
             seq.append_token(result.token_ids[0])
+            self.metrics.generation_tokens += 1
             self._accept(sample, result, 0)
 
     def _find(self, seq: Sequence) -> _Sample:

@@ -1,0 +1,122 @@
+"""The paged KV cache and its attention backend: a mixed batch (a prefill chunk starting
+mid-sequence, fresh prefills, decodes) over random block tables equals float64 attention
+over each sequence's whole context, writes land in the right slots, and copy-on-write
+copies whole blocks in every layer."""
+
+import pytest
+import torch
+
+from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, LAYERS = 4, 2, 8, 4, 48, 2
+SCALE = HEAD_DIM ** -0.5
+
+
+def random_cache(gen: torch.Generator) -> PagedKVCache:
+    cache = PagedKVCache(LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    for t in cache.k_cache + cache.v_cache:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return cache
+
+
+def read_context(cache_layer: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
+    """[length, kv_heads, head_dim]: positions 0..length-1 of one sequence, slot by slot."""
+    return torch.stack([cache_layer[table[p // BLOCK], p % BLOCK] for p in range(length)])
+
+
+def float64_attention(q, k, v, start):
+    """q: [t, heads*hd] at positions start..; k/v: [ctx, kv_heads, hd]. One head at a time."""
+    q, k, v = q.double(), k.double(), v.double()
+    t, group = q.shape[0], HEADS // KV_HEADS
+    out = torch.empty(t, HEADS * HEAD_DIM, dtype=torch.float64)
+    for h in range(HEADS):
+        qh, kh, vh = q[:, h * HEAD_DIM:(h + 1) * HEAD_DIM], k[:, h // group], v[:, h // group]
+        scores = qh @ kh.T * SCALE
+        visible = torch.arange(k.shape[0])[None, :] <= (start + torch.arange(t))[:, None]
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[:, h * HEAD_DIM:(h + 1) * HEAD_DIM] = weights @ vh
+    return out
+
+
+def random_tables(gen, lengths: list[int]) -> list[list[int]]:
+    """Disjoint block tables in random order, enough blocks for each total length."""
+    ids = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = []
+    for n in lengths:
+        need = -(-n // BLOCK)
+        tables.append(ids[:need])
+        ids = ids[need:]
+    return tables
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixed_batch_matches_float64_attention_over_whole_context(seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache = random_cache(gen)
+    # (tokens already in the cache, new tokens): a prefill chunk from mid-sequence, decodes
+    # (one exactly at a block boundary), a fresh prefill and a one-token prompt
+    shapes = [(int(torch.randint(5, 30, (1,), generator=gen)), 7), (5, 1), (16, 1), (22, 1), (0, 9), (0, 1)]
+    tables = random_tables(gen, [start + n for start, n in shapes])
+    tokens = sum(n for _, n in shapes)
+    q = torch.randn(tokens, HEADS * HEAD_DIM, generator=gen)
+    k = torch.randn(tokens, KV_HEADS * HEAD_DIM, generator=gen)
+    v = torch.randn(tokens, KV_HEADS * HEAD_DIM, generator=gen)
+    layer = 1
+    before = [(read_context(cache.k_cache[layer], t, s), read_context(cache.v_cache[layer], t, s))
+              if s else (torch.empty(0, KV_HEADS, HEAD_DIM),) * 2 for t, (s, _) in zip(tables, shapes)]
+    untouched_layer = cache.k_cache[0].clone()
+
+    backend = PagedAttention(cache)
+    backend.metadata = StepMetadata.build([(t, s, n) for t, (s, n) in zip(tables, shapes)], BLOCK)
+    out = backend.forward(layer, q, k, v, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                          scale=SCALE, causal=True)
+
+    row = 0
+    for table, (start, n), (old_k, old_v) in zip(tables, shapes, before):
+        new_k = k[row:row + n].reshape(n, KV_HEADS, HEAD_DIM)
+        new_v = v[row:row + n].reshape(n, KV_HEADS, HEAD_DIM)
+        expected = float64_attention(q[row:row + n], torch.cat([old_k, new_k]), torch.cat([old_v, new_v]), start)
+        torch.testing.assert_close(out[row:row + n].double(), expected, atol=1e-5, rtol=1e-5)
+        # the new keys and values sit in their slots; the old context is intact
+        assert torch.equal(read_context(cache.k_cache[layer], table, start + n), torch.cat([old_k, new_k]))
+        assert torch.equal(read_context(cache.v_cache[layer], table, start + n), torch.cat([old_v, new_v]))
+        row += n
+    assert torch.equal(cache.k_cache[0], untouched_layer)
+
+
+def test_writes_touch_only_the_scheduled_slots():
+    gen = torch.Generator().manual_seed(3)
+    cache = random_cache(gen)
+    tables = random_tables(gen, [13, 6])
+    shapes = [(10, 3), (5, 1)]
+    before = cache.v_cache[0].clone()
+    backend = PagedAttention(cache)
+    backend.metadata = StepMetadata.build([(t, s, n) for t, (s, n) in zip(tables, shapes)], BLOCK)
+    backend.forward(0, torch.randn(4, HEADS * HEAD_DIM, generator=gen),
+                    torch.randn(4, KV_HEADS * HEAD_DIM, generator=gen),
+                    torch.randn(4, KV_HEADS * HEAD_DIM, generator=gen),
+                    num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=SCALE, causal=True)
+    written = {(tables[0][p // BLOCK], p % BLOCK) for p in range(10, 13)} | {(tables[1][1], 1)}
+    changed = {(b, s) for b in range(NUM_BLOCKS) for s in range(BLOCK)
+               if not torch.equal(cache.v_cache[0][b, s], before[b, s])}
+    assert changed == written
+
+
+def test_copy_blocks_copies_every_layer_and_nothing_else():
+    gen = torch.Generator().manual_seed(4)
+    cache = random_cache(gen)
+    before = [t.clone() for t in cache.k_cache + cache.v_cache]
+    src, dst = torch.randperm(NUM_BLOCKS, generator=gen)[:6].view(2, 3).tolist()
+    cache.copy_blocks(list(zip(src, dst)))
+    for old, new in zip(before, cache.k_cache + cache.v_cache):
+        expected = old.clone()
+        expected[dst] = old[src]
+        assert torch.equal(new, expected)
+        assert not torch.equal(new, old)
+
+
+def test_copy_blocks_with_no_pairs_changes_nothing():
+    cache = random_cache(torch.Generator().manual_seed(5))
+    before = cache.k_cache[1].clone()
+    cache.copy_blocks([])
+    assert torch.equal(cache.k_cache[1], before)
