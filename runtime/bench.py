@@ -128,7 +128,7 @@ def hf_model_from_artifact(engine) -> torch.nn.Module:
     import transformers
 
     cfg_dict = dict(engine.manifest["model"]["hf_config"])
-    arch = cfg_dict.get("architectures", ["LlamaForCausalLM"])[0]
+    arch = engine.model["architecture"]
     config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     config._attn_implementation = "sdpa"
     model = getattr(transformers, arch)(config).eval()

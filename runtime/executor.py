@@ -35,7 +35,8 @@ class PlanExecutor:
                                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; load the "
                                 f"artifact's weights file in full")
         self._registers = {p: i for i, p in enumerate(plan.params)}
-        self._params = [weights[p].to(self.device) for p in plan.params]
+        # safetensors hands out tensors at arbitrary byte offsets; copy into fresh (aligned) memory
+        self._params = [torch.empty_like(weights[p], device=self.device).copy_(weights[p]) for p in plan.params]
         base = len(self._registers)
         self._registers.update({name: base + i for i, name in enumerate(plan.inputs)})
         base += len(plan.inputs)

@@ -16,6 +16,16 @@ VOCAB = 512
 BLOCK = 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Tiny shapes gain nothing from a second intra-op thread, and on a busy two-core machine
+    # its barrier waits make every matmul ~10x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     # One compile per session: the runtime test modules share this read-only artifact.
@@ -81,6 +91,14 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def hf_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
+    """log p(output[i] | prompt + output[:i]) under HF, in float64."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output])).logits[0].double()
+    rows = logits.log_softmax(-1)[len(prompt) - 1:-1]
+    return [float(rows[i, t]) for i, t in enumerate(output)]
 
 
 # --- in-flight batching -----------------------------------------------------------------
@@ -216,17 +234,17 @@ def record_copies(engine: Engine) -> list[tuple[int, int]]:
     return copies
 
 
-def test_n_samples_share_prompt_blocks_copy_on_write(artifact):
+def test_n_samples_share_prompt_blocks_copy_on_write(artifact, reference):
     gen = torch.Generator().manual_seed(16)
     prompt = random_prompt(gen, 37)  # two full blocks and a shared partial one
     engine = make_engine(artifact)
     copies = record_copies(engine)
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=0)
     engine.add_request("s", prompt_token_ids=prompt, params=params)
     engine.step()  # the prefill samples the first tokens and forks
     seqs = [s.seq for s in engine.requests["s"].samples]
     assert len(seqs) == 3 and all(s.block_table == seqs[0].block_table for s in seqs)
-    shared = seqs[0].block_table
+    shared = list(seqs[0].block_table)
     assert [engine.block_manager.blocks[b].ref_count for b in shared] == [3, 3, 3]
     assert copies == []
 
@@ -237,6 +255,10 @@ def test_n_samples_share_prompt_blocks_copy_on_write(artifact):
     samples = [c.token_ids for c in out.outputs]
     assert all(len(t) == 12 for t in samples)
     assert len({tuple(t) for t in samples}) == 3, "temperature 1 samples should differ"
+    for sample in out.outputs:  # each saw its own tokens' KV: its logprobs are HF's
+        expected = hf_logprobs(reference.module, prompt, sample.token_ids)
+        got = [sample.logprobs[i][t].logprob for i, t in enumerate(sample.token_ids)]
+        assert got == pytest.approx(expected, abs=1e-4)
     assert_no_blocks_held(engine)
 
 
@@ -309,7 +331,7 @@ def test_logprobs_match_hf_log_softmax(llm, reference):
     ids = out.prompt_token_ids + sample.token_ids
     with torch.inference_mode():
         logits = reference.module(torch.tensor([ids])).logits[0].double()
-    expected = logits.log_softmax(-1)[len(out.prompt_token_ids) - 1:-1]
+    expected = logits.log_softmax(-1)[len(out.prompt_token_ids) - 1:-1]  # [outputs, vocab]
     assert len(sample.logprobs) == 6
     for step, (token, row) in enumerate(zip(sample.token_ids, expected)):
         entry = sample.logprobs[step]

@@ -1,0 +1,155 @@
+"""The serving benchmark: workloads are reproducible, an engine run reports sane
+throughput, latency and KV figures, the HF baseline runs the artifact's own weights, the
+plot is a PNG, and `llmc bench --json` carries every figure it promises."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import llmc
+from llmc.cli import cli
+from llmc.compiler.frontends import load_model
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.bench import Workload, hf_model_from_artifact, run_engine, run_hf_baseline
+from llmc.runtime.bench_plot import plot_bench
+from llmc.runtime.engine import Engine, EngineConfig
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Tiny shapes gain nothing from a second intra-op thread, and on a busy two-core machine
+    # its barrier waits make every matmul ~10x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    # One compile per session: the runtime test modules share this read-only artifact.
+    path = tmp_path_factory.getbasetemp() / "tiny-llama.llmc"
+    if not path.exists():
+        llmc.compile("tiny-llama", target="cpu", output=path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(artifact):
+    return Engine(artifact, EngineConfig(kv_memory="4MiB"))
+
+
+@pytest.fixture(scope="module")
+def engine_run(engine):
+    requests = Workload(8, input_len=16, output_len=6, input_spread=0.5, output_spread=0.5, seed=3).build(VOCAB)
+    return requests, run_engine(engine, requests, progress=False)
+
+
+def test_workload_is_reproducible_and_within_its_bounds():
+    spec = dict(num_requests=40, input_len=50, output_len=20, input_spread=0.4, output_spread=0.5,
+                prefix_len=16, qps=8.0)
+    first, again = Workload(**spec, seed=1).build(VOCAB), Workload(**spec, seed=1).build(VOCAB)
+    assert first == again
+    assert first != Workload(**spec, seed=2).build(VOCAB)
+    prefix = first[0]["prompt_token_ids"][:16]
+    for r in first:
+        ids = r["prompt_token_ids"]
+        assert ids[:16] == prefix and all(0 <= t < VOCAB for t in ids)
+        assert 30 <= len(ids) <= 70 and 10 <= r["max_tokens"] <= 30
+    arrivals = [r["arrival"] for r in first]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert len({len(r["prompt_token_ids"]) for r in first}) > 5  # the spread is used
+    assert {r["arrival"] for r in Workload(num_requests=5, qps=math.inf).build(VOCAB)} == {0.0}
+
+
+@pytest.mark.parametrize("bad", [dict(num_requests=0), dict(input_spread=1.0), dict(qps=0.0)])
+def test_workload_rejects_bad_settings(bad):
+    with pytest.raises(RuntimeLlmcError, match="bench"):
+        Workload(**bad)
+
+
+def test_run_engine_reports_sane_numbers(engine, engine_run):
+    requests, result = engine_run
+    assert result.requests_per_s > 0 and result.output_tokens_per_s > 0
+    assert sum(n for _, n in result.timeline) == sum(r["max_tokens"] for r in requests)
+    assert result.output_tokens_per_s == pytest.approx(
+        sum(r["max_tokens"] for r in requests) / result.total_seconds)
+    assert len(result.ttft_s) == len(requests)
+    assert len(result.itl_s) == sum(r["max_tokens"] - 1 for r in requests)
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        p = getattr(result, name)
+        assert 0 < p["p50"] <= p["p95"] <= p["p99"], name
+    assert 0 <= result.kv_waste < 1 and 0 < result.peak_kv_usage <= 1
+    assert result.preemptions == 0 and 0 <= result.prefix_hit_rate <= 1
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_hf_model_from_artifact_reproduces_the_engine_logits(engine):
+    model = hf_model_from_artifact(engine)
+    ids = torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        hf_logits = model(ids[None]).logits[0]
+        source_logits = load_model("tiny-llama").module(ids[None]).logits[0]
+    ours = engine.executor.run_values({"input_ids": ids, "positions": torch.arange(23),
+                                       "logits_indices": torch.arange(23)})["logits"]
+    torch.testing.assert_close(hf_logits, ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hf_logits, source_logits, atol=1e-6, rtol=1e-6)
+
+
+def test_hf_baseline_runs_the_workload(engine, engine_run):
+    requests, _ = engine_run
+    result = run_hf_baseline(hf_model_from_artifact(engine), requests, pad_id=0, batch_size=4, progress=False)
+    assert result.requests_per_s > 0 and result.output_tokens_per_s > 0
+    assert result.output_tokens_per_s == pytest.approx(
+        sum(r["max_tokens"] for r in requests) / result.total_seconds)
+    assert 0 < result.ttft_ms["p50"] <= result.ttft_ms["p99"]
+
+
+def test_plot_bench_writes_a_png(engine_run, tmp_path):
+    _, result = engine_run
+    path = tmp_path / "bench.png"
+    plot_bench(result, str(path), baseline=result)
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_cli_bench_json_has_every_figure(artifact, tmp_path):
+    plot = tmp_path / "x.png"
+    res = CliRunner().invoke(cli, ["bench", str(artifact), "-n", "4", "--input-len", "8", "--output-len", "4",
+                                   "--kv-memory", "4MiB", "--json", "--baseline", "hf", "--plot", str(plot)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert {"p50", "p95", "p99"} <= set(report[name]), name
+        assert report[name]["p50"] <= report[name]["p95"] <= report[name]["p99"]
+    assert report["requests_per_s"] > 0 and report["output_tokens_per_s"] > 0
+    assert 0 <= report["kv_waste"] < 1 and 0 <= report["prefix_hit_rate"] <= 1
+    assert report["preemptions"] == 0
+    assert report["baseline"]["output_tokens_per_s"] > 0
+    assert report["ratio"] == pytest.approx(
+        report["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
+    assert report["workload"]["num_requests"] == 4
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_bench_table(artifact):
+    res = CliRunner().invoke(cli, ["bench", str(artifact), "-n", "2", "--input-len", "8", "--output-len", "3",
+                                   "--kv-memory", "4MiB"])
+    assert res.exit_code == 0, res.output
+    assert "output tokens/s" in res.stdout and "preemptions 0" in res.stdout
+
+
+def test_percentiles_are_ordered_on_skewed_samples():
+    from llmc.runtime.metrics import percentiles
+    samples = np.random.default_rng(5).lognormal(size=200).tolist()
+    p = percentiles(samples, 1e3)
+    assert p["p50"] <= p["p95"] <= p["p99"] <= max(samples) * 1e3
+    assert p["p50"] == pytest.approx(float(np.median(samples)) * 1e3)
+    assert percentiles([])["p50"] is None
