@@ -34,7 +34,7 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     # One compile per session: the runtime test modules share this read-only artifact.
-    path = tmp_path_factory.getbasetemp() / "tiny-llama.llmc"
+    path = tmp_path_factory.getbasetemp() / "runtime-tiny-llama-cpu.llmc"
     if not path.exists():
         llmc.compile("tiny-llama", target="cpu", output=path)
     return path
@@ -47,7 +47,8 @@ def engine(artifact):
 
 @pytest.fixture(scope="module")
 def engine_run(engine):
-    requests = Workload(8, input_len=16, output_len=6, input_spread=0.5, output_spread=0.5, seed=3).build(VOCAB)
+    workload = Workload(8, input_len=16, output_len=6, input_spread=0.5, output_spread=0.5, seed=3)
+    requests = workload.build(VOCAB)
     return requests, run_engine(engine, requests, progress=False)
 
 
@@ -101,6 +102,8 @@ def test_hf_model_from_artifact_reproduces_the_engine_logits(engine):
                                        "logits_indices": torch.arange(23)})["logits"]
     torch.testing.assert_close(hf_logits, ours, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hf_logits, source_logits, atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeLlmcError, match="no parameter 'lm_head'"):
+        engine.executor.weight("lm_head")
 
 
 def test_hf_baseline_runs_the_workload(engine, engine_run):
@@ -144,6 +147,14 @@ def test_cli_bench_table(artifact):
                                    "--kv-memory", "4MiB"])
     assert res.exit_code == 0, res.output
     assert "output tokens/s" in res.stdout and "preemptions 0" in res.stdout
+
+
+def test_cli_bench_bad_qps_is_a_one_line_error(artifact, capsys):
+    from llmc.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", str(artifact), "-n", "1", "--qps", "fast", "--kv-memory", "4MiB"])
+    assert exit_info.value.code == 2
+    assert "--qps 'fast' is not a number" in capsys.readouterr().err
 
 
 def test_percentiles_are_ordered_on_skewed_samples():

@@ -29,7 +29,7 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     # One compile per session: the runtime test modules share this read-only artifact.
-    path = tmp_path_factory.getbasetemp() / "tiny-llama.llmc"
+    path = tmp_path_factory.getbasetemp() / "runtime-tiny-llama-cpu.llmc"
     if not path.exists():
         llmc.compile("tiny-llama", target="cpu", output=path)
     return path
@@ -337,6 +337,7 @@ def test_logprobs_match_hf_log_softmax(llm, reference):
         entry = sample.logprobs[step]
         top = row.topk(3).indices.tolist()
         assert set(entry) == {token, *top} and entry[token].rank == 1
+        assert [entry[t].rank for t in top] == [1, 2, 3]
         for tok, lp in entry.items():
             assert lp.logprob == pytest.approx(float(row[tok]), abs=1e-4)
     assert sample.cumulative_logprob == pytest.approx(
@@ -345,7 +346,8 @@ def test_logprobs_match_hf_log_softmax(llm, reference):
 
 def test_chat_applies_the_chat_template(llm, reference):
     conversation = [{"role": "user", "content": "Hello! How are you?"}]
-    expected = reference.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    expected = reference.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                       add_generation_prompt=True)
     assert expected.endswith("<|im_start|>assistant\n")
     out = llm.chat(conversation, greedy(8))[0]
     assert out.prompt == expected

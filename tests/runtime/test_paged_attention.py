@@ -75,7 +75,8 @@ def test_mixed_batch_matches_float64_attention_over_whole_context(seed):
     for table, (start, n), (old_k, old_v) in zip(tables, shapes, before):
         new_k = k[row:row + n].reshape(n, KV_HEADS, HEAD_DIM)
         new_v = v[row:row + n].reshape(n, KV_HEADS, HEAD_DIM)
-        expected = float64_attention(q[row:row + n], torch.cat([old_k, new_k]), torch.cat([old_v, new_v]), start)
+        expected = float64_attention(q[row:row + n], torch.cat([old_k, new_k]),
+                                     torch.cat([old_v, new_v]), start)
         torch.testing.assert_close(out[row:row + n].double(), expected, atol=1e-5, rtol=1e-5)
         # the new keys and values sit in their slots; the old context is intact
         assert torch.equal(read_context(cache.k_cache[layer], table, start + n), torch.cat([old_k, new_k]))
