@@ -10,16 +10,20 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from llmc.compiler.ops import OPS, apply_rope, decode_arg, resolve_aten, rope_cos_sin
+from llmc.codegen.cpu_qlinear import pack_qlinear, run_qlinear
+from llmc.compiler.ops import OPS, apply_rope, decode_arg, qlinear_inputs, qlinear_ref, resolve_aten, rope_cos_sin
 from llmc.errors import ArtifactError
 
 CPU_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
 
 
-def kernel(op: str, context: tuple[str, ...] = ()):
-    """Register `fn` as kernel cpu.<op>; `context` names the per-forward keyword args it takes."""
+def kernel(op: str, context: tuple[str, ...] = (), prepare: Callable | None = None):
+    """Register `fn` as kernel cpu.<op>; `context` names the per-forward keyword args it takes.
+    `prepare(inputs, attrs) -> dict`, when given, runs once per launch at load with the launch's
+    param inputs (None for activations); the dict joins the launch's keyword args."""
     def register(fn):
         fn.context = context
+        fn.prepare = prepare
         CPU_KERNELS[f"cpu.{op}"] = fn
         return fn
     return register
@@ -58,6 +62,27 @@ def rms_norm(x, weight, *, eps, **attrs):
 @kernel("linear")
 def linear(x, weight, bias=None, **attrs):
     return [F.linear(x, weight, bias)]
+
+
+def prepare_qlinear(inputs, attrs) -> dict:
+    """Convert a qlinear's stored weights into torch's packed CPU layout once, at load."""
+    _, qweight, scales, zeros = qlinear_inputs(list(inputs), attrs)[:4]
+    if qweight is None or scales is None or (attrs.get("has_zeros") and zeros is None):
+        return {}
+    packed = pack_qlinear(attrs["scheme"], qweight, scales, zeros, attrs.get("group_size", -1))
+    return {} if packed is None else {"cpu_weights": packed}
+
+
+@kernel("qlinear", prepare=prepare_qlinear)
+def qlinear(*inputs, scheme, cpu_weights=None, **attrs):
+    """int8/int4 through torch's packed kernels (codegen/cpu_qlinear.py); schemes without
+    one, and group sizes torch does not pack, run the reference (dequantise, fp32 GEMM)."""
+    x, qweight, scales, zeros, _, bias = qlinear_inputs(list(inputs), attrs)
+    if cpu_weights is None:
+        cpu_weights = pack_qlinear(scheme, qweight, scales, zeros, attrs.get("group_size", -1))
+    if cpu_weights is None:
+        return qlinear_ref(*inputs, scheme=scheme, **attrs)
+    return [run_qlinear(x, cpu_weights, bias)]
 
 
 @kernel("silu")

@@ -50,6 +50,7 @@ def report(artifact: str | Path) -> dict:
         "op_counts": rep["op_counts"],
         "weight_bytes": rep["weight_bytes"],
         "weight_bytes_total": sum(rep["weight_bytes"].values()),
+        "quant": quant_summary(manifest["pipeline"]),
         "kv_bytes_per_token": rep["kv_bytes_per_token"],
         "kv_bytes_full_context": rep["kv_bytes_full_context"],
         "activation_peak_bytes": rep["activation_peak_bytes"],
@@ -61,6 +62,34 @@ def report(artifact: str | Path) -> dict:
         "llmc_version": manifest["llmc_version"],
         "torch_version": manifest["torch_version"],
     }
+
+
+def quant_summary(pipeline: list[dict]) -> dict:
+    """Per quantisation scheme (from the quantising passes' `details["quant"]`): the passes,
+    method, group size, linears quantised and kept, and their weight bytes before and after."""
+    out: dict[str, dict] = {}
+    for record in pipeline:
+        for scheme, fig in (record.get("details") or {}).get("quant", {}).items():
+            entry = out.setdefault(scheme, {"passes": [], "method": fig.get("method"),
+                                            "group_size": fig.get("group_size"), "linears": 0,
+                                            "kept_linears": 0, "bytes_before": 0, "bytes_after": 0})
+            entry["passes"].append(record["name"])
+            for key in ("linears", "kept_linears", "bytes_before", "bytes_after"):
+                entry[key] += fig.get(key, 0)
+    for entry in out.values():
+        entry["ratio"] = round(entry["bytes_after"] / entry["bytes_before"], 4) if entry["bytes_before"] else None
+    return dict(sorted(out.items()))
+
+
+def _quant_lines(quant: dict) -> list[str]:
+    lines = []
+    for scheme, q in quant.items():
+        group = f", group {q['group_size']}" if q["group_size"] and q["group_size"] > 0 else ""
+        ratio = f" ({q['ratio']:.1%})" if q["ratio"] is not None else ""
+        lines.append(f"  quant {scheme} ({q['method']}{group}): {q['linears']} linears, "
+                     f"{_mib(q['bytes_before'])} -> {_mib(q['bytes_after'])}{ratio}; "
+                     f"{q['kept_linears']} kept in float")
+    return lines
 
 
 def _mib(n: int) -> str:
@@ -78,6 +107,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
              f"  activations: peak {_mib(r['activation_peak_bytes'])} planned vs "
              f"{_mib(r['activation_naive_bytes'])} naive at {r['max_num_batched_tokens']} tokens",
              f"  artifact size: {_mib(r['artifact_bytes'])}"]
+    lines += _quant_lines(r["quant"])
     stage_time = sum(s["seconds"] for s in r["stages"]) + sum(p["seconds"] or 0 for p in r["passes"])
     lines.append(f"  compile time: {stage_time:.1f} s")
     if brief:

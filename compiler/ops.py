@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from llmc.compiler.ir import Node, TensorType
+from llmc.compiler.quant import dequantize_weight, fake_quant_fp8, fake_quant_int8_per_token
 from llmc.errors import IRError
 
 TORCH_DTYPES = {
@@ -105,6 +106,63 @@ def rms_norm_ref(x, weight, *, eps, **attrs):
 @op("linear", _linear_type)
 def linear_ref(x, weight, bias=None, **attrs):
     return [F.linear(x, weight, bias)]
+
+
+# -- qlinear: a linear over quantised weights (layouts in docs/quantization.md) --------------
+# qweight's dtype and how many K columns one stored element holds, per scheme.
+QLINEAR_STORAGE = {"int8": ("int8", 1), "w8a8": ("int8", 1), "int4": ("uint8", 2),
+                   "fp8": ("float8_e4m3fn", 1)}
+
+
+class QLinearInputs(NamedTuple):
+    x: Any
+    qweight: Any
+    scales: Any
+    zeros: Any
+    act_scale: Any
+    bias: Any
+
+
+def qlinear_inputs(inputs: list, attrs: dict) -> QLinearInputs:
+    """Name qlinear's inputs `x, qweight, scales[, zeros][, act_scale][, bias]` (tensors or
+    types) by its has_zeros / has_act_scale / has_bias attrs."""
+    flags = [bool(attrs.get(k)) for k in ("has_zeros", "has_act_scale", "has_bias")]
+    if len(inputs) != 3 + sum(flags):
+        raise IRError(f"qlinear: {len(inputs)} inputs, but its has_zeros/has_act_scale/has_bias "
+                      f"attrs {flags} call for {3 + sum(flags)}")
+    rest = iter(inputs[3:])
+    optional = [next(rest) if flag else None for flag in flags]
+    return QLinearInputs(inputs[0], inputs[1], inputs[2], *optional)
+
+
+def _qlinear_type(ts, attrs):
+    scheme = attrs.get("scheme")
+    if scheme not in QLINEAR_STORAGE:
+        raise IRError(f"qlinear: unknown scheme {scheme!r}; known: {', '.join(QLINEAR_STORAGE)}")
+    x, qweight = qlinear_inputs(ts, attrs)[:2]
+    k, n = attrs["in_features"], attrs["out_features"]
+    dtype, per_element = QLINEAR_STORAGE[scheme]
+    if isinstance(x.shape[-1], int) and x.shape[-1] != k:
+        raise IRError(f"qlinear: input features {x.shape[-1]} differ from in_features {k}")
+    if qweight.dtype != dtype or tuple(qweight.shape) != (n, k // per_element):
+        raise IRError(f"qlinear ({scheme}): qweight is {qweight}, expected {dtype}[{n}, {k // per_element}]")
+    if scheme == "int4" and not attrs.get("has_zeros"):
+        raise IRError("qlinear (int4): int4 weights need zero points (has_zeros=true)")
+    return [TensorType(x.shape[:-1] + (n,), x.dtype)]
+
+
+@op("qlinear", _qlinear_type)
+def qlinear_ref(*inputs, scheme, **attrs):
+    """Dequantise the weight and run F.linear in fp32, with fp8 (static scale) or per-token
+    int8 (w8a8) fake quantisation of the activations."""
+    x, qweight, scales, zeros, act_scale, bias = qlinear_inputs(list(inputs), attrs)
+    weight = dequantize_weight(scheme, qweight, scales, zeros)
+    h = x.float()
+    if scheme == "fp8" and act_scale is not None:
+        h = fake_quant_fp8(h, act_scale.float())
+    elif scheme == "w8a8":
+        h = fake_quant_int8_per_token(h)
+    return [F.linear(h, weight, None if bias is None else bias.float()).to(x.dtype)]
 
 
 @op("silu", _same_as_first, elementwise=True)

@@ -18,9 +18,10 @@ from llmc.compiler.artifact import write_artifact
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph
 from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output, select_logit_rows
+from llmc.compiler.quant_recipes import check_kv_cache, insert_quant_passes, quant_pass_specs
 from llmc.compiler.targets import Target, get_target
 from llmc.compiler.trace import export_lm, translate
-from llmc.errors import ArtifactError
+from llmc.errors import ArtifactError, PassError
 from llmc.passes.base import PassContext, PassManager
 from llmc.passes.registry import build_pipeline, get_pass
 
@@ -35,6 +36,9 @@ class CompileOptions:
     max_num_batched_tokens: int = 2048
     force: bool = False
     quiet: bool = False
+    quant: str | None = None                  # a --quant recipe (compiler/quant_recipes.py)
+    group_size: int | None = None             # int4 group size (default 128)
+    kv_cache: str | None = None               # "int8" | "fp8"
 
 
 def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
@@ -91,6 +95,20 @@ def trace_and_lower(module: torch.nn.Module, max_tokens: int, log: Callable[[str
     return graph
 
 
+def pipeline_entries(tgt: Target, opts: CompileOptions) -> list[str]:
+    """The pass specs to run: --passes or the target's pipeline, with the --quant recipe (or,
+    without --passes, the target's default_quant) inserted before the cleanup passes."""
+    check_kv_cache(opts.kv_cache)
+    explicit = opts.passes is not None
+    entries = [e for e in opts.passes.split(",") if e.strip()] if explicit else list(tgt.default_pipeline)
+    quant = opts.quant or (None if explicit else tgt.default_quant)
+    if quant is None:
+        if opts.group_size is not None:
+            raise PassError("--group-size needs --quant int4-rtn, int4-gptq or int4-awq")
+        return entries
+    return insert_quant_passes(entries, quant_pass_specs(quant, opts.group_size), explicit)
+
+
 def compile_model(source: str, target: str | Target = "cpu", output: str | Path = "model.llmc",
                   options: CompileOptions | None = None, echo: Callable[[str], None] | None = None) -> Path:
     """Compile `source` (sample name, HF dir, GGUF file) for `target` into an artifact dir."""
@@ -100,7 +118,7 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     output = Path(output)
     if output.exists() and not opts.force:
         raise ArtifactError(f"output '{output}' exists; pass --force to overwrite it")
-    pipeline = build_pipeline(tgt.default_pipeline, opts.passes, opts.disable, opts.pass_options)
+    pipeline = build_pipeline(pipeline_entries(tgt, opts), None, opts.disable, opts.pass_options)
     stages: list[dict] = []
 
     def log(name, seconds, details):

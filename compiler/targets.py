@@ -36,6 +36,8 @@ class Target:
     default_pipeline: list[str] = field(hash=False)
     compile_ready: bool = True
     not_ready_reason: str = ""
+    # the --quant recipe (compiler/quant_recipes.py) applied when the user names none
+    default_quant: str | None = None
 
     def __post_init__(self):
         assert self.device in ("cpu", "cuda"), self.device
@@ -81,7 +83,7 @@ def host_memory_bytes() -> int:
 
 def gpu_target(name: str, description: str, arch: str, memory_gib: int, bandwidth: float,
                peak_tflops: dict[str, float], weight_dtype: str, compute_dtype: str,
-               passes: list[str]) -> Target:
+               passes: list[str], default_quant: str | None = None) -> Target:
     """A GPU target; refused at compile time until its passes and Triton codegen exist."""
     reason = (f"target {name} needs the {', '.join(passes)} passes and Triton codegen, "
               f"not built yet; use --target cpu")
@@ -89,7 +91,7 @@ def gpu_target(name: str, description: str, arch: str, memory_gib: int, bandwidt
                   supports_fp8="fp8" in peak_tflops, weight_dtype=weight_dtype,
                   activation_dtype="bf16", compute_dtype=compute_dtype,
                   default_pipeline=CLEANUP + passes + ["dce"],
-                  compile_ready=False, not_ready_reason=reason)
+                  compile_ready=False, not_ready_reason=reason, default_quant=default_quant)
 
 
 # Datasheet figures: H100 SXM5 80GB, A100 SXM4 80GB, GeForce RTX 4090 (Ada whitepaper, FP32
@@ -108,17 +110,21 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            supports_fp8=False, weight_dtype="fp32", activation_dtype="fp32", compute_dtype="fp32",
            default_pipeline=list(CLEANUP)),
     gpu_target("h100-fp8", "NVIDIA H100 SXM 80GB, fp8 e4m3 weights and activations in GEMMs",
-               "sm_90", 80, 3.35e12, H100, "fp8", "fp8", ["quantize_fp8"] + FUSIONS),
+               "sm_90", 80, 3.35e12, H100, "fp8", "fp8", ["quantize_fp8"] + FUSIONS,
+               default_quant="fp8"),
     gpu_target("h100-bf16", "NVIDIA H100 SXM 80GB, bf16 weights", "sm_90", 80, 3.35e12, H100,
                "bf16", "bf16", ["cast_bf16"] + FUSIONS),
     gpu_target("a100-bf16", "NVIDIA A100 SXM 80GB, bf16 weights", "sm_80", 80, 2.039e12, A100,
                "bf16", "bf16", ["cast_bf16"] + FUSIONS),
     gpu_target("a100-int8", "NVIDIA A100 SXM 80GB, SmoothQuant int8 weights and activations",
-               "sm_80", 80, 2.039e12, A100, "int8", "int8", ["smoothquant", "quantize_int8"] + FUSIONS),
+               "sm_80", 80, 2.039e12, A100, "int8", "int8", ["smoothquant", "quantize_int8"] + FUSIONS,
+               default_quant="w8a8"),
     gpu_target("rtx4090-int4", "NVIDIA GeForce RTX 4090 24GB, AWQ int4 weights (group 128)",
-               "sm_89", 24, 1.008e12, RTX4090, "int4", "bf16", ["quantize_awq"] + FUSIONS),
+               "sm_89", 24, 1.008e12, RTX4090, "int4", "bf16", ["quantize_awq"] + FUSIONS,
+               default_quant="int4-awq"),
     gpu_target("orin-int4", "NVIDIA Jetson AGX Orin 64GB, GPTQ int4 weights (group 128)",
-               "sm_87", 64, 204.8e9, ORIN, "int4", "bf16", ["quantize_gptq"] + FUSIONS),
+               "sm_87", 64, 204.8e9, ORIN, "int4", "bf16", ["quantize_gptq"] + FUSIONS,
+               default_quant="int4-gptq"),
 ]}
 
 

@@ -12,14 +12,17 @@ from llmc.errors import RuntimeLlmcError
 def compile(model: str, target: str = "cpu", output: str | Path | None = None, *, force: bool = False,
             passes: str | None = None, disable: list[str] | None = None,
             pass_options: dict[str, dict] | None = None, print_ir_after: set[str] | None = None,
-            dump_ir: str | None = None, max_num_batched_tokens: int = 2048, quiet: bool = True) -> Path:
-    """Compile `model` (sample name, HF checkpoint dir, or .gguf file) for `target`."""
+            dump_ir: str | None = None, max_num_batched_tokens: int = 2048, quiet: bool = True,
+            quant: str | None = None, group_size: int | None = None, kv_cache: str | None = None) -> Path:
+    """Compile `model` (sample name, HF checkpoint dir, or .gguf file) for `target`; `quant` is
+    a --quant recipe ("int8", "int4-rtn", "int4-gptq", "int4-awq", "fp8", "w8a8")."""
     from llmc.compiler.pipeline import CompileOptions, compile_model
 
     output = output or f"{Path(str(model)).name.removesuffix('.gguf')}.llmc"
     opts = CompileOptions(passes=passes, disable=list(disable or []), pass_options=dict(pass_options or {}),
                           print_ir_after=set(print_ir_after or ()), dump_ir=dump_ir,
-                          max_num_batched_tokens=max_num_batched_tokens, force=force, quiet=quiet)
+                          max_num_batched_tokens=max_num_batched_tokens, force=force, quiet=quiet,
+                          quant=quant, group_size=group_size, kv_cache=kv_cache)
     return compile_model(model, target, output, opts)
 
 

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from llmc.compiler.quant_recipes import KV_CACHE_CHOICES, QUANT_CHOICES
 from llmc.errors import LlmcError
 
 
@@ -34,9 +35,13 @@ def cli():
 @click.option("--dump-ir", type=click.Path(file_okay=False), help="Write the IR before/after each pass here.")
 @click.option("--max-num-batched-tokens", default=2048, show_default=True,
               help="Largest token batch the plan is sized for.")
+@click.option("--quant", type=click.Choice(QUANT_CHOICES),
+              help="Quantise the linears' weights (default: the target's own, if any).")
+@click.option("--group-size", type=int, default=None, help="int4 group size along K (default 128).")
+@click.option("--kv-cache", type=click.Choice(KV_CACHE_CHOICES), help="Quantise the KV cache.")
 @click.option("--quiet", "-q", is_flag=True)
 def compile(model, target, output, force, passes, disable_pass, pass_option, print_ir_after, dump_ir,
-            max_num_batched_tokens, quiet):
+            max_num_batched_tokens, quant, group_size, kv_cache, quiet):
     """Compile MODEL (a sample name, an HF checkpoint dir, or a .gguf file) into an artifact."""
     from llmc.api import compile as compile_api
     from llmc.passes.registry import parse_pass_options
@@ -44,7 +49,8 @@ def compile(model, target, output, force, passes, disable_pass, pass_option, pri
     path = compile_api(model, target=target, output=output, force=force, passes=passes,
                        disable=list(disable_pass), pass_options=parse_pass_options(pass_option),
                        print_ir_after=set(print_ir_after), dump_ir=dump_ir,
-                       max_num_batched_tokens=max_num_batched_tokens, quiet=quiet)
+                       max_num_batched_tokens=max_num_batched_tokens, quiet=quiet,
+                       quant=quant, group_size=group_size, kv_cache=kv_cache)
     if not quiet:
         from llmc.compiler.inspect import summarize
         click.echo(summarize(path, brief=True))

@@ -66,9 +66,20 @@ class PlanExecutor:
         dying = [v for v in step.outputs + step.inputs
                  if v in self.plan.memory.lifetimes and self.plan.memory.lifetimes[v][1] == index
                  and v not in outputs]
-        return Launch(fn, [self._register(i, where) for i in step.inputs],
-                      [self._register(o, where) for o in step.outputs], step.attrs,
+        args = [self._register(i, where) for i in step.inputs]
+        return Launch(fn, args, [self._register(o, where) for o in step.outputs],
+                      self._prepared_attrs(fn, args, step.attrs),
                       getattr(fn, "context", ()), sorted({self._registers[v] for v in dying}))
+
+    @torch.inference_mode()
+    def _prepared_attrs(self, fn, args: list[int], attrs: dict) -> dict:
+        """A kernel's `prepare` sees its param inputs once, here (packing quantised weights);
+        what it returns is passed on every launch alongside the step's attrs."""
+        prepare = getattr(fn, "prepare", None)
+        if prepare is None:
+            return attrs
+        params = [self._params[r] if r < len(self._params) else None for r in args]
+        return {**attrs, **prepare(params, attrs)}
 
     @torch.inference_mode()
     def run_values(self, inputs: dict[str, torch.Tensor],

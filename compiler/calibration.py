@@ -1,0 +1,113 @@
+"""Calibration token sequences for lossy passes: cut from a user's text file, or, with none,
+text the source model samples itself from a fixed list of prompts under a fixed seed."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from llmc.errors import PassError
+
+# Short, generic openings across registers (story, explanation, dialogue, list, code, news) so
+# the sampled text exercises varied activations; written for llmc, no corpus is shipped.
+PROMPTS = (
+    "Once upon a time, in a village by the sea,",
+    "The main reason the sky looks blue during the day is",
+    "Here is a simple recipe for vegetable soup:",
+    "Dear team, I am writing to let you know that",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Question: Why do leaves change colour in autumn?\nAnswer:",
+    "The history of the printing press begins",
+    "Three tips for learning a new language quickly:\n1.",
+    "The city council met on Tuesday evening to discuss",
+    "In mathematics, a prime number is",
+    "She opened the old wooden box and found",
+    "User: Can you help me plan a trip to the mountains?\nAssistant:",
+    "The experiment was repeated five times, and the results showed",
+    "When the train finally arrived at the station,",
+    "A good night's sleep matters because",
+    "The following table lists the planets of the solar system in order:",
+)
+TEMPERATURE = 0.8
+
+
+def calibration_sequences(loaded, calib_file: str | Path | None, num_samples: int, seq_len: int,
+                          seed: int = 0) -> list[torch.LongTensor]:
+    """`num_samples` token sequences of `seq_len` tokens each (fewer if `calib_file` is short),
+    identical for the same model, file and seed. `loaded` is a frontends LoadedModel."""
+    check_sizes(num_samples, seq_len, loaded.config)
+    if calib_file is not None:
+        return sequences_from_file(loaded.tokenizer, Path(calib_file), num_samples, seq_len)
+    return generated_sequences(loaded.module, loaded.tokenizer, num_samples, seq_len, seed)
+
+
+def calibration_source(calib_file: str | Path | None, seed: int = 0) -> str:
+    """How the calibration set was made, for the manifest: the file's sha256 or the seed."""
+    if calib_file is None:
+        return f"self-generated:{seed}"
+    return f"sha256:{hashlib.sha256(read_calib_bytes(Path(calib_file))).hexdigest()}"
+
+
+def check_sizes(num_samples: int, seq_len: int, config) -> None:
+    max_len = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+    if num_samples < 1:
+        raise PassError(f"--calib-samples is {num_samples}; give at least 1")
+    if seq_len < 2:
+        raise PassError(f"--calib-seq-len is {seq_len}; give at least 2 (a token and its successor)")
+    if max_len is not None and seq_len > max_len:
+        raise PassError(f"--calib-seq-len {seq_len} exceeds the model's {max_len} positions; lower it")
+
+
+def read_calib_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise PassError(f"calibration file '{path}' cannot be read ({e.strerror}); "
+                        f"pass an existing text file to --calib") from None
+
+
+def sequences_from_file(tokenizer, path: Path, num_samples: int, seq_len: int) -> list[torch.LongTensor]:
+    """The file's tokens cut into consecutive `seq_len` chunks; the first `num_samples` of them."""
+    try:
+        text = read_calib_bytes(path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise PassError(f"calibration file '{path}' is not UTF-8 text; pass a plain text file to --calib") from None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < seq_len:
+        raise PassError(f"calibration file '{path}' has {len(ids)} tokens, fewer than one sequence of "
+                        f"--calib-seq-len {seq_len}; give a longer file or a smaller --calib-seq-len")
+    chunks = min(num_samples, len(ids) // seq_len)
+    return [torch.tensor(ids[i * seq_len:(i + 1) * seq_len], dtype=torch.long) for i in range(chunks)]
+
+
+def generated_sequences(module: torch.nn.Module, tokenizer, num_samples: int, seq_len: int,
+                        seed: int) -> list[torch.LongTensor]:
+    """Each sequence is a prompt and the model's continuation, sampled at TEMPERATURE in one
+    left-padded batch; end-of-sequence is suppressed so every row reaches `seq_len` tokens."""
+    prompts = [PROMPTS[(seed + i) % len(PROMPTS)] for i in range(num_samples)]
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"][:seq_len - 1] for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    pad = pad_token_id(tokenizer, module.config)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long)
+    new_tokens = seq_len - min(len(ids) for ids in encoded)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # leave the caller's RNG untouched
+        torch.manual_seed(seed)
+        out = module.generate(input_ids=input_ids, attention_mask=mask, do_sample=True,
+                              temperature=TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, pad_token_id=pad)
+    return [out[row, width - len(ids):width - len(ids) + seq_len].clone() for row, ids in enumerate(encoded)]
+
+
+def pad_token_id(tokenizer, config) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+__all__ = ["calibration_sequences", "calibration_source", "PROMPTS"]

@@ -1,0 +1,144 @@
+"""Quantisation arithmetic of the storage formats in docs/quantization.md: quantise and
+dequantise weights (int8 per channel, int4 in groups with zero points, fp8 e4m3), pack int4
+codes two to a byte, and fake-quantise activations (fp8 static, int8 per token). Pure torch."""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127           # symmetric int8 uses -127..127, so -q is always representable
+INT4_MAX = 15            # int4 codes are unsigned, 0..15
+FP8_E4M3_MAX = 448.0     # largest finite float8_e4m3fn
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (for exact tests); every other float works in float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    # An all-zero row or group has scale 0; any positive scale represents it exactly.
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+# -- int8, symmetric per output channel: w = q * s -----------------------------------------
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q int8 [N, K], scales fp32 [N]); |w - q*s| <= s/2."""
+    w = weight.to(compute_dtype(weight))
+    scales = _safe((w.abs().amax(dim=1) / INT8_MAX).float())
+    # Round against the scale as stored (fp32), so the bound holds for what is saved.
+    q = torch.round(w / scales.to(w.dtype)[:, None]).clamp(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K], scales [N] (or [1]) -> w [N, K] in `dtype`."""
+    return q.to(dtype) * scales.to(dtype).reshape(-1, 1)
+
+
+# -- int4, asymmetric in groups of g along K: w = (q - z) * s, q in 0..15 ----------------------
+def int4_grid(groups: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero point of each row of `groups` [..., g] (GPTQ's min/max grid): the
+    range always holds 0, so zero weights stay exact, and z lies in 0..2^bits-1."""
+    maxq = 2 ** bits - 1
+    lo = groups.amin(-1).clamp(max=0)
+    hi = groups.amax(-1).clamp(min=0)
+    scales = _safe(((hi - lo) / maxq).float())
+    zeros = torch.round(-lo / scales.to(lo.dtype)).clamp(0, maxq).float()
+    return scales, zeros
+
+
+def quantize_to_grid(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     bits: int = 4) -> torch.Tensor:
+    """Integer codes (in the groups' float dtype) of groups [..., g] on the grid (scales, zeros) [...]."""
+    s, z = scales.to(groups.dtype)[..., None], zeros.to(groups.dtype)[..., None]
+    return torch.clamp(torch.round(groups / s) + z, 0, 2 ** bits - 1)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round to nearest: weight [N, K] -> (codes uint8 [N, K] in 0..15, scales fp32 [N, K/g],
+    zeros fp32 [N, K/g]); |w - (q - z)*s| <= s/2. K must be a multiple of group_size."""
+    n, k = weight.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide in_features {k}")
+    groups = weight.to(compute_dtype(weight)).reshape(n, k // group_size, group_size)
+    scales, zeros = int4_grid(groups)
+    codes = quantize_to_grid(groups, scales, zeros)
+    return codes.reshape(n, k).to(torch.uint8), scales, zeros
+
+
+def dequantize_int4_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpacked codes [N, K], scales/zeros [N, K/g] -> w [N, K] in `dtype`; groups contiguous along K."""
+    g = codes.shape[1] // scales.shape[1]
+    s = scales.to(dtype).repeat_interleave(g, dim=1)
+    z = zeros.to(dtype).repeat_interleave(g, dim=1)
+    return (codes.to(dtype) - z) * s
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """packed uint8 [N, K/2] -> w [N, K] in `dtype`."""
+    return dequantize_int4_codes(unpack_int4(packed), scales, zeros, dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in 0..15 -> uint8 [N, K/2]; the low nibble holds the even k."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even number of columns, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> codes uint8 [N, K]."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# -- fp8 e4m3: w = q * s, activations through a static per-tensor scale ------------------------
+def quantize_fp8(weight: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q float8_e4m3fn [N, K], scales fp32 [N] per channel, else [1])."""
+    w = weight.to(compute_dtype(weight))
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
+    scales = _safe((amax / FP8_E4M3_MAX).float())
+    q = (w / scales.to(w.dtype)[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return q.to(dtype) * scales.to(dtype).reshape(-1, 1)
+
+
+def fake_quant_fp8(x: torch.Tensor, act_scale: torch.Tensor) -> torch.Tensor:
+    """x̂ = fp8(x / a) * a with the static scale a [1]; saturates at ±448·a."""
+    a = act_scale.to(x.dtype)
+    return (x / a).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype) * a
+
+
+def fake_quant_int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 per row of x [..., K] with scale amax(|row|)/127, quantised and back."""
+    scales = _safe(x.abs().amax(dim=-1, keepdim=True) / INT8_MAX)
+    return torch.round(x / scales).clamp(-INT8_MAX, INT8_MAX) * scales
+
+
+# -- one entry point for every scheme ----------------------------------------------------------
+SCHEMES = ("int8", "int4", "fp8", "w8a8")
+
+
+def dequantize_weight(scheme: str, qweight: torch.Tensor, scales: torch.Tensor,
+                      zeros: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [N, K] weight a qlinear's stored params stand for."""
+    if scheme in ("int8", "w8a8"):
+        return dequantize_int8(qweight, scales, dtype)
+    if scheme == "int4":
+        return dequantize_int4(qweight, scales, zeros, dtype)
+    if scheme == "fp8":
+        return dequantize_fp8(qweight, scales, dtype)
+    raise ValueError(f"unknown quantisation scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+
+
+__all__ = ["INT8_MAX", "INT4_MAX", "FP8_E4M3_MAX", "SCHEMES", "compute_dtype", "quantize_int8",
+           "dequantize_int8", "int4_grid", "quantize_to_grid", "quantize_int4", "dequantize_int4",
+           "dequantize_int4_codes", "pack_int4", "unpack_int4", "quantize_fp8", "dequantize_fp8",
+           "fake_quant_fp8", "fake_quant_int8_per_token", "dequantize_weight"]

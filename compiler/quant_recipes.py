@@ -1,0 +1,67 @@
+"""What `--quant` names mean as passes, and where they go in a pipeline: before the cleanup
+passes, replacing whatever quantisation a target's default pipeline carries."""
+
+from __future__ import annotations
+
+from llmc.errors import PassError
+
+DEFAULT_GROUP_SIZE = 128
+
+# --quant name -> pass specs; "{g}" is the int4 group size.
+QUANT_RECIPES: dict[str, list[str]] = {
+    "int8": ["quantize_int8"],
+    "int4-rtn": ["quantize_int4:method=rtn:group_size={g}"],
+    "int4-gptq": ["quantize_int4:method=gptq:group_size={g}"],
+    "int4-awq": ["quantize_int4:method=awq:group_size={g}"],
+    "fp8": ["quantize_fp8"],
+    "w8a8": ["smoothquant", "quantize_w8a8"],
+}
+QUANT_CHOICES = tuple(QUANT_RECIPES)
+KV_CACHE_CHOICES = ("int8", "fp8")
+
+# Passes a recipe replaces when they sit in a target's default pipeline.
+QUANT_PASS_NAMES = {"quantize_int8", "quantize_int4", "quantize_fp8", "quantize_w8a8", "smoothquant",
+                    "quantize_gptq", "quantize_awq"}
+CLEANUP_PASS_NAMES = {"remove_noops", "fold_constants", "dce"}
+
+
+def pass_name(spec: str) -> str:
+    return spec.split(":", 1)[0].strip()
+
+
+def quant_pass_specs(quant: str, group_size: int | None = None) -> list[str]:
+    """The pass specs of the --quant recipe `quant`."""
+    if quant not in QUANT_RECIPES:
+        raise PassError(f"--quant {quant!r} is unknown; choose one of {', '.join(QUANT_CHOICES)}")
+    if group_size is not None and not quant.startswith("int4"):
+        raise PassError(f"--group-size applies to int4 quantisation, not --quant {quant}; "
+                        f"drop --group-size or use --quant int4-rtn/int4-gptq/int4-awq")
+    g = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    return [spec.format(g=g) for spec in QUANT_RECIPES[quant]]
+
+
+def insert_quant_passes(entries: list[str], specs: list[str], explicit: bool) -> list[str]:
+    """`entries` with `specs` before the first cleanup pass (or first, without one). A target's
+    own quantisation passes make way; a user's explicit --passes list may not hold any."""
+    present = [e for e in entries if pass_name(e) in QUANT_PASS_NAMES]
+    if present and explicit:
+        raise PassError(f"--passes already quantises ({', '.join(present)}) and --quant adds "
+                        f"{', '.join(specs)}; give one or the other")
+    rest = [e for e in entries if pass_name(e) not in QUANT_PASS_NAMES]
+    at = next((i for i, e in enumerate(rest) if pass_name(e) in CLEANUP_PASS_NAMES), 0)
+    return rest[:at] + specs + rest[at:]
+
+
+def check_kv_cache(kv_cache: str | None) -> None:
+    """KV cache quantisation is applied by the runtime, which cannot do it yet: refuse rather
+    than write an artifact that claims it."""
+    if kv_cache is None:
+        return
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise PassError(f"--kv-cache {kv_cache!r} is unknown; choose one of {', '.join(KV_CACHE_CHOICES)}")
+    raise PassError(f"--kv-cache {kv_cache}: KV cache quantisation is not built yet (the runtime "
+                    f"keeps the KV cache in the model's dtype); compile without --kv-cache")
+
+
+__all__ = ["QUANT_RECIPES", "QUANT_CHOICES", "KV_CACHE_CHOICES", "DEFAULT_GROUP_SIZE",
+           "quant_pass_specs", "insert_quant_passes", "check_kv_cache"]

@@ -1,0 +1,153 @@
+"""GPTQ (Frantar et al. 2022, arXiv:2210.17323): quantise a linear's weight column by column,
+spreading each column's rounding error over the columns not yet quantised through the inverse
+Hessian of its calibration inputs. Pure torch, no pass registered; the int4 pass calls it."""
+
+from __future__ import annotations
+
+import torch
+
+from llmc.compiler.quant import compute_dtype, int4_grid, quantize_to_grid
+from llmc.errors import PassError
+
+
+class HessianAccumulator:
+    """Streams a linear's inputs into H = XᵀX / n (the Hessian of GPTQ's layer-wise objective,
+    up to a factor 2), summed in float64 so millions of calibration tokens lose nothing."""
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None):
+        self.in_features = in_features
+        self.tokens = 0
+        self._sum = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        """x: [..., in_features], the inputs of one calibration batch."""
+        if x.shape[-1] != self.in_features:
+            raise PassError(f"HessianAccumulator.add: activations have {x.shape[-1]} features, "
+                            f"the linear has in_features={self.in_features}; capture the "
+                            f"linear's input, not its output")
+        x = x.reshape(-1, self.in_features).to(self._sum.device, torch.float64)
+        self._sum.addmm_(x.T, x)
+        self.tokens += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        """[in_features, in_features] float64."""
+        if self.tokens == 0:
+            raise PassError("HessianAccumulator.hessian: no calibration tokens were added; "
+                            "run calibration text through the model before GPTQ")
+        return self._sum / self.tokens
+
+
+def resolve_group_size(in_features: int, group_size: int, where: str) -> int:
+    """group_size -1 means one group per output channel; otherwise it must divide K."""
+    if group_size == -1:
+        return in_features
+    if group_size <= 0 or in_features % group_size:
+        raise PassError(f"{where}: group_size={group_size} does not divide in_features="
+                        f"{in_features}; pick a divisor of {in_features} (e.g. 32, 64, 128) or -1")
+    return group_size
+
+
+def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
+                         group_size: int = 128, act_order: bool = False, damp: float = 0.01,
+                         block_size: int = 128
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K], hessian [K, K] (XᵀX / n) -> (q uint8 [N, K], scales, zeros fp32 [N, K/g]).
+
+    Works in float64 when `weight` is float64, else float32; the Hessian is always inverted
+    in float64. With act_order the columns are visited in descending Hessian diagonal (the
+    most-used inputs first, while many columns remain to absorb their error), but the groups
+    stay the contiguous K-slices of the storage format ("static groups": there is no g_idx
+    permutation in our format); a group's scale and zero are fixed when the first of its
+    columns comes up, from the group's error-updated weights at that moment."""
+    _check_gptq_args(weight, hessian, bits, damp, block_size)
+    n, k = weight.shape
+    g = resolve_group_size(k, group_size, "gptq_quantize_weight")
+    dtype = compute_dtype(weight)
+    w = weight.to(dtype).clone()
+    h = hessian.to(weight.device, torch.float64).clone()
+    dead = h.diagonal() == 0
+    h.diagonal()[dead] = 1.0      # an input that is always 0: any value works, quantise to 0
+    w[:, dead] = 0.0
+    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order \
+        else torch.arange(k, device=w.device)
+    w, h = w[:, perm], h[perm][:, perm]
+    hinv = _inverse_hessian_factor(h, damp).to(dtype)
+    codes, scales, zeros = _quantize_columns(w, hinv, perm, g, bits, block_size)
+    return codes[:, torch.argsort(perm)].to(torch.uint8), scales, zeros
+
+
+def _check_gptq_args(weight, hessian, bits, damp, block_size) -> None:
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise PassError(f"gptq_quantize_weight: weight {tuple(weight.shape)} and hessian "
+                        f"{tuple(hessian.shape)} do not match; expected weight [N, K] and "
+                        f"hessian [K, K] from the linear's inputs")
+    if not 2 <= bits <= 8:
+        raise PassError(f"gptq_quantize_weight: bits={bits}; use 2..8 (int4: 4)")
+    if damp < 0 or block_size < 1:
+        raise PassError(f"gptq_quantize_weight: damp={damp}, block_size={block_size}; "
+                        f"use damp >= 0 (typically 0.01) and block_size >= 1 (typically 128)")
+
+
+def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor U of (H + λI)⁻¹, λ = damp · mean diag(H). Row i of U, scaled by
+    1/U[i, i], is the OBS update of the not-yet-quantised columns when column i is fixed."""
+    h = h.clone()
+    h.diagonal().add_(damp * h.diagonal().mean())
+    chol, info = torch.linalg.cholesky_ex(h)
+    if info.item() == 0:
+        chol, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+    if info.item() != 0:
+        raise PassError(f"gptq: the calibration Hessian is not positive definite after "
+                        f"dampening with damp={damp}; raise the gptq damp option (e.g. 0.1) "
+                        f"or calibrate on more tokens")
+    return chol
+
+
+def _group_starts(perm: torch.Tensor, g: int) -> dict[int, tuple[int, torch.Tensor]]:
+    """Visiting position of each group's first column -> (group, positions of its columns)."""
+    position = torch.argsort(perm)
+    starts = {}
+    for grp in range(perm.numel() // g):
+        cols = position[grp * g:(grp + 1) * g]
+        starts[int(cols.min())] = (grp, cols)
+    return starts
+
+
+def _quantize_columns(w, hinv, perm, g, bits, block_size):
+    """The GPTQ loop over columns in visiting order, with lazy batch updates: inside a block
+    only the block's columns are updated, the rest once per block with one matmul.
+    w [N, K] (visiting order) -> codes [N, K] (visiting order), scales, zeros [N, K/g]."""
+    n, k = w.shape
+    codes = torch.zeros_like(w)
+    scales = torch.zeros(n, k // g, dtype=torch.float32, device=w.device)
+    zeros = torch.zeros_like(scales)
+    starts, group_of = _group_starts(perm, g), (perm // g).tolist()
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        w1, u1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
+        err = w.new_zeros(n, i2 - i1)
+        for i in range(i2 - i1):
+            if i1 + i in starts:
+                grp, cols = starts[i1 + i]
+                current = _current_columns(w, w1, err[:, :i], hinv, i1, cols)
+                scales[:, grp], zeros[:, grp] = int4_grid(current, bits)
+            # the grid as stored (fp32 scales), so compensation sees the error actually made
+            s, z = (t[:, group_of[i1 + i]].to(w.dtype) for t in (scales, zeros))
+            codes[:, i1 + i] = quantize_to_grid(w1[:, i:i + 1], s, z, bits)[:, 0]
+            err[:, i] = (w1[:, i] - (codes[:, i1 + i] - z) * s) / u1[i, i]
+            w1[:, i:] -= torch.outer(err[:, i], u1[i, i:])
+        w[:, i2:] -= err @ hinv[i1:i2, i2:]
+    return codes, scales, zeros
+
+
+def _current_columns(w, w1, err, hinv, i1, cols):
+    """Up-to-date values [N, len(cols)] of not-yet-quantised columns (visiting positions
+    `cols`): those in the block live in w1; those after it still lack the block's pending
+    update, which is applied here for just these columns."""
+    i2 = i1 + w1.shape[1]
+    inside, after = cols[cols < i2], cols[cols >= i2]
+    pending = err @ hinv[i1:i1 + err.shape[1]][:, after]
+    return torch.cat([w1[:, inside - i1], w[:, after] - pending], dim=1)
+
+
+__all__ = ["HessianAccumulator", "gptq_quantize_weight", "resolve_group_size"]

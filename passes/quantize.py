@@ -1,0 +1,228 @@
+"""Weight-only quantisation passes: `quantize_int8` (per output channel, symmetric) and
+`quantize_int4` (groups along K, asymmetric, by RTN, GPTQ or AWQ) rewrite each linear over a
+float weight into a qlinear over stored codes, scales and zero points (docs/quantization.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from typing import Callable
+
+import torch
+
+from llmc.compiler.ir import Graph, Node, QuantScheme, TensorType
+from llmc.compiler.ops import DTYPE_NAMES, QLINEAR_STORAGE
+from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
+from llmc.errors import PassError
+from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+
+# method_fn(weight fp32 [N, K], ctx, node) -> (codes, scales, zeros or None); int4 codes are
+# unpacked uint8 [N, K] in 0..15, int8 codes int8 [N, K].
+WeightQuantizer = Callable[[torch.Tensor, PassContext, Node], tuple]
+
+FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64"}
+# What the CPU int4 kernel (torch._weight_int4pack_mm_for_cpu) accepts.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+INT4_METHODS = ("rtn", "gptq", "awq")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a pass stores its weights: the qlinear scheme and the QuantScheme recorded on them."""
+    scheme: str             # "int8" | "int4" | "fp8" | "w8a8"
+    method: str             # "rtn", "gptq", "awq", "fp8", "smoothquant"
+    bits: int
+    group_size: int = -1    # -1: one scale per output channel
+    symmetric: bool = True
+
+
+def lm_head_weights(graph: Graph) -> set[str]:
+    """Weights of linears that produce a graph output (the logits), and weights an embedding
+    also reads (tied heads)."""
+    outputs = set(graph.outputs)
+    heads = {n.inputs[1] for n in graph.nodes if n.op == "linear" and n.out.name in outputs}
+    return heads | {n.inputs[1] for n in graph.nodes if n.op == "embedding"}
+
+
+def skip_reason(graph: Graph, node: Node, include_lm_head: bool, skip: list[str],
+                heads: set[str]) -> str | None:
+    """Why `node` (a linear) keeps its float weight, or None when it can be quantised."""
+    weight = node.inputs[1]
+    param = graph.params.get(weight)
+    if param is None or param.quant or weight not in graph.weights:
+        return "weight is not a stored param"
+    t = param.type
+    if t.rank != 2 or t.dtype not in FLOAT_DTYPES or not all(isinstance(d, int) for d in t.shape):
+        return "weight is not a 2-D float tensor"
+    if weight in heads and not include_lm_head:
+        return "lm_head (kept in full precision; include_lm_head=true quantises it)"
+    if any(fnmatch(weight, pattern) for pattern in skip):
+        return "matches a skip pattern"
+    return None
+
+
+def select_linears(graph: Graph, include_lm_head: bool, skip: list[str],
+                   check: Callable[[Node], str | None] = lambda node: None
+                   ) -> tuple[list[Node], dict[str, list[str]]]:
+    """(linears to quantise, {reason: weight names} of those left alone); `check` adds a
+    format's own reasons (a group size that does not divide K)."""
+    heads = lm_head_weights(graph)
+    chosen, skipped = [], {}
+    for node in graph.nodes:
+        if node.op != "linear":
+            continue
+        reason = skip_reason(graph, node, include_lm_head, skip, heads) or check(node)
+        if reason is None:
+            chosen.append(node)
+        else:
+            skipped.setdefault(reason, []).append(node.inputs[1])
+    return chosen, skipped
+
+
+def quant_param_names(weight: str) -> dict[str, str]:
+    return {k: f"{weight}.{k}" for k in ("qweight", "scales", "zeros", "act_scale")}
+
+
+def quantize_linear_weights(graph: Graph, node: Node, method_fn: WeightQuantizer, ctx: PassContext,
+                            fmt: WeightFormat, act_scale: torch.Tensor | None = None) -> tuple[int, int]:
+    """Rewrite the linear `node` into a qlinear in place, storing its weight as `fmt` through
+    `method_fn` (once per weight: linears sharing a weight share the stored params). Returns
+    (bytes of the float weight, bytes of the params added); (0, 0) when already stored."""
+    x, weight, *bias = node.inputs
+    names = quant_param_names(weight)
+    before = after = 0
+    if names["qweight"] not in graph.params:
+        before = graph.params[weight].type.nbytes()
+        codes, scales, zeros = method_fn(graph.weights[weight].float(), ctx, node)
+        after = add_quant_params(graph, weight, fmt, codes, scales, zeros, act_scale)
+    k, n = graph.params[weight].type.shape[1], graph.params[weight].type.shape[0]
+    has_zeros, has_act = names["zeros"] in graph.params, names["act_scale"] in graph.params
+    node.op = "qlinear"
+    node.inputs = ([x, names["qweight"], names["scales"]] + ([names["zeros"]] if has_zeros else [])
+                   + ([names["act_scale"]] if has_act else []) + bias)
+    node.attrs = {"scheme": fmt.scheme, "group_size": fmt.group_size, "in_features": k,
+                  "out_features": n, "has_zeros": has_zeros, "has_act_scale": has_act,
+                  "has_bias": bool(bias)}
+    return before, after
+
+
+def add_quant_params(graph: Graph, weight: str, fmt: WeightFormat, codes: torch.Tensor,
+                     scales: torch.Tensor, zeros: torch.Tensor | None,
+                     act_scale: torch.Tensor | None) -> int:
+    """Add `<weight>.qweight/.scales[/.zeros][/.act_scale]`; returns their bytes."""
+    names = quant_param_names(weight)
+    stored = pack_int4(codes) if fmt.scheme == "int4" else codes
+    want = QLINEAR_STORAGE[fmt.scheme][0]
+    if DTYPE_NAMES[stored.dtype] != want:
+        raise PassError(f"quantising {weight}: the {fmt.method} method gave {stored.dtype} codes, "
+                        f"the {fmt.scheme} format stores {want}")
+    tensors = {"qweight": stored, "scales": scales.float(), "zeros": zeros, "act_scale": act_scale}
+    tensors = {k: t.contiguous() for k, t in tensors.items() if t is not None}
+    scheme = QuantScheme(fmt.method, fmt.bits, fmt.group_size, fmt.symmetric, names["scales"],
+                         names["zeros"] if zeros is not None else "", graph.params[weight].type.dtype)
+    for key, tensor in tensors.items():
+        t = TensorType(tuple(tensor.shape), DTYPE_NAMES[tensor.dtype])
+        graph.add_param(names[key], t, tensor, quant=scheme if key == "qweight" else None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def param_bytes(graph: Graph) -> int:
+    return sum(p.type.nbytes() for p in graph.params.values()
+               if all(isinstance(d, int) for d in p.type.shape))
+
+
+def quantize_linears(p: Pass, graph: Graph, ctx: PassContext, fmt: WeightFormat,
+                     nodes: list[Node], skipped: dict[str, list[str]],
+                     method_fn: WeightQuantizer) -> PassResult:
+    """Quantise `nodes` with `method_fn`, prune the float weights, and report the bytes."""
+    total_before = param_bytes(graph)
+    before = after = 0
+    for node in nodes:
+        b, a = quantize_linear_weights(graph, node, method_fn, ctx, fmt)
+        before, after = before + b, after + a
+    graph.prune_params()
+    report_skipped(p, ctx, skipped)
+    figures = {"method": fmt.method, "bits": fmt.bits, "group_size": fmt.group_size,
+               "linears": len(nodes), "bytes_before": before, "bytes_after": after,
+               "kept_linears": sum(len(v) for v in skipped.values())}
+    details = {"quant": {fmt.scheme: figures}, "skipped": skipped}
+    return PassResult(len(nodes), bool(nodes), details, bytes_saved=total_before - param_bytes(graph))
+
+
+def report_skipped(p: Pass, ctx: PassContext, skipped: dict[str, list[str]]) -> None:
+    """Say which linears stay in float for a reason the user may not expect."""
+    for reason, weights in skipped.items():
+        if reason.startswith(("lm_head", "matches a skip")) or ctx.quiet:
+            continue
+        shown = ", ".join(weights[:3]) + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
+        ctx.echo(f"{p.name}: {len(weights)} linear(s) kept in float, {reason}: {shown}")
+
+
+# -- the passes -----------------------------------------------------------------------------
+@register_pass
+class QuantizeInt8(Pass):
+    name = "quantize_int8"
+    description = "weight-only int8: per-output-channel symmetric scales, round to nearest"
+    lossy = True
+    options = {"include_lm_head": False, "skip": []}
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        fmt = WeightFormat("int8", "rtn", 8)
+        nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"])
+        return quantize_linears(self, graph, ctx, fmt, nodes, skipped, rtn_int8)
+
+
+def rtn_int8(weight: torch.Tensor, ctx: PassContext, node: Node) -> tuple:
+    q, scales = quantize_int8(weight)
+    return q, scales, None
+
+
+@register_pass
+class QuantizeInt4(Pass):
+    name = "quantize_int4"
+    description = ("weight-only int4: groups of group_size along K with scales and zero points, "
+                   "by rtn (round to nearest), gptq or awq (both from calibration activations)")
+    lossy = True
+    options = {"group_size": 128, "method": "rtn", "include_lm_head": False, "skip": [],
+               "act_order": False, "damp": 0.01}
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        g, method = self.check_options()
+        fmt = WeightFormat("int4", method, 4, g, symmetric=False)
+        nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"],
+                                        lambda node: self.group_mismatch(graph, node, g))
+        return quantize_linears(self, graph, ctx, fmt, nodes, skipped,
+                                int4_method(method, graph, ctx, nodes, self.options))
+
+    def check_options(self) -> tuple[int, str]:
+        g, method = self.options["group_size"], self.options["method"]
+        if g not in INT4_GROUP_SIZES:
+            raise PassError(f"pass {self.name!r}: group_size={g} is not supported; use one of "
+                            f"{', '.join(map(str, INT4_GROUP_SIZES))} (e.g. --group-size 128)")
+        if method not in INT4_METHODS:
+            raise PassError(f"pass {self.name!r}: method={method!r} is unknown; use one of "
+                            f"{', '.join(INT4_METHODS)}")
+        return g, method
+
+    @staticmethod
+    def group_mismatch(graph: Graph, node: Node, g: int) -> str | None:
+        k = graph.params[node.inputs[1]].type.shape[1]
+        return None if k % g == 0 else f"in_features {k} is not a multiple of group_size {g}"
+
+
+def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node],
+                options: dict) -> WeightQuantizer:
+    """The weight quantiser of `method`; GPTQ and AWQ first observe calibration activations
+    (and AWQ rescales the graph), which is why they see the graph and the chosen linears."""
+    g = options["group_size"]
+    if method == "rtn":
+        return lambda weight, ctx, node: quantize_int4(weight, g)
+    from llmc.passes.quantize_calibrated import awq_method, gptq_method
+    if method == "gptq":
+        return gptq_method(graph, ctx, nodes, g, act_order=options["act_order"], damp=options["damp"])
+    return awq_method(graph, ctx, nodes, g)
+
+
+__all__ = ["WeightFormat", "WeightQuantizer", "QuantizeInt8", "QuantizeInt4", "select_linears",
+           "lm_head_weights", "quantize_linear_weights", "quantize_linears", "add_quant_params",
+           "int4_method", "INT4_GROUP_SIZES", "INT4_METHODS"]

@@ -1,0 +1,166 @@
+"""GPTQ against an unbatched float64 OBS reference and against round-to-nearest, on weights
+and activations shaped like a transformer's (N(0, 0.02) weights, correlated inputs with a few
+outlier channels 10-50x larger)."""
+
+import pytest
+import torch
+
+from llmc.compiler.quant import dequantize_int4_codes, int4_grid, quantize_int4
+from llmc.errors import PassError
+from llmc.passes.gptq import HessianAccumulator, gptq_quantize_weight
+
+
+def make_layer(seed, n=128, k=256, outliers=4, dtype=torch.float64):
+    """(weight [n, k], sample(tokens) -> activations [tokens, k]) of one synthetic linear."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.eye(k, dtype=dtype) + torch.randn(k, k, generator=gen, dtype=dtype) / k ** 0.5
+    low_rank = torch.randn(16, k, generator=gen, dtype=dtype)
+    channel = torch.ones(k, dtype=dtype)
+    channel[torch.randperm(k, generator=gen)[:outliers]] = \
+        10 + 40 * torch.rand(outliers, generator=gen, dtype=dtype)
+    weight = 0.02 * torch.randn(n, k, generator=gen, dtype=dtype)
+
+    def sample(tokens):
+        x = torch.randn(tokens, k, generator=gen, dtype=dtype) @ mix
+        x = x + torch.randn(tokens, 16, generator=gen, dtype=dtype) @ low_rank
+        return x * channel
+    return weight, sample
+
+
+def hessian_of(x):
+    acc = HessianAccumulator(x.shape[-1])
+    acc.add(x)
+    return acc.hessian()
+
+
+def output_error(x, weight, q_weight):
+    x = x.double()
+    return torch.linalg.norm(x @ weight.double().T - x @ q_weight.double().T).item()
+
+
+def obs_reference(weight, hessian, bits, g, act_order, damp):
+    """GPTQ without Cholesky or lazy batches, in float64: after fixing column c, update every
+    remaining column by the OBS formula and eliminate c from the explicit inverse Hessian."""
+    w, h = weight.double().clone(), hessian.double().clone()
+    dead = h.diagonal() == 0
+    h.diagonal()[dead] = 1.0
+    w[:, dead] = 0.0
+    order = torch.argsort(h.diagonal(), descending=True, stable=True).tolist() if act_order \
+        else list(range(w.shape[1]))
+    h.diagonal().add_(damp * h.diagonal().mean())
+    hinv = torch.linalg.inv(h)
+    n, k = w.shape
+    q, scales, zeros = torch.zeros(n, k), torch.zeros(n, k // g), torch.zeros(n, k // g)
+    started = set()
+    for c in order:
+        grp = c // g
+        if grp not in started:
+            started.add(grp)
+            scales[:, grp], zeros[:, grp] = int4_grid(w[:, grp * g:(grp + 1) * g], bits)
+        s, z = scales[:, grp].double(), zeros[:, grp].double()
+        q[:, c] = torch.clamp(torch.round(w[:, c] / s) + z, 0, 2 ** bits - 1).float()
+        e = (w[:, c] - (q[:, c].double() - z) * s) / hinv[c, c]
+        w -= torch.outer(e, hinv[c])
+        hinv -= torch.outer(hinv[:, c], hinv[c]) / hinv[c, c]
+    return q.to(torch.uint8), scales, zeros
+
+
+def test_hessian_accumulator_streams_batches_into_xtx_over_n():
+    _, sample = make_layer(0, k=64)
+    x = sample(300).float()
+    acc = HessianAccumulator(64)
+    acc.add(x[:100].reshape(4, 25, 64))
+    acc.add(x[100:])
+    expected = x.double().T @ x.double() / 300
+    assert acc.tokens == 300
+    torch.testing.assert_close(acc.hessian(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_hessian_accumulator_rejects_wrong_width_and_no_tokens():
+    acc = HessianAccumulator(64)
+    with pytest.raises(PassError, match="in_features=64"):
+        acc.add(torch.randn(5, 32))
+    with pytest.raises(PassError, match="no calibration tokens"):
+        acc.hessian()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("block_size", [16, 48, 128])
+def test_gptq_matches_unbatched_obs_reference(act_order, block_size):
+    weight, sample = make_layer(1, n=24, k=96)
+    hessian = hessian_of(sample(512))
+    q, scales, zeros = gptq_quantize_weight(weight, hessian, group_size=32, act_order=act_order,
+                                            block_size=block_size)
+    ref_q, ref_scales, ref_zeros = obs_reference(weight, hessian, 4, 32, act_order, 0.01)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    assert torch.equal(zeros, ref_zeros)
+    assert torch.equal(q, ref_q)
+
+
+@pytest.mark.parametrize("seed", [10, 11, 12])
+def test_gptq_output_error_is_well_below_rtn(seed):
+    weight, sample = make_layer(seed)
+    hessian = hessian_of(sample(2048))
+    held_out = sample(512)
+    rtn = output_error(held_out, weight, dequantize_int4_codes(*quantize_int4(weight, 64)))
+    gptq, gptq_act_order = (output_error(held_out, weight, dequantize_int4_codes(
+        *gptq_quantize_weight(weight.float(), hessian, group_size=64, act_order=a)))
+        for a in (False, True))
+    assert gptq / rtn < 0.85, f"GPTQ/RTN output error {gptq / rtn:.3f}"
+    assert gptq_act_order / rtn < 0.6, f"GPTQ (act_order)/RTN output error {gptq_act_order / rtn:.3f}"
+
+
+def test_act_order_is_not_worse_on_average():
+    ratios = []
+    for seed in range(20, 24):
+        weight, sample = make_layer(seed)
+        hessian, held_out = hessian_of(sample(2048)), sample(512)
+        errors = [output_error(held_out, weight, dequantize_int4_codes(*gptq_quantize_weight(
+            weight.float(), hessian, group_size=64, act_order=a))) for a in (False, True)]
+        ratios.append(errors[1] / errors[0])
+    assert sum(ratios) / len(ratios) <= 1.0, f"act_order/plain error ratios {ratios}"
+
+
+def test_gptq_output_respects_int4_storage_format():
+    weight, sample = make_layer(30, n=32, k=128)
+    q, scales, zeros = gptq_quantize_weight(weight.float(), hessian_of(sample(512)), group_size=32)
+    assert q.dtype == torch.uint8 and q.shape == (32, 128) and int(q.max()) <= 15
+    assert scales.dtype == zeros.dtype == torch.float32
+    assert scales.shape == zeros.shape == (32, 4)
+    assert bool((scales > 0).all())
+    assert torch.equal(zeros, zeros.round()) and 0 <= zeros.min() and zeros.max() <= 15
+    # Nothing has been updated when the first group starts: its grid and first column are RTN's.
+    rtn_q, rtn_scales, rtn_zeros = quantize_int4(weight.float(), 32)
+    assert torch.equal(scales[:, 0], rtn_scales[:, 0]) and torch.equal(zeros[:, 0], rtn_zeros[:, 0])
+    assert torch.equal(q[:, 0], rtn_q[:, 0])
+    expected = (q[:, 40].float() - zeros[:, 1]) * scales[:, 1]
+    assert torch.equal(dequantize_int4_codes(q, scales, zeros)[:, 40], expected)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_with_damping_on_rank_deficient_hessian_stays_finite(act_order):
+    weight, sample = make_layer(40, n=32, k=128)
+    x = sample(48)                  # fewer tokens than inputs: rank <= 48
+    x[:, [3, 70, 100]] = 0.0        # dead input channels
+    q, scales, zeros = gptq_quantize_weight(weight.float(), hessian_of(x), group_size=32,
+                                            act_order=act_order)
+    dequant = dequantize_int4_codes(q, scales, zeros)
+    assert bool(torch.isfinite(scales).all() and torch.isfinite(zeros).all())
+    assert bool((dequant[:, [3, 70, 100]] == 0).all())
+    rtn = output_error(x, weight, dequantize_int4_codes(*quantize_int4(weight, 32)))
+    assert output_error(x, weight, dequant) < rtn
+
+
+def test_gptq_without_damping_on_singular_hessian_raises_pass_error():
+    hessian = torch.full((64, 64), 4.0, dtype=torch.float64)     # every input the same
+    weight = 0.02 * torch.randn(16, 64)
+    with pytest.raises(PassError, match="damp"):
+        gptq_quantize_weight(weight, hessian, group_size=32, damp=0.0)
+    q, scales, zeros = gptq_quantize_weight(weight, hessian, group_size=32, damp=0.01)
+    assert bool(torch.isfinite(dequantize_int4_codes(q, scales, zeros)).all())
+
+
+def test_gptq_rejects_group_size_that_does_not_divide_k():
+    with pytest.raises(PassError, match="group_size=48"):
+        gptq_quantize_weight(torch.randn(8, 64), torch.eye(64, dtype=torch.float64),
+                             group_size=48)
