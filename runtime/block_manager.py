@@ -5,6 +5,7 @@ chained block hashes and confirmed by their token ids."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from array import array
 from collections import Counter, OrderedDict, deque
@@ -283,10 +284,19 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 
-def parse_bytes(text: str | int, field: str = "--kv-memory") -> int:
-    """'2GiB', '512MiB', '1.5GB', '4G' (binary, like '4GiB') or a plain byte count -> bytes.
+def available_memory_bytes() -> int:
+    """Memory the OS can still hand out (host RAM; the GPU runtime asks its device instead)."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_bytes(text: str | int | float, field: str = "--kv-memory") -> int:
+    """'2GiB', '512MiB', '1.5GB', '4G' (binary, like '4GiB') or a plain byte count -> bytes;
+    a fraction in (0, 1) ('0.3') or a percentage ('30%') of the memory available now.
     One regex; not worth a dependency."""
-    if isinstance(text, int) and not isinstance(text, bool):
+    fraction = _fraction(text)
+    if fraction is not None:
+        value = int(fraction * available_memory_bytes())
+    elif isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
         match = _SIZE.fullmatch(str(text))
@@ -298,6 +308,15 @@ def parse_bytes(text: str | int, field: str = "--kv-memory") -> int:
     if value <= 0:
         raise RuntimeLlmcError(f"{field}: size {text!r} must be more than 0 bytes")
     return value
+
+
+def _fraction(text) -> float | None:
+    t = str(text).strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        return None
+    return value if 0 < value < 1 else None
 
 
 def num_blocks_for_budget(budget_bytes: int, kv_bytes_per_token: int, block_size: int = 16) -> int:

@@ -307,3 +307,11 @@ def test_num_blocks_for_budget_fills_the_budget():
     assert n * 16 * per_token <= 1024**3 < (n + 1) * 16 * per_token
     with pytest.raises(RuntimeLlmcError, match="raise --kv-memory"):
         num_blocks_for_budget(per_token * 15, per_token, block_size=16)
+
+
+def test_kv_budget_as_a_fraction_of_available_memory(monkeypatch):
+    import llmc.runtime.block_manager as bm
+    monkeypatch.setattr(bm, "available_memory_bytes", lambda: 8 * 2**30)
+    assert bm.parse_bytes("0.25") == 2 * 2**30
+    assert bm.parse_bytes("50%") == 4 * 2**30
+    assert bm.parse_bytes("3") == 3  # a whole number stays a byte count
