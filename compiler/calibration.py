@@ -73,8 +73,9 @@ def sequences_from_file(tokenizer, path: Path, num_samples: int, seq_len: int) -
     try:
         text = read_calib_bytes(path).decode("utf-8")
     except UnicodeDecodeError:
-        raise PassError(f"calibration file '{path}' is not UTF-8 text; pass a plain text file to --calib") from None
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        raise PassError(f"calibration file '{path}' is not UTF-8 text; "
+                        f"pass a plain text file to --calib") from None
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if len(ids) < seq_len:
         raise PassError(f"calibration file '{path}' has {len(ids)} tokens, fewer than one sequence of "
                         f"--calib-seq-len {seq_len}; give a longer file or a smaller --calib-seq-len")

@@ -15,6 +15,7 @@ import torch
 import llmc
 from llmc.codegen.plan import build_plan
 from llmc.compiler.artifact import write_artifact
+from llmc.compiler.calibration import calibration_sequences, calibration_source
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph
 from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output, select_logit_rows
@@ -36,6 +37,11 @@ class CompileOptions:
     max_num_batched_tokens: int = 2048
     force: bool = False
     quiet: bool = False
+    calib: str | None = None                  # calibration text file; None: self-generated text
+    calib_samples: int = 8
+    calib_seq_len: int = 128
+    calib_seed: int = 0
+    max_ppl_increase: float | None = None     # accuracy budget: percent over calibration perplexity
     quant: str | None = None                  # a --quant recipe (compiler/quant_recipes.py)
     group_size: int | None = None             # int4 group size (default 128)
     kv_cache: str | None = None               # "int8" | "fp8"
@@ -109,6 +115,33 @@ def pipeline_entries(tgt: Target, opts: CompileOptions) -> list[str]:
     return insert_quant_passes(entries, quant_pass_specs(quant, opts.group_size), explicit)
 
 
+def calibrate(loaded, pipeline: list, opts: CompileOptions, log) -> list[torch.Tensor] | None:
+    """Calibration sequences, made only when a lossy pass will use them (so lossless compiles
+    stay fast and never sample from the model)."""
+    if not any(p.lossy for p in pipeline):
+        return None
+    t = time.perf_counter()
+    seqs = calibration_sequences(loaded, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.calib_seed)
+    log("calibrate", time.perf_counter() - t, {"source": calibration_source(opts.calib, opts.calib_seed),
+                                                "sequences": len(seqs), "tokens": sum(len(s) for s in seqs)})
+    return seqs
+
+
+def budget_options(opts: CompileOptions) -> dict:
+    return {} if opts.max_ppl_increase is None else {"max_ppl_increase": opts.max_ppl_increase}
+
+
+def note_calibration(records: list, calibration: list[torch.Tensor] | None, opts: CompileOptions) -> None:
+    """Say in each measured pass's manifest entry what it was measured on."""
+    if calibration is None:
+        return
+    about = {"source": calibration_source(opts.calib, opts.calib_seed), "samples": len(calibration),
+             "seq_len": opts.calib_seq_len}
+    for r in records:
+        if r.accuracy is not None and "ppl_after" in r.accuracy:
+            r.accuracy["calibration"] = dict(about)
+
+
 def compile_model(source: str, target: str | Target = "cpu", output: str | Path = "model.llmc",
                   options: CompileOptions | None = None, echo: Callable[[str], None] | None = None) -> Path:
     """Compile `source` (sample name, HF dir, GGUF file) for `target` into an artifact dir."""
@@ -128,9 +161,12 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     loaded = load_model(source)
     log("load", time.perf_counter() - t, {"kind": loaded.kind, "name": loaded.name})
     graph = trace_and_lower(loaded.module, opts.max_num_batched_tokens, log)
-    ctx = PassContext(target=tgt, options={}, print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
+    calibration = calibrate(loaded, pipeline, opts, log)
+    ctx = PassContext(target=tgt, options=budget_options(opts), calibration=calibration,
+                      print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
     records = PassManager(pipeline, ctx).run(graph)
+    note_calibration(records, calibration, opts)
     graph.meta = model_meta(loaded.config, graph, loaded.module)
     t = time.perf_counter()
     plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens)

@@ -13,17 +13,33 @@ def compile(model: str, target: str = "cpu", output: str | Path | None = None, *
             passes: str | None = None, disable: list[str] | None = None,
             pass_options: dict[str, dict] | None = None, print_ir_after: set[str] | None = None,
             dump_ir: str | None = None, max_num_batched_tokens: int = 2048, quiet: bool = True,
-            quant: str | None = None, group_size: int | None = None, kv_cache: str | None = None) -> Path:
+            quant: str | None = None, group_size: int | None = None, kv_cache: str | None = None,
+            calib: str | Path | None = None, calib_samples: int = 8, calib_seq_len: int = 128,
+            calib_seed: int = 0, max_ppl_increase: float | None = None) -> Path:
     """Compile `model` (sample name, HF checkpoint dir, or .gguf file) for `target`; `quant` is
-    a --quant recipe ("int8", "int4-rtn", "int4-gptq", "int4-awq", "fp8", "w8a8")."""
+    a --quant recipe ("int8", "int4-rtn", "int4-gptq", "int4-awq", "fp8", "w8a8"). Lossy passes
+    are measured on `calib` text (default: text the model generates itself, seeded by
+    `calib_seed`); `max_ppl_increase` (percent) fails the compile if one costs more."""
     from llmc.compiler.pipeline import CompileOptions, compile_model
 
     output = output or f"{Path(str(model)).name.removesuffix('.gguf')}.llmc"
     opts = CompileOptions(passes=passes, disable=list(disable or []), pass_options=dict(pass_options or {}),
                           print_ir_after=set(print_ir_after or ()), dump_ir=dump_ir,
                           max_num_batched_tokens=max_num_batched_tokens, force=force, quiet=quiet,
-                          quant=quant, group_size=group_size, kv_cache=kv_cache)
+                          quant=quant, group_size=group_size, kv_cache=kv_cache,
+                          calib=None if calib is None else str(calib), calib_samples=calib_samples,
+                          calib_seq_len=calib_seq_len, calib_seed=calib_seed,
+                          max_ppl_increase=max_ppl_increase)
     return compile_model(model, target, output, opts)
+
+
+def evaluate(path: str | Path, text: str, ref: str | Path | None = None, max_tokens: int = 4096,
+             progress: bool = False) -> dict:
+    """Perplexity of the artifact at `path` on `text` (context 512, stride 256, first
+    `max_tokens` tokens); with `ref`, also KL(ref || ours) and top-1 agreement against it."""
+    from llmc.runtime.evaluate import evaluate_text
+
+    return evaluate_text(path, text, ref=ref, max_tokens=max_tokens, progress=progress)
 
 
 def load(path: str | Path, **engine_options) -> "LLM":

@@ -1,4 +1,4 @@
-"""The `llmc` command line: compile, inspect, targets, run, chat, bench.
+"""The `llmc` command line: compile, inspect, targets, run, chat, bench, eval.
 User errors print one line and exit 2; bugs keep their traceback and exit 1."""
 
 from __future__ import annotations
@@ -39,9 +39,16 @@ def cli():
               help="Quantise the linears' weights (default: the target's own, if any).")
 @click.option("--group-size", type=int, default=None, help="int4 group size along K (default 128).")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_CHOICES), help="Quantise the KV cache.")
+@click.option("--calib", type=click.Path(dir_okay=False),
+              help="Calibration text for lossy passes (default: text the model generates itself).")
+@click.option("--calib-samples", default=8, show_default=True, help="Calibration sequences.")
+@click.option("--calib-seq-len", default=128, show_default=True, help="Tokens per calibration sequence.")
+@click.option("--max-ppl-increase", type=float, default=None,
+              help="Accuracy budget: fail if a lossy pass raises calibration perplexity by more than PCT%.")
 @click.option("--quiet", "-q", is_flag=True)
 def compile(model, target, output, force, passes, disable_pass, pass_option, print_ir_after, dump_ir,
-            max_num_batched_tokens, quant, group_size, kv_cache, quiet):
+            max_num_batched_tokens, quant, group_size, kv_cache, calib, calib_samples, calib_seq_len,
+            max_ppl_increase, quiet):
     """Compile MODEL (a sample name, an HF checkpoint dir, or a .gguf file) into an artifact."""
     from llmc.api import compile as compile_api
     from llmc.passes.registry import parse_pass_options
@@ -50,7 +57,9 @@ def compile(model, target, output, force, passes, disable_pass, pass_option, pri
                        disable=list(disable_pass), pass_options=parse_pass_options(pass_option),
                        print_ir_after=set(print_ir_after), dump_ir=dump_ir,
                        max_num_batched_tokens=max_num_batched_tokens, quiet=quiet,
-                       quant=quant, group_size=group_size, kv_cache=kv_cache)
+                       quant=quant, group_size=group_size, kv_cache=kv_cache, calib=calib,
+                       calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+                       max_ppl_increase=max_ppl_increase)
     if not quiet:
         from llmc.compiler.inspect import summarize
         click.echo(summarize(path, brief=True))
@@ -228,6 +237,26 @@ def _bench_table(r: dict) -> str:
         lines += [f"HF baseline       {b['output_tokens_per_s']:.1f} output tokens/s, {b['requests_per_s']:.2f} req/s",
                   f"ratio (ours / HF) {r['ratio']:.2f}x output tokens/s"]
     return "\n".join(lines)
+
+
+@cli.command("eval")
+@click.argument("artifact", type=click.Path())
+@click.option("--text", "text_file", type=click.Path(dir_okay=False),
+              help="UTF-8 text to score (default: samples/eval.txt of the source checkout).")
+@click.option("--ref", type=click.Path(),
+              help="Reference artifact: also report KL(ref || ours) and top-1 agreement.")
+@click.option("--max-tokens", default=4096, show_default=True, help="Score the text's first N tokens.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+def eval_command(artifact, text_file, ref, max_tokens, as_json):
+    """Perplexity of ARTIFACT on a text: windows of 512 tokens, stride 256, each token scored once."""
+    from llmc.runtime.evaluate import DEFAULT_TEXT, evaluate_text, format_summary, read_eval_text
+
+    text = read_eval_text(text_file)
+    result = evaluate_text(artifact, text, ref=ref, max_tokens=max_tokens, progress=True)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        click.echo(format_summary(result, artifact, text_file or str(DEFAULT_TEXT), ref))
 
 
 # Bare `llmc` raises this (click >= 8.2) to show the help, which is what the user asked for.

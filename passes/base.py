@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from llmc.compiler.ir import Graph
 from llmc.errors import IRError, PassError
+from llmc.passes.accuracy import AccuracyMeter, check_budget
 from llmc.passes.registry import (
     PASSES,
     build_pipeline,
@@ -155,6 +156,8 @@ class PassManager:
         except IRError as e:
             raise IRError(f"graph {graph.name} is invalid before any pass ran: {e}") from e
         records = []
+        # lossy passes are measured against the graph as it was before the first of them
+        self._meter = AccuracyMeter(self.ctx.calibration) if self.ctx.calibration is not None else None
         bar = tqdm(self.passes, desc="passes", unit="pass", leave=False, file=sys.stderr,
                    disable=self.ctx.quiet or not sys.stderr.isatty())
         for index, p in enumerate(bar, start=1):
@@ -166,6 +169,9 @@ class PassManager:
 
     def _run_one(self, index: int, p: Pass, graph: Graph) -> PassRecord:
         before = graph.op_counts()
+        meter = self._meter if p.lossy else None
+        if meter is not None:
+            meter.capture_reference(graph)
         self._dump(index, p.name, "before", graph)
         start = time.perf_counter()
         result = p.run(graph, self.ctx)
@@ -175,8 +181,12 @@ class PassManager:
         if p.name in self.ctx.print_ir_after or "all" in self.ctx.print_ir_after:
             self.ctx.echo(f"// IR after {p.name}\n{graph}")
         self._verify(p, graph)
+        accuracy = result.accuracy
+        if meter is not None:
+            accuracy = {**(accuracy or {}), **meter.measure(graph)}
+            check_budget(p.name, accuracy, self.ctx.options.get("max_ppl_increase"))
         record = PassRecord(p.name, dict(p.options), seconds, result.changed, result.matches,
-                            result.details, result.bytes_saved, result.accuracy,
+                            result.details, result.bytes_saved, accuracy,
                             before, graph.op_counts())
         if self.ctx.verbose:
             self.ctx.echo(summarize(record))
@@ -214,7 +224,10 @@ class PassManager:
 def summarize(record: PassRecord) -> str:
     """One line per pass for verbose output: matches, bytes saved, time."""
     saved = f", {format_bytes(record.bytes_saved)} saved" if record.bytes_saved else ""
-    return f"{record.name}: {record.matches} matches{saved}, {record.seconds * 1e3:.1f} ms"
+    acc = record.accuracy or {}
+    cost = (f", calibration ppl {acc['ppl_before']:.4g} -> {acc['ppl_after']:.4g}, KL {acc['kl']:.3g}"
+            if "ppl_after" in acc else "")
+    return f"{record.name}: {record.matches} matches{saved}{cost}, {record.seconds * 1e3:.1f} ms"
 
 
 def format_bytes(n: int) -> str:

@@ -4,7 +4,7 @@ float weight into a qlinear over stored codes, scales and zero points (docs/quan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 from typing import Callable
 
@@ -132,19 +132,24 @@ def param_bytes(graph: Graph) -> int:
 
 
 def quantize_linears(p: Pass, graph: Graph, ctx: PassContext, fmt: WeightFormat,
-                     nodes: list[Node], skipped: dict[str, list[str]],
-                     method_fn: WeightQuantizer) -> PassResult:
-    """Quantise `nodes` with `method_fn`, prune the float weights, and report the bytes."""
+                     nodes: list[Node], skipped: dict[str, list[str]], method_fn: WeightQuantizer,
+                     group_sizes: dict[str, int] | None = None) -> PassResult:
+    """Quantise `nodes` with `method_fn`, prune the float weights, and report the bytes;
+    `group_sizes` overrides fmt's group size per node name."""
     total_before = param_bytes(graph)
     before = after = 0
+    used: dict[str, int] = {}
     for node in nodes:
-        b, a = quantize_linear_weights(graph, node, method_fn, ctx, fmt)
+        node_fmt = replace(fmt, group_size=(group_sizes or {}).get(node.name, fmt.group_size))
+        b, a = quantize_linear_weights(graph, node, method_fn, ctx, node_fmt)
         before, after = before + b, after + a
+        used[str(node_fmt.group_size)] = used.get(str(node_fmt.group_size), 0) + 1
     graph.prune_params()
     report_skipped(p, ctx, skipped)
     figures = {"method": fmt.method, "bits": fmt.bits, "group_size": fmt.group_size,
                "linears": len(nodes), "bytes_before": before, "bytes_after": after,
-               "kept_linears": sum(len(v) for v in skipped.values())}
+               "kept_linears": sum(len(v) for v in skipped.values()),
+               "linears_by_group_size": dict(sorted(used.items(), key=lambda kv: int(kv[0])))}
     details = {"quant": {fmt.scheme: figures}, "skipped": skipped}
     return PassResult(len(nodes), bool(nodes), details, bytes_saved=total_before - param_bytes(graph))
 
@@ -155,7 +160,9 @@ def report_skipped(p: Pass, ctx: PassContext, skipped: dict[str, list[str]]) -> 
         if reason.startswith(("lm_head", "matches a skip")) or ctx.quiet:
             continue
         shown = ", ".join(weights[:3]) + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
-        ctx.echo(f"{p.name}: {len(weights)} linear(s) kept in float, {reason}: {shown}")
+        hint = ("; a smaller --group-size, or quantize_int4.shrink_groups=true, quantises them"
+                if "group_size" in reason else "")
+        ctx.echo(f"{p.name}: {len(weights)} linear(s) kept in float, {reason}: {shown}{hint}")
 
 
 # -- the passes -----------------------------------------------------------------------------
@@ -183,16 +190,27 @@ class QuantizeInt4(Pass):
     description = ("weight-only int4: groups of group_size along K with scales and zero points, "
                    "by rtn (round to nearest), gptq or awq (both from calibration activations)")
     lossy = True
+    # shrink_groups: a linear whose K group_size does not divide takes the largest supported
+    # group size below it that does (SmolLM2's K=576 at 128 -> 64), instead of staying float.
     options = {"group_size": 128, "method": "rtn", "include_lm_head": False, "skip": [],
-               "act_order": False, "damp": 0.01}
+               "shrink_groups": False, "act_order": False, "damp": 0.01}
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         g, method = self.check_options()
         fmt = WeightFormat("int4", method, 4, g, symmetric=False)
-        nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"],
-                                        lambda node: self.group_mismatch(graph, node, g))
-        return quantize_linears(self, graph, ctx, fmt, nodes, skipped,
-                                int4_method(method, graph, ctx, nodes, self.options))
+        groups: dict[str, int] = {}
+
+        def check(node: Node) -> str | None:
+            k = graph.params[node.inputs[1]].type.shape[1]
+            fits = [size for size in INT4_GROUP_SIZES
+                    if size <= g and k % size == 0 and (size == g or self.options["shrink_groups"])]
+            if not fits:
+                return f"in_features {k} is not a multiple of group_size {g}"
+            groups[node.name] = max(fits)
+            return None
+        nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"], check)
+        method_fn = int4_method(method, graph, ctx, nodes, self.options, lambda node: groups[node.name])
+        return quantize_linears(self, graph, ctx, fmt, nodes, skipped, method_fn, groups)
 
     def check_options(self) -> tuple[int, str]:
         g, method = self.options["group_size"], self.options["method"]
@@ -204,23 +222,18 @@ class QuantizeInt4(Pass):
                             f"{', '.join(INT4_METHODS)}")
         return g, method
 
-    @staticmethod
-    def group_mismatch(graph: Graph, node: Node, g: int) -> str | None:
-        k = graph.params[node.inputs[1]].type.shape[1]
-        return None if k % g == 0 else f"in_features {k} is not a multiple of group_size {g}"
 
-
-def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node],
-                options: dict) -> WeightQuantizer:
-    """The weight quantiser of `method`; GPTQ and AWQ first observe calibration activations
-    (and AWQ rescales the graph), which is why they see the graph and the chosen linears."""
-    g = options["group_size"]
+def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node], options: dict,
+                group_of: Callable[[Node], int]) -> WeightQuantizer:
+    """The weight quantiser of `method` (group_of(node): that linear's group size); GPTQ and
+    AWQ first observe calibration activations (and AWQ rescales the graph), which is why they
+    see the graph and the chosen linears."""
     if method == "rtn":
-        return lambda weight, ctx, node: quantize_int4(weight, g)
+        return lambda weight, ctx, node: quantize_int4(weight, group_of(node))
     from llmc.passes.quantize_calibrated import awq_method, gptq_method
     if method == "gptq":
-        return gptq_method(graph, ctx, nodes, g, act_order=options["act_order"], damp=options["damp"])
-    return awq_method(graph, ctx, nodes, g)
+        return gptq_method(graph, ctx, nodes, group_of, act_order=options["act_order"], damp=options["damp"])
+    return awq_method(graph, ctx, nodes, group_of)
 
 
 __all__ = ["WeightFormat", "WeightQuantizer", "QuantizeInt8", "QuantizeInt4", "select_linears",

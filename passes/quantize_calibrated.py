@@ -68,8 +68,8 @@ def import_method(module: str, names: list[str], method: str) -> list:
 
 
 # -- GPTQ -------------------------------------------------------------------------------------
-def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_size: int, *,
-                act_order: bool, damp: float):
+def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Callable[[Node], int],
+                *, act_order: bool, damp: float):
     """GPTQ on Hessians of the float model's activations, all gathered in one calibration run
     (not layer by layer); one K x K float64 Hessian per distinct linear input is held."""
     accumulator, quantize = import_method("gptq", ["HessianAccumulator", "gptq_quantize_weight"], "gptq")
@@ -80,7 +80,7 @@ def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_size: i
         x = node.inputs[0]
         if x not in hessians:
             hessians[x] = observers[x].hessian()
-        return quantize(weight, hessians[x], group_size=group_size, act_order=act_order, damp=damp)
+        return quantize(weight, hessians[x], group_size=group_of(node), act_order=act_order, damp=damp)
     return method
 
 
@@ -107,7 +107,7 @@ class ActivationStats:
         return torch.cat(self.rows)
 
 
-def awq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_size: int):
+def awq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Callable[[Node], int]):
     """AWQ: per group of linears sharing an input, one channel scale s searched on calibration
     activations; the weights are quantised as W·s and the input divided by s, folded into an
     rms_norm weight or a linear's output rows where the graph allows, else by an inserted mul."""
@@ -120,14 +120,15 @@ def awq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_size: in
     scales, samples = {}, {}
     for x, group in by_input.items():
         weights = [graph.weights[n.inputs[1]].float() for n in group]
-        s = search(weights, stats[x].mean_abs(), stats[x].sample(), group_size=group_size)
+        # linears sharing an input share K, hence their group size
+        s = search(weights, stats[x].mean_abs(), stats[x].sample(), group_size=group_of(group[0]))
         for n in group:
             scales[n.name], samples[n.name] = s, stats[x].sample()
     for x, group in by_input.items():
         fold_input_scale(graph, x, group, scales[group[0].name])
 
     def method(weight: torch.Tensor, ctx: PassContext, node: Node):
-        return quantize(weight, scales[node.name], samples[node.name], group_size=group_size)
+        return quantize(weight, scales[node.name], samples[node.name], group_size=group_of(node))
     return method
 
 

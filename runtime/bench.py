@@ -135,7 +135,8 @@ def hf_model_from_artifact(engine) -> torch.nn.Module:
     state = engine.executor.plan.params
     weights = {name: engine.executor.weight(name) for name in state}
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [m for m in missing if "rotary_emb" not in m and not (m == "model.embed_tokens.weight" and config.tie_word_embeddings)]
+    tied = "model.embed_tokens.weight" if config.tie_word_embeddings else None
+    missing = [m for m in missing if "rotary_emb" not in m and m != tied]
     if missing:
         raise RuntimeLlmcError(f"artifact weights do not cover HF {arch}: missing {missing[:4]}")
     if config.tie_word_embeddings:

@@ -5,9 +5,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmc.compiler.interpreter import interpret
+from llmc.compiler.ir import Graph, TensorType
 from llmc.compiler.pipeline import trace_and_lower
 from llmc.errors import IRError
-from llmc.compiler.ir import Graph, TensorType
 
 
 def _lower(module):

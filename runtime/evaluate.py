@@ -1,0 +1,179 @@
+"""`llmc eval`: an artifact's perplexity on a text by one fixed protocol, and, against a
+reference artifact, the KL divergence and top-1 agreement of its next-token distributions.
+
+Protocol: tokenise the text without special tokens and keep the first `max_tokens` tokens; slide
+windows of CONTEXT tokens by STRIDE (positions restart at 0 in each window); the first window
+scores all its tokens, each later window only its last STRIDE, so every token after the first is
+scored exactly once and, past the first window, with at least CONTEXT - STRIDE tokens of context
+(as in Hugging Face's "Perplexity of fixed-length models" guide). Perplexity = exp(mean NLL)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from llmc.codegen.plan import Plan
+from llmc.compiler.artifact import load_tokenizer, read_artifact
+from llmc.compiler.scoring import row_agreement, row_kl, token_nll
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.attention import NoCacheAttention
+from llmc.runtime.executor import PlanExecutor
+
+CONTEXT = 512
+STRIDE = 256
+# From a source checkout; an installed llmc has no samples/ and needs --text.
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "samples" / "eval.txt"
+
+
+@dataclass(frozen=True)
+class Window:
+    begin: int          # first token fed to the model
+    end: int            # one past the last token fed
+    first_target: int   # first token this window scores; it scores first_target..end-1
+
+    def rows(self) -> torch.Tensor:
+        """The logits rows (window-relative) that predict the scored tokens."""
+        return torch.arange(self.first_target - 1 - self.begin, self.end - 1 - self.begin)
+
+
+def eval_windows(num_tokens: int, context: int = CONTEXT, stride: int = STRIDE) -> list[Window]:
+    """Windows covering tokens 1..num_tokens-1 once each: [0, context), then every `stride`."""
+    windows, scored_to = [], 1  # token 0 has no prediction
+    for begin in range(0, max(num_tokens - 1, 0), stride):
+        end = min(begin + context, num_tokens)
+        windows.append(Window(begin, end, scored_to))
+        scored_to = end
+        if end == num_tokens:
+            break
+    return windows
+
+
+class ArtifactScorer:
+    """An artifact's plan run on whole windows with no KV cache: logits of chosen rows."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        art = read_artifact(self.path)
+        self.model = art.manifest["model"]
+        self.tokenizer = load_tokenizer(art)
+        self.plan = Plan.from_json(art.plan_json)
+        self.executor = PlanExecutor(self.plan, art.weights)
+
+    def check_context(self, context: int) -> None:
+        max_positions = self.model.get("max_position_embeddings", context)
+        if self.plan.max_tokens < context or max_positions < context:
+            raise RuntimeLlmcError(
+                f"artifact '{self.path}' cannot take the {context}-token evaluation windows: its plan "
+                f"holds {self.plan.max_tokens} batched tokens and the model {max_positions} positions; "
+                f"recompile with --max-num-batched-tokens {context} or more")
+
+    def logits(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """ids [t] at positions 0..t-1 -> float32 logits [len(rows), vocab]."""
+        positions = torch.arange(len(ids), dtype=torch.long)
+        if "logits_indices" not in self.plan.inputs:  # plans whose LM head could not be split
+            return self.executor.run(ids, positions, NoCacheAttention())[rows].float()
+        inputs = {"input_ids": ids, "positions": positions, "logits_indices": rows}
+        return self.executor.run_values(inputs, NoCacheAttention())["logits"].float()
+
+
+@dataclass
+class Totals:
+    """Sums over scored tokens, float64."""
+    tokens: int = 0
+    nll: float = 0.0
+    ref_nll: float = 0.0
+    kl: float = 0.0
+    agree: float = 0.0
+
+
+def evaluate_text(path: str | Path, text: str, ref: str | Path | None = None, max_tokens: int = 4096,
+                  progress: bool = False) -> dict:
+    """{"perplexity", "tokens" (scored), "windows", "context", "stride"}; with `ref` also
+    "ref_perplexity", "kl" (mean KL(ref || ours)) and "top1_agreement"."""
+    model = ArtifactScorer(path)
+    reference = ArtifactScorer(ref) if ref is not None else None
+    ids = text_tokens(model.tokenizer, text, max_tokens)
+    windows = eval_windows(len(ids))
+    context = max(w.end - w.begin for w in windows)
+    for scorer in (model, reference):
+        if scorer is not None:
+            scorer.check_context(context)
+    if reference is not None:
+        check_same_vocab(model, reference)
+    totals = Totals()
+    bar = tqdm(windows, desc="eval", unit="window", leave=False, file=sys.stderr,
+               disable=not progress or not sys.stderr.isatty())
+    for window in bar:
+        score_window(model, reference, ids, window, totals)
+    return summary(totals, len(windows), reference is not None)
+
+
+def text_tokens(tokenizer, text: str, max_tokens: int) -> torch.Tensor:
+    if max_tokens < 2:
+        raise RuntimeLlmcError(f"--max-tokens is {max_tokens}; perplexity needs at least 2 tokens")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:max_tokens]
+    if len(ids) < 2:
+        raise RuntimeLlmcError(f"the evaluation text has {len(ids)} token(s); give a text of at least 2")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def check_same_vocab(model: ArtifactScorer, reference: ArtifactScorer) -> None:
+    ours, theirs = model.model.get("vocab_size"), reference.model.get("vocab_size")
+    if ours != theirs:
+        raise RuntimeLlmcError(f"reference '{reference.path}' has vocabulary size {theirs}, artifact "
+                               f"'{model.path}' has {ours}; compare artifacts of the same model")
+
+
+def score_window(model: ArtifactScorer, reference: ArtifactScorer | None, ids: torch.Tensor,
+                 window: Window, totals: Totals) -> None:
+    window_ids, rows = ids[window.begin:window.end], window.rows()
+    targets = ids[window.first_target:window.end]
+    logits = model.logits(window_ids, rows)
+    totals.tokens += len(targets)
+    totals.nll += token_nll(logits, targets).sum().item()
+    if reference is not None:
+        ref_logits = reference.logits(window_ids, rows)
+        totals.ref_nll += token_nll(ref_logits, targets).sum().item()
+        totals.kl += row_kl(ref_logits, logits).sum().item()
+        totals.agree += row_agreement(ref_logits, logits).sum().item()
+
+
+def summary(totals: Totals, num_windows: int, with_reference: bool) -> dict:
+    n = totals.tokens
+    out = {"perplexity": math.exp(totals.nll / n), "tokens": n, "windows": num_windows,
+           "context": CONTEXT, "stride": STRIDE}
+    if with_reference:
+        out.update(ref_perplexity=math.exp(totals.ref_nll / n), kl=totals.kl / n,
+                   top1_agreement=totals.agree / n)
+    return out
+
+
+def read_eval_text(path: str | Path | None) -> str:
+    """The text at `path`, or the shipped samples/eval.txt when `path` is None."""
+    file = Path(path) if path is not None else DEFAULT_TEXT
+    try:
+        return file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        hint = "" if path is not None else " (the default, shipped in a source checkout)"
+        raise RuntimeLlmcError(f"evaluation text '{file}'{hint} not found; pass --text FILE") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RuntimeLlmcError(f"evaluation text '{file}' cannot be read as UTF-8 text ({e}); "
+                               f"pass a plain text file to --text") from None
+
+
+def format_summary(result: dict, artifact: str, text_name: str, ref: str | None) -> str:
+    lines = [f"{artifact}: perplexity {result['perplexity']:.4f} over {result['tokens']} tokens of "
+             f"{text_name} ({result['windows']} windows of {result['context']}, stride {result['stride']})"]
+    if ref is not None:
+        lines.append(f"reference {ref}: perplexity {result['ref_perplexity']:.4f}; "
+                     f"KL(ref || ours) {result['kl']:.5f}; top-1 agreement {result['top1_agreement']:.2%}")
+    return "\n".join(lines)
+
+
+__all__ = ["evaluate_text", "eval_windows", "Window", "ArtifactScorer", "read_eval_text",
+           "format_summary", "CONTEXT", "STRIDE", "DEFAULT_TEXT"]
