@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.codegen.cpu_qlinear import pack_qlinear, run_qlinear
+from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS, pack_a8_qlinear, run_a8_qlinear
 from llmc.compiler.ops import OPS, apply_rope, decode_arg, qlinear_inputs, qlinear_ref, resolve_aten, rope_cos_sin
 from llmc.errors import ArtifactError
 
@@ -64,25 +65,35 @@ def linear(x, weight, bias=None, **attrs):
     return [F.linear(x, weight, bias)]
 
 
+def pack_for_cpu(scheme: str, qweight, scales, zeros, act_scale, group_size: int):
+    """int8/int4 in torch's packed layout (codegen/cpu_qlinear.py), fp8/w8a8 as exact codes for
+    their activation-quantising GEMMs (codegen/cpu_qlinear_a8.py); None when torch has no kernel."""
+    if scheme in ("fp8", "w8a8"):
+        return pack_a8_qlinear(scheme, qweight, scales, act_scale)
+    return pack_qlinear(scheme, qweight, scales, zeros, group_size)
+
+
 def prepare_qlinear(inputs, attrs) -> dict:
     """Convert a qlinear's stored weights into torch's packed CPU layout once, at load."""
-    _, qweight, scales, zeros = qlinear_inputs(list(inputs), attrs)[:4]
-    if qweight is None or scales is None or (attrs.get("has_zeros") and zeros is None):
+    _, qweight, scales, zeros, act_scale = qlinear_inputs(list(inputs), attrs)[:5]
+    if (qweight is None or scales is None or (attrs.get("has_zeros") and zeros is None)
+            or (attrs.get("has_act_scale") and act_scale is None)):
         return {}
-    packed = pack_qlinear(attrs["scheme"], qweight, scales, zeros, attrs.get("group_size", -1))
+    packed = pack_for_cpu(attrs["scheme"], qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
     return {} if packed is None else {"cpu_weights": packed}
 
 
 @kernel("qlinear", prepare=prepare_qlinear)
 def qlinear(*inputs, scheme, cpu_weights=None, **attrs):
-    """int8/int4 through torch's packed kernels (codegen/cpu_qlinear.py); schemes without
-    one, and group sizes torch does not pack, run the reference (dequantise, fp32 GEMM)."""
-    x, qweight, scales, zeros, _, bias = qlinear_inputs(list(inputs), attrs)
+    """int8/int4 through torch's packed kernels, fp8/w8a8 through exact-code GEMMs; group
+    sizes torch does not pack run the reference (dequantise, fp32 GEMM)."""
+    x, qweight, scales, zeros, act_scale, bias = qlinear_inputs(list(inputs), attrs)
     if cpu_weights is None:
-        cpu_weights = pack_qlinear(scheme, qweight, scales, zeros, attrs.get("group_size", -1))
+        cpu_weights = pack_for_cpu(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
     if cpu_weights is None:
         return qlinear_ref(*inputs, scheme=scheme, **attrs)
-    return [run_qlinear(x, cpu_weights, bias)]
+    run = run_a8_qlinear if type(cpu_weights) in A8_MATMULS else run_qlinear
+    return [run(x, cpu_weights, bias)]
 
 
 @kernel("silu")

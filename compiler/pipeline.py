@@ -19,7 +19,7 @@ from llmc.compiler.calibration import calibration_sequences, calibration_source
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph
 from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output, select_logit_rows
-from llmc.compiler.quant_recipes import check_kv_cache, insert_quant_passes, quant_pass_specs
+from llmc.compiler.quant_recipes import KV_CACHE_CHOICES, insert_quant_passes, quant_pass_specs
 from llmc.compiler.targets import Target, get_target
 from llmc.compiler.trace import export_lm, translate
 from llmc.errors import ArtifactError, PassError
@@ -55,6 +55,8 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     eos = text.eos_token_id if getattr(text, "eos_token_id", None) is not None else []
     dtype = graph.type_of(graph.outputs[0]).dtype
+    # quantize_kv_cache leaves {"dtype", "scales", "scale_params"}; otherwise the cache holds activations
+    kv_cache = graph.meta.get("kv_cache") or {"dtype": dtype, "scales": None}
     return {
         "architecture": (getattr(config, "architectures", None) or [type(module).__name__])[0],
         "num_layers": text.num_hidden_layers, "num_heads": heads, "num_kv_heads": kv_heads,
@@ -62,8 +64,9 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
         "max_position_embeddings": text.max_position_embeddings,
         "eos_token_ids": eos if isinstance(eos, list) else [eos],
         "bos_token_id": getattr(text, "bos_token_id", None),
-        "kv_dtype": dtype,
-        "kv_bytes_per_token": 2 * text.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype],
+        "kv_dtype": kv_cache["dtype"], "kv_cache": kv_cache,
+        # per-head scales are per layer, not per token: a quantised cache costs its codes alone
+        "kv_bytes_per_token": 2 * text.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[kv_cache["dtype"]],
         # the whole HF config, so tools (the HF bench baseline) can rebuild the reference model
         "hf_config": hf_config_dict(config),
     }
@@ -103,22 +106,48 @@ def trace_and_lower(module: torch.nn.Module, max_tokens: int, log: Callable[[str
 
 def pipeline_entries(tgt: Target, opts: CompileOptions) -> list[str]:
     """The pass specs to run: --passes or the target's pipeline, with the --quant recipe (or,
-    without --passes, the target's default_quant) inserted before the cleanup passes."""
-    check_kv_cache(opts.kv_cache)
+    without --passes, the target's default_quant) inserted before the cleanup passes, and
+    --kv-cache's pass last."""
     explicit = opts.passes is not None
     entries = [e for e in opts.passes.split(",") if e.strip()] if explicit else list(tgt.default_pipeline)
     quant = opts.quant or (None if explicit else tgt.default_quant)
-    if quant is None:
-        if opts.group_size is not None:
-            raise PassError("--group-size needs --quant int4-rtn, int4-gptq or int4-awq")
+    if quant is not None:
+        entries = insert_quant_passes(entries, quant_pass_specs(quant, opts.group_size), explicit)
+    elif opts.group_size is not None:
+        raise PassError("--group-size needs --quant int4-rtn, int4-gptq or int4-awq")
+    return add_kv_cache_pass(entries, opts.kv_cache)
+
+
+def add_kv_cache_pass(entries: list[str], kv_cache: str | None) -> list[str]:
+    """Last, so no cleanup pass after it prunes its scale params (no node reads them)."""
+    if kv_cache is None:
         return entries
-    return insert_quant_passes(entries, quant_pass_specs(quant, opts.group_size), explicit)
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise PassError(f"--kv-cache {kv_cache!r} is unknown; choose one of {', '.join(KV_CACHE_CHOICES)}")
+    if any(e.split(":", 1)[0].strip() == "quantize_kv_cache" for e in entries):
+        raise PassError("--passes already holds quantize_kv_cache and --kv-cache adds it again; "
+                        "give one or the other")
+    return entries + [f"quantize_kv_cache:dtype={kv_cache}"]
+
+
+def check_kv_scales(graph: Graph) -> None:
+    """A quantised KV cache needs its scale params in the artifact; a cleanup pass run after
+    quantize_kv_cache drops them, since no node reads them."""
+    kv = graph.meta.get("kv_cache")
+    if not kv:
+        return
+    layers = [n.attrs["layer"] for n in graph.nodes if n.op == "attention"]
+    missing = [kv["scale_params"].format(layer=i) for i in layers
+               if kv["scale_params"].format(layer=i) not in graph.weights]
+    if missing:
+        raise PassError(f"the {kv['dtype']} KV cache lost its scale params {missing[:3]} to a pass after "
+                        f"quantize_kv_cache; put quantize_kv_cache last in --passes")
 
 
 def calibrate(loaded, pipeline: list, opts: CompileOptions, log) -> list[torch.Tensor] | None:
-    """Calibration sequences, made only when a lossy pass will use them (so lossless compiles
-    stay fast and never sample from the model)."""
-    if not any(p.lossy for p in pipeline):
+    """Calibration sequences, made only when a lossy (or otherwise calibrated) pass will use
+    them (so lossless compiles stay fast and never sample from the model)."""
+    if not any(p.lossy or getattr(p, "needs_calibration", False) for p in pipeline):
         return None
     t = time.perf_counter()
     seqs = calibration_sequences(loaded, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.calib_seed)
@@ -167,6 +196,7 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
     records = PassManager(pipeline, ctx).run(graph)
     note_calibration(records, calibration, opts)
+    check_kv_scales(graph)
     graph.meta = model_meta(loaded.config, graph, loaded.module)
     t = time.perf_counter()
     plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens)

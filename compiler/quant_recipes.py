@@ -52,16 +52,5 @@ def insert_quant_passes(entries: list[str], specs: list[str], explicit: bool) ->
     return rest[:at] + specs + rest[at:]
 
 
-def check_kv_cache(kv_cache: str | None) -> None:
-    """KV cache quantisation is applied by the runtime, which cannot do it yet: refuse rather
-    than write an artifact that claims it."""
-    if kv_cache is None:
-        return
-    if kv_cache not in KV_CACHE_CHOICES:
-        raise PassError(f"--kv-cache {kv_cache!r} is unknown; choose one of {', '.join(KV_CACHE_CHOICES)}")
-    raise PassError(f"--kv-cache {kv_cache}: KV cache quantisation is not built yet (the runtime "
-                    f"keeps the KV cache in the model's dtype); compile without --kv-cache")
-
-
 __all__ = ["QUANT_RECIPES", "QUANT_CHOICES", "KV_CACHE_CHOICES", "DEFAULT_GROUP_SIZE",
-           "quant_pass_specs", "insert_quant_passes", "check_kv_cache"]
+           "quant_pass_specs", "insert_quant_passes"]

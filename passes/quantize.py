@@ -191,9 +191,11 @@ class QuantizeInt4(Pass):
                    "by rtn (round to nearest), gptq or awq (both from calibration activations)")
     lossy = True
     # shrink_groups: a linear whose K group_size does not divide takes the largest supported
-    # group size below it that does (SmolLM2's K=576 at 128 -> 64), instead of staying float.
+    # group size below it that does (SmolLM2's K=576 at 128 -> 64) instead of staying float;
+    # on by default because such models would otherwise be mostly unquantised. The report
+    # lists the group size each shrunk linear got.
     options = {"group_size": 128, "method": "rtn", "include_lm_head": False, "skip": [],
-               "shrink_groups": False, "act_order": False, "damp": 0.01}
+               "shrink_groups": True, "act_order": False, "damp": 0.01}
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         g, method = self.check_options()
@@ -202,11 +204,10 @@ class QuantizeInt4(Pass):
 
         def check(node: Node) -> str | None:
             k = graph.params[node.inputs[1]].type.shape[1]
-            fits = [size for size in INT4_GROUP_SIZES
-                    if size <= g and k % size == 0 and (size == g or self.options["shrink_groups"])]
-            if not fits:
+            size = group_size_for(k, g, self.options["shrink_groups"])
+            if size is None:
                 return f"in_features {k} is not a multiple of group_size {g}"
-            groups[node.name] = max(fits)
+            groups[node.name] = size
             return None
         nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"], check)
         method_fn = int4_method(method, graph, ctx, nodes, self.options, lambda node: groups[node.name])
@@ -221,6 +222,12 @@ class QuantizeInt4(Pass):
             raise PassError(f"pass {self.name!r}: method={method!r} is unknown; use one of "
                             f"{', '.join(INT4_METHODS)}")
         return g, method
+
+
+def group_size_for(k: int, g: int, shrink: bool) -> int | None:
+    """g when it divides K; with `shrink`, else the largest supported size below g that does."""
+    fits = [size for size in INT4_GROUP_SIZES if size <= g and k % size == 0 and (size == g or shrink)]
+    return max(fits) if fits else None
 
 
 def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node], options: dict,
@@ -238,4 +245,4 @@ def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node], 
 
 __all__ = ["WeightFormat", "WeightQuantizer", "QuantizeInt8", "QuantizeInt4", "select_linears",
            "lm_head_weights", "quantize_linear_weights", "quantize_linears", "add_quant_params",
-           "int4_method", "INT4_GROUP_SIZES", "INT4_METHODS"]
+           "int4_method", "group_size_for", "INT4_GROUP_SIZES", "INT4_METHODS"]

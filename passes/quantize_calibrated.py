@@ -5,6 +5,7 @@ inverse is folded into the op that produces the linear's input)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import torch
@@ -57,8 +58,9 @@ def observe_linear_inputs(graph: Graph, ctx: PassContext, nodes: list[Node], met
 
 
 def import_method(module: str, names: list[str], method: str) -> list:
+    """`names` from llmc.passes.<module>, imported only when the method is asked for."""
     try:
-        mod = __import__(f"llmc.passes.{module}", fromlist=names)
+        mod = importlib.import_module(f"llmc.passes.{module}")
     except ModuleNotFoundError as e:
         if e.name != f"llmc.passes.{module}":
             raise

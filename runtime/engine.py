@@ -17,6 +17,7 @@ from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.block_manager import BlockManager, num_blocks_for_budget, parse_bytes
 from llmc.runtime.executor import PlanExecutor
+from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.metrics import EngineMetrics
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -80,9 +81,7 @@ class Engine:
         self.max_model_len = self.model["max_position_embeddings"]
         num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
                                            config.block_size)
-        self.cache = PagedKVCache(self.model["num_layers"], num_blocks, config.block_size,
-                                  self.model["num_kv_heads"], self.model["head_dim"],
-                                  TORCH_DTYPES[self.model["kv_dtype"]])
+        self.cache = self._make_cache(art.weights, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         max_tokens = min(config.max_num_batched_tokens or plan.max_tokens, plan.max_tokens)
         self.scheduler = Scheduler(SchedulerConfig(max_tokens, config.max_num_seqs, config.block_size,
@@ -93,6 +92,16 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.metrics = EngineMetrics()
         self._next_id = 0
+
+    def _make_cache(self, weights: dict[str, torch.Tensor], num_blocks: int) -> PagedKVCache:
+        """The paged cache in the artifact's KV dtype; an int8/fp8 one with its static scales."""
+        m = self.model
+        kv_cache = m.get("kv_cache") or {"dtype": m["kv_dtype"]}
+        dtype = TORCH_DTYPES[kv_cache["dtype"]]
+        scales = (load_kv_scales(weights, kv_cache, m["num_layers"], m["num_kv_heads"])
+                  if is_quantized_kv(dtype) else None)
+        return PagedKVCache(m["num_layers"], num_blocks, self.config.block_size, m["num_kv_heads"],
+                            m["head_dim"], dtype, kv_scales=scales)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None,

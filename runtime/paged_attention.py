@@ -1,6 +1,7 @@
 """Paged KV cache and the attention backend that reads it: new keys/values are written
 through a slot mapping, and each sequence's context is read back through its block table.
-Prefill chunks attend per sequence; decode tokens attend in one batched call."""
+Prefill chunks attend per sequence; decode tokens attend in one batched call. A cache made
+with `kv_scales` stores int8/fp8 codes, quantised on write and dequantised on read."""
 
 from __future__ import annotations
 
@@ -10,17 +11,47 @@ import torch
 import torch.nn.functional as F
 
 from llmc.runtime.attention import AttentionBackend, attend
+from llmc.runtime.kv_quant import dequantize_kv, is_quantized_kv, quantize_kv
 
 
 class PagedKVCache:
-    """Per layer `k_cache`/`v_cache`: [num_blocks, block_size, kv_heads, head_dim]."""
+    """Per layer `k_cache`/`v_cache`: [num_blocks, block_size, kv_heads, head_dim] of `dtype`.
+    With an int8/float8_e4m3fn `dtype`, `kv_scales[layer]` fp32 [2, kv_heads] (keys, values)
+    gives each head's scale."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
+                 kv_scales: list[torch.Tensor] | None = None):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
+        self.dtype = dtype
+        self.quantized = is_quantized_kv(dtype)
+        assert self.quantized == (kv_scales is not None), f"{dtype} KV cache with kv_scales={kv_scales is not None}"
+        assert kv_scales is None or len(kv_scales) == num_layers, (len(kv_scales), num_layers)
+        self.kv_scales = None if kv_scales is None else [s.to(device=device, dtype=torch.float32)
+                                                         for s in kv_scales]
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [tokens, kv_heads, head_dim] at cache `slots` [tokens] of `layer`."""
+        for cache, x, which in ((self.k_cache[layer], k, 0), (self.v_cache[layer], v, 1)):
+            flat = cache.view(-1, *cache.shape[2:])
+            if self.quantized:
+                codes = quantize_kv(x, self.kv_scales[layer][which], self.dtype)
+                # CPU torch has no index_copy_ for float8; both code dtypes are one byte
+                flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+            else:
+                flat.index_copy_(0, slots, x)
+
+    def read(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `blocks` (any index shape) as [*blocks.shape, block_size, kv_heads,
+        head_dim]; a quantised cache dequantises them to `dtype`."""
+        keys, values = self.k_cache[layer][blocks], self.v_cache[layer][blocks]
+        if not self.quantized:
+            return keys, values
+        scales = self.kv_scales[layer]
+        return dequantize_kv(keys, scales[0], dtype), dequantize_kv(values, scales[1], dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets src's keys and values in every layer."""
@@ -82,31 +113,29 @@ class PagedAttention(AttentionBackend):
         self.metadata: StepMetadata | None = None
 
     def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal):
-        meta = self.metadata
-        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.reshape(-1, num_kv_heads, head_dim))
-        flat_v.index_copy_(0, meta.slot_mapping, v.reshape(-1, num_kv_heads, head_dim))
+        meta, cache = self.metadata, self.cache
+        cache.write(layer, meta.slot_mapping, k.reshape(-1, num_kv_heads, head_dim),
+                    v.reshape(-1, num_kv_heads, head_dim))
         out = q.new_empty(q.shape[0], num_heads * head_dim)
         for c in meta.prefills:
             ctx = c.start + c.q_len
-            keys = k_cache[c.blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-            values = v_cache[c.blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            keys, values = cache.read(layer, c.blocks, q.dtype)
+            keys = keys.reshape(-1, num_kv_heads, head_dim)[:ctx]
+            values = values.reshape(-1, num_kv_heads, head_dim)[:ctx]
             out[c.q_start:c.q_start + c.q_len] = attend(
                 q[c.q_start:c.q_start + c.q_len], keys, values, start=c.start, num_heads=num_heads,
                 num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta,
+            out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta,
                                                  num_heads, num_kv_heads, head_dim, scale)
         return out
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, scale):
+    def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale):
         b = q.shape[0]
+        keys, values = self.cache.read(layer, meta.decode_blocks, q.dtype)
         # gathered: [decodes, max_blocks * block_size, kv_heads, head_dim] -> heads first
-        keys = k_cache[meta.decode_blocks].reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[meta.decode_blocks].reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys = keys.reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = values.reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         qh = q.reshape(b, num_heads, 1, head_dim)
         o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)

@@ -2,7 +2,13 @@
 milliseconds, and tests may change it freely), and the SmolLM2-135M GGUF, fetched once into
 LLMC_CACHE; its tests skip only when that fetch fails."""
 
+import os
+
 import pytest
+
+# Triton runs here only through its interpreter, and triton reads this when first imported
+# (transformers imports it early), so set it before any test module loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -108,7 +108,7 @@ def test_quantised_linears_shrink_to_the_issue_budget(lowered, graph, name, opti
 
 
 def test_a_group_size_that_does_not_divide_k_keeps_that_linear_and_says_so(graph):
-    record, messages = run(graph, "quantize_int4", group_size=128)
+    record, messages = run(graph, "quantize_int4", group_size=128, shrink_groups=False)
     graph.verify()
     assert graph.op_counts()["qlinear"] == 2          # only down_proj has K = 128
     kept = record.details["skipped"]["in_features 64 is not a multiple of group_size 128"]
@@ -118,11 +118,12 @@ def test_a_group_size_that_does_not_divide_k_keeps_that_linear_and_says_so(graph
 
 
 def test_shrink_groups_takes_the_largest_group_that_divides_k(graph):
-    record, _ = run(graph, "quantize_int4", group_size=128, shrink_groups=True)
+    record, _ = run(graph, "quantize_int4", group_size=128)  # shrink_groups is on by default
     assert graph.op_counts()["qlinear"] == 14
     assert record.details["quant"]["int4"]["linears_by_group_size"] == {"64": 12, "128": 2}
-    q = graph.params["model.layers.0.self_attn.q_proj.weight.qweight"]
-    assert q.quant.group_size == 64 and graph.params["model.layers.0.self_attn.q_proj.weight.scales"].type.shape == (64, 1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert graph.params[f"{name}.qweight"].quant.group_size == 64
+    assert graph.params[f"{name}.scales"].type.shape == (64, 1)
 
 
 def test_lm_head_and_skip_patterns(graph):

@@ -1,0 +1,156 @@
+"""`quantize_kv_cache`: static per-layer, per-KV-head scales for an int8 or fp8 KV cache, from
+the absmax of each attention's keys and values (after rope) on the calibration sequences. The
+graph's ops are unchanged: the runtime quantises what it writes into its paged cache, reading
+the scales from params `kv_scales.<layer>` (fp32 [2, kv_heads]: keys, values) and the scheme
+from graph.meta["kv_cache"]."""
+
+from __future__ import annotations
+
+import torch
+
+from llmc.compiler.interpreter import interpret
+from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
+from llmc.compiler.ops import run_reference
+from llmc.errors import PassError
+from llmc.passes.accuracy import check_budget, mean_kl, perplexity, significant, top1_agreement
+from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+
+# --kv-cache name -> (storage dtype, largest magnitude it holds)
+KV_FORMATS = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", 448.0)}
+SCALE_PARAMS = "kv_scales.{layer}"
+# A head that never left zero on calibration still needs a positive scale.
+MIN_ABSMAX = 1e-6
+
+
+def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor, storage: str, qmax: float) -> torch.Tensor:
+    """x [..., kv_heads, head_dim] through the cache and back, with the runtime's arithmetic
+    (runtime/kv_quant.py; a pass may not import the runtime, a test holds the two equal)."""
+    y = x.to(torch.float32) / scale[:, None]
+    if storage == "int8":
+        y = y.round()
+    y = y.clamp(-qmax, qmax)
+    if storage == "float8_e4m3fn":
+        y = y.to(torch.float8_e4m3fn).to(torch.float32)
+    return (y * scale[:, None]).to(x.dtype)
+
+
+def attention_layers(graph: Graph) -> dict[int, Node]:
+    """Attention nodes by their `layer` attr (the runtime's cache index)."""
+    layers: dict[int, Node] = {}
+    for node in graph.nodes:
+        if node.op != "attention":
+            continue
+        layer = node.attrs.get("layer")
+        if layer is None or layer in layers:
+            raise PassError(f"quantize_kv_cache: attention node {node.name} has layer={layer!r}, which is "
+                            f"missing or shared; the KV cache needs one distinct layer index per attention")
+        layers[layer] = node
+    return layers
+
+
+def calibration_of(ctx: PassContext) -> list[torch.Tensor]:
+    if ctx.calibration is None or len(ctx.calibration) == 0:
+        raise PassError("quantize_kv_cache needs calibration text to set its scales, and the pipeline "
+                        "gave none; compile with `llmc compile --kv-cache int8|fp8` (which supplies it "
+                        "from --calib FILE or self-generated text)")
+    return [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in ctx.calibration]
+
+
+def run_logits(graph: Graph, seq: torch.Tensor, hook) -> torch.Tensor:
+    """Logits [T, vocab] of every row of one calibration sequence."""
+    positions = torch.arange(seq.numel())
+    known = {"input_ids": seq, "positions": positions, "logits_indices": positions}
+    inputs = {v.name: known[v.name] for v in graph.inputs if v.name in known}
+    return interpret(graph, inputs, hook=hook)[graph.outputs[0]].float()
+
+
+def split_heads(x: torch.Tensor, node: Node) -> torch.Tensor:
+    return x.reshape(-1, node.attrs["num_kv_heads"], node.attrs["head_dim"])
+
+
+def observe_absmax(graph: Graph, seqs: list[torch.Tensor], layers: dict[int, Node]):
+    """(absmax fp32 [2, kv_heads] per layer, reference logits per sequence)."""
+    by_name = {n.name: layer for layer, n in layers.items()}
+    absmax = {layer: torch.zeros(2, n.attrs["num_kv_heads"]) for layer, n in layers.items()}
+
+    def hook(node, args, outs):
+        if node.name in by_name:
+            for row, x in enumerate(args[1:3]):
+                amax = split_heads(x, node).abs().amax(dim=(0, 2)).float()
+                torch.maximum(absmax[by_name[node.name]][row], amax, out=absmax[by_name[node.name]][row])
+    logits = [run_logits(graph, s, hook) for s in seqs]
+    return absmax, logits
+
+
+def quantized_logits(graph: Graph, seqs: list[torch.Tensor], layers: dict[int, Node],
+                     scales: dict[int, torch.Tensor], storage: str, qmax: float) -> list[torch.Tensor]:
+    """Logits with every attention reading its keys and values through the quantised cache."""
+    by_name = {n.name: layer for layer, n in layers.items()}
+
+    def hook(node, args, outs):
+        if node.name in by_name:
+            s = scales[by_name[node.name]]
+            k, v = (fake_quantize_kv(split_heads(x, node), s[row], storage, qmax).reshape(x.shape)
+                    for row, x in enumerate(args[1:3]))
+            outs[0].copy_(run_reference(node, [args[0], k, v])[0])  # the interpreter's env holds outs[0]
+    return [run_logits(graph, s, hook) for s in seqs]
+
+
+def accuracy_of(seqs, ref_logits, logits) -> dict:
+    """The accuracy figures lossy passes report, against the graph as this pass found it."""
+    ref, ours = [lg[:-1] for lg in ref_logits], [lg[:-1] for lg in logits]
+    return {"ppl_before": significant(perplexity(ref, seqs)), "ppl_after": significant(perplexity(ours, seqs)),
+            "kl": significant(mean_kl(ref, ours)), "top1_agreement": significant(top1_agreement(ref, ours)),
+            "tokens": sum(len(s) - 1 for s in seqs)}
+
+
+@register_pass
+class QuantizeKVCache(Pass):
+    name = "quantize_kv_cache"
+    description = "int8/fp8 KV cache with static per-layer, per-KV-head scales from calibration"
+    # The IR computes the same function afterwards (the runtime applies the loss), so the
+    # PassManager's before/after meter would see nothing; the pass measures itself instead.
+    lossy = False
+    needs_calibration = True
+    options = {"dtype": "int8"}
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        if self.options["dtype"] not in KV_FORMATS:
+            raise PassError(f"quantize_kv_cache: dtype={self.options['dtype']!r} is unknown; "
+                            f"choose one of {', '.join(KV_FORMATS)}")
+        storage, qmax = KV_FORMATS[self.options["dtype"]]
+        layers = attention_layers(graph)
+        if not layers:
+            return PassResult(0, False, {"reason": "no attention op; the graph keeps no KV cache"})
+        self._check_fresh(graph, layers)
+        seqs = calibration_of(ctx)
+        absmax, ref_logits = observe_absmax(graph, seqs, layers)
+        scales = {layer: absmax[layer].clamp(min=MIN_ABSMAX) / qmax for layer in layers}
+        accuracy = accuracy_of(seqs, ref_logits, quantized_logits(graph, seqs, layers, scales, storage, qmax))
+        check_budget(self.name, accuracy, ctx.options.get("max_ppl_increase"))
+        for layer in sorted(layers):
+            graph.add_param(SCALE_PARAMS.format(layer=layer), TensorType((2, scales[layer].shape[1]), "float32"),
+                            scales[layer].contiguous())
+        graph.meta["kv_cache"] = {"dtype": storage, "scales": "static", "scale_params": SCALE_PARAMS}
+        return PassResult(len(layers), True, self._details(graph, layers, absmax, storage), accuracy=accuracy)
+
+    @staticmethod
+    def _check_fresh(graph: Graph, layers: dict[int, Node]) -> None:
+        taken = [SCALE_PARAMS.format(layer=i) for i in layers if SCALE_PARAMS.format(layer=i) in graph.params]
+        if taken or "kv_cache" in graph.meta:
+            raise PassError(f"quantize_kv_cache: the graph already has KV cache scales ({taken[:3]}); "
+                            f"run the pass once per pipeline")
+
+    @staticmethod
+    def _details(graph: Graph, layers: dict[int, Node], absmax: dict, storage: str) -> dict:
+        node = next(iter(layers.values()))
+        elems = 2 * len(layers) * node.attrs["num_kv_heads"] * node.attrs["head_dim"]
+        act = graph.type_of(node.inputs[1]).dtype
+        return {"dtype": storage, "layers": len(layers),
+                "kv_bytes_per_token_before": elems * DTYPE_BYTES[act],
+                "kv_bytes_per_token_after": elems * DTYPE_BYTES[storage],
+                "absmax_k_max": significant(max(float(a[0].max()) for a in absmax.values())),
+                "absmax_v_max": significant(max(float(a[1].max()) for a in absmax.values()))}
+
+
+__all__ = ["QuantizeKVCache", "KV_FORMATS", "SCALE_PARAMS", "fake_quantize_kv"]
