@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from llmc.codegen.cpu_qlinear import pack_qlinear, run_qlinear
 from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS, pack_a8_qlinear, run_a8_qlinear
 from llmc.compiler.ops import OPS, apply_rope, decode_arg, qlinear_inputs, qlinear_ref, resolve_aten, rope_cos_sin
+from llmc.compiler.quant import unpack_int4
 from llmc.errors import ArtifactError
 
 CPU_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -51,6 +52,20 @@ class RopeCache:
 @kernel("embedding")
 def embedding(ids, weight, **attrs):
     return [F.embedding(ids, weight)]
+
+
+@kernel("qembedding")
+def qembedding(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **attrs):
+    """Gather the selected rows of codes first, so only those rows are dequantised (fp32 out)."""
+    rows = ids.reshape(-1)
+    codes, s = qweight.index_select(0, rows), scales.index_select(0, rows).float()
+    if scheme == "int8":
+        out = codes.float() * s[:, None]
+    else:
+        # codes [T, K/g, g] against scales and zeros [T, K/g, 1]
+        q = unpack_int4(codes).float().reshape(len(rows), s.shape[1], -1)
+        out = (q - zeros.index_select(0, rows).float()[..., None]) * s[..., None]
+    return [out.reshape(*ids.shape, embedding_dim)]
 
 
 @kernel("rms_norm")

@@ -165,6 +165,35 @@ def qlinear_ref(*inputs, scheme, **attrs):
     return [F.linear(h, weight, None if bias is None else bias.float()).to(x.dtype)]
 
 
+# -- qembedding: a lookup in a quantised table, stored as qlinear stores its weight (rows are
+# the output channels): int8 per-row scales, int4 packed nibbles with groups along the hidden dim.
+QEMBEDDING_SCHEMES = ("int8", "int4")
+
+
+def _qembedding_type(ts, attrs):
+    scheme, dim = attrs.get("scheme"), attrs["embedding_dim"]
+    if scheme not in QEMBEDDING_SCHEMES:
+        raise IRError(f"qembedding: unknown scheme {scheme!r}; known: {', '.join(QEMBEDDING_SCHEMES)}")
+    want_inputs = 4 if scheme == "int4" else 3
+    if len(ts) != want_inputs:
+        raise IRError(f"qembedding ({scheme}): {len(ts)} inputs, expected {want_inputs} "
+                      f"(ids, qweight, scales{', zeros' if scheme == 'int4' else ''})")
+    ids, qweight = ts[0], ts[1]
+    dtype, per_element = QLINEAR_STORAGE[scheme]
+    if qweight.dtype != dtype or qweight.rank != 2 or qweight.shape[1] != dim // per_element:
+        raise IRError(f"qembedding ({scheme}): qweight is {qweight}, expected {dtype}[vocab, {dim // per_element}]")
+    return [TensorType(ids.shape + (dim,), "float32")]
+
+
+@op("qembedding", _qembedding_type)
+def qembedding_ref(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **attrs):
+    """Gather the rows of the codes, scales and zeros the ids select, then dequantise them (fp32)."""
+    rows = ids.reshape(-1)
+    pick = (lambda t: None if t is None else t.index_select(0, rows))
+    out = dequantize_weight(scheme, pick(qweight), pick(scales), pick(zeros))
+    return [out.reshape(*ids.shape, embedding_dim)]
+
+
 @op("silu", _same_as_first, elementwise=True)
 def silu_ref(x, **attrs):
     return [F.silu(x)]

@@ -1,6 +1,7 @@
 """Weight-only quantisation passes: `quantize_int8` (per output channel, symmetric) and
 `quantize_int4` (groups along K, asymmetric, by RTN, GPTQ or AWQ) rewrite each linear over a
-float weight into a qlinear over stored codes, scales and zero points (docs/quantization.md)."""
+float weight into a qlinear over stored codes, scales and zero points, and each embedding into a
+qembedding over the same storage (docs/quantization.md)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,98 @@ def add_quant_params(graph: Graph, weight: str, fmt: WeightFormat, codes: torch.
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+# -- embeddings: the token table, and the LM head when it is tied to it ----------------------
+@dataclass
+class EmbeddingPlan:
+    """The embeddings a pass quantises, each table's group size (-1: per row), the linears that
+    read one of those tables (tied LM heads, which share its params), and tables kept in float."""
+    nodes: list[Node]
+    group_sizes: dict[str, int]
+    heads: list[Node]
+    skipped: dict[str, list[str]]
+
+
+def plan_embeddings(graph: Graph, options: dict,
+                    group_of: Callable[[int], int | None] | None = None) -> EmbeddingPlan:
+    """Embeddings to quantise when options["include_embedding"]; group_of(embedding_dim) is the
+    int4 group size (None: none divides), absent for per-row int8."""
+    plan = EmbeddingPlan([], {}, [], {})
+    if not options["include_embedding"]:
+        return plan
+    for node in (n for n in graph.nodes if n.op == "embedding"):
+        weight = node.inputs[1]
+        reason = (skip_reason(graph, node, True, options["skip"], set())
+                  or (None if node.out.type.dtype == "float32" else "output is not float32"))
+        group = -1
+        if reason is None and group_of is not None:
+            dim = graph.params[weight].type.shape[1]
+            group = group_of(dim)
+            reason = None if group else f"embedding_dim {dim} is not a multiple of group_size {options['group_size']}"
+        if reason is None:
+            plan.nodes.append(node)
+            plan.group_sizes[weight] = group
+        else:
+            plan.skipped.setdefault(reason, []).append(weight)
+    if options["include_lm_head"] is not False:
+        plan.heads = [n for n in graph.nodes if n.op == "linear" and n.inputs[1] in plan.group_sizes]
+    return plan
+
+
+def select_weights(p: Pass, graph: Graph, check: Callable[[Node], str | None] = lambda node: None,
+                   group_of: Callable[[int], int | None] | None = None
+                   ) -> tuple[list[Node], dict[str, list[str]], EmbeddingPlan]:
+    """The linears and embeddings an int8/int4 pass quantises. include_lm_head=None (the
+    default) quantises the LM head only when it is tied to a quantised embedding: it then reads
+    the embedding's params, so it leaves the linears quantised on their own."""
+    plan = plan_embeddings(graph, p.options, group_of)
+    nodes, skipped = select_linears(graph, p.options["include_lm_head"] is True, p.options["skip"], check)
+    tied = {n.inputs[1] for n in plan.heads}
+    nodes = [n for n in nodes if n.inputs[1] not in tied]
+    skipped = {reason: kept for reason, weights in skipped.items()
+               if (kept := [w for w in weights if w not in tied])}
+    return nodes, skipped, plan
+
+
+def rtn_table(weight: torch.Tensor, fmt: WeightFormat) -> tuple:
+    """Round-to-nearest codes of an embedding table [vocab, dim], rows as output channels."""
+    if fmt.scheme == "int4":
+        return quantize_int4(weight, fmt.group_size)
+    q, scales = quantize_int8(weight)
+    return q, scales, None
+
+
+def quantize_embedding(graph: Graph, node: Node, fmt: WeightFormat) -> tuple[int, int]:
+    """Rewrite the embedding `node` into a qembedding over RTN codes of its table (GPTQ and AWQ
+    model a product with activations, which a row lookup does not have). Returns (bytes of the
+    float table, bytes of the params added); (0, 0) when already stored."""
+    ids, weight = node.inputs
+    names = quant_param_names(weight)
+    before = after = 0
+    if names["qweight"] not in graph.params:
+        before = graph.params[weight].type.nbytes()
+        codes, scales, zeros = rtn_table(graph.weights[weight].float(), fmt)
+        after = add_quant_params(graph, weight, fmt, codes, scales, zeros, None)
+    node.op = "qembedding"
+    node.inputs = [ids, names["qweight"], names["scales"]] + ([names["zeros"]] if fmt.scheme == "int4" else [])
+    node.attrs = {"scheme": fmt.scheme, "group_size": fmt.group_size,
+                  "embedding_dim": graph.params[weight].type.shape[1]}
+    return before, after
+
+
+def quantize_embeddings(graph: Graph, ctx: PassContext, fmt: WeightFormat, plan: EmbeddingPlan) -> tuple[int, int]:
+    """Quantise the planned tables, then point each tied head's qlinear at the same params (so
+    they are stored once). Returns (float bytes, quantised bytes)."""
+    before = after = 0
+    for node in plan.nodes:
+        b, a = quantize_embedding(graph, node, replace(fmt, method="rtn", group_size=plan.group_sizes[node.inputs[1]]))
+        before, after = before + b, after + a
+    for head in plan.heads:
+        head_fmt = replace(fmt, method="rtn", group_size=plan.group_sizes[head.inputs[1]])
+        # the params exist already, so no quantiser is called
+        quantize_linear_weights(graph, head, None, ctx, head_fmt)
+    return before, after
+
+
 def param_bytes(graph: Graph) -> int:
     return sum(p.type.nbytes() for p in graph.params.values()
                if all(isinstance(d, int) for d in p.type.shape))
@@ -133,11 +226,12 @@ def param_bytes(graph: Graph) -> int:
 
 def quantize_linears(p: Pass, graph: Graph, ctx: PassContext, fmt: WeightFormat,
                      nodes: list[Node], skipped: dict[str, list[str]], method_fn: WeightQuantizer,
-                     group_sizes: dict[str, int] | None = None) -> PassResult:
-    """Quantise `nodes` with `method_fn`, prune the float weights, and report the bytes;
-    `group_sizes` overrides fmt's group size per node name."""
+                     group_sizes: dict[str, int] | None = None,
+                     embeddings: EmbeddingPlan | None = None) -> PassResult:
+    """Quantise `embeddings` (with their tied heads) by RTN and `nodes` with `method_fn`, prune
+    the float weights, and report the bytes; `group_sizes` overrides fmt's group size per node name."""
     total_before = param_bytes(graph)
-    before = after = 0
+    before, after = quantize_embeddings(graph, ctx, fmt, embeddings) if embeddings else (0, 0)
     used: dict[str, int] = {}
     for node in nodes:
         node_fmt = replace(fmt, group_size=(group_sizes or {}).get(node.name, fmt.group_size))
@@ -151,6 +245,10 @@ def quantize_linears(p: Pass, graph: Graph, ctx: PassContext, fmt: WeightFormat,
                "kept_linears": sum(len(v) for v in skipped.values()),
                "linears_by_group_size": dict(sorted(used.items(), key=lambda kv: int(kv[0])))}
     details = {"quant": {fmt.scheme: figures}, "skipped": skipped}
+    if embeddings is not None:
+        figures.update(embeddings=len(embeddings.nodes), tied_heads=len(embeddings.heads))
+        if embeddings.skipped:
+            details["kept_embeddings"] = embeddings.skipped
     return PassResult(len(nodes), bool(nodes), details, bytes_saved=total_before - param_bytes(graph))
 
 
@@ -171,12 +269,15 @@ class QuantizeInt8(Pass):
     name = "quantize_int8"
     description = "weight-only int8: per-output-channel symmetric scales, round to nearest"
     lossy = True
-    options = {"include_lm_head": False, "skip": []}
+    # include_embedding: the token table becomes a qembedding (as llama.cpp's Q8_0/Q4 files
+    # store token_embd); include_lm_head=None quantises the LM head only when it is tied to
+    # that table, sharing its params, since a float head would keep the table's bytes anyway.
+    options = {"include_lm_head": None, "include_embedding": True, "skip": []}
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         fmt = WeightFormat("int8", "rtn", 8)
-        nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"])
-        return quantize_linears(self, graph, ctx, fmt, nodes, skipped, rtn_int8)
+        nodes, skipped, tables = select_weights(self, graph)
+        return quantize_linears(self, graph, ctx, fmt, nodes, skipped, rtn_int8, embeddings=tables)
 
 
 def rtn_int8(weight: torch.Tensor, ctx: PassContext, node: Node) -> tuple:
@@ -194,8 +295,10 @@ class QuantizeInt4(Pass):
     # group size below it that does (SmolLM2's K=576 at 128 -> 64) instead of staying float;
     # on by default because such models would otherwise be mostly unquantised. The report
     # lists the group size each shrunk linear got.
-    options = {"group_size": 128, "method": "rtn", "include_lm_head": False, "skip": [],
-               "shrink_groups": True, "act_order": False, "damp": 0.01}
+    # include_embedding / include_lm_head as in quantize_int8; the table is always RTN and
+    # follows the same group-size shrinking along its embedding dim.
+    options = {"group_size": 128, "method": "rtn", "include_lm_head": None, "include_embedding": True,
+               "skip": [], "shrink_groups": True, "act_order": False, "damp": 0.01}
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         g, method = self.check_options()
@@ -209,9 +312,10 @@ class QuantizeInt4(Pass):
                 return f"in_features {k} is not a multiple of group_size {g}"
             groups[node.name] = size
             return None
-        nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"], check)
+        nodes, skipped, tables = select_weights(
+            self, graph, check, lambda dim: group_size_for(dim, g, self.options["shrink_groups"]))
         method_fn = int4_method(method, graph, ctx, nodes, self.options, lambda node: groups[node.name])
-        return quantize_linears(self, graph, ctx, fmt, nodes, skipped, method_fn, groups)
+        return quantize_linears(self, graph, ctx, fmt, nodes, skipped, method_fn, groups, tables)
 
     def check_options(self) -> tuple[int, str]:
         g, method = self.options["group_size"], self.options["method"]
@@ -244,5 +348,6 @@ def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node], 
 
 
 __all__ = ["WeightFormat", "WeightQuantizer", "QuantizeInt8", "QuantizeInt4", "select_linears",
+           "EmbeddingPlan", "plan_embeddings", "select_weights", "quantize_embedding", "quantize_embeddings",
            "lm_head_weights", "quantize_linear_weights", "quantize_linears", "add_quant_params",
            "int4_method", "group_size_for", "INT4_GROUP_SIZES", "INT4_METHODS"]
