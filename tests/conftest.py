@@ -11,6 +11,17 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    # Test shapes are small: a second intra-op thread gains little, and on a busy two-core
+    # machine its barrier waits make every op up to 10x slower.
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def tiny_model():
     from llmc.compiler.frontends import load_model

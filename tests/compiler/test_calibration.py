@@ -15,14 +15,6 @@ from llmc.passes.base import Pass, PassResult
 from llmc.passes.registry import get_pass
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny-llama")

@@ -26,15 +26,6 @@ from llmc.passes.base import PASSES, Pass, PassContext, PassManager, PassResult
 VOCAB = 37
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny shapes gain nothing from a second intra-op thread; on a busy machine it only waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def random_case(seed: int, lengths=(9, 5)):
     g = torch.Generator().manual_seed(seed)
     logits = [3 * torch.randn(n, VOCAB, generator=g) for n in lengths]

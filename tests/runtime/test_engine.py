@@ -16,25 +16,6 @@ VOCAB = 512
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny shapes gain nothing from a second intra-op thread, and on a busy two-core machine
-    # its barrier waits make every matmul ~10x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    # One compile per session: the runtime test modules share this read-only artifact.
-    path = tmp_path_factory.getbasetemp() / "runtime-tiny-llama-cpu.llmc"
-    if not path.exists():
-        llmc.compile("tiny-llama", target="cpu", output=path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def reference():
     """The HF model and tokenizer the artifact was compiled from."""

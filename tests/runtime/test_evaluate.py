@@ -18,24 +18,6 @@ from llmc.runtime.evaluate import CONTEXT, DEFAULT_TEXT, STRIDE, eval_windows, e
 TEXT = DEFAULT_TEXT.read_text()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny shapes gain nothing from a second intra-op thread; on a busy machine it only waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    # One compile per session: the runtime test modules share this read-only artifact.
-    path = tmp_path_factory.getbasetemp() / "runtime-tiny-llama-cpu.llmc"
-    if not path.exists():
-        llmc.compile("tiny-llama", target="cpu", output=path)
-    return path
-
-
 class ShrinkLinears(Pass):
     """Test-only lossy pass: scales every linear weight by 0.8."""
     name = "shrink_linears_for_test"

@@ -25,14 +25,6 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, LAYERS = 4, 2, 8, 4, 32, 2
 VOCAB = 512
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: a second thread only adds barrier waits
-    yield
-    torch.set_num_threads(threads)
-
-
 def head_scales(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """absmax per head of x [..., kv_heads, head_dim] onto the dtype's range."""
     return x.abs().amax(dim=tuple(i for i in range(x.dim()) if i != x.dim() - 2)) / KV_QMAX[dtype]

@@ -1,0 +1,14 @@
+"""Fixtures the runtime tests share."""
+
+import pytest
+
+import llmc
+
+
+@pytest.fixture(scope="session")
+def artifact(tmp_path_factory):
+    """tiny-llama compiled for cpu once per session; tests must treat it as read-only."""
+    path = tmp_path_factory.getbasetemp() / "runtime-tiny-llama-cpu.llmc"
+    if not path.exists():
+        llmc.compile("tiny-llama", target="cpu", output=path)
+    return path
