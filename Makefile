@@ -19,7 +19,7 @@ setup: .venv/.installed
 demo: setup
 	$(LLMC) compile smollm2-135m --target cpu -o out/smol.llmc --force
 	$(LLMC) inspect out/smol.llmc
-	$(LLMC) run out/smol.llmc --prompt "What is the capital of France?" --max-tokens 32
+	$(LLMC) run out/smol.llmc --chat --prompt "What is the capital of France?" --max-tokens 32
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=1200
