@@ -104,8 +104,8 @@ def test_tied_head_and_embedding_share_one_set_of_quant_params(tied, name, optio
     assert emb.inputs[1:] == head.inputs[1:] == [f"lm_head.weight.{k}" for k in ("qweight", "scales", "zeros")
                                                 if k in keys]
     assert {k for k in graph.weights if k.startswith("lm_head")} == {f"lm_head.weight.{k}" for k in keys}
-    # int4: the 64-wide table shrinks to group 64, as the K=64 linears do
-    assert emb.attrs["group_size"] == head.attrs["group_size"] == (64 if name == "quantize_int4" else -1)
+    # int4: the table takes embedding_group_size (32), not the linears' group size
+    assert emb.attrs["group_size"] == head.attrs["group_size"] == (32 if name == "quantize_int4" else -1)
     figures = record.details["quant"][name.rsplit("_", 1)[1]]
     assert (figures["embeddings"], figures["tied_heads"], figures["linears"]) == (1, 1, 14)
     table = lowered.params["lm_head.weight"].type.nbytes()
