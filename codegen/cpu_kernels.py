@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from llmc.codegen.cpu_qlinear import pack_qlinear, run_qlinear
-from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS, pack_a8_qlinear, run_a8_qlinear
+from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS
+from llmc.codegen.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear
 from llmc.compiler.ops import OPS, apply_rope, decode_arg, qlinear_inputs, qlinear_ref, resolve_aten, rope_cos_sin
 from llmc.compiler.quant import unpack_int4
 from llmc.errors import ArtifactError

@@ -100,8 +100,8 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
     r = report(artifact)
     m = r["model"]
     lines = [f"artifact {artifact}: {m['name']} ({m['architecture']}) for target {r['target']}",
-             f"  ops: " + ", ".join(f"{k} {v}" for k, v in r["op_counts"].items()),
-             f"  weights: " + ", ".join(f"{k} {_mib(v)}" for k, v in r["weight_bytes"].items()),
+             "  ops: " + ", ".join(f"{k} {v}" for k, v in r["op_counts"].items()),
+             "  weights: " + ", ".join(f"{k} {_mib(v)}" for k, v in r["weight_bytes"].items()),
              f"  KV cache: {r['kv_bytes_per_token']:,} bytes/token, "
              f"{_mib(r['kv_bytes_full_context'])} for the full context of {m['max_position_embeddings']}",
              f"  activations: peak {_mib(r['activation_peak_bytes'])} planned vs "

@@ -11,8 +11,16 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "compiler")) and
 
 __version__ = "0.1.0"
 
-from llmc.errors import (ArtifactError, IRError, LlmcError, ModelLoadError, PassError,  # noqa: E402
-                         RuntimeLlmcError, TargetError, UnsupportedModelError)
+from llmc.errors import (  # noqa: E402
+    ArtifactError,
+    IRError,
+    LlmcError,
+    ModelLoadError,
+    PassError,
+    RuntimeLlmcError,
+    TargetError,
+    UnsupportedModelError,
+)
 
 
 def __getattr__(name):
