@@ -7,20 +7,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cli import llmc_in_process
 
 import llmc
 from llmc import SamplingParams
-from llmc.cli import main
-
-
-def llmc_in_process(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
