@@ -3,8 +3,10 @@ sharding metadata, a verifier, a text printer and a deterministic JSON form."""
 
 from __future__ import annotations
 
+import ast
 import json
-from dataclasses import asdict, dataclass, field, replace
+import operator
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 import networkx as nx
@@ -50,13 +52,28 @@ class TensorType:
 
 
 def eval_dim(dim: Dim, dims: dict[str, int]) -> int:
-    """Evaluate a symbolic dim ("tokens", "2*tokens", "tokens + 1") under a binding."""
+    """Evaluate a symbolic dim ("tokens", "2*tokens", "tokens + 1") under a binding.
+    Walks the expression's syntax tree (names, integers, + - * //) instead of calling eval,
+    since dims can come from a graph.json on disk."""
     if isinstance(dim, int):
         return dim
     try:
-        return int(eval(dim, {"__builtins__": {}}, dict(dims)))  # dims are simple arithmetic
-    except Exception as e:
+        return _eval_dim_node(ast.parse(dim, mode="eval").body, dims)
+    except (SyntaxError, KeyError, TypeError) as e:
         raise IRError(f"cannot evaluate dim {dim!r} with {dims}") from e
+
+
+_DIM_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def _eval_dim_node(node: ast.AST, dims: dict[str, int]) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.Name):
+        return int(dims[node.id])
+    if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS:
+        return _DIM_OPS[type(node.op)](_eval_dim_node(node.left, dims), _eval_dim_node(node.right, dims))
+    raise TypeError(f"unsupported dim expression {ast.dump(node)}")
 
 
 @dataclass(frozen=True)
@@ -360,4 +377,4 @@ def _param_dict(p: Param) -> dict:
 
 
 __all__ = ["Dim", "DTYPE_BYTES", "TensorType", "QuantScheme", "Sharding", "Param", "Value",
-           "Node", "Graph", "eval_dim", "replace"]
+           "Node", "Graph", "eval_dim"]
