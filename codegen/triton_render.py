@@ -8,8 +8,10 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import jinja2
 
@@ -19,6 +21,7 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefine
                           trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                           autoescape=False)
 _LOADED: dict[str, object] = {}   # sha256 -> the kernel imported from that source
+_RECORDERS: list[list] = []       # the open record_loads() blocks' logs
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ def kernel_cache_dir() -> Path:
 
 def load_kernel(kernel: RenderedKernel):
     """The @triton.jit function of `kernel`, imported from <cache>/triton/<sha256>.py."""
+    for log in _RECORDERS:
+        log.append(kernel)
     digest = kernel.sha256
     if digest not in _LOADED:
         path = _write_source(kernel.source, digest)
@@ -55,6 +60,18 @@ def load_kernel(kernel: RenderedKernel):
         spec.loader.exec_module(module)
         _LOADED[digest] = getattr(module, kernel.name)
     return _LOADED[digest]
+
+
+@contextmanager
+def record_loads() -> Iterator[list[RenderedKernel]]:
+    """Log every kernel load_kernel hands out inside the block; launchers load their kernel at each
+    launch, so this is what the block launched (the runtime's debug check of its plan)."""
+    log: list[RenderedKernel] = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(log)
 
 
 def _write_source(source: str, digest: str) -> Path:
@@ -72,4 +89,4 @@ def _write_source(source: str, digest: str) -> Path:
     return path
 
 
-__all__ = ["TEMPLATE_DIR", "RenderedKernel", "render_kernel", "kernel_cache_dir", "load_kernel"]
+__all__ = ["TEMPLATE_DIR", "RenderedKernel", "render_kernel", "kernel_cache_dir", "load_kernel", "record_loads"]

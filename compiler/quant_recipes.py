@@ -14,7 +14,7 @@ QUANT_RECIPES: dict[str, list[str]] = {
     "int4-gptq": ["quantize_int4:method=gptq:group_size={g}"],
     "int4-awq": ["quantize_int4:method=awq:group_size={g}"],
     "fp8": ["quantize_fp8"],
-    "w8a8": ["smoothquant", "quantize_w8a8"],
+    "w8a8": ["smoothquant", "quantize_w8a8:all_linears=true"],   # o_proj/down_proj unsmoothed, still int8
 }
 QUANT_CHOICES = tuple(QUANT_RECIPES)
 KV_CACHE_CHOICES = ("int8", "fp8")

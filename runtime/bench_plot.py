@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def plot_bench(result, path: str, baseline=None, title: str = "llmc bench") -> None:
+def plot_bench(result, path: str, baseline=None, title: str = "llmc bench", baseline_name: str = "HF") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -30,7 +30,7 @@ def plot_bench(result, path: str, baseline=None, title: str = "llmc bench") -> N
         thr.plot(edges[:-1], counts / width, label=f"llmc ({result.output_tokens_per_s:.0f} tok/s overall)")
     if baseline is not None:
         thr.axhline(baseline.output_tokens_per_s, color="gray", linestyle="--",
-                    label=f"HF baseline ({baseline.output_tokens_per_s:.0f} tok/s overall)")
+                    label=f"{baseline_name} baseline ({baseline.output_tokens_per_s:.0f} tok/s overall)")
     thr.set_xlabel("time (s)")
     thr.set_ylabel("output tokens/s")
     thr.set_title("throughput over time")

@@ -19,7 +19,7 @@ CLEANUP = ["remove_noops", "fold_constants", "dce"]
     ("int4-gptq", 64, ["quantize_int4:method=gptq:group_size=64"]),
     ("int4-awq", 32, ["quantize_int4:method=awq:group_size=32"]),
     ("fp8", None, ["quantize_fp8"]),
-    ("w8a8", None, ["smoothquant", "quantize_w8a8"]),
+    ("w8a8", None, ["smoothquant", "quantize_w8a8:all_linears=true"]),
 ])
 def test_each_recipe_names_its_passes(quant, group_size, specs):
     assert quant_pass_specs(quant, group_size) == specs
@@ -28,7 +28,8 @@ def test_each_recipe_names_its_passes(quant, group_size, specs):
 def test_recipes_go_before_the_cleanup_passes_of_the_cpu_target():
     opts = CompileOptions(quant="int4-rtn", group_size=32)
     entries = pipeline_entries(get_target("cpu"), opts)
-    assert entries == ["quantize_int4:method=rtn:group_size=32"] + CLEANUP
+    assert entries == ["quantize_int4:method=rtn:group_size=32"] + get_target("cpu").default_pipeline
+    assert entries[1:1 + len(CLEANUP)] == CLEANUP
     passes = build_pipeline(entries)
     assert passes[0].options["group_size"] == 32 and passes[0].lossy
 
@@ -41,9 +42,9 @@ def test_a_recipe_replaces_the_quantisation_a_target_carries():
 
 def test_targets_apply_their_default_recipe_only_without_quant_or_passes():
     a100 = get_target("a100-int8")
-    assert pipeline_entries(a100, CompileOptions())[:2] == ["smoothquant", "quantize_w8a8"]
+    assert pipeline_entries(a100, CompileOptions())[:2] == ["smoothquant", "quantize_w8a8:all_linears=true"]
     assert "quantize_w8a8" not in pipeline_entries(a100, CompileOptions(passes="dce"))
-    assert pipeline_entries(get_target("cpu"), CompileOptions()) == CLEANUP
+    assert pipeline_entries(get_target("cpu"), CompileOptions()) == get_target("cpu").default_pipeline
     for target in TARGETS.values():
         assert target.default_quant is None or target.default_quant in QUANT_RECIPES
 

@@ -62,3 +62,34 @@ def test_smollm2_quantised_fits_the_budget_and_keeps_the_fp32_predictions(lowere
         # near-ties may flip (int4 on a flat distribution); fp32's choice must stay a top-3 candidate
         top3 = all_logits(quantised, prompt_ids)[-1].topk(3).indices.tolist()
         assert want in top3, f"{prompt!r}: fp32's {tok.decode([want])!r} not in int4's top 3 {tok.decode(top3)!r}"
+
+
+@pytest.fixture(scope="module")
+def calibration(smollm2_model):
+    """Four 64-token windows of samples/eval.txt: enough for GPTQ's Hessians and AWQ's and
+    SmoothQuant's activation statistics on 576/1536-wide linears, and quick."""
+    from pathlib import Path
+
+    from llmc.compiler.calibration import sequences_from_file
+    text = Path(__file__).resolve().parents[2] / "samples" / "eval.txt"
+    return sequences_from_file(smollm2_model.tokenizer, text, 4, 64)
+
+
+@pytest.mark.parametrize("specs, agreement", [
+    ([("quantize_int4", {"method": "gptq", "group_size": 128})], 0.6),
+    ([("quantize_int4", {"method": "awq", "group_size": 128})], 0.6),
+    ([("quantize_fp8", {})], 0.85),
+    ([("smoothquant", {}), ("quantize_w8a8", {"all_linears": True})], 0.85),
+])
+def test_smollm2_calibrated_methods_keep_the_fp32_predictions(lowered, smollm2_model, calibration, specs,
+                                                              agreement):
+    """GPTQ, AWQ, FP8 and SmoothQuant W8A8 on the real model, run through the CPU kernels."""
+    graph = lowered.copy()
+    passes = [get_pass(name, **options) for name, options in specs]
+    PassManager(passes, PassContext(quiet=True, calibration=calibration)).run(graph)
+    assert graph.op_counts().get("linear", 0) <= 1 and graph.op_counts()["qlinear"] >= 210   # LM head may stay
+    ids = smollm2_model.tokenizer(TEXT)["input_ids"]
+    fp32, quantised = plan_executor(lowered), plan_executor(graph)
+    top1 = (all_logits(fp32, ids).argmax(-1) == all_logits(quantised, ids).argmax(-1)).float().mean()
+    print(f"{specs}: top-1 agreement {top1:.3f}")
+    assert top1 >= agreement, f"{specs}: next-token top-1 agreement {top1:.3f} with fp32"

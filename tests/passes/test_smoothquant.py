@@ -212,7 +212,9 @@ def test_w8a8_manifest_records_both_passes_and_their_accuracy(artifact):
     manifest = json.loads((artifact / "manifest.json").read_text())
     entries = {p["name"]: p for p in manifest["pipeline"]}
     assert entries["smoothquant"]["options"]["alpha"] == 0.5
-    assert entries["quantize_w8a8"]["details"]["quant"]["w8a8"]["linears"] == 10
+    # --quant w8a8 quantises every linear; smoothquant smoothed the 10 its rms_norms feed
+    assert entries["smoothquant"]["details"]["linears"] == 10
+    assert entries["quantize_w8a8"]["details"]["quant"]["w8a8"]["linears"] == 14
     for name in ("smoothquant", "quantize_w8a8"):
         acc = entries[name]["accuracy"]
         assert {"ppl_before", "ppl_after", "kl", "top1_agreement", "tokens"} <= set(acc)
