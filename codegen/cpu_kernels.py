@@ -13,7 +13,16 @@ import torch.nn.functional as F
 from llmc.codegen.cpu_qlinear import pack_qlinear, run_qlinear
 from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS
 from llmc.codegen.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear
-from llmc.compiler.ops import OPS, apply_rope, decode_arg, qlinear_inputs, qlinear_ref, resolve_aten, rope_cos_sin
+from llmc.compiler.ops import (
+    OPS,
+    TORCH_DTYPES,
+    apply_rope,
+    decode_arg,
+    qlinear_inputs,
+    qlinear_ref,
+    resolve_aten,
+    rope_cos_sin,
+)
 from llmc.compiler.quant import unpack_int4
 from llmc.errors import ArtifactError
 
@@ -127,29 +136,68 @@ def add(a, b, **attrs):
     return [a + b]
 
 
+@kernel("split")
+def split(x, *, sizes, **attrs):
+    # Views into x, not copies: the kernels reading them accept strided inputs.
+    return list(x.split(list(sizes), dim=-1))
+
+
+@kernel("add_rms_norm")
+def add_rms_norm(x, residual, weight, *, eps, **attrs):
+    summed = x + residual
+    return [rms_norm(summed, weight, eps=eps)[0], summed]
+
+
+@kernel("swiglu")
+def swiglu(*inputs, **attrs):
+    gate, up = inputs if len(inputs) == 2 else inputs[0].chunk(2, dim=-1)
+    # in place on silu's fresh result: one activation-sized allocation instead of two
+    return [F.silu(gate).mul_(up)]
+
+
+@kernel("cast")
+def cast(x, *, dtype, **attrs):
+    return [x.to(TORCH_DTYPES[dtype])]
+
+
 @kernel("select_rows")
 def select_rows(x, indices, **attrs):
     return [x.index_select(0, indices)]
 
 
+def rope_tables(rope_cache: RopeCache | None, positions, inv_freq, scaling: float, dtype):
+    if rope_cache is None:
+        return rope_cos_sin(positions.reshape(-1), inv_freq, scaling, dtype)
+    return rope_cache.cos_sin(positions, inv_freq, scaling, dtype)
+
+
 @kernel("rope", context=("rope_cache",))
 def rope(x, positions, inv_freq, *, head_dim, scaling=1.0, rope_cache: RopeCache | None = None, **attrs):
-    if rope_cache is None:
-        cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, scaling, x.dtype)
-    else:
-        cos, sin = rope_cache.cos_sin(positions, inv_freq, scaling, x.dtype)
+    cos, sin = rope_tables(rope_cache, positions, inv_freq, scaling, x.dtype)
     return [apply_rope(x, cos, sin, head_dim)]
 
 
 @kernel("attention", context=("backend",))
-def attention(q, k, v, *, backend, layer, num_heads, num_kv_heads, head_dim, scale, causal=True, **attrs):
+def attention(q, k, v, *, backend, layer, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None,
+              **attrs):
     """q: [tokens, num_heads*head_dim], k/v: [tokens, num_kv_heads*head_dim] (optionally
     after unit leading dims); the backend decides which cached keys the queries also see."""
     lead = q.shape[:-2]
     q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
     out = backend.forward(layer, q2, k2, v2, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, scale=scale, causal=causal)
+                          head_dim=head_dim, scale=scale, causal=causal, window=window)
     return [out.reshape(*lead, *out.shape)]
+
+
+@kernel("flash_attention", context=("backend", "rope_cache"))
+def flash_attention(q, k, v, positions=None, inv_freq=None, *, backend, head_dim, rope=None,
+                    rope_cache: RopeCache | None = None, **attrs):
+    """The rotary prologue on q and k (when `rope` is set), then the attention kernel: on the CPU
+    the fused op runs the same backend, so its keys reach the KV cache rotated as before."""
+    if rope is not None:
+        cos, sin = rope_tables(rope_cache, positions, inv_freq, rope["scaling"], q.dtype)
+        q, k = apply_rope(q, cos, sin, head_dim), apply_rope(k, cos, sin, head_dim)
+    return attention(q, k, v, backend=backend, head_dim=head_dim, **attrs)
 
 
 # Resolving torch.ops.aten.<op>.<overload> walks attributes; do it once per target.

@@ -7,14 +7,18 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmc.codegen.kernel_select import KV_BLOCK_SIZE, kernel_record, kernels_for_step
 from llmc.codegen.memory_plan import MemoryPlan, plan_memory
-from llmc.compiler.ir import Graph, TensorType
+from llmc.compiler.ir import Graph, Node, TensorType
+from llmc.compiler.ops import ATTENTION_OPS
+from llmc.compiler.targets import TARGETS
 from llmc.errors import ArtifactError, TargetError
 
 PLAN_FORMAT = 1
 
-# Which kernel family a target's plan launches; GPU targets join when their kernels do.
-KERNEL_NAMESPACES = {"cpu": "cpu"}
+# Which kernel family a target's plan launches: torch ops on the CPU, Triton kernels (and torch
+# calls for ops without one) on GPU targets.
+KERNEL_NAMESPACES = {name: "triton" if t.device == "cuda" else "cpu" for name, t in TARGETS.items()}
 
 
 @dataclass
@@ -52,8 +56,8 @@ class Plan:
         return TensorType(tuple(t["shape"]), t["dtype"])
 
     def attention_steps(self) -> list[PlanStep]:
-        """Attention launches in layer order (what a KV cache is sized from)."""
-        steps = [s for s in self.steps if s.kernel.endswith(".attention")]
+        """Attention launches (plain or fused) in layer order (what a KV cache is sized from)."""
+        steps = [s for s in self.steps if s.kernel.rpartition(".")[2] in ATTENTION_OPS]
         return sorted(steps, key=lambda s: s.attrs.get("layer", 0))
 
     def kv_layout(self) -> dict[str, int]:
@@ -108,19 +112,47 @@ def _type_dict(t: TensorType) -> dict:
     return {"shape": list(t.shape), "dtype": t.dtype}
 
 
-def build_plan(graph: Graph, target_name: str, max_tokens: int) -> Plan:
-    """Verify the graph, then lay its nodes out as kernel launches with a memory plan."""
+def build_plan(graph: Graph, target_name: str, max_tokens: int, configs: dict | None = None) -> Plan:
+    """Verify the graph, then lay its nodes out as kernel launches with a memory plan. On a Triton
+    target each step records the kernels it launches (attrs["kernels"]); `configs` overrides the
+    target's launch configs by kernel family (see codegen/kernel_select.py)."""
     graph.verify()
     ns = kernel_namespace(target_name)
     steps = [PlanStep(f"{ns}.{n.op}", list(n.inputs), [v.name for v in n.outputs], dict(n.attrs), n.name)
              for n in graph.nodes]
+    meta = dict(graph.meta)
+    if ns == "triton":
+        meta["kernels"] = record_kernels(graph, steps, target_name, configs)
     used = {i for n in graph.nodes for i in n.inputs} | set(graph.outputs)
     params = [p for p in graph.params if p in used]
     types = {name: _type_dict(t) for name, t in graph.types().items()
              if name in used or name not in graph.params}
     return Plan(steps=steps, inputs=[v.name for v in graph.inputs], outputs=list(graph.outputs),
                 memory=plan_memory(graph, max_tokens), target=target_name, max_tokens=max_tokens,
-                params=params, types=types, meta=dict(graph.meta))
+                params=params, types=types, meta=meta)
+
+
+def record_kernels(graph: Graph, steps: list[PlanStep], target_name: str, configs: dict | None) -> dict:
+    """Put each step's Triton kernels in its attrs; returns the plan meta saying which ops launch
+    Triton kernels and which run as torch calls."""
+    types = graph.types()
+    kv_dtype = (graph.meta.get("kv_cache") or {}).get("dtype")
+    triton_ops, torch_ops = set(), set()
+    for node, step in zip(graph.nodes, steps):
+        kernels = step_kernels(node, types, target_name, configs, kv_dtype)
+        if kernels:
+            step.attrs["kernels"] = [kernel_record(k) for k in kernels]
+        (triton_ops if kernels else torch_ops).add(node.op)
+    return {"namespace": "triton", "triton_ops": sorted(triton_ops), "torch_ops": sorted(torch_ops),
+            "kv_block_size": KV_BLOCK_SIZE}
+
+
+def step_kernels(node: Node, types: dict, target_name: str, configs: dict | None, kv_dtype: str | None) -> list:
+    try:
+        return kernels_for_step(node.op, node.attrs, [types[i] for i in node.inputs],
+                                [v.type for v in node.outputs], target_name, configs=configs, kv_cache_dtype=kv_dtype)
+    except TargetError as e:
+        raise TargetError(f"node {node.name}: {e}") from e
 
 
 __all__ = ["PLAN_FORMAT", "KERNEL_NAMESPACES", "PlanStep", "Plan", "kernel_namespace", "build_plan"]

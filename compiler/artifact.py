@@ -1,5 +1,6 @@
 """Write and read compiled artifacts: a directory of manifest.json (format version, sha256 of
-every file), graph.json, plan.json, weights.safetensors, tokenizer/ and optional kernels/.
+every file), graph.json, plan.json, weights.safetensors, tokenizer/ and, for Triton plans, kernels/
+with its index kernels.json.
 Writes are atomic and byte-deterministic; reads check every hash and never unpickle."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ PLAN = "plan.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 KERNELS_DIR = "kernels"
+KERNEL_INDEX = "kernels.json"  # what each file under kernels/ is and which plan steps launch it
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Artifact:
 
 def write_artifact(path, *, graph_json: str, plan_json: str, weights: dict[str, torch.Tensor], tokenizer,
                    manifest: dict, kernels: dict[str, str] | None = None, timings: dict | None = None,
-                   force: bool = False) -> Path:
+                   force: bool = False, kernel_index: list[dict] | None = None) -> Path:
     """Write an artifact to `path` via a temporary sibling directory renamed into place, so a
     failed write leaves nothing behind. The same inputs give byte-identical files, except
     `timings.json` (the build's wall-clock log), which is therefore not hashed."""
@@ -52,7 +54,7 @@ def write_artifact(path, *, graph_json: str, plan_json: str, weights: dict[str, 
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         staging.chmod(0o755)  # mkdtemp makes it owner-only
-        write_contents(staging, graph_json, plan_json, weights, tokenizer, manifest, kernels or {})
+        write_contents(staging, graph_json, plan_json, weights, tokenizer, manifest, kernels or {}, kernel_index)
         if timings is not None:
             (staging / TIMINGS).write_bytes(dump_json(timings).encode())
         move_into_place(staging, path, force)
@@ -68,7 +70,7 @@ def refuse_existing(path: Path, force: bool) -> None:
 
 
 def write_contents(root: Path, graph_json: str, plan_json: str, weights: dict, tokenizer,
-                   manifest: dict, kernels: dict[str, str]) -> None:
+                   manifest: dict, kernels: dict[str, str], kernel_index: list[dict] | None = None) -> None:
     (root / GRAPH).write_bytes(graph_json.encode())
     (root / PLAN).write_bytes(plan_json.encode())
     tokenizer.save_pretrained(root / TOKENIZER_DIR)
@@ -76,6 +78,8 @@ def write_contents(root: Path, graph_json: str, plan_json: str, weights: dict, t
         kernel_path = root / KERNELS_DIR / checked_relative(name, f"kernel name {name!r}")
         kernel_path.parent.mkdir(parents=True, exist_ok=True)
         kernel_path.write_bytes(source.encode())
+    if kernel_index is not None:
+        (root / KERNEL_INDEX).write_bytes(dump_json(kernel_index).encode())
     stored, aliases = dedupe_weights(weights)
     save_file(stored, root / WEIGHTS, metadata=None)
     manifest = dict(manifest, format_version=FORMAT_VERSION, weight_aliases=aliases,

@@ -3,6 +3,7 @@ memory figures, read from its manifest without loading the weights."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def report(artifact: str | Path) -> dict:
         "artifact_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
         "llmc_version": manifest["llmc_version"],
         "torch_version": manifest["torch_version"],
+        "draft_of": manifest.get("draft_of"),   # the target artifact a speculative-decoding draft serves
     }
 
 
@@ -92,6 +94,25 @@ def _quant_lines(quant: dict) -> list[str]:
     return lines
 
 
+def _accuracy_line(a: dict) -> str:
+    """A lossy pass's measured cost on the calibration text."""
+    change = 100 * (a["ppl_after"] / a["ppl_before"] - 1)
+    return (f"calibration ppl {a['ppl_before']:.4g} -> {a['ppl_after']:.4g} ({change:+.2f}%), "
+            f"KL {a['kl']:.4g}, top-1 agreement {a['top1_agreement']:.3f} over {a['tokens']} tokens")
+
+
+def _size_line(d: dict) -> str:
+    """A pruning or KV-head pass's figures: params removed, KV bytes per token before and after."""
+    parts = [f"params {d['params_removed']:,} removed"
+             + (f" ({_mib(d['bytes_removed'])})" if "bytes_removed" in d else "")]
+    if "kv_bytes_per_token_before" in d:
+        parts.append(f"KV {d['kv_bytes_per_token_before']:,} -> {d['kv_bytes_per_token_after']:,} bytes/token")
+    if "zeros_after" in d:
+        parts.append(f"{d['zeros_after']:,} of {d['weights']:,} linear weights zero ({d['storage']}); "
+                     f"expected speedup: {d['expected_speedup']}")
+    return ", ".join(parts)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -107,6 +128,10 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
              f"  activations: peak {_mib(r['activation_peak_bytes'])} planned vs "
              f"{_mib(r['activation_naive_bytes'])} naive at {r['max_num_batched_tokens']} tokens",
              f"  artifact size: {_mib(r['artifact_bytes'])}"]
+    if r["draft_of"]:
+        d = r["draft_of"]
+        lines.append(f"  draft of: {d['model']} ({d['num_layers']} layers; this draft has {m['num_layers']}), "
+                     f"target manifest sha256 {d['manifest_sha256'][:16]}")
     lines += _quant_lines(r["quant"])
     stage_time = sum(s["seconds"] for s in r["stages"]) + sum(p["seconds"] or 0 for p in r["passes"])
     lines.append(f"  compile time: {stage_time:.1f} s")
@@ -120,7 +145,67 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
         t = f"{p['seconds']:8.3f} s" if p["seconds"] is not None else "       ? s"
         lines.append(f"    {p['name']:<16} {t}  matches {p['matches']:<4} "
                      f"bytes saved {p['bytes_saved']:,}  {json.dumps(p['details'], sort_keys=True)[:80]}")
+        if "params_removed" in (p["details"] or {}):
+            lines.append(f"    {'':<16} {_size_line(p['details'])}")
+        if p.get("accuracy"):
+            lines.append(f"    {'':<16} {_accuracy_line(p['accuracy'])}")
     if show_ir:
         from llmc.compiler.ir import Graph
         lines.append(str(Graph.from_json((Path(artifact) / "graph.json").read_text())))
     return "\n".join(lines)
+
+
+# -- Triton kernels (`llmc inspect ART --kernels [--source NAME]`) ---------------------------------
+def kernel_report(artifact: str | Path) -> dict:
+    """The artifact's Triton kernels from kernels.json (each with its `launches`: the plan steps
+    that launch it), which ops run as torch calls, and the launch configs from autotuning."""
+    path = Path(artifact)
+    manifest = _read_manifest(path)
+    meta = _read_json(path / "plan.json", "plan").get("meta", {})
+    index = _read_json(path / "kernels.json", "kernel index") if (path / "kernels.json").exists() else []
+    return {"target": manifest["target"]["name"],
+            "kernels": [{**entry, "launches": len(entry["steps"])} for entry in index],
+            "triton_ops": meta.get("kernels", {}).get("triton_ops", []),
+            "torch_ops": meta.get("kernels", {}).get("torch_ops", []),
+            "autotune": meta.get("autotune")}
+
+
+def kernels_summary(artifact: str | Path, as_json: bool = False) -> str:
+    r = kernel_report(artifact)
+    if as_json:
+        return json.dumps(r, indent=2, sort_keys=True)
+    if not r["kernels"]:
+        return f"artifact {artifact} (target {r['target']}) launches no Triton kernels: its plan runs torch ops"
+    lines = [f"artifact {artifact} (target {r['target']}): {len(r['kernels'])} Triton kernels for "
+             f"{', '.join(r['triton_ops'])}; torch runs {', '.join(r['torch_ops']) or 'nothing'}"]
+    tune = r["autotune"]
+    if tune is not None:
+        lines.append(f"  launch configs: autotuned on {tune['device']}" if tune["tuned"] else
+                     f"  launch configs: the target's defaults; autotune: {tune['reason']}")
+    for k in r["kernels"]:
+        lines.append(f"  {k['file'].removeprefix('kernels/'):<44} {k['template']:<32} sha256 {k['sha256'][:12]}  "
+                     f"launched by {k['launches']} step{'s' if k['launches'] != 1 else ''}")
+        lines.append("      " + ", ".join(f"{name}={value}" for name, value in sorted(k["constants"].items())))
+    return "\n".join(lines)
+
+
+def kernel_source(artifact: str | Path, name: str) -> str:
+    """The stored source of the kernel `name`: its file (with or without kernels/ and .py) or, when
+    only one kernel has it, its kernel name; checked against the index's sha256."""
+    path = Path(artifact)
+    kernels = kernel_report(path)["kernels"]
+    stem = name.removeprefix("kernels/").removesuffix(".py")
+    hits = [k for k in kernels if k["file"] == f"kernels/{stem}.py"] or [k for k in kernels if k["name"] == stem]
+    if len(hits) != 1:
+        files = ", ".join(k["file"].removeprefix("kernels/") for k in (hits or kernels)) or "none"
+        what = "names several kernels" if hits else "is no kernel of it"
+        raise ArtifactError(f"artifact '{path}': {name!r} {what}; give one of its files: {files}")
+    entry = hits[0]
+    try:
+        source = (path / entry["file"]).read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"artifact '{path}': {entry['file']} cannot be read ({e}); recompile") from None
+    if hashlib.sha256(source).hexdigest() != entry["sha256"]:
+        raise ArtifactError(f"artifact '{path}': {entry['file']} fails its sha256 check (edited after "
+                            f"compiling?); recompile")
+    return source.decode()

@@ -2,9 +2,10 @@
 linear, rms_norm, rope, attention, silu, mul, add) and drop the unit batch dim.
 Whatever no pattern claims stays an `aten` fallback node.
 
-Attention is matched on whole SDPA nodes, before anything decomposes them; its mask is
-classified by evaluating the mask subgraph on probe inputs, so it does not matter how
-a transformers version builds its causal mask."""
+Attention is matched on whole SDPA nodes, before anything decomposes them, and in its unfused
+form (matmul -> scale -> mask -> softmax -> matmul, as eager attention and ONNX imports write
+it), before the mask's add is raised on its own; either way its mask is classified by evaluating
+the mask subgraph on probe inputs, so it does not matter how a model builds its causal mask."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, Node, TensorType
-from llmc.compiler.ops import OPS, infer_types
+from llmc.compiler.ops import ATTENTION_OPS, OPS, infer_types
 
 LAYOUT_NOOPS = {"aten.alias.default", "aten.clone.default", "aten.contiguous.default"}
 # Unary elementwise aten ops: shape-polymorphic, so they survive dropping the batch dim.
@@ -253,10 +254,10 @@ def _repeat_kv_source(m: Matcher, value: str) -> str:
     return un.inputs[0]
 
 
-def _merge_heads_user(m: Matcher, sdpa: Node) -> Node | None:
+def _merge_heads_user(m: Matcher, heads_out: Node) -> Node | None:
     """Follow [1, H, T, hd] -> transpose(1, 2) -> reshape [1, T, H*hd]; returns the last node."""
-    out_t = m.types[sdpa.outputs[0].name]
-    cur, transposed = sdpa.outputs[0].name, False
+    out_t = m.types[heads_out.outputs[0].name]
+    cur, transposed = heads_out.outputs[0].name, False
     while True:
         u = m.only_user(cur)
         if u is None or u.op != "aten":
@@ -276,82 +277,189 @@ def _merge_heads_user(m: Matcher, sdpa: Node) -> Node | None:
         cur = u.outputs[0].name
 
 
-def raise_attention(g: Graph, causal_masks: set[str]) -> int:
+@dataclass
+class _Core:
+    """One attention found in aten form: softmax(q k^T * scale + mask) v over heads-first
+    tensors [1, heads, T, hd] (k and v perhaps repeat_kv'd up to q's heads)."""
+    q: str
+    k: str
+    v: str
+    scale: float | None          # None: SDPA's default, 1/sqrt(head_dim)
+    out: Node                    # the node giving the heads-first result
+    # (mask value, how it applies) or None for causal attention without a mask tensor; how:
+    # "keep" True/0 where visible (SDPA, where), "add" an additive float, "fill" True where hidden
+    mask: tuple[str, str] | None
+
+
+SDPA = "aten.scaled_dot_product_attention.default"
+SOFTMAX = ("aten.softmax.int", "aten._softmax.default", "aten._safe_softmax.default")
+# A score pushed this low weighs nothing after softmax next to any realistic visible score (exp underflows).
+HIDDEN_SCORE = -1e4
+
+
+def raise_attention(g: Graph) -> int:
+    """SDPA nodes, and attention written out as matmul -> scale -> mask -> softmax -> matmul, whose
+    mask is causal -> rope + attention ops. Layers are numbered in graph order."""
     m = Matcher(g)
+    cores = [c for c in (_sdpa_core(m, n) or _unfused_core(m, n) for n in g.nodes) if c is not None]
+    causal = causal_mask_values(g, {c.mask for c in cores if c.mask is not None})
     count = 0
-    layer = 0
-    for sdpa in [n for n in g.nodes if m.is_(n, "aten.scaled_dot_product_attention.default")]:
-        new_nodes = _match_attention(m, sdpa, causal_masks, layer)
-        if new_nodes is None:
+    for core in cores:
+        built = _build_attention(m, core) if core.mask is None or core.mask in causal else None
+        if built is None:
             continue
-        merged, nodes = new_nodes
+        merged, nodes = built
         for n in nodes:
             g.insert_before(merged, n)
         g.replace_uses(merged.outputs[0].name, nodes[-1].outputs[0].name)
-        layer += 1
         count += 1
+    if count:
+        number_layers(g)
     return count
 
 
-def _match_attention(m: Matcher, sdpa: Node, causal_masks: set[str], layer: int):
-    q4, k4, v4 = m.arg(sdpa, 0), m.arg(sdpa, 1), m.arg(sdpa, 2)
-    mask = m.arg(sdpa, 3, "attn_mask")
-    dropout = m.arg(sdpa, 4, "dropout_p", 0.0)
-    is_causal = m.arg(sdpa, 5, "is_causal", False)
-    scale = m.arg(sdpa, 6, "scale")
-    causal = (mask is None and is_causal) or (mask in causal_masks and not is_causal)
-    if not causal or dropout:
+def number_layers(g: Graph) -> None:
+    """Give attention ops their KV-cache index: 0, 1, ... in graph order."""
+    for layer, n in enumerate(n for n in g.nodes if n.op in ATTENTION_OPS):
+        n.attrs["layer"] = layer
+
+
+def _sdpa_core(m: Matcher, sdpa: Node) -> _Core | None:
+    if not m.is_(sdpa, SDPA) or m.arg(sdpa, 4, "dropout_p", 0.0):
         return None
-    qt = m.types[q4]
+    mask, is_causal = m.arg(sdpa, 3, "attn_mask"), m.arg(sdpa, 5, "is_causal", False)
+    if (mask is None) != bool(is_causal):  # neither or both: not (only) causal
+        return None
+    return _Core(m.arg(sdpa, 0), m.arg(sdpa, 1), m.arg(sdpa, 2), m.arg(sdpa, 6, "scale"), sdpa,
+                 None if mask is None else (mask, "keep"))
+
+
+def _unfused_core(m: Matcher, softmax: Node) -> _Core | None:
+    if not m.is_(softmax, *SOFTMAX) or m.arg(softmax, 1) not in (-1, 3):
+        return None
+    masked = _split_mask(m, m.through_noops(m.arg(softmax, 0)))
+    out = _probs_times_v(m, softmax)
+    if masked is None or out is None:
+        return None
+    (q, k, scale), mask = masked
+    return _Core(q, k, out[1], scale, out[0], mask)
+
+
+def _scalar(a) -> float | None:
+    if isinstance(a, dict) and "$float" in a:
+        return float(a["$float"])
+    return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
+
+
+def _split_mask(m: Matcher, value: str):
+    """scores + mask, masked_fill(scores, mask, -inf) or where(mask, scores, -inf) ->
+    ((q, k, scale) of the scores, (mask, how)); None without a mask."""
+    n = m.node(value)
+    if m.is_(n, "aten.add.Tensor") and not n.attrs["kwargs"]:
+        a, b = m.arg(n, 0), m.arg(n, 1)
+        for scores, mask in ((a, b), (b, a)):
+            qk = _scaled_scores(m, scores) if _tensor(m, mask) else None
+            if qk is not None:
+                return qk, (mask, "add")
+    fill = m.is_(n, "aten.masked_fill.Scalar") and (_scalar(m.arg(n, 2)) or 0) <= HIDDEN_SCORE
+    keep = m.is_(n, "aten.where.ScalarOther") and (_scalar(m.arg(n, 2)) or 0) <= HIDDEN_SCORE
+    if fill or keep:
+        scores, mask = (m.arg(n, 0), m.arg(n, 1)) if fill else (m.arg(n, 1), m.arg(n, 0))
+        qk = _scaled_scores(m, scores)
+        return None if qk is None else (qk, (mask, "fill" if fill else "keep"))
+    return None
+
+
+def _scaled_scores(m: Matcher, value: str) -> tuple[str, str, float] | None:
+    """matmul(q, transpose(k, -2, -1)) [* s | / d] -> (q, k, scale)."""
+    n = m.node(m.through_noops(value))
+    scale = 1.0
+    if m.is_(n, "aten.mul.Tensor", "aten.div.Tensor") and _scalar(m.arg(n, 1)):
+        s = _scalar(m.arg(n, 1))
+        scale = s if n.attrs["target"] == "aten.mul.Tensor" else 1.0 / s
+        n = m.node(m.through_noops(m.arg(n, 0)))
+    if not m.is_(n, "aten.matmul.default") or m.types[n.outputs[0].name].rank != 4:
+        return None
+    kt = m.node(m.through_noops(m.arg(n, 1)))
+    if not m.is_(kt, "aten.transpose.int") or sorted([m.arg(kt, 1) % 4, m.arg(kt, 2) % 4]) != [2, 3]:
+        return None
+    return m.arg(n, 0), m.arg(kt, 0), scale
+
+
+def _probs_times_v(m: Matcher, softmax: Node) -> tuple[Node, str] | None:
+    """softmax -> [casts, inert dropout] -> matmul(·, v) -> (that matmul, v)."""
+    cur = softmax.outputs[0].name
+    while True:
+        u = m.only_user(cur)
+        if m.is_(u, "aten.matmul.default") and m.arg(u, 0) == cur:
+            return u, m.arg(u, 1)
+        inert_dropout = m.is_(u, "aten.dropout.default") and (m.arg(u, 1) == 0 or m.arg(u, 2) is False)
+        if not (inert_dropout or m.is_(u, *LAYOUT_NOOPS, *CASTS)):
+            return None
+        cur = u.outputs[0].name
+
+
+def _flat_source(m: Matcher, value: str, head_dim: int) -> tuple[str | None, _Rope | None]:
+    """A heads-first q or k -> (its [1, T, heads*hd] source, the rope rotating it if any)."""
+    rope = _match_rope(m, value)
+    return _head_split_source(m, rope.source if rope else value, head_dim), rope
+
+
+def _build_attention(m: Matcher, core: _Core) -> tuple[Node, list[Node]] | None:
+    """(the node merging heads back, the rope and attention nodes that replace the pattern)."""
+    qt = m.types[core.q]
+    if qt.rank != 4 or not isinstance(qt.shape[1], int) or not isinstance(qt.shape[3], int):
+        return None
     heads, hd = qt.shape[1], qt.shape[3]
-    merged = _merge_heads_user(m, sdpa)
-    if merged is None or not isinstance(heads, int):
+    merged = _merge_heads_user(m, core.out)
+    (q, q_rope), (k, k_rope) = _flat_source(m, core.q, hd), _flat_source(m, _repeat_kv_source(m, core.k), hd)
+    v = _head_split_source(m, _repeat_kv_source(m, core.v), hd)
+    if merged is None or None in (q, k, v) or m.types[q].shape[-1] != heads * hd:
         return None
-    q_rope, k_rope = _match_rope(m, q4), _match_rope(m, _repeat_kv_source(m, k4))
-    if q_rope is None or k_rope is None or (q_rope.inv_freq, q_rope.scaling) != (k_rope.inv_freq, k_rope.scaling):
+    kv_features = m.types[k].shape[-1]
+    if m.types[v].shape[-1] != kv_features or heads % (kv_features // hd):
         return None
-    flats = [_head_split_source(m, v, hd) for v in (q_rope.source, k_rope.source, _repeat_kv_source(m, v4))]
-    if None in flats:
-        return None
-    ropes = [q_rope, k_rope]
-    g = m.g
-    nodes = []
-    for name, flat in (("q", flats[0]), ("k", flats[1])):
-        r = ropes[0]
-        nodes.append(g.make_node("rope", [flat, r.positions, r.inv_freq], [m.types[flat]],
-                                 {"head_dim": hd, "scaling": r.scaling},
-                                 name=g.fresh(f"rope_{name}")))
-    kv_heads = m.types[flats[1]].shape[-1] // hd
-    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": hd,
-             "scale": float(scale) if scale is not None else 1.0 / math.sqrt(hd),
-             "causal": True, "layer": layer}
-    out_t = TensorType(m.types[flats[0]].shape, m.types[flats[0]].dtype)
-    nodes.append(g.make_node("attention", [nodes[0].out.name, nodes[1].out.name, flats[2]], [out_t], attrs,
+    g, nodes, rotated = m.g, [], []
+    for name, flat, rope in (("q", q, q_rope), ("k", k, k_rope)):
+        if rope is not None:
+            nodes.append(g.make_node("rope", [flat, rope.positions, rope.inv_freq], [m.types[flat]],
+                                     {"head_dim": hd, "scaling": rope.scaling}, name=g.fresh(f"rope_{name}")))
+        rotated.append(nodes[-1].out.name if rope is not None else flat)
+    attrs = {"num_heads": heads, "num_kv_heads": kv_features // hd, "head_dim": hd,
+             "scale": float(core.scale) if core.scale is not None else 1.0 / math.sqrt(hd),
+             "causal": True, "layer": 0}
+    nodes.append(g.make_node("attention", rotated + [v], [TensorType(m.types[q].shape, m.types[q].dtype)], attrs,
                              name=g.fresh("attention")))
     return merged, nodes
 
 
-def causal_mask_values(g: Graph, probe_lengths=(5, 7)) -> set[str]:
-    """Mask values of SDPA nodes that equal the causal (lower-triangular) mask at every
-    probe length. Evaluated, not pattern-matched: HF builds masks many ways."""
-    m = Matcher(g)
-    masks = {m.arg(n, 3, "attn_mask") for n in g.nodes if m.is_(n, "aten.scaled_dot_product_attention.default")}
-    masks.discard(None)
+def causal_mask_values(g: Graph, masks: set[tuple[str, str]], probe_lengths=(5, 7)) -> set[tuple[str, str]]:
+    """The (mask value, how it applies) pairs that hide exactly the future (the causal mask) at
+    every probe length. Evaluated, not pattern-matched: HF builds masks many ways."""
     if not masks:
         return set()
-    causal = set(masks)
+    causal, values = set(masks), sorted({v for v, _ in masks})
     for t in probe_lengths:
         gen = torch.Generator().manual_seed(t)
         vocab = next((p.type.shape[0] for n, p in g.params.items() if "embed" in n), 2)
         ids = torch.randint(0, vocab, (t,), generator=gen)
-        vals = interpret(_mask_subgraph(g, masks), {"input_ids": ids, "positions": torch.arange(t)}, want=list(masks))
-        tril = torch.ones(t, t, dtype=torch.bool).tril()
-        for name, val in vals.items():
-            ok = val.dtype == torch.bool and torch.equal(val.broadcast_to(1, 1, t, t)[0, 0], tril)
-            ok = ok or (val.is_floating_point() and torch.equal(val.broadcast_to(1, 1, t, t)[0, 0] == 0, tril))
-            if not ok:
-                causal.discard(name)
+        vals = interpret(_mask_subgraph(g, set(values)), {"input_ids": ids, "positions": torch.arange(t)},
+                         want=values)
+        causal = {(v, how) for v, how in causal if _hides_the_future(vals[v], how, t)}
     return causal
+
+
+def _hides_the_future(mask: torch.Tensor, how: str, t: int) -> bool:
+    try:  # every [t, t] slice of the mask (it may carry batch and head dims)
+        rows = torch.broadcast_to(mask, (*mask.shape[:-2], t, t)).reshape(-1, t, t)
+    except RuntimeError:
+        return False
+    visible = torch.ones(t, t, dtype=torch.bool).tril()
+    if mask.dtype == torch.bool:
+        return how != "add" and bool((rows == (visible if how == "keep" else ~visible)).all())
+    if how == "fill" or not mask.is_floating_point():
+        return False
+    return bool(((rows == 0) == visible).all() and (rows[:, ~visible] <= HIDDEN_SCORE).all())
 
 
 def _mask_subgraph(g: Graph, masks: set[str]) -> Graph:
@@ -411,8 +519,7 @@ def rename_output(g: Graph, name: str = "logits") -> None:
 def lower(g: Graph) -> dict[str, int]:
     """Raise patterns in place (attention before anything that would take SDPA apart);
     returns how many of each were raised."""
-    causal = causal_mask_values(g)
-    stats = {"attention": raise_attention(g, causal)}
+    stats = {"attention": raise_attention(g)}
     stats["rms_norm"] = raise_rms_norm(g)
     stats["simple"] = raise_simple(g)
     return stats

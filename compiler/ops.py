@@ -85,8 +85,28 @@ def _linear_type(ts, attrs):
 
 
 def _attention_type(ts, attrs):
+    window = attrs.get("window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1
+                               or attrs.get("causal", True) is not True):
+        raise IRError(f"attention: window={window!r} must be None or a positive int, on causal attention")
     q = ts[0]
     return [TensorType(q.shape[:-1] + (attrs["num_heads"] * attrs["head_dim"],), q.dtype)]
+
+
+def _flash_attention_type(ts, attrs):
+    rope = attrs.get("rope")
+    if rope is not None and not (isinstance(rope, dict) and set(rope) == {"scaling"}):
+        raise IRError(f"flash_attention: rope={rope!r} must be None or {{\"scaling\": float}}")
+    names = ["q", "k", "v"] + (["positions", "inv_freq"] if rope is not None else [])
+    if len(ts) != len(names):
+        raise IRError(f"flash_attention: {len(ts)} inputs, expected {len(names)} ({', '.join(names)})")
+    heads, kv_heads, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    if heads % kv_heads:
+        raise IRError(f"flash_attention: num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
+    for name, t, n in zip(names, ts, (heads, kv_heads, kv_heads)):
+        if t.shape[-1] != n * hd:
+            raise IRError(f"flash_attention: {name} is {t}, expected last dim {n} heads x {hd}")
+    return _attention_type(ts, attrs)
 
 
 # -- reference semantics --------------------------------------------------------------
@@ -209,6 +229,58 @@ def add_ref(a, b, **attrs):
     return [a + b]
 
 
+# -- fused ops the fusion passes (passes/fuse_projections.py, fuse_elementwise.py) make ----------
+def _split_type(ts, attrs):
+    x, sizes = ts[0], attrs.get("sizes")
+    if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise IRError(f"split: sizes {sizes!r} must be a non-empty list of positive ints")
+    if isinstance(x.shape[-1], int) and sum(sizes) != x.shape[-1]:
+        raise IRError(f"split: sizes {sizes} add up to {sum(sizes)}, the input's last dim is {x.shape[-1]}")
+    return [TensorType(x.shape[:-1] + (s,), x.dtype) for s in sizes]
+
+
+@op("split", _split_type)
+def split_ref(x, *, sizes, **attrs):
+    """Consecutive column blocks of x's last dim (a fused projection's q/k/v or gate/up)."""
+    return list(torch.split(x, list(sizes), dim=-1))
+
+
+def _add_rms_norm_type(ts, attrs):
+    x, residual, weight = ts
+    if x != residual:
+        raise IRError(f"add_rms_norm: x is {x} and residual is {residual}; they must have one type")
+    if weight.rank != 1 or weight.shape[0] != x.shape[-1]:
+        raise IRError(f"add_rms_norm: weight is {weight}, expected [{x.shape[-1]}]")
+    return [x, x]
+
+
+@op("add_rms_norm", _add_rms_norm_type)
+def add_rms_norm_ref(x, residual, weight, *, eps, **attrs):
+    """[rms_norm(x + residual), x + residual]: the residual stream's add and the next norm."""
+    summed = x + residual
+    return [rms_norm_ref(summed, weight, eps=eps)[0], summed]
+
+
+def _swiglu_type(ts, attrs):
+    if len(ts) == 2:
+        if ts[0] != ts[1]:
+            raise IRError(f"swiglu: gate is {ts[0]} and up is {ts[1]}; they must have one type")
+        return [ts[0]]
+    if len(ts) != 1:
+        raise IRError(f"swiglu: {len(ts)} inputs; it takes [gate_up] or [gate, up]")
+    x = ts[0]
+    if not isinstance(x.shape[-1], int) or x.shape[-1] % 2:
+        raise IRError(f"swiglu: packed gate_up is {x}; its last dim must be an even number (2 * I)")
+    return [TensorType(x.shape[:-1] + (x.shape[-1] // 2,), x.dtype)]
+
+
+@op("swiglu", _swiglu_type)
+def swiglu_ref(*inputs, **attrs):
+    """silu(gate) * up; one packed input [..., 2I] holds gate in its first I columns, up in the last."""
+    gate, up = inputs if len(inputs) == 2 else inputs[0].chunk(2, dim=-1)
+    return [F.silu(gate) * up]
+
+
 def _select_rows_type(ts, attrs):
     x, idx = ts
     return [TensorType(idx.shape[:1] + x.shape[1:], x.dtype)]
@@ -218,6 +290,18 @@ def _select_rows_type(ts, attrs):
 def select_rows_ref(x, indices, **attrs):
     """x[indices]: keeps the rows (tokens) whose logits are needed."""
     return [x.index_select(0, indices)]
+
+
+def _cast_type(ts, attrs):
+    if attrs.get("dtype") not in TORCH_DTYPES:
+        raise IRError(f"cast: dtype {attrs.get('dtype')!r} is not one of {', '.join(TORCH_DTYPES)}")
+    return [TensorType(ts[0].shape, attrs["dtype"])]
+
+
+@op("cast", _cast_type)
+def cast_ref(x, *, dtype, **attrs):
+    """x converted to `dtype` (cast_bf16 puts these where a value changes precision)."""
+    return [x.to(TORCH_DTYPES[dtype])]
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype):
@@ -243,28 +327,53 @@ def rope_ref(x, positions, inv_freq, *, head_dim, scaling=1.0, **attrs):
     return [apply_rope(x, cos, sin, head_dim)]
 
 
-def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True):
-    """q: [tokens, heads*hd], k/v: [ctx, kv_heads*hd]; the last tokens of ctx are the queries."""
+def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None):
+    """q: [tokens, heads*hd], k/v: [ctx, kv_heads*hd]; the last tokens of ctx are the queries.
+    With a sliding `window`, the query at position p sees only the keys in (p - window, p]."""
     t, c = q.shape[0], k.shape[0]
     qh = q.reshape(t, num_heads, head_dim).transpose(0, 1)
     kh = k.reshape(c, num_kv_heads, head_dim).transpose(0, 1)
     vh = v.reshape(c, num_kv_heads, head_dim).transpose(0, 1)
     mask = None
-    if causal and t > 1:
+    if causal and (t > 1 or window is not None):
         # query i sits at context position c - t + i and sees keys 0..c - t + i
         mask = torch.ones(t, c, dtype=torch.bool, device=q.device).tril(diagonal=c - t)
+        if window is not None:
+            mask = mask.triu(diagonal=c - t - window + 1)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
                                          enable_gqa=num_heads != num_kv_heads)
     return out.transpose(0, 1).reshape(t, num_heads * head_dim)
 
 
 @op("attention", _attention_type)
-def attention_ref(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, **attrs):
+def attention_ref(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None, **attrs):
     lead = q.shape[:-2]
     q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
     out = causal_attention(q2, k2, v2, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                           head_dim=head_dim, scale=scale, causal=causal)
+                           head_dim=head_dim, scale=scale, causal=causal, window=window)
     return [out.reshape(*lead, *out.shape)]
+
+
+# Ops that read and write the KV cache, one node per layer (`layer` attr: the cache index).
+ATTENTION_OPS = ("attention", "flash_attention")
+
+
+def attention_prologue(inputs: list, attrs: dict) -> tuple:
+    """The q, k, v an attention op's core sees: flash_attention with a `rope` attr takes q/k
+    before rotary (inputs q, k, v, positions, inv_freq) and rotates them first."""
+    q, k, v = inputs[:3]
+    if attrs.get("rope") is None:
+        return q, k, v
+    positions, inv_freq = inputs[3:5]
+    cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, attrs["rope"]["scaling"], q.dtype)
+    return apply_rope(q, cos, sin, attrs["head_dim"]), apply_rope(k, cos, sin, attrs["head_dim"]), v
+
+
+@op("flash_attention", _flash_attention_type)
+def flash_attention_ref(*inputs, **attrs):
+    """Attention fused with its rotary prologue (fuse_attention's output); same result as
+    rope, rope, attention."""
+    return attention_ref(*attention_prologue(list(inputs), attrs), **attrs)
 
 
 # -- aten fallback ----------------------------------------------------------------------
@@ -272,11 +381,18 @@ _OPERATORS = {"operator.add": operator.add, "operator.sub": operator.sub, "opera
               "operator.floordiv": operator.floordiv, "operator.neg": operator.neg}
 
 
+_VIEWS_AS_RESHAPE = {"aten.view.default": "aten.reshape.default",
+                     "aten._unsafe_view.default": "aten.reshape.default"}
+
+
 def resolve_aten(target: str):
     """`aten.view.default` -> torch.ops.aten.view.default; only the aten namespace and
     symbolic-size arithmetic, so an artifact can name no other code to run."""
     if target in _OPERATORS:
         return _OPERATORS[target]
+    # IR values never alias, so a view may copy: remove_noops drops `contiguous` calls, after
+    # which a strict view of a transposed input would fail where reshape copies.
+    target = _VIEWS_AS_RESHAPE.get(target, target)
     parts = target.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         raise IRError(f"aten fallback target {target!r} is not of the form aten.<op>.<overload>")

@@ -13,17 +13,23 @@ from typing import Callable
 import torch
 
 import llmc
+from llmc.codegen.autotune import autotune
+from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.plan import build_plan
 from llmc.compiler.artifact import write_artifact
 from llmc.compiler.calibration import calibration_sequences, calibration_source
+from llmc.compiler.draft import draft_options, read_draft_target
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph
+from llmc.compiler.kv_heads_recipe import insert_kv_heads_pass
 from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output, select_logit_rows
+from llmc.compiler.ops import ATTENTION_OPS
+from llmc.compiler.prune_recipes import insert_prune_passes, prune_pass_specs
 from llmc.compiler.quant_recipes import KV_CACHE_CHOICES, insert_quant_passes, quant_pass_specs
 from llmc.compiler.targets import Target, get_target
 from llmc.compiler.trace import export_lm, translate
 from llmc.errors import ArtifactError, PassError
-from llmc.passes.base import PassContext, PassManager
+from llmc.passes.base import PassContext, PassManager, echo_stderr
 from llmc.passes.registry import build_pipeline, get_pass
 
 
@@ -45,6 +51,14 @@ class CompileOptions:
     quant: str | None = None                  # a --quant recipe (compiler/quant_recipes.py)
     group_size: int | None = None             # int4 group size (default 128)
     kv_cache: str | None = None               # "int8" | "fp8"
+    kv_heads: int | None = None               # convert_kv_heads to this many KV heads (1 = MQA)
+    kv_grouping: str | None = None            # "auto" (default) | "index" | "similarity"
+    draft_of: str | None = None               # target artifact this compile makes a draft of
+    draft_layers: int | None = None           # layers the draft keeps (compiler/draft.py)
+    prune: str | None = None                  # --prune "heads:0.25,ffn:0.3,layers:4" (compiler/prune_recipes.py)
+    sparsity: str | float | None = None       # --sparsity 0.5 | "2:4"
+    sparsity_method: str | None = None        # "wanda" (default) | "magnitude"
+    autotune: bool = False                    # time Triton launch configs on a CUDA GPU (codegen/autotune.py)
 
 
 def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
@@ -53,30 +67,52 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    # passes may change the cache's shape (convert_kv_heads, layer pruning): the graph says what it is now
+    layers, kv_heads, head_dim = graph_kv_layout(graph) or (text.num_hidden_layers, kv_heads, head_dim)
+    heads = graph_query_heads(graph) or heads  # prune_heads removes query heads
     eos = text.eos_token_id if getattr(text, "eos_token_id", None) is not None else []
-    dtype = graph.type_of(graph.outputs[0]).dtype
+    attns = [n for n in graph.nodes if n.op in ATTENTION_OPS]
+    # the cache holds keys in the dtype attention reads them (bf16 on GPU targets, whose logits stay fp32)
+    dtype = graph.type_of(attns[0].inputs[1] if attns else graph.outputs[0]).dtype
     # quantize_kv_cache leaves {"dtype", "scales", "scale_params"}; otherwise the cache holds activations
     kv_cache = graph.meta.get("kv_cache") or {"dtype": dtype, "scales": None}
     return {
         "architecture": (getattr(config, "architectures", None) or [type(module).__name__])[0],
-        "num_layers": text.num_hidden_layers, "num_heads": heads, "num_kv_heads": kv_heads,
+        "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads,
         "head_dim": head_dim, "hidden_size": text.hidden_size, "vocab_size": text.vocab_size,
         "max_position_embeddings": text.max_position_embeddings,
         "eos_token_ids": eos if isinstance(eos, list) else [eos],
         "bos_token_id": getattr(text, "bos_token_id", None),
         "kv_dtype": kv_cache["dtype"], "kv_cache": kv_cache,
         # per-head scales are per layer, not per token: a quantised cache costs its codes alone
-        "kv_bytes_per_token": 2 * text.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[kv_cache["dtype"]],
+        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * DTYPE_BYTES[kv_cache["dtype"]],
         # the whole HF config, so tools (the HF bench baseline) can rebuild the reference model
-        "hf_config": hf_config_dict(config),
+        "hf_config": hf_config_dict(config, kv_heads),
     }
 
 
-def hf_config_dict(config) -> dict:
+def graph_kv_layout(graph: Graph) -> tuple[int, int, int] | None:
+    """(layers, kv_heads, head_dim) of the graph's attention nodes; None without any. The
+    plan's kv_layout() refuses layers that differ, so the first one speaks for all."""
+    attns = [n for n in graph.nodes if n.op in ATTENTION_OPS]
+    if not attns:
+        return None
+    return len(attns), attns[0].attrs["num_kv_heads"], attns[0].attrs["head_dim"]
+
+
+def graph_query_heads(graph: Graph) -> int | None:
+    """Query heads of the graph's first attention node (pruning cuts the same number in every layer)."""
+    return next((n.attrs["num_heads"] for n in graph.nodes if n.op in ATTENTION_OPS), None)
+
+
+def hf_config_dict(config, kv_heads: int) -> dict:
     """The config as JSON data, less `_name_or_path`: it holds the path the model was loaded
-    from, which would make the artifact's bytes depend on where the checkpoint sits."""
+    from, which would make the artifact's bytes depend on where the checkpoint sits. It says
+    how many KV heads the compiled weights have (convert_kv_heads changes that)."""
     data = json.loads(config.to_json_string(use_diff=False))
     data.pop("_name_or_path", None)
+    if data.get("num_key_value_heads", kv_heads) != kv_heads:
+        data["num_key_value_heads"] = kv_heads
     return data
 
 
@@ -115,6 +151,10 @@ def pipeline_entries(tgt: Target, opts: CompileOptions) -> list[str]:
         entries = insert_quant_passes(entries, quant_pass_specs(quant, opts.group_size), explicit)
     elif opts.group_size is not None:
         raise PassError("--group-size needs --quant int4-rtn, int4-gptq or int4-awq")
+    entries = insert_kv_heads_pass(entries, opts.kv_heads, opts.kv_grouping)
+    # last of the insertions, since it prepends: pruning runs before KV-head conversion and quantisation
+    entries = insert_prune_passes(entries, prune_pass_specs(opts.prune, opts.sparsity, opts.sparsity_method),
+                                  explicit)
     return add_kv_cache_pass(entries, opts.kv_cache)
 
 
@@ -136,7 +176,7 @@ def check_kv_scales(graph: Graph) -> None:
     kv = graph.meta.get("kv_cache")
     if not kv:
         return
-    layers = [n.attrs["layer"] for n in graph.nodes if n.op == "attention"]
+    layers = [n.attrs["layer"] for n in graph.nodes if n.op in ATTENTION_OPS]
     missing = [kv["scale_params"].format(layer=i) for i in layers
                if kv["scale_params"].format(layer=i) not in graph.weights]
     if missing:
@@ -171,6 +211,16 @@ def note_calibration(records: list, calibration: list[torch.Tensor] | None, opts
             r.accuracy["calibration"] = dict(about)
 
 
+def launch_configs(graph: Graph, tgt: Target, opts: CompileOptions, echo) -> tuple[dict, dict | None]:
+    """(config overrides for the plan's Triton kernels, plan.meta["autotune"]); a CPU target has
+    neither."""
+    if tgt.device != "cuda":
+        if opts.autotune and not opts.quiet:
+            echo(f"llmc: target {tgt.name} launches no Triton kernels; --autotune has nothing to tune")
+        return {}, None
+    return autotune(graph, tgt.name, opts.autotune, (lambda _: None) if opts.quiet else echo)
+
+
 def compile_model(source: str, target: str | Target = "cpu", output: str | Path = "model.llmc",
                   options: CompileOptions | None = None, echo: Callable[[str], None] | None = None) -> Path:
     """Compile `source` (sample name, HF dir, GGUF file) for `target` into an artifact dir."""
@@ -180,6 +230,7 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     output = Path(output)
     if output.exists() and not opts.force:
         raise ArtifactError(f"output '{output}' exists; pass --force to overwrite it")
+    draft_target = read_draft_target(opts.draft_of, opts.draft_layers)  # checked before the slow load
     pipeline = build_pipeline(pipeline_entries(tgt, opts), None, opts.disable, opts.pass_options)
     stages: list[dict] = []
 
@@ -189,6 +240,9 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     t = time.perf_counter()
     loaded = load_model(source)
     log("load", time.perf_counter() - t, {"kind": loaded.kind, "name": loaded.name})
+    if draft_target is not None:  # how many layers to cut depends on the loaded model
+        opts = draft_options(opts, loaded, draft_target)
+        pipeline = build_pipeline(pipeline_entries(tgt, opts), None, opts.disable, opts.pass_options)
     graph = trace_and_lower(loaded.module, opts.max_num_batched_tokens, log)
     calibration = calibrate(loaded, pipeline, opts, log)
     ctx = PassContext(target=tgt, options=budget_options(opts), calibration=calibration,
@@ -199,8 +253,12 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     check_kv_scales(graph)
     graph.meta = model_meta(loaded.config, graph, loaded.module)
     t = time.perf_counter()
-    plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens)
-    log("plan", time.perf_counter() - t, {"steps": len(plan.steps)})
+    configs, tuning = launch_configs(graph, tgt, opts, echo or echo_stderr)
+    plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens, configs)
+    if tuning is not None:
+        plan.meta["autotune"] = tuning
+    kernels, kernel_index = kernel_sources(plan)
+    log("plan", time.perf_counter() - t, {"steps": len(plan.steps), **({"kernels": len(kernels)} if kernels else {})})
     manifest = {
         "llmc_version": llmc.__version__, "torch_version": torch.__version__.split("+")[0],
         "target": tgt.to_dict(), "model": {"name": loaded.name, "source_kind": loaded.kind,
@@ -214,7 +272,10 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
             "max_num_batched_tokens": opts.max_num_batched_tokens,
         },
     }
+    if draft_target is not None:
+        manifest["draft_of"] = draft_target.record()
     timings = {"stages": stages, "passes": [{"name": r.name, "seconds": round(r.seconds, 4)} for r in records],
                "host": platform.machine()}
     return write_artifact(output, graph_json=graph.to_json(), plan_json=plan.to_json(), weights=graph.weights,
-                          tokenizer=loaded.tokenizer, manifest=manifest, timings=timings, force=opts.force)
+                          tokenizer=loaded.tokenizer, manifest=manifest, timings=timings, force=opts.force,
+                          kernels=kernels, kernel_index=kernel_index or None)

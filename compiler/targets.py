@@ -7,6 +7,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass, field
 
+from llmc.compiler.quant_recipes import insert_quant_passes, quant_pass_specs
 from llmc.errors import TargetError
 
 GiB = 2**30
@@ -53,6 +54,13 @@ class Target:
     def activation_ir_dtype(self) -> str:
         return PRECISION_DTYPES[self.activation_dtype]
 
+    def full_pipeline(self) -> list[str]:
+        """The pass specs a compile without pipeline flags runs: the default pipeline with the
+        default_quant recipe inserted where compiler/quant_recipes.py puts it."""
+        if self.default_quant is None:
+            return list(self.default_pipeline)
+        return insert_quant_passes(list(self.default_pipeline), quant_pass_specs(self.default_quant), explicit=False)
+
     def check_ready(self) -> None:
         """Raise TargetError when llmc cannot compile for this target yet."""
         if not self.compile_ready:
@@ -83,15 +91,13 @@ def host_memory_bytes() -> int:
 
 def gpu_target(name: str, description: str, arch: str, memory_gib: int, bandwidth: float,
                peak_tflops: dict[str, float], weight_dtype: str, compute_dtype: str,
-               passes: list[str], default_quant: str | None = None) -> Target:
-    """A GPU target; refused at compile time until its passes and Triton codegen exist."""
-    reason = (f"target {name} needs the {', '.join(passes)} passes and Triton codegen, "
-              f"not built yet; use --target cpu")
+               default_quant: str | None = None) -> Target:
+    """A GPU target: bf16 activations, compiled into a static plan of Triton kernels. Its
+    quantisation comes from `default_quant` (inserted before the cleanup passes)."""
     return Target(name, description, "cuda", arch, memory_gib * GiB, bandwidth, peak_tflops,
                   supports_fp8="fp8" in peak_tflops, weight_dtype=weight_dtype,
                   activation_dtype="bf16", compute_dtype=compute_dtype,
-                  default_pipeline=CLEANUP + passes + ["dce"],
-                  compile_ready=False, not_ready_reason=reason, default_quant=default_quant)
+                  default_pipeline=CLEANUP + ["cast_bf16"] + FUSIONS + ["dce"], default_quant=default_quant)
 
 
 # Datasheet figures: H100 SXM5 80GB, A100 SXM4 80GB, GeForce RTX 4090 (Ada whitepaper, FP32
@@ -102,29 +108,30 @@ A100 = {"int4": 1248.0, "int8": 624.0, "bf16": 312.0, "fp16": 312.0, "fp32": 19.
 RTX4090 = {"int4": 1321.2, "int8": 660.6, "fp8": 330.3, "bf16": 165.2, "fp16": 165.2, "fp32": 82.6}
 ORIN = {"int8": 85.0, "bf16": 42.5, "fp16": 42.5, "fp32": 5.3}
 
-FUSIONS = ["fuse_qkv", "fuse_gate_up", "fuse_attention", "fuse_rms_norm"]
+# Unfused attention is raised first so fuse_attention sees every attention; gate/up fuse into one
+# GEMM before swiglu, so swiglu reads the packed GEMM output.
+FUSIONS = ["raise_attention", "fuse_attention", "fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm"]
+# The cpu target's fusions: q/k/v and gate/up each become one GEMM, swiglu and add + rms_norm one
+# kernel each (decode tokens/s before/after: bench/fusion.sh).
+CPU_FUSIONS = ["fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm"]
 
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("cpu", "this host's CPU through torch (nominal bandwidth and peak)", "cpu",
            platform.machine(), host_memory_bytes(), 50e9, {"fp32": 1.0, "bf16": 1.0, "int8": 2.0},
            supports_fp8=False, weight_dtype="fp32", activation_dtype="fp32", compute_dtype="fp32",
-           default_pipeline=list(CLEANUP)),
+           default_pipeline=CLEANUP + ["raise_attention"] + CPU_FUSIONS + ["fuse_attention", "dce"]),
     gpu_target("h100-fp8", "NVIDIA H100 SXM 80GB, fp8 e4m3 weights and activations in GEMMs",
-               "sm_90", 80, 3.35e12, H100, "fp8", "fp8", ["quantize_fp8"] + FUSIONS,
-               default_quant="fp8"),
+               "sm_90", 80, 3.35e12, H100, "fp8", "fp8", default_quant="fp8"),
     gpu_target("h100-bf16", "NVIDIA H100 SXM 80GB, bf16 weights", "sm_90", 80, 3.35e12, H100,
-               "bf16", "bf16", ["cast_bf16"] + FUSIONS),
+               "bf16", "bf16"),
     gpu_target("a100-bf16", "NVIDIA A100 SXM 80GB, bf16 weights", "sm_80", 80, 2.039e12, A100,
-               "bf16", "bf16", ["cast_bf16"] + FUSIONS),
+               "bf16", "bf16"),
     gpu_target("a100-int8", "NVIDIA A100 SXM 80GB, SmoothQuant int8 weights and activations",
-               "sm_80", 80, 2.039e12, A100, "int8", "int8", ["smoothquant", "quantize_int8"] + FUSIONS,
-               default_quant="w8a8"),
+               "sm_80", 80, 2.039e12, A100, "int8", "int8", default_quant="w8a8"),
     gpu_target("rtx4090-int4", "NVIDIA GeForce RTX 4090 24GB, AWQ int4 weights (group 128)",
-               "sm_89", 24, 1.008e12, RTX4090, "int4", "bf16", ["quantize_awq"] + FUSIONS,
-               default_quant="int4-awq"),
+               "sm_89", 24, 1.008e12, RTX4090, "int4", "bf16", default_quant="int4-awq"),
     gpu_target("orin-int4", "NVIDIA Jetson AGX Orin 64GB, GPTQ int4 weights (group 128)",
-               "sm_87", 64, 204.8e9, ORIN, "int4", "bf16", ["quantize_gptq"] + FUSIONS,
-               default_quant="int4-gptq"),
+               "sm_87", 64, 204.8e9, ORIN, "int4", "bf16", default_quant="int4-gptq"),
 ]}
 
 

@@ -15,11 +15,22 @@ def compile(model: str, target: str = "cpu", output: str | Path | None = None, *
             dump_ir: str | None = None, max_num_batched_tokens: int = 2048, quiet: bool = True,
             quant: str | None = None, group_size: int | None = None, kv_cache: str | None = None,
             calib: str | Path | None = None, calib_samples: int = 8, calib_seq_len: int = 128,
-            calib_seed: int = 0, max_ppl_increase: float | None = None) -> Path:
+            calib_seed: int = 0, max_ppl_increase: float | None = None,
+            kv_heads: int | None = None, kv_grouping: str | None = None,
+            draft_of: str | Path | None = None, draft_layers: int | None = None,
+            prune: str | None = None, sparsity: str | float | None = None,
+            sparsity_method: str | None = None, autotune: bool = False) -> Path:
     """Compile `model` (sample name, HF checkpoint dir, or .gguf file) for `target`; `quant` is
     a --quant recipe ("int8", "int4-rtn", "int4-gptq", "int4-awq", "fp8", "w8a8"). Lossy passes
     are measured on `calib` text (default: text the model generates itself, seeded by
-    `calib_seed`); `max_ppl_increase` (percent) fails the compile if one costs more."""
+    `calib_seed`); `max_ppl_increase` (percent) fails the compile if one costs more.
+    `kv_heads` mean-pools the KV heads down to that many (`kv_grouping` "auto", "index" or
+    "similarity"). `draft_of` (a target artifact) makes a speculative-decoding draft of it
+    from `model`: `draft_layers` layers kept (default half), int4 weights unless `quant` says.
+    `prune` ("heads:0.25,ffn:0.3,layers:4") removes attention heads, MLP channels and whole
+    layers; `sparsity` (0.5, or "2:4") zeroes weights by `sparsity_method` ("wanda" or
+    "magnitude"); both run first in the pipeline. `autotune` times a GPU target's Triton launch
+    configs on a CUDA GPU (without one the plan records the defaults)."""
     from llmc.compiler.pipeline import CompileOptions, compile_model
 
     output = output or f"{Path(str(model)).name.removesuffix('.gguf')}.llmc"
@@ -29,27 +40,31 @@ def compile(model: str, target: str = "cpu", output: str | Path | None = None, *
                           quant=quant, group_size=group_size, kv_cache=kv_cache,
                           calib=None if calib is None else str(calib), calib_samples=calib_samples,
                           calib_seq_len=calib_seq_len, calib_seed=calib_seed,
-                          max_ppl_increase=max_ppl_increase)
+                          max_ppl_increase=max_ppl_increase, kv_heads=kv_heads, kv_grouping=kv_grouping,
+                          draft_of=None if draft_of is None else str(draft_of), draft_layers=draft_layers,
+                          prune=prune, sparsity=sparsity, sparsity_method=sparsity_method, autotune=autotune)
     return compile_model(model, target, output, opts)
 
 
 def evaluate(path: str | Path, text: str, ref: str | Path | None = None, max_tokens: int = 4096,
-             progress: bool = False) -> dict:
+             progress: bool = False, device: str | None = None) -> dict:
     """Perplexity of the artifact at `path` on `text` (context 512, stride 256, first
     `max_tokens` tokens); with `ref`, also KL(ref || ours) and top-1 agreement against it."""
     from llmc.runtime.evaluate import evaluate_text
 
-    return evaluate_text(path, text, ref=ref, max_tokens=max_tokens, progress=progress)
+    return evaluate_text(path, text, ref=ref, max_tokens=max_tokens, progress=progress, device=device)
 
 
-def load(path: str | Path, **engine_options) -> "LLM":
-    """Load an artifact (every file's hash is checked) into an LLM ready to generate."""
-    return LLM(path, **engine_options)
+def load(path: str | Path, device: str | None = None, **engine_options) -> "LLM":
+    """Load an artifact (every file's hash is checked) into an LLM ready to generate. `device`:
+    None runs it where its target does (a GPU target on CUDA); "cpu" runs a GPU artifact's Triton
+    kernels through Triton's interpreter (slow: for tests and debugging)."""
+    return LLM(path, device=device, **engine_options)
 
 
 class LLM:
-    """An artifact on the llmc engine. `engine_options` are EngineConfig fields
-    (kv_memory, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching)."""
+    """An artifact on the llmc engine. `engine_options` are EngineConfig fields (kv_memory,
+    block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, device)."""
 
     def __init__(self, path: str | Path, **engine_options):
         from llmc.runtime.engine import Engine, EngineConfig

@@ -8,6 +8,8 @@ import sys
 
 import click
 
+from llmc.compiler.kv_heads_recipe import KV_GROUPING_CHOICES
+from llmc.compiler.prune_recipes import SPARSITY_METHODS
 from llmc.compiler.quant_recipes import KV_CACHE_CHOICES, QUANT_CHOICES
 from llmc.errors import LlmcError
 
@@ -39,16 +41,34 @@ def cli():
               help="Quantise the linears' weights (default: the target's own, if any).")
 @click.option("--group-size", type=int, default=None, help="int4 group size along K (default 128).")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_CHOICES), help="Quantise the KV cache.")
+@click.option("--kv-heads", type=int, default=None,
+              help="Mean-pool the KV heads down to N (dividing the model's KV heads; 1 = MQA).")
+@click.option("--kv-grouping", type=click.Choice(KV_GROUPING_CHOICES), default=None,
+              help="Which KV heads --kv-heads pools: by index, by similarity on calibration text, "
+                   "or auto (both scored, the better kept; default).")
+@click.option("--draft-of", type=click.Path(), default=None,
+              help="Make a speculative-decoding draft of this target artifact (same tokenizer): "
+                   "layers pruned, int4 weights.")
+@click.option("--draft-layers", type=int, default=None, help="Layers the draft keeps (default: half).")
+@click.option("--prune", default=None,
+              help="Structured pruning, e.g. heads:0.25,ffn:0.3,layers:4 (fractions of heads and MLP "
+                   "channels per layer, a number of layers); runs first.")
+@click.option("--sparsity", default=None, help="Zero weights of the linears: a fraction (0.5) or 2:4; stored densely.")
+@click.option("--sparsity-method", type=click.Choice(SPARSITY_METHODS), default=None,
+              help="How --sparsity scores weights (default wanda: |W|·‖X‖ on calibration text).")
 @click.option("--calib", type=click.Path(dir_okay=False),
               help="Calibration text for lossy passes (default: text the model generates itself).")
 @click.option("--calib-samples", default=8, show_default=True, help="Calibration sequences.")
 @click.option("--calib-seq-len", default=128, show_default=True, help="Tokens per calibration sequence.")
 @click.option("--max-ppl-increase", type=float, default=None,
               help="Accuracy budget: fail if a lossy pass raises calibration perplexity by more than PCT%.")
+@click.option("--autotune", is_flag=True,
+              help="GPU targets: time each Triton kernel family's candidate configs (needs a CUDA GPU).")
 @click.option("--quiet", "-q", is_flag=True)
 def compile(model, target, output, force, passes, disable_pass, pass_option, print_ir_after, dump_ir,
             max_num_batched_tokens, quant, group_size, kv_cache, calib, calib_samples, calib_seq_len,
-            max_ppl_increase, quiet):
+            max_ppl_increase, quiet, kv_heads, kv_grouping, draft_of, draft_layers, prune, sparsity,
+            sparsity_method, autotune):
     """Compile MODEL (a sample name, an HF checkpoint dir, or a .gguf file) into an artifact."""
     from llmc.api import compile as compile_api
     from llmc.passes.registry import parse_pass_options
@@ -59,7 +79,9 @@ def compile(model, target, output, force, passes, disable_pass, pass_option, pri
                        max_num_batched_tokens=max_num_batched_tokens, quiet=quiet,
                        quant=quant, group_size=group_size, kv_cache=kv_cache, calib=calib,
                        calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-                       max_ppl_increase=max_ppl_increase)
+                       max_ppl_increase=max_ppl_increase, kv_heads=kv_heads, kv_grouping=kv_grouping,
+                       draft_of=draft_of, draft_layers=draft_layers, prune=prune, sparsity=sparsity,
+                       sparsity_method=sparsity_method, autotune=autotune)
     if not quiet:
         from llmc.compiler.inspect import summarize
         click.echo(summarize(path, brief=True))
@@ -69,11 +91,19 @@ def compile(model, target, output, force, passes, disable_pass, pass_option, pri
 @click.argument("artifact", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary.")
 @click.option("--ir", is_flag=True, help="Also print the graph IR.")
-def inspect(artifact, as_json, ir):
+@click.option("--kernels", is_flag=True, help="List the Triton kernels of a GPU-target artifact.")
+@click.option("--source", metavar="NAME", help="With --kernels: print this kernel's source (file or kernel name).")
+def inspect(artifact, as_json, ir, kernels, source):
     """Show an artifact's graph summary, pass log, and memory figures."""
-    from llmc.compiler.inspect import report, summarize
+    from llmc.compiler.inspect import kernel_source, kernels_summary, report, summarize
 
-    if as_json:
+    if source is not None and not kernels:
+        raise LlmcError("--source NAME prints a kernel's source and goes with --kernels; "
+                        "run `llmc inspect ART --kernels --source NAME`")
+    if kernels:
+        click.echo(kernel_source(artifact, source) if source is not None else kernels_summary(artifact, as_json),
+                   nl=source is None)
+    elif as_json:
         click.echo(json.dumps(report(artifact), indent=2, sort_keys=True))
     else:
         click.echo(summarize(artifact, show_ir=ir))
@@ -90,7 +120,7 @@ def targets(as_json):
         return
     for t in TARGETS.values():
         click.echo(t.describe())
-        click.echo(f"    pipeline: {', '.join(t.default_pipeline)}")
+        click.echo(f"    pipeline: {', '.join(t.full_pipeline())}")
 
 
 def sampling_options(f):
@@ -107,6 +137,12 @@ def sampling_options(f):
     return f
 
 
+def device_option(f):
+    return click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+                        help="Where to run (default: where the artifact's target runs); cpu runs a GPU "
+                             "artifact's Triton kernels through Triton's interpreter (slow).")(f)
+
+
 def _params(max_tokens, temperature, top_p, top_k, seed, stop):
     from llmc.runtime.sampling_params import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -120,8 +156,9 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--no-stream", is_flag=True, help="Print whole outputs at the end.")
 @sampling_options
+@device_option
 def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
-        kv_memory):
+        kv_memory, device):
     """Generate from one prompt (streamed) or many (batched together)."""
     import llmc
 
@@ -130,7 +167,7 @@ def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
-    model = llmc.load(artifact, kv_memory=kv_memory)
+    model = llmc.load(artifact, kv_memory=kv_memory, device=device)
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -147,11 +184,12 @@ def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature
 @click.argument("artifact", type=click.Path())
 @click.option("--system", default=None, help="System prompt.")
 @sampling_options
-def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv_memory):
+@device_option
+def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv_memory, device):
     """Interactive chat with the model's chat template, streaming replies. Ctrl-D ends."""
     import llmc
 
-    model = llmc.load(artifact, kv_memory=kv_memory)
+    model = llmc.load(artifact, kv_memory=kv_memory, device=device)
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     messages = [{"role": "system", "content": system}] if system else []
     while True:
@@ -183,13 +221,16 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @click.option("--max-num-seqs", default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--no-prefix-caching", is_flag=True)
-@click.option("--baseline", type=click.Choice(["none", "hf"]), default="none", show_default=True)
+@click.option("--baseline", default="none", show_default=True,
+              help="none, hf (HF transformers on the artifact's own fp32 weights), or another artifact's "
+                   "path (e.g. the fp32 build of a quantised one) run on the same workload.")
 @click.option("--baseline-batch-size", type=int, default=None, help="HF batch size (default: all requests).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write latency CDFs and throughput to this PNG.")
+@device_option
 def bench(artifact, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps, seed,
           kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline, baseline_batch_size,
-          as_json, plot):
+          as_json, plot, device):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers."""
     from llmc.runtime.bench import Workload, hf_model_from_artifact, run_engine, run_hf_baseline
     from llmc.runtime.engine import Engine, EngineConfig
@@ -202,7 +243,7 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
                         qps_value, seed)
     engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
-                                           enable_prefix_caching=not no_prefix_caching))
+                                           enable_prefix_caching=not no_prefix_caching, device=device))
     requests = workload.build(engine.model["vocab_size"])
     ours = run_engine(engine, requests, progress=not as_json)
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}}
@@ -211,11 +252,19 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
         model = hf_model_from_artifact(engine)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
         base = run_hf_baseline(model, requests, pad, baseline_batch_size, progress=not as_json)
-        result["baseline"] = base.to_dict()
+    elif baseline != "none":
+        del engine   # one model in memory at a time
+        other = Engine(baseline, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
+                                              max_num_batched_tokens=max_num_batched_tokens,
+                                              enable_prefix_caching=not no_prefix_caching, device=device))
+        base = run_engine(other, requests, progress=not as_json)
+    if base is not None:
+        result["baseline"] = {**base.to_dict(), "name": baseline}
         result["ratio"] = ours.output_tokens_per_s / base.output_tokens_per_s
     if plot:
         from llmc.runtime.bench_plot import plot_bench
-        plot_bench(ours, plot, base, title=f"llmc bench: {artifact}")
+        plot_bench(ours, plot, base, title=f"llmc bench: {artifact}",
+                   baseline_name="HF" if baseline == "hf" else baseline)
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
         return
@@ -234,8 +283,10 @@ def _bench_table(r: dict) -> str:
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}"]
     if "baseline" in r:
         b = r["baseline"]
-        lines += [f"HF baseline       {b['output_tokens_per_s']:.1f} output tokens/s, {b['requests_per_s']:.2f} req/s",
-                  f"ratio (ours / HF) {r['ratio']:.2f}x output tokens/s"]
+        name = "HF" if b["name"] == "hf" else b["name"]
+        lines += [f"baseline          {name}: {b['output_tokens_per_s']:.1f} output tokens/s, "
+                  f"{b['requests_per_s']:.2f} req/s, TPOT ms {pct(b['tpot_ms'])}",
+                  f"ratio             {r['ratio']:.2f}x output tokens/s (ours / baseline)"]
     return "\n".join(lines)
 
 
@@ -247,12 +298,13 @@ def _bench_table(r: dict) -> str:
               help="Reference artifact: also report KL(ref || ours) and top-1 agreement.")
 @click.option("--max-tokens", default=4096, show_default=True, help="Score the text's first N tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
-def eval_command(artifact, text_file, ref, max_tokens, as_json):
+@device_option
+def eval_command(artifact, text_file, ref, max_tokens, as_json, device):
     """Perplexity of ARTIFACT on a text: windows of 512 tokens, stride 256, each token scored once."""
     from llmc.runtime.evaluate import DEFAULT_TEXT, evaluate_text, format_summary, read_eval_text
 
     text = read_eval_text(text_file)
-    result = evaluate_text(artifact, text, ref=ref, max_tokens=max_tokens, progress=True)
+    result = evaluate_text(artifact, text, ref=ref, max_tokens=max_tokens, progress=True, device=device)
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
     else:

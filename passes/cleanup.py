@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from llmc.compiler.ir import Graph, Node, TensorType
-from llmc.compiler.ops import DTYPE_NAMES, run_reference
+from llmc.compiler.ops import ATTENTION_OPS, DTYPE_NAMES, run_reference
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, register_pass
 
@@ -200,7 +200,7 @@ class FoldConstants(Pass):
                           bytes_saved=removed - added)
 
     def _foldable(self, graph: Graph, node: Node) -> bool:
-        if node.op == "attention" or not node.inputs or has_side_effects(node):
+        if node.op in ATTENTION_OPS or not node.inputs or has_side_effects(node):
             return False
         if aten_op_name(node) in _NONDETERMINISTIC:
             return False

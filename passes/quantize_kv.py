@@ -10,7 +10,7 @@ import torch
 
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
-from llmc.compiler.ops import run_reference
+from llmc.compiler.ops import ATTENTION_OPS, attention_prologue, attention_ref
 from llmc.errors import PassError
 from llmc.passes.accuracy import check_budget, mean_kl, perplexity, significant, top1_agreement
 from llmc.passes.base import Pass, PassContext, PassResult, register_pass
@@ -35,10 +35,10 @@ def fake_quantize_kv(x: torch.Tensor, scale: torch.Tensor, storage: str, qmax: f
 
 
 def attention_layers(graph: Graph) -> dict[int, Node]:
-    """Attention nodes by their `layer` attr (the runtime's cache index)."""
+    """Attention nodes (plain or fused) by their `layer` attr (the runtime's cache index)."""
     layers: dict[int, Node] = {}
     for node in graph.nodes:
-        if node.op != "attention":
+        if node.op not in ATTENTION_OPS:
             continue
         layer = node.attrs.get("layer")
         if layer is None or layer in layers:
@@ -75,7 +75,8 @@ def observe_absmax(graph: Graph, seqs: list[torch.Tensor], layers: dict[int, Nod
 
     def hook(node, args, outs):
         if node.name in by_name:
-            for row, x in enumerate(args[1:3]):
+            # what the cache holds: keys after rope, also where a fused op rotates them itself
+            for row, x in enumerate(attention_prologue(args, node.attrs)[1:3]):
                 amax = split_heads(x, node).abs().amax(dim=(0, 2)).float()
                 torch.maximum(absmax[by_name[node.name]][row], amax, out=absmax[by_name[node.name]][row])
     logits = [run_logits(graph, s, hook) for s in seqs]
@@ -90,9 +91,10 @@ def quantized_logits(graph: Graph, seqs: list[torch.Tensor], layers: dict[int, N
     def hook(node, args, outs):
         if node.name in by_name:
             s = scales[by_name[node.name]]
+            q, *kv = attention_prologue(args, node.attrs)
             k, v = (fake_quantize_kv(split_heads(x, node), s[row], storage, qmax).reshape(x.shape)
-                    for row, x in enumerate(args[1:3]))
-            outs[0].copy_(run_reference(node, [args[0], k, v])[0])  # the interpreter's env holds outs[0]
+                    for row, x in enumerate(kv))
+            outs[0].copy_(attention_ref(q, k, v, **node.attrs)[0])  # the interpreter's env holds outs[0]
     return [run_logits(graph, s, hook) for s in seqs]
 
 

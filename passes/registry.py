@@ -63,15 +63,21 @@ def get_pass(name: str, **options) -> Pass:
 
 
 def parse_pass_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """`"name:key=val:key2=val2"` -> ("name", {"key": "val", "key2": "val2"})."""
+    """`"name:key=val:key2=val2"` -> ("name", {"key": "val", "key2": "val2"}); a part without
+    `=` after a key=value part continues its value (`prune_sparse:pattern=2:4`)."""
     name, *pairs = (part.strip() for part in spec.split(":"))
-    options = {}
+    options: dict[str, str] = {}
+    last = None
     for pair in pairs:
         key, sep, value = pair.partition("=")
+        if not sep and last is not None and pair:
+            options[last] += f":{pair}"
+            continue
         if not sep or not key.strip():
             raise PassError(f"pass entry {spec!r}: option {pair!r} is not key=value; "
                             f"write it as name:key=value:key2=value2")
-        options[key.strip()] = value.strip()
+        last = key.strip()
+        options[last] = value.strip()
     return name, options
 
 

@@ -13,20 +13,31 @@ from llmc.errors import RuntimeLlmcError
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, num_heads: int,
-           num_kv_heads: int, head_dim: int, scale: float, causal: bool) -> torch.Tensor:
+           num_kv_heads: int, head_dim: int, scale: float, causal: bool,
+           window: int | None = None) -> torch.Tensor:
     """q: [t, num_heads*head_dim] at positions start..start+t-1; k/v: [ctx, num_kv_heads,
-    head_dim] or [ctx, num_kv_heads*head_dim] for positions 0..ctx-1. Out: [t, num_heads*head_dim]."""
+    head_dim] or [ctx, num_kv_heads*head_dim] for positions 0..ctx-1. Out: [t, num_heads*head_dim].
+    With a sliding `window`, the query at position p sees only the keys in (p - window, p]."""
     t, ctx = q.shape[0], k.shape[0]
     qh = q.reshape(t, num_heads, head_dim).transpose(0, 1)
     kh = k.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)
     vh = v.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)
-    mask = None
-    if causal and not (t == 1 and ctx == start + 1):
-        # query i sits at position start + i and sees keys 0..start + i
-        mask = torch.ones(t, ctx, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    mask = visible_keys(t, ctx, start, causal, window, q.device)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
                                          enable_gqa=num_heads != num_kv_heads)
     return out.transpose(0, 1).reshape(t, num_heads * head_dim)
+
+
+def visible_keys(t: int, ctx: int, start: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
+    """[t, ctx] True where query i (at position start + i) may see key j; None when it sees all."""
+    if not causal:
+        return None
+    sees_all = t == 1 and ctx == start + 1 and (window is None or window >= ctx)
+    if sees_all:
+        return None
+    # query i sees keys 0..start + i, and with a window only those after start + i - window
+    mask = torch.ones(t, ctx, dtype=torch.bool, device=device).tril(diagonal=start)
+    return mask if window is None else mask.triu(diagonal=start - window + 1)
 
 
 class AttentionBackend(ABC):
@@ -35,17 +46,17 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                causal: bool) -> torch.Tensor:
+                causal: bool, window: int | None = None) -> torch.Tensor:
         """q: [tokens, num_heads*head_dim], k/v: [tokens, num_kv_heads*head_dim] for this
-        forward's tokens; returns [tokens, num_heads*head_dim]."""
+        forward's tokens; returns [tokens, num_heads*head_dim]. `window`: see `attend`."""
 
 
 class NoCacheAttention(AttentionBackend):
     """One sequence whose every token is in this forward; nothing is kept."""
 
-    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal):
+    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None):
         return attend(q, k, v, start=0, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, scale=scale, causal=causal)
+                      head_dim=head_dim, scale=scale, causal=causal, window=window)
 
 
 class ContiguousKVCache(AttentionBackend):
@@ -61,7 +72,7 @@ class ContiguousKVCache(AttentionBackend):
         self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal):
+    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None):
         start, n = self.length, q.shape[0]
         self._check_room(n)
         if layer >= len(self.k_cache):
@@ -72,7 +83,8 @@ class ContiguousKVCache(AttentionBackend):
         k_cache[start:end] = k.reshape(n, num_kv_heads, head_dim)
         v_cache[start:end] = v.reshape(n, num_kv_heads, head_dim)
         return attend(q, k_cache[:end], v_cache[:end], start=start, num_heads=num_heads,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal)
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
+                      window=window)
 
     def advance(self, n: int) -> None:
         """Count the `n` tokens of the last forward as cached."""
@@ -89,4 +101,4 @@ class ContiguousKVCache(AttentionBackend):
                                    f"max_tokens, or make the cache longer")
 
 
-__all__ = ["AttentionBackend", "NoCacheAttention", "ContiguousKVCache", "attend"]
+__all__ = ["AttentionBackend", "NoCacheAttention", "ContiguousKVCache", "attend", "visible_keys"]

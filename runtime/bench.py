@@ -122,6 +122,27 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
                        m.preemptions, m.peak_kv_usage, timeline, ttft, itl, tpot)
 
 
+# fused projection (passes/fuse_projections.py names it <prefix>.<kind>_proj) -> its parts, in order
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def unfused_weights(weights: dict[str, torch.Tensor], hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with each fused q/k/v or gate/up projection split back into the HF model's
+    separate ones (row counts from the HF model's own shapes)."""
+    out = {}
+    for name, tensor in weights.items():
+        module, _, leaf = name.rpartition(".")          # model.layers.0.self_attn.qkv_proj, weight
+        stem, _, kind = module.rpartition(".")
+        parts = [f"{stem}.{p}.{leaf}" for p in FUSED_PARTS.get(kind, ())]
+        if parts and all(p in hf_state for p in parts):
+            sizes = [hf_state[p].shape[0] for p in parts]
+            if sum(sizes) == tensor.shape[0]:
+                out.update(zip(parts, tensor.split(sizes)))
+                continue
+        out[name] = tensor
+    return out
+
+
 def hf_model_from_artifact(engine) -> torch.nn.Module:
     """Rebuild the HF model from the artifact's own config and weights (same numbers, no
     download), so the baseline runs exactly what we compiled."""
@@ -133,12 +154,15 @@ def hf_model_from_artifact(engine) -> torch.nn.Module:
     config._attn_implementation = "sdpa"
     model = getattr(transformers, arch)(config).eval()
     state = engine.executor.plan.params
-    weights = {name: engine.executor.weight(name) for name in state}
+    weights = unfused_weights({name: engine.executor.weight(name) for name in state}, model.state_dict())
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = "model.embed_tokens.weight" if config.tie_word_embeddings else None
     missing = [m for m in missing if "rotary_emb" not in m and m != tied]
     if missing:
-        raise RuntimeLlmcError(f"artifact weights do not cover HF {arch}: missing {missing[:4]}")
+        hint = ("; the artifact's linears are quantised, so HF cannot run its weights: pass the fp32 "
+                "build of the same model as --baseline PATH instead" if any(".qweight" in u for u in unexpected)
+                else "")
+        raise RuntimeLlmcError(f"artifact weights do not cover HF {arch}: missing {missing[:4]}{hint}")
     if config.tie_word_embeddings:
         model.tie_weights()
     return model

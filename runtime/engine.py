@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
-from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import load_tokenizer, read_artifact
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.block_manager import BlockManager, num_blocks_for_budget, parse_bytes
+from llmc.runtime.device import resolve_device
 from llmc.runtime.executor import PlanExecutor
+from llmc.runtime.kernel_check import verified_plan
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.metrics import EngineMetrics
 from llmc.runtime.model_runner import ModelRunner
@@ -41,6 +42,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int | None = None                 # for requests without their own seed
+    device: str | None = None               # "cpu" | "cuda"; None: the artifact target's device
+    check_kernels: bool = False             # debug: fail a step that launches a kernel it does not record
 
 
 @dataclass
@@ -73,11 +76,13 @@ class Engine:
     def __init__(self, artifact: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         art = read_artifact(artifact)
+        # first: running a GPU artifact on the CPU must choose Triton's interpreter before triton loads
+        self.device = resolve_device(art.manifest, config.device, artifact)
         self.manifest = art.manifest
         self.model = art.manifest["model"]
         self.tokenizer = load_tokenizer(art)
-        plan = Plan.from_json(art.plan_json)
-        self.executor = PlanExecutor(plan, art.weights)
+        plan = verified_plan(art)
+        self.executor = PlanExecutor(plan, art.weights, self.device, check_kernels=config.check_kernels)
         self.max_model_len = self.model["max_position_embeddings"]
         num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
                                            config.block_size)
@@ -101,7 +106,7 @@ class Engine:
         scales = (load_kv_scales(weights, kv_cache, m["num_layers"], m["num_kv_heads"])
                   if is_quantized_kv(dtype) else None)
         return PagedKVCache(m["num_layers"], num_blocks, self.config.block_size, m["num_kv_heads"],
-                            m["head_dim"], dtype, kv_scales=scales)
+                            m["head_dim"], dtype, device=self.device, kv_scales=scales)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
@@ -132,7 +137,7 @@ class Engine:
         return request_id
 
     def _sample(self, seq: Sequence, req: _Request, index: int) -> _Sample:
-        state = SamplingState(req.params, req.prompt_token_ids, [], sample_index=index)
+        state = SamplingState(req.params, req.prompt_token_ids, [], sample_index=index, device=self.device)
         stop = StopChecker(self.tokenizer, req.params, req.prompt_token_ids, self.eos_token_ids,
                            max_model_len=self.max_model_len)
         return _Sample(seq, state, stop, index)

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import load_tokenizer, read_artifact
 from llmc.compiler.scoring import row_agreement, row_kl, token_nll
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime.attention import NoCacheAttention
+from llmc.runtime.device import resolve_device
 from llmc.runtime.executor import PlanExecutor
+from llmc.runtime.kernel_check import verified_plan
 
 CONTEXT = 512
 STRIDE = 256
@@ -54,15 +54,17 @@ def eval_windows(num_tokens: int, context: int = CONTEXT, stride: int = STRIDE) 
 
 
 class ArtifactScorer:
-    """An artifact's plan run on whole windows with no KV cache: logits of chosen rows."""
+    """An artifact's plan run on whole windows with no KV cache: logits of chosen rows. `device`
+    as llmc.load's."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: str | None = None):
         self.path = Path(path)
         art = read_artifact(self.path)
+        device = resolve_device(art.manifest, device, self.path)
         self.model = art.manifest["model"]
         self.tokenizer = load_tokenizer(art)
-        self.plan = Plan.from_json(art.plan_json)
-        self.executor = PlanExecutor(self.plan, art.weights)
+        self.plan = verified_plan(art)
+        self.executor = PlanExecutor(self.plan, art.weights, device)
 
     def check_context(self, context: int) -> None:
         max_positions = self.model.get("max_position_embeddings", context)
@@ -73,12 +75,13 @@ class ArtifactScorer:
                 f"recompile with --max-num-batched-tokens {context} or more")
 
     def logits(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """ids [t] at positions 0..t-1 -> float32 logits [len(rows), vocab]."""
+        """ids [t] at positions 0..t-1 -> float32 logits [len(rows), vocab] on the CPU."""
         positions = torch.arange(len(ids), dtype=torch.long)
+        # no backend: the executor's one-shot attention for its kernel family
         if "logits_indices" not in self.plan.inputs:  # plans whose LM head could not be split
-            return self.executor.run(ids, positions, NoCacheAttention())[rows].float()
+            return self.executor.run(ids, positions)[rows.to(self.executor.device)].float().cpu()
         inputs = {"input_ids": ids, "positions": positions, "logits_indices": rows}
-        return self.executor.run_values(inputs, NoCacheAttention())["logits"].float()
+        return self.executor.run_values(inputs)["logits"].float().cpu()
 
 
 @dataclass
@@ -92,11 +95,11 @@ class Totals:
 
 
 def evaluate_text(path: str | Path, text: str, ref: str | Path | None = None, max_tokens: int = 4096,
-                  progress: bool = False) -> dict:
+                  progress: bool = False, device: str | None = None) -> dict:
     """{"perplexity", "tokens" (scored), "windows", "context", "stride"}; with `ref` also
-    "ref_perplexity", "kl" (mean KL(ref || ours)) and "top1_agreement"."""
-    model = ArtifactScorer(path)
-    reference = ArtifactScorer(ref) if ref is not None else None
+    "ref_perplexity", "kl" (mean KL(ref || ours)) and "top1_agreement". `device` applies to both."""
+    model = ArtifactScorer(path, device)
+    reference = ArtifactScorer(ref, device) if ref is not None else None
     ids = text_tokens(model.tokenizer, text, max_tokens)
     windows = eval_windows(len(ids))
     context = max(w.end - w.begin for w in windows)

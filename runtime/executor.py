@@ -1,5 +1,6 @@
-"""Runs a static plan on CPU kernels: a walk over precomputed launches, with activations
-held in the memory plan's slots and dropped as soon as their value dies."""
+"""Runs a static plan: a walk over precomputed launches of its kernel family (torch "cpu" kernels,
+or "triton" kernels on a GPU or Triton's interpreter), with activations held in the memory plan's
+slots and dropped as soon as their value dies."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from llmc.codegen.cpu_kernels import RopeCache, resolve_kernel
+from llmc.codegen import cpu_kernels
+from llmc.codegen.cpu_kernels import RopeCache
 from llmc.codegen.plan import Plan
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime.attention import AttentionBackend, NoCacheAttention
+from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
+from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
+
+KERNEL_FAMILIES = ("cpu", "triton")
 
 
 class Launch(NamedTuple):
@@ -21,14 +27,23 @@ class Launch(NamedTuple):
     attrs: dict[str, Any]
     context: tuple[str, ...]
     frees: list[int]        # registers whose value dies at this step
+    recorded: frozenset[str]  # sha256 of the Triton kernels the step records it launches
+    where: str
 
 
 class PlanExecutor:
-    """Registers are params, then graph inputs, then one per memory-plan slot."""
+    """Registers are params, then graph inputs, then one per memory-plan slot. `check_kernels`
+    (a debug check, for tests) fails a step that launches a Triton kernel it does not record."""
 
-    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
+    def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                 check_kernels: bool = False):
         self.plan = plan
         self.device = torch.device(device)
+        self.family = kernel_family(plan)
+        self.check_kernels = check_kernels
+        self._kv_scales = self._plan_kv_scales(weights) if self.family == "triton" else None
+        # the configs the plan's Triton kernels were rendered with; kernels launch with exactly these
+        self.launch_configs = plan_launch_configs(plan) if self.family == "triton" else {}
         missing = [p for p in plan.params if p not in weights]
         if missing:
             raise ArtifactError(f"plan for {plan.target} reads weights that were not given: "
@@ -59,6 +74,35 @@ class PlanExecutor:
             raise ArtifactError(f"plan {where} reads {name!r}, which is no param, input or "
                                 f"planned value; the plan is corrupt, recompile it") from None
 
+    def _plan_kv_scales(self, weights: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """The static int8/fp8 KV scales a quantised KV cache of this plan uses, per layer (for the
+        one-shot backend, which quantises its temporary cache as serving does)."""
+        kv = self.plan.meta.get("kv_cache") or {}
+        if not is_quantized_kv(TORCH_DTYPES.get(kv.get("dtype"))):
+            return None
+        meta = self.plan.meta
+        return [s.to(self.device) for s in load_kv_scales(weights, kv, meta["num_layers"], meta["num_kv_heads"])]
+
+    def kv_dtype(self) -> torch.dtype | None:
+        """The dtype the plan's KV cache stores (None: the plan does not say)."""
+        kv = self.plan.meta.get("kv_cache") or {}
+        return TORCH_DTYPES.get(kv.get("dtype") or self.plan.meta.get("kv_dtype"))
+
+    def no_cache_backend(self) -> AttentionBackend:
+        """Attention for one sequence whose every token is in the forward, for this kernel family."""
+        if self.family == "cpu":
+            return NoCacheAttention()
+        from llmc.runtime.triton_attention_backend import TritonNoCacheAttention
+        return TritonNoCacheAttention(self.plan.target, self.kv_dtype(), self._kv_scales,
+                                      config=self.launch_configs["attention"])
+
+    def paged_backend(self, cache: PagedKVCache) -> AttentionBackend:
+        """Attention over a paged KV cache (metadata set per step), for this kernel family."""
+        if self.family == "cpu":
+            return PagedAttention(cache)
+        from llmc.runtime.triton_attention_backend import TritonPagedAttention
+        return TritonPagedAttention(cache, self.plan.target, self.launch_configs["attention"])
+
     def _launch(self, index: int, step) -> Launch:
         where = f"step {index} ({step.node}, {step.kernel})"
         fn = resolve_kernel(step.kernel)
@@ -67,9 +111,11 @@ class PlanExecutor:
                  if v in self.plan.memory.lifetimes and self.plan.memory.lifetimes[v][1] == index
                  and v not in outputs]
         args = [self._register(i, where) for i in step.inputs]
+        attrs = {k: v for k, v in step.attrs.items() if k != "kernels"}
+        recorded = frozenset(k["sha256"] for k in step.attrs.get("kernels", ()))
         return Launch(fn, args, [self._register(o, where) for o in step.outputs],
-                      self._prepared_attrs(fn, args, step.attrs),
-                      getattr(fn, "context", ()), sorted({self._registers[v] for v in dying}))
+                      self._prepared_attrs(fn, args, attrs),
+                      getattr(fn, "context", ()), sorted({self._registers[v] for v in dying}), recorded, where)
 
     @torch.inference_mode()
     def _prepared_attrs(self, fn, args: list[int], attrs: dict) -> dict:
@@ -88,9 +134,13 @@ class PlanExecutor:
         regs: list[Any] = self._params + [None] * (self._num_registers - len(self._params))
         for name in self.plan.inputs:
             regs[self._registers[name]] = self._check_input(name, inputs)
-        context = {"backend": backend or NoCacheAttention(), "rope_cache": RopeCache()}
-        for fn, args, outs, attrs, ctx, frees in self._program:
-            if ctx:
+        context = {"backend": backend or self.no_cache_backend(), "rope_cache": RopeCache(),
+                   "target": self.plan.target, "launch_configs": self.launch_configs}
+        for launch in self._program:
+            fn, args, outs, attrs, ctx, frees, _, _ = launch
+            if self.check_kernels:
+                results = self._run_checked(launch, regs, context)
+            elif ctx:
                 results = fn(*[regs[i] for i in args], **attrs, **{c: context[c] for c in ctx})
             else:
                 results = fn(*[regs[i] for i in args], **attrs)
@@ -99,6 +149,21 @@ class PlanExecutor:
             for i in frees:
                 regs[i] = None
         return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
+
+    def _run_checked(self, launch: Launch, regs: list, context: dict) -> list:
+        """Run one launch, failing if it launched a Triton kernel its step does not record."""
+        from llmc.codegen.triton_render import record_loads
+
+        with record_loads() as launched:
+            results = launch.fn(*[regs[i] for i in launch.args], **launch.attrs,
+                                **{c: context[c] for c in launch.context})
+        stray = [k for k in launched if k.sha256 not in launch.recorded]
+        if stray:
+            k = stray[0]
+            raise AssertionError(f"{launch.where} launched kernel {k.name} ({k.template}, sha256 "
+                                 f"{k.sha256[:12]}, constants {dict(k.constants)}), which the step does not "
+                                 f"record; it records {sorted(h[:12] for h in launch.recorded)}")
+        return results
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             backend: AttentionBackend | None = None) -> torch.Tensor:
@@ -125,4 +190,41 @@ class PlanExecutor:
         return t.to(self.device)
 
 
-__all__ = ["PlanExecutor", "Launch"]
+def kernel_family(plan: Plan) -> str:
+    """The one kernel family ("cpu" or "triton") every step of the plan names."""
+    families = {s.kernel.partition(".")[0] for s in plan.steps}
+    if len(families) > 1 or not families <= set(KERNEL_FAMILIES):
+        raise ArtifactError(f"plan for {plan.target} names kernels of families {sorted(families)}; this llmc "
+                            f"runs plans of one family among {', '.join(KERNEL_FAMILIES)}; recompile the model "
+                            f"with this llmc")
+    return families.pop() if families else "cpu"
+
+
+def plan_launch_configs(plan: Plan) -> dict:
+    """The launch configs a Triton plan's GEMM and attention kernels were rendered with, by family
+    ("gemm": TileConfig, "attention": AttentionConfig): those plan.meta["autotune"] records
+    (codegen/autotune.py), the target's defaults where it records none."""
+    from llmc.codegen.triton_configs import AttentionConfig, TileConfig, attention_config, tile_config
+
+    recorded = (plan.meta.get("autotune") or {}).get("configs") or {}
+    configs = {"gemm": tile_config(plan.target), "attention": attention_config(plan.target)}
+    for family, cls in (("gemm", TileConfig), ("attention", AttentionConfig)):
+        if family in recorded:
+            try:
+                configs[family] = cls(**recorded[family])
+            except (TypeError, AssertionError) as e:
+                raise ArtifactError(f"plan.json meta.autotune.configs.{family} {recorded[family]!r} is no valid "
+                                    f"{cls.__name__} ({e}); recompile the model with this llmc") from None
+    return configs
+
+
+def resolve_kernel(name: str):
+    """The function a plan step's kernel name stands for; Triton kernels are imported only when
+    a plan names them (importing triton must wait until the device has been chosen)."""
+    if name.startswith("triton."):
+        from llmc.codegen.triton_kernels import resolve_kernel as resolve_triton
+        return resolve_triton(name)
+    return cpu_kernels.resolve_kernel(name)
+
+
+__all__ = ["PlanExecutor", "Launch", "KERNEL_FAMILIES", "kernel_family", "plan_launch_configs", "resolve_kernel"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from llmc.runtime.executor import PlanExecutor
-from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata
+from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 from llmc.runtime.sequence import Sequence
 
 
@@ -15,7 +15,7 @@ class ModelRunner:
     def __init__(self, executor: PlanExecutor, cache: PagedKVCache):
         self.executor = executor
         self.cache = cache
-        self.attention = PagedAttention(cache)
+        self.attention = executor.paged_backend(cache)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], sampled: list[Sequence],
@@ -29,8 +29,9 @@ class ModelRunner:
             positions += range(start, start + n)
             last_row[seq.seq_id] = len(ids) - 1
             layout.append((seq.block_table, start, n))
-        self.attention.metadata = StepMetadata.build(layout, self.cache.block_size)
-        rows = torch.tensor([last_row[s.seq_id] for s in sampled], dtype=torch.long)
+        device = self.executor.device
+        self.attention.metadata = StepMetadata.build(layout, self.cache.block_size, device)
+        rows = torch.tensor([last_row[s.seq_id] for s in sampled], dtype=torch.long, device=device)
         inputs = {"input_ids": torch.tensor(ids), "positions": torch.tensor(positions), "logits_indices": rows}
         if "logits_indices" not in self.executor.plan.inputs:  # plans whose LM head could not be split
             return self.executor.run(inputs["input_ids"], inputs["positions"], self.attention)[rows]

@@ -73,17 +73,26 @@ class PrefillChunk:
 
 @dataclass
 class StepMetadata:
-    """How one packed batch maps onto the cache; built once per step, used by every layer."""
+    """How one packed batch maps onto the cache; built once per step, used by every layer.
+    The packed prefill fields and `decode_lens` are what the Triton attention kernels read."""
     slot_mapping: torch.Tensor              # [tokens] cache slot of each new token
     prefills: list[PrefillChunk]
     decode_rows: torch.Tensor | None        # [decodes] rows of single-token sequences
     decode_blocks: torch.Tensor | None      # [decodes, max_blocks] block tables, padded
     decode_mask: torch.Tensor | None        # [decodes, 1, 1, max_blocks * block_size] True = visible
+    # prefill chunks packed: their queries are rows prefill_rows (None: every row, in order)
+    prefill_rows: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None          # int32 [prefills + 1] query offsets in the packing
+    context_starts: torch.Tensor | None = None        # int32 [prefills] position of each chunk's first query
+    prefill_block_tables: torch.Tensor | None = None  # int32 [prefills, max_blocks], padded with block 0
+    decode_lens: torch.Tensor | None = None           # int32 [decodes] keys each decode row sees (its own too)
+    max_query_len: int = 0                  # longest prefill chunk
+    max_context_len: int = 0                # longest context any query sees
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int, int]], block_size: int) -> "StepMetadata":
-        """seqs: (block_table, start, num_new_tokens) in batch order."""
-        slots, prefills, dec_rows, dec_tables, dec_lens = [], [], [], [], []
+    def build(cls, seqs: list[tuple[list[int], int, int]], block_size: int, device="cpu") -> "StepMetadata":
+        """seqs: (block_table, start, num_new_tokens) in batch order; tensors go to `device`."""
+        slots, prefills, pre_tables, dec_rows, dec_tables, dec_lens = [], [], [], [], [], []
         row = 0
         for table, start, n in seqs:
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
@@ -93,16 +102,36 @@ class StepMetadata:
                 dec_lens.append(start + 1)
             else:
                 used = (start + n + block_size - 1) // block_size
-                prefills.append(PrefillChunk(row, n, start, torch.tensor(table[:used])))
+                pre_tables.append(table[:used])
+                prefills.append(PrefillChunk(row, n, start, torch.tensor(table[:used], device=device)))
             row += n
-        meta = cls(torch.tensor(slots), prefills, None, None, None)
+        meta = cls(torch.tensor(slots, device=device), prefills, None, None, None)
+        meta.max_context_len = max([c.start + c.q_len for c in prefills] + dec_lens, default=0)
+        if prefills:
+            meta._pack_prefills(pre_tables, bool(dec_rows), device)
         if dec_rows:
             width = max(len(t) for t in dec_tables)
-            meta.decode_rows = torch.tensor(dec_rows)
-            meta.decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
-            lens = torch.tensor(dec_lens)
-            meta.decode_mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_rows = torch.tensor(dec_rows, device=device)
+            meta.decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], device=device)
+            lens = torch.tensor(dec_lens, device=device)
+            meta.decode_lens = lens.to(torch.int32)
+            meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :]
+                                < lens[:, None])[:, None, None, :]
         return meta
+
+    def _pack_prefills(self, tables: list[list[int]], has_decodes: bool, device) -> None:
+        chunks = self.prefills
+        if has_decodes:
+            self.prefill_rows = torch.tensor([c.q_start + i for c in chunks for i in range(c.q_len)], device=device)
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + c.q_len)
+        width = max(len(t) for t in tables)
+        tables = [t + [0] * (width - len(t)) for t in tables]
+        self.cu_seqlens_q = torch.tensor(offsets, dtype=torch.int32, device=device)
+        self.context_starts = torch.tensor([c.start for c in chunks], dtype=torch.int32, device=device)
+        self.prefill_block_tables = torch.tensor(tables, dtype=torch.int32, device=device)
+        self.max_query_len = max(c.q_len for c in chunks)
 
 
 class PagedAttention(AttentionBackend):
@@ -112,7 +141,7 @@ class PagedAttention(AttentionBackend):
         self.cache = cache
         self.metadata: StepMetadata | None = None
 
-    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal):
+    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None):
         meta, cache = self.metadata, self.cache
         cache.write(layer, meta.slot_mapping, k.reshape(-1, num_kv_heads, head_dim),
                     v.reshape(-1, num_kv_heads, head_dim))
@@ -124,19 +153,23 @@ class PagedAttention(AttentionBackend):
             values = values.reshape(-1, num_kv_heads, head_dim)[:ctx]
             out[c.q_start:c.q_start + c.q_len] = attend(
                 q[c.q_start:c.q_start + c.q_len], keys, values, start=c.start, num_heads=num_heads,
-                num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal)
+                num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal, window=window)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta,
-                                                 num_heads, num_kv_heads, head_dim, scale)
+                                                 num_heads, num_kv_heads, head_dim, scale, window)
         return out
 
-    def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale):
+    def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window):
         b = q.shape[0]
+        mask = meta.decode_mask
+        if window is not None:
+            # a decode at position p sees keys p - window + 1 .. p
+            mask = mask & (torch.arange(mask.shape[-1]) >= meta.decode_lens[:, None] - window)[:, None, None, :]
         keys, values = self.cache.read(layer, meta.decode_blocks, q.dtype)
         # gathered: [decodes, max_blocks * block_size, kv_heads, head_dim] -> heads first
         keys = keys.reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = values.reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         qh = q.reshape(b, num_heads, 1, head_dim)
-        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.decode_mask, scale=scale,
+        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)
         return o.reshape(b, num_heads * head_dim)

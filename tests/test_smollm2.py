@@ -20,10 +20,17 @@ def smol(tmp_path_factory, smollm2_model):
     return llmc.load(path, kv_memory="256MiB"), path
 
 
-def test_lowered_smollm2_has_30_attention_211_linear_no_fallback(smol):
+def test_smollm2_lowers_without_fallback_and_every_layer_fuses(smol):
+    """211 linears lowered (7 per layer + LM head); q/k/v and gate/up fused into 121 GEMMs."""
     from llmc.compiler.inspect import report
-    counts = report(smol[1])["op_counts"]
-    assert counts["attention"] == 30 and counts["linear"] == 211 and "aten" not in counts
+    r = report(smol[1])
+    first = r["passes"][0]["op_counts_before"]
+    assert first["attention"] == 30 and first["linear"] == 211 and "aten" not in first
+    counts = r["op_counts"]
+    assert counts["flash_attention"] == 30 and counts["linear"] == 121 and counts["swiglu"] == 30
+    assert "aten" not in counts and "attention" not in counts
+    matches = {p["name"]: p["matches"] for p in r["passes"]}
+    assert matches["fuse_qkv"] == matches["fuse_gate_up"] == matches["fuse_attention"] == 30
 
 
 def test_next_token_logits_match_hf(smol, smollm2_model):

@@ -82,8 +82,6 @@ COMPILE_MISTAKES = {
                               ["'fuse_everything'", "disable", "valid passes", *PASSES]),
     "unknown-pass-option": (["tiny-llama", "--pass-option", "fold_constants.speed=9"],
                             ["fold_constants", "'speed'", "valid options: max_growth"]),
-    "gpu-target-not-ready": (["tiny-llama", "--target", "h100-fp8"],
-                             ["h100-fp8", "not built yet", "use --target cpu"]),
     "missing-output-option": (["tiny-llama"], ["--output", "llmc compile --help"]),
 }
 

@@ -21,12 +21,12 @@ from llmc.cli import main
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.frontends import load_model
-from llmc.compiler.targets import TARGETS
+from llmc.compiler.targets import TARGETS, get_target
 from llmc.runtime.executor import PlanExecutor
 
 LLMC = Path(sys.executable).parent / "llmc"
 ISSUE_TARGETS = ["cpu", "h100-fp8", "h100-bf16", "a100-bf16", "a100-int8", "rtx4090-int4", "orin-int4"]
-CPU_PIPELINE = ["remove_noops", "fold_constants", "dce"]
+CPU_PIPELINE = get_target("cpu").default_pipeline   # cleanup, then the fusions
 GREEDY_8 = ["--max-tokens", "8", "--temperature", "0"]
 
 
@@ -95,7 +95,7 @@ def test_targets_lists_every_target_with_its_facts_and_default_pipeline():
         facts = lines[index]
         assert t.arch in facts and f"{t.memory_bytes / 2**30:.0f} GiB" in facts
         assert f"{t.bandwidth_bytes_per_s / 1e9:.1f} GB/s" in facts and f"weights {t.weight_dtype}" in facts
-        assert lines[index + 1].strip() == f"pipeline: {', '.join(t.default_pipeline)}"
+        assert lines[index + 1].strip() == f"pipeline: {', '.join(t.full_pipeline())}"
 
 
 def test_targets_json_is_every_targets_full_record():
@@ -131,7 +131,8 @@ def test_inspect_shows_op_counts_pass_log_with_timings_and_memory(artifact):
     assert result.returncode == 0, result.stderr
     text = result.stdout
     [ops_line] = [line for line in text.splitlines() if line.strip().startswith("ops:")]
-    assert {"attention": 2, "rms_norm": 5, "embedding": 1}.items() <= graph_op_counts(artifact).items()
+    fused = {"flash_attention": 2, "add_rms_norm": 4, "rms_norm": 1, "swiglu": 2, "embedding": 1}
+    assert fused.items() <= graph_op_counts(artifact).items()
     for op, count in graph_op_counts(artifact).items():
         assert f"{op} {count}" in ops_line
     passes = text.split("  passes:\n")[1].splitlines()
@@ -243,19 +244,19 @@ def test_print_ir_after_and_dump_ir_show_the_graph_around_passes(tmp_path, capsy
     code, _, err = llmc_in_process(capsys, "compile", "tiny-llama", "-o", tmp_path / "x.llmc", "-q",
                                    "--print-ir-after", "dce", "--dump-ir", dump)
     assert code == 0, err
-    assert err.count("// IR after") == 1 and "// IR after dce\n" in err
+    assert err.count("// IR after") == CPU_PIPELINE.count("dce") and "// IR after dce\n" in err
     dumped = [f"{i:02d}_{name}.{when}.txt" for i, name in enumerate(CPU_PIPELINE, 1)
               for when in ("before", "after")]
     assert sorted(p.name for p in dump.iterdir()) == sorted(dumped)
     after_dce = (dump / "03_dce.after.txt").read_text()
-    assert "attention" in after_dce and after_dce.rstrip("\n") in err
+    assert "attention" in after_dce and after_dce in err
 
 
 @pytest.mark.parametrize("flags, pipeline", [
     (["--passes", "dce,remove_noops"], [("dce", {}), ("remove_noops", {})]),
-    (["--disable-pass", "fold_constants"], [("remove_noops", {}), ("dce", {})]),
+    (["--disable-pass", "fold_constants"], [(p, {}) for p in CPU_PIPELINE if p != "fold_constants"]),
     (["--pass-option", "fold_constants.max_growth=4"],
-     [("remove_noops", {}), ("fold_constants", {"max_growth": 4.0}), ("dce", {})]),
+     [(p, {"max_growth": 4.0} if p == "fold_constants" else {}) for p in CPU_PIPELINE]),
 ], ids=["passes", "disable-pass", "pass-option"])
 def test_pipeline_flags_are_recorded_in_the_manifest(flags, pipeline, tmp_path, capsys):
     out = tmp_path / "x.llmc"

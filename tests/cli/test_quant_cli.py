@@ -54,6 +54,8 @@ def test_cli_compiles_int4_rtn_at_group_32_and_inspect_shows_the_bytes(tmp_path,
     first = manifest["pipeline"][0]
     assert first["name"] == "quantize_int4" and first["options"]["group_size"] == 32
     assert manifest["report"]["weight_bytes"]["uint8"] > 0
+    code, stdout, _ = llmc_in_process(capsys, "inspect", out)
+    assert code == 0 and "calibration ppl" in stdout and "top-1 agreement" in stdout
     code, stdout, _ = llmc_in_process(capsys, "inspect", out, "--json")
     quant = json.loads(stdout)["quant"]["int4"]
     assert quant["linears"] == 14 and quant["passes"] == ["quantize_int4"]

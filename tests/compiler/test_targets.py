@@ -1,4 +1,4 @@
-"""Targets carry datasheet facts, a default pipeline, and refuse to compile until ready."""
+"""Targets carry datasheet facts and a default pipeline of registered passes."""
 
 import json
 
@@ -27,23 +27,26 @@ def test_get_target_passes_a_target_through():
     assert get_target(TARGETS["cpu"]) is TARGETS["cpu"]
 
 
-def test_cpu_target_is_ready_with_the_cleanup_pipeline():
+def test_cpu_target_is_ready_with_cleanup_then_fusions():
     cpu = get_target("cpu")
     cpu.check_ready()
     assert cpu.device == "cpu" and cpu.compile_ready
-    assert cpu.default_pipeline == ["remove_noops", "fold_constants", "dce"]
+    assert cpu.default_pipeline[:3] == ["remove_noops", "fold_constants", "dce"]
+    assert {"fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm", "fuse_attention"} <= set(cpu.default_pipeline)
+    assert cpu.default_pipeline[-1] == "dce"
     assert [p.name for p in build_pipeline(cpu.default_pipeline)] == cpu.default_pipeline
     assert cpu.memory_bytes == host_memory_bytes() > 0
 
 
 @pytest.mark.parametrize("name", NAMES[1:])
-def test_gpu_targets_refuse_to_compile_and_say_what_to_do(name):
+def test_gpu_targets_are_ready_with_registered_passes(name):
     target = get_target(name)
-    assert target.device == "cuda" and not target.compile_ready
-    with pytest.raises(TargetError, match=rf"target {name} needs the .* passes and Triton codegen, "
-                                          r"not built yet; use --target cpu"):
-        target.check_ready()
+    target.check_ready()
+    assert target.device == "cuda" and target.compile_ready and target.activation_ir_dtype == "bfloat16"
     assert target.default_pipeline[0] == "remove_noops" and target.default_pipeline[-1] == "dce"
+    assert "cast_bf16" in target.default_pipeline
+    assert [p.name for p in build_pipeline(target.full_pipeline())][-len(target.default_pipeline):] == \
+        target.default_pipeline
 
 
 @pytest.mark.parametrize("name, memory_gib, bandwidth, arch, dtype, peak", [
@@ -80,7 +83,7 @@ def test_describe_is_one_line_of_facts():
     line = get_target("h100-fp8").describe()
     assert "\n" not in line
     assert line.startswith("h100-fp8: ")
-    for fact in ("sm_90", "80 GiB", "3350.0 GB/s", "1979 fp8 TFLOPS", "not ready"):
+    for fact in ("sm_90", "80 GiB", "3350.0 GB/s", "1979 fp8 TFLOPS", "; ready"):
         assert fact in line
     assert "624 int8 TOPS" in get_target("a100-int8").describe()
 

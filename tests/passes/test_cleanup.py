@@ -261,3 +261,19 @@ def test_cleanup_pipeline_on_mixed_graph_matches_reference():
     assert "unused" not in g.params and "bias" not in g.params
     assert len(g.nodes) == 5
     assert_same_results(before, g, {"x": torch.randn(7, 8)})
+
+
+def test_dropping_contiguous_before_a_view_keeps_the_graph_runnable():
+    """x.transpose(0, 1).contiguous().view(-1): once remove_noops drops the contiguous, the
+    view reads a transposed input; views run as reshapes since IR values never alias."""
+    g = Graph("transpose_view")
+    g.add_input("x", t(3, 4))
+    x = aten(g, "aten.transpose.int", ["x"], [t(4, 3)], [{"$in": 0}, 0, 1]).out.name
+    x = aten(g, "aten.contiguous.default", [x], [t(4, 3)], [{"$in": 0}]).out.name
+    x = aten(g, "aten.view.default", [x], [t(12)], [{"$in": 0}, [12]]).out.name
+    g.outputs = [x]
+    before = g.copy()
+    assert run_pass(g, "remove_noops").matches == 1
+    feeds = {"x": torch.randn(3, 4)}
+    assert_same_results(before, g, feeds)
+    torch.testing.assert_close(evaluate(g, feeds)[0], feeds["x"].T.reshape(-1))

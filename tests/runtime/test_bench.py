@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from llmc.cli import cli
+from llmc.cli import cli, main
 from llmc.compiler.frontends import load_model
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.bench import Workload, hf_model_from_artifact, run_engine, run_hf_baseline
@@ -144,3 +144,22 @@ def test_percentiles_are_ordered_on_skewed_samples():
     assert p["p50"] <= p["p95"] <= p["p99"] <= max(samples) * 1e3
     assert p["p50"] == pytest.approx(float(np.median(samples)) * 1e3)
     assert percentiles([])["p50"] is None
+
+
+def test_cli_bench_against_another_artifact_and_hf_refuses_quantised_weights(artifact, tmp_path, capsys):
+    """A quantised build is benchmarked against its fp32 build on the same workload, in one run;
+    HF cannot run quantised weights and says which baseline to use instead."""
+    import llmc
+    int8 = llmc.compile("tiny-llama", output=tmp_path / "int8.llmc", quant="int8")
+    args = ["bench", str(int8), "-n", "3", "--input-len", "8", "--output-len", "4", "--kv-memory", "4MiB"]
+    res = CliRunner().invoke(cli, args + ["--json", "--baseline", str(artifact)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["baseline"]["name"] == str(artifact) and report["baseline"]["output_tokens_per_s"] > 0
+    assert report["ratio"] == pytest.approx(
+        report["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
+    res = CliRunner().invoke(cli, args + ["--baseline", str(artifact)])
+    assert res.exit_code == 0 and "ours / baseline" in res.stdout
+    with pytest.raises(SystemExit) as exit_info:
+        main(args + ["--baseline", "hf"])
+    assert exit_info.value.code == 2 and "--baseline PATH" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""Which Triton kernels a plan step launches: for each IR op, the exact rendered sources the runtime's
+launchers (codegen/triton_kernels.py, runtime/triton_attention_backend.py) render for the step's
+dtypes, shapes and target, so the plan can record them and the artifact can store them. Ops absent
+from KERNEL_OPS run as torch calls on the GPU (cuBLAS GEMMs, gathers, views) and launch none."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from llmc.codegen.triton_attention import (
+    render_decode,
+    render_decode_reduce,
+    render_kv_cache_write,
+    render_prefill,
+)
+from llmc.codegen.triton_configs import attention_config, tile_config
+from llmc.codegen.triton_elementwise import render_rms_norm, render_rotary, render_swiglu
+from llmc.codegen.triton_gemm import render_dequant_gemm, render_w8a8_gemm
+from llmc.codegen.triton_render import RenderedKernel
+from llmc.compiler.ir import TensorType
+from llmc.compiler.ops import qlinear_inputs
+from llmc.errors import TargetError
+
+# The runtime's default KV block (runtime/engine.py EngineConfig.block_size): attention kernels are
+# rendered for it, and an engine run with another block size renders (and checks) its own.
+KV_BLOCK_SIZE = 16
+
+
+def rms_norm_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
+    x, weight = ins[0], ins[-1]
+    return [render_rms_norm(target, x.dtype, x.shape[-1], len(ins) == 3, weight.dtype)]
+
+
+def swiglu_kernels(attrs, ins, outs: list[TensorType], target, configs, kv_cache_dtype) -> list[RenderedKernel]:
+    return [render_swiglu(target, outs[0].dtype, outs[0].shape[-1])]
+
+
+def rope_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
+    return [render_rotary(target, ins[0].dtype, attrs["head_dim"], rotate_k=False)]
+
+
+def qlinear_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
+    """As triton_kernels.qlinear launches them: w8a8 through w8a8_gemm (per-token quantiser, then
+    the int8 GEMM), the other schemes through dequant_gemm."""
+    x, _, scales, zeros, act_scale, bias = qlinear_inputs(list(ins), attrs)
+    scheme, config = attrs["scheme"], configs.get("gemm") or tile_config(target)
+    if scheme == "w8a8":
+        return list(render_w8a8_gemm(target, x.dtype, attrs["in_features"], has_bias=bias is not None, config=config))
+    group_size = attrs["group_size"] if scheme == "int4" else None
+    return [render_dequant_gemm(scheme, config, group_size=group_size, x_dtype=x.dtype, out_dtype=x.dtype,
+                                per_channel_scale=scales.numel() > 1 or scheme == "int4",
+                                has_act_scale=act_scale is not None, has_bias=bias is not None)]
+
+
+def attention_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
+    """Every kernel an attention layer may launch (TritonPagedAttention): the cache write, the
+    varlen prefill, the decode kernel without and with split-K, and the split-K reduce for each
+    split count decode_num_splits can choose (its tile covers the next power of two of splits)."""
+    q, k = ins[0], ins[1]
+    cache = kv_cache_dtype or k.dtype
+    config = configs.get("attention") or attention_config(target)
+    rope = attrs.get("rope") is not None
+    layout = dict(num_heads=attrs["num_heads"], num_kv_heads=attrs["num_kv_heads"], block_size=KV_BLOCK_SIZE,
+                  window=attrs.get("window") is not None, rope=rope, config=config)
+    head_dim = attrs["head_dim"]
+    kernels = [render_kv_cache_write(target, k.dtype, cache, head_dim, num_kv_heads=attrs["num_kv_heads"],
+                                     block_size=KV_BLOCK_SIZE, rope=rope),
+               render_prefill(target, q.dtype, cache, head_dim, causal=attrs.get("causal", True), **layout)]
+    kernels += [render_decode(target, q.dtype, cache, head_dim, split_k=split_k, **layout) for split_k in (False, True)]
+    reduce_tiles = sorted({1 << (s - 1).bit_length() for s in range(2, config.max_splits + 1)})
+    kernels += [render_decode_reduce(target, q.dtype, head_dim, num_splits=s) for s in reduce_tiles]
+    return kernels
+
+
+KERNEL_OPS: dict[str, Callable[..., list[RenderedKernel]]] = {
+    "rms_norm": rms_norm_kernels, "add_rms_norm": rms_norm_kernels, "swiglu": swiglu_kernels,
+    "rope": rope_kernels, "qlinear": qlinear_kernels, "attention": attention_kernels,
+    "flash_attention": attention_kernels,
+}
+
+
+def kernels_for_step(op: str, attrs: dict, in_types: list[TensorType], out_types: list[TensorType], target: str,
+                     *, configs: dict | None = None, kv_cache_dtype: str | None = None) -> list[RenderedKernel]:
+    """The rendered kernels a step of `op` launches on `target` (a GPU target or family name); []
+    for ops that run on torch. `configs` overrides the target's launch configs by family ("gemm":
+    a TileConfig, "attention": an AttentionConfig); kv_cache_dtype is the KV cache's (default k's)."""
+    select = KERNEL_OPS.get(op)
+    if select is None:
+        return []
+    try:
+        return select(attrs, in_types, out_types, target, configs or {}, kv_cache_dtype)
+    except (ValueError, KeyError) as e:
+        raise TargetError(f"no Triton kernel for this {op} on target {target!r}: {e}; compile for "
+                          f"--target cpu or disable the pass that made it") from e
+
+
+def kernel_record(kernel: RenderedKernel) -> dict:
+    """What a plan step stores about one kernel: enough to render it again and check the text."""
+    return {"template": kernel.template, "name": kernel.name, "constants": dict(kernel.constants),
+            "sha256": kernel.sha256}
+
+
+__all__ = ["KV_BLOCK_SIZE", "KERNEL_OPS", "kernels_for_step", "kernel_record"]
