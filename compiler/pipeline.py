@@ -143,7 +143,7 @@ def trace_and_lower(module: torch.nn.Module, max_tokens: int, log: Callable[[str
 def pipeline_entries(tgt: Target, opts: CompileOptions) -> list[str]:
     """The pass specs to run: --passes or the target's pipeline, with the --quant recipe (or,
     without --passes, the target's default_quant) inserted before the cleanup passes, and
-    --kv-cache's pass last."""
+    --kv-cache's pass (or the target's default_kv_cache) last."""
     explicit = opts.passes is not None
     entries = [e for e in opts.passes.split(",") if e.strip()] if explicit else list(tgt.default_pipeline)
     quant = opts.quant or (None if explicit else tgt.default_quant)
@@ -155,12 +155,13 @@ def pipeline_entries(tgt: Target, opts: CompileOptions) -> list[str]:
     # last of the insertions, since it prepends: pruning runs before KV-head conversion and quantisation
     entries = insert_prune_passes(entries, prune_pass_specs(opts.prune, opts.sparsity, opts.sparsity_method),
                                   explicit)
-    return add_kv_cache_pass(entries, opts.kv_cache)
+    return add_kv_cache_pass(entries, opts.kv_cache or (None if explicit else tgt.default_kv_cache))
 
 
 def add_kv_cache_pass(entries: list[str], kv_cache: str | None) -> list[str]:
-    """Last, so no cleanup pass after it prunes its scale params (no node reads them)."""
-    if kv_cache is None:
+    """Last, so no cleanup pass after it prunes its scale params (no node reads them); "none"
+    keeps the cache in the activation dtype where a target would quantise it."""
+    if kv_cache is None or kv_cache == "none":
         return entries
     if kv_cache not in KV_CACHE_CHOICES:
         raise PassError(f"--kv-cache {kv_cache!r} is unknown; choose one of {', '.join(KV_CACHE_CHOICES)}")

@@ -39,6 +39,8 @@ class Target:
     not_ready_reason: str = ""
     # the --quant recipe (compiler/quant_recipes.py) applied when the user names none
     default_quant: str | None = None
+    # the --kv-cache dtype (int8 | fp8) applied when the user names none
+    default_kv_cache: str | None = None
 
     def __post_init__(self):
         assert self.device in ("cpu", "cuda"), self.device
@@ -57,9 +59,12 @@ class Target:
     def full_pipeline(self) -> list[str]:
         """The pass specs a compile without pipeline flags runs: the default pipeline with the
         default_quant recipe inserted where compiler/quant_recipes.py puts it."""
-        if self.default_quant is None:
-            return list(self.default_pipeline)
-        return insert_quant_passes(list(self.default_pipeline), quant_pass_specs(self.default_quant), explicit=False)
+        entries = list(self.default_pipeline)
+        if self.default_quant is not None:
+            entries = insert_quant_passes(entries, quant_pass_specs(self.default_quant), explicit=False)
+        if self.default_kv_cache is not None:
+            entries.append(f"quantize_kv_cache:dtype={self.default_kv_cache}")
+        return entries
 
     def check_ready(self) -> None:
         """Raise TargetError when llmc cannot compile for this target yet."""
@@ -91,13 +96,14 @@ def host_memory_bytes() -> int:
 
 def gpu_target(name: str, description: str, arch: str, memory_gib: int, bandwidth: float,
                peak_tflops: dict[str, float], weight_dtype: str, compute_dtype: str,
-               default_quant: str | None = None) -> Target:
+               default_quant: str | None = None, default_kv_cache: str | None = None) -> Target:
     """A GPU target: bf16 activations, compiled into a static plan of Triton kernels. Its
     quantisation comes from `default_quant` (inserted before the cleanup passes)."""
     return Target(name, description, "cuda", arch, memory_gib * GiB, bandwidth, peak_tflops,
                   supports_fp8="fp8" in peak_tflops, weight_dtype=weight_dtype,
                   activation_dtype="bf16", compute_dtype=compute_dtype,
-                  default_pipeline=CLEANUP + ["cast_bf16"] + FUSIONS + ["dce"], default_quant=default_quant)
+                  default_pipeline=CLEANUP + ["cast_bf16"] + FUSIONS + ["dce"], default_quant=default_quant,
+                  default_kv_cache=default_kv_cache)
 
 
 # Datasheet figures: H100 SXM5 80GB, A100 SXM4 80GB, GeForce RTX 4090 (Ada whitepaper, FP32
@@ -121,7 +127,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            supports_fp8=False, weight_dtype="fp32", activation_dtype="fp32", compute_dtype="fp32",
            default_pipeline=CLEANUP + ["raise_attention"] + CPU_FUSIONS + ["fuse_attention", "dce"]),
     gpu_target("h100-fp8", "NVIDIA H100 SXM 80GB, fp8 e4m3 weights and activations in GEMMs",
-               "sm_90", 80, 3.35e12, H100, "fp8", "fp8", default_quant="fp8"),
+               "sm_90", 80, 3.35e12, H100, "fp8", "fp8", default_quant="fp8",
+               default_kv_cache="fp8"),
     gpu_target("h100-bf16", "NVIDIA H100 SXM 80GB, bf16 weights", "sm_90", 80, 3.35e12, H100,
                "bf16", "bf16"),
     gpu_target("a100-bf16", "NVIDIA A100 SXM 80GB, bf16 weights", "sm_80", 80, 2.039e12, A100,

@@ -40,7 +40,8 @@ def cli():
 @click.option("--quant", type=click.Choice(QUANT_CHOICES),
               help="Quantise the linears' weights (default: the target's own, if any).")
 @click.option("--group-size", type=int, default=None, help="int4 group size along K (default 128).")
-@click.option("--kv-cache", type=click.Choice(KV_CACHE_CHOICES), help="Quantise the KV cache.")
+@click.option("--kv-cache", type=click.Choice(KV_CACHE_CHOICES + ("none",)),
+              help="Quantise the KV cache (none: keep it unquantised where the target would quantise it).")
 @click.option("--kv-heads", type=int, default=None,
               help="Mean-pool the KV heads down to N (dividing the model's KV heads; 1 = MQA).")
 @click.option("--kv-grouping", type=click.Choice(KV_GROUPING_CHOICES), default=None,

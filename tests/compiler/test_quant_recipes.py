@@ -66,3 +66,12 @@ def test_unsupported_flag_combinations_are_pass_errors(opts, message):
 def test_unknown_quant_is_a_pass_error():
     with pytest.raises(PassError, match="int4-rtn"):
         quant_pass_specs("int3")
+
+
+def test_h100_fp8_quantises_the_kv_cache_to_fp8_unless_told_otherwise():
+    h100 = get_target("h100-fp8")
+    assert pipeline_entries(h100, CompileOptions())[-1] == "quantize_kv_cache:dtype=fp8"
+    assert h100.full_pipeline()[-1] == "quantize_kv_cache:dtype=fp8"
+    assert pipeline_entries(h100, CompileOptions(kv_cache="int8"))[-1] == "quantize_kv_cache:dtype=int8"
+    assert "quantize_kv_cache" not in " ".join(pipeline_entries(h100, CompileOptions(kv_cache="none")))
+    assert "quantize_kv_cache" not in " ".join(pipeline_entries(get_target("h100-bf16"), CompileOptions()))
