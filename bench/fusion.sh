@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 LLMC=${LLMC:-.venv/bin/llmc}
 OUT=bench/out/fusion
 ROUNDS=${ROUNDS:-2}
-FUSIONS=${FUSIONS:-"fuse_qkv fuse_gate_up fuse_swiglu fuse_rms_norm"}
+FUSIONS=${FUSIONS:-"fuse_qkv fuse_gate_up fuse_swiglu fuse_rms_norm fuse_attention"}
 mkdir -p "$OUT"
 OFF=()
 for p in $FUSIONS; do OFF+=(--disable-pass "$p"); done

@@ -18,9 +18,9 @@ def calibration_tokens(ctx: PassContext, pass_name: str) -> list[torch.Tensor]:
     """ctx.calibration as 1-D int64 token tensors; none is a PassError naming the pass."""
     calib = ctx.calibration
     if calib is None or len(calib) == 0:
-        raise PassError(f"pass {pass_name!r} scores weights on calibration activations, and the pipeline "
-                        f"gave none; compile through `llmc compile` (--calib FILE, else text the model "
-                        f"generates itself) or set PassContext.calibration to a list of 1-D token tensors")
+        raise PassError(f"pass {pass_name!r} needs calibration text (it scores weights on activations), and "
+                        f"the pipeline gave none; compile through `llmc compile` (--calib FILE, else text the "
+                        f"model generates itself) or set PassContext.calibration to a list of 1-D token tensors")
     return [torch.as_tensor(seq, dtype=torch.long).reshape(-1) for seq in calib]
 
 

@@ -15,30 +15,10 @@ from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import PassError
 from llmc.passes.base import PassContext
+from llmc.passes.calibration_stats import calibration_tokens, prefill_inputs
 
 # AWQ searches scales on a sample of each input's rows; this bounds its memory.
 AWQ_SAMPLE_ROWS = 512
-
-
-def calibration_sequences(ctx: PassContext, method: str) -> list[torch.Tensor]:
-    """ctx.calibration as 1-D int64 token tensors (a list of sequences or a 2-D tensor)."""
-    calib = ctx.calibration
-    if calib is None or len(calib) == 0:
-        raise PassError(f"quantize_int4 method={method} needs calibration text, and the pipeline "
-                        f"gave none; compile through `llmc compile` (which supplies it from --calib "
-                        f"FILE or self-generated text) or use method=rtn")
-    return [torch.as_tensor(seq, dtype=torch.long).reshape(-1) for seq in calib]
-
-
-def graph_inputs(graph: Graph, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A whole-sequence prefill: token ids, their positions, and the last row's logits."""
-    known = {"input_ids": ids, "positions": torch.arange(ids.numel()),
-             "logits_indices": torch.tensor([ids.numel() - 1])}
-    missing = [v.name for v in graph.inputs if v.name not in known]
-    if missing:
-        raise PassError(f"calibration cannot feed graph input(s) {missing} of graph {graph.name}; "
-                        f"it knows {sorted(known)}; use quantize_int4 method=rtn for this model")
-    return {v.name: known[v.name] for v in graph.inputs}
 
 
 def observe_linear_inputs(graph: Graph, ctx: PassContext, nodes: list[Node], method: str,
@@ -52,8 +32,8 @@ def observe_linear_inputs(graph: Graph, ctx: PassContext, nodes: list[Node], met
         if node.name in inputs:
             x = args[0]
             observers[inputs[node.name]].add(x.reshape(-1, x.shape[-1]))
-    for ids in calibration_sequences(ctx, method):
-        interpret(graph, graph_inputs(graph, ids), hook=hook)
+    for ids in calibration_tokens(ctx, f"quantize_int4 method={method}"):
+        interpret(graph, prefill_inputs(graph, ids, f"quantize_int4 method={method}"), hook=hook)
     return observers
 
 
@@ -114,7 +94,7 @@ def awq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Call
     activations; the weights are quantised as W·s and the input divided by s, folded into an
     rms_norm weight or a linear's output rows where the graph allows, else by an inserted mul."""
     search, quantize = import_method("awq", ["awq_search_shared", "awq_quantize_with_scales"], "awq")
-    n_seqs = len(calibration_sequences(ctx, "awq"))
+    n_seqs = len(calibration_tokens(ctx, "quantize_int4 method=awq"))
     stats = observe_linear_inputs(graph, ctx, nodes, "awq", lambda k: ActivationStats(k, sequences=n_seqs))
     by_input: dict[str, list[Node]] = {}
     for node in nodes:
@@ -197,4 +177,4 @@ def insert_scale_mul(graph: Graph, x: str, group: list[Node], s: torch.Tensor) -
 
 
 __all__ = ["gptq_method", "awq_method", "observe_linear_inputs", "ActivationStats",
-           "fold_input_scale", "graph_inputs", "calibration_sequences", "AWQ_SAMPLE_ROWS"]
+           "fold_input_scale", "AWQ_SAMPLE_ROWS"]

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from llmc_cli import llmc_in_process
 
 import llmc
-from llmc.cli import main
 from llmc.compiler.frontends import SUPPORTED_ARCHITECTURES, load_model
 from llmc.compiler.targets import TARGETS
 from llmc.passes.registry import valid_pass_names
@@ -20,16 +20,6 @@ from llmc.passes.registry import valid_pass_names
 LLMC = Path(sys.executable).parent / "llmc"
 
 
-def llmc_in_process(capfd, *args) -> tuple[int, str, str]:
-    """`llmc.cli.main` in this process: (exit code, stdout, stderr)."""
-    capfd.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def error_line(err: str) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from llmc_cli import llmc_in_process
 from safetensors import safe_open
 
 import llmc
@@ -36,15 +37,6 @@ def llmc_process(*args) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
-def llmc_in_process(capsys, *args) -> tuple[int, str, str]:
-    """`llmc.cli.main` in this process: (exit code, stdout, stderr)."""
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cli import llmc_in_process
+from llmc_cli import llmc_in_process
 
 import llmc
 from llmc import SamplingParams

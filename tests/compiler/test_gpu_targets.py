@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from llmc_cli import llmc_in_process
 
 import llmc
 from llmc import SamplingParams
-from llmc.cli import main
 from llmc.codegen import triton_elementwise
 from llmc.codegen.autotune import NO_GPU, default_configs
 from llmc.codegen.kernel_sources import kernel_file
@@ -53,15 +53,6 @@ def read_plan(path: Path) -> Plan:
     return Plan.from_json((path / "plan.json").read_text())
 
 
-def llmc_in_process(capfd, *args) -> tuple[int, str, str]:
-    capfd.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("target", GPU_TARGETS)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from llmc_cli import llmc_in_process
 
 import llmc
 from llmc import SamplingParams
@@ -16,16 +17,6 @@ from llmc.compiler.prune_recipes import insert_prune_passes, parse_prune, prune_
 from llmc.compiler.targets import get_target
 from llmc.errors import PassError
 from llmc.passes.registry import build_pipeline
-
-
-def llmc_in_process(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_prune_parts_become_passes_layers_then_heads_then_ffn_then_sparsity():

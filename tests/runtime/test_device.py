@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from llmc_cli import llmc_in_process as cli
 
 import llmc
-from llmc.cli import main
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.sampling_params import SamplingParams
@@ -23,14 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 
 
-def cli(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @no_gpu
@@ -77,6 +69,7 @@ except RuntimeLlmcError as e:
     sys.exit(0)
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+from llmc_cli import llmc_in_process as cli
 print("interpreting" if isinstance(tl.zeros, InterpretedFunction) else "compiling")
 """
 

@@ -1,0 +1,16 @@
+"""Run the `llmc` command line inside the test process (fast, and coverage sees it)."""
+
+from llmc.cli import main
+
+
+def llmc_in_process(capture, *args) -> tuple[int, str, str]:
+    """`llmc.cli.main(args)` in this process: (exit code, stdout, stderr). `capture` is pytest's
+    capsys or capfd; output captured before the call is dropped."""
+    capture.readouterr()
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    out, err = capture.readouterr()
+    return code, out, err
