@@ -94,10 +94,27 @@ def kernels_for_step(op: str, attrs: dict, in_types: list[TensorType], out_types
                           f"--target cpu or disable the pass that made it") from e
 
 
+# The launch grid each template's launcher uses, over the step's run-time sizes (tokens = rows of
+# the batch, seqs = sequences, N = output features), in the launchers' own terms.
+GRIDS = {
+    "dequant_gemm.py.j2": "(cdiv(tokens, BLOCK_M), cdiv(N, BLOCK_N))",
+    "int8_gemm.py.j2": "(cdiv(tokens, BLOCK_M), cdiv(N, BLOCK_N))",
+    "quantize_int8.py.j2": "(tokens,)",
+    "rms_norm.py.j2": "(tokens,)",
+    "swiglu.py.j2": "(tokens, cdiv(intermediate, BLOCK))",
+    "rotary.py.j2": "(tokens, cdiv(heads, HEADS))",
+    "kv_cache_write.py.j2": "(tokens,)",
+    "flash_attention_prefill.py.j2": "(cdiv(max_query_len, BLOCK_M), prefill seqs, num_heads)",
+    "paged_decode.py.j2": "(decode seqs, num_kv_heads, num_splits)",
+    "paged_decode_reduce.py.j2": "(decode seqs, num_heads)",
+}
+
+
 def kernel_record(kernel: RenderedKernel) -> dict:
-    """What a plan step stores about one kernel: enough to render it again and check the text."""
+    """What a plan step stores about one kernel: enough to render it again and check the text, and
+    the grid its launcher uses."""
     return {"template": kernel.template, "name": kernel.name, "constants": dict(kernel.constants),
-            "sha256": kernel.sha256}
+            "sha256": kernel.sha256, "grid": GRIDS[kernel.template]}
 
 
-__all__ = ["KV_BLOCK_SIZE", "KERNEL_OPS", "kernels_for_step", "kernel_record"]
+__all__ = ["KV_BLOCK_SIZE", "KERNEL_OPS", "GRIDS", "kernels_for_step", "kernel_record"]

@@ -186,6 +186,7 @@ def kernels_summary(artifact: str | Path, as_json: bool = False) -> str:
         lines.append(f"  {k['file'].removeprefix('kernels/'):<44} {k['template']:<32} sha256 {k['sha256'][:12]}  "
                      f"launched by {k['launches']} step{'s' if k['launches'] != 1 else ''}")
         lines.append("      " + ", ".join(f"{name}={value}" for name, value in sorted(k["constants"].items())))
+        lines.append(f"      grid {k['grid']}")
     return "\n".join(lines)
 
 

@@ -69,3 +69,22 @@ def test_cli_reports_linears_a_group_size_does_not_divide(tmp_path, capsys):
                                    "-o", tmp_path / "g128.llmc")
     assert code == 0
     assert "12 linear(s) kept in float, in_features 64 is not a multiple of group_size 128" in err
+
+
+@pytest.mark.parametrize("quant", ["int4-gptq", "int4-awq", "fp8", "w8a8"])
+def test_every_calibrated_method_compiles_runs_and_benches_from_the_cli(quant, tmp_path, capsys):
+    out = tmp_path / f"{quant}.llmc"
+    code, _, err = llmc_in_process(capsys, "compile", "tiny-llama", "--quant", quant, "--calib-samples", "2",
+                                   "--calib-seq-len", "24", "-o", out, "-q")
+    assert code == 0, err
+    code, stdout, err = llmc_in_process(capsys, "run", out, "-p", "The river", "--max-tokens", "4", "--no-stream",
+                                        "--kv-memory", "4MiB")
+    assert code == 0 and stdout.strip(), err
+    code, stdout, err = llmc_in_process(capsys, "bench", out, "-n", "2", "--input-len", "8", "--output-len", "3",
+                                        "--kv-memory", "4MiB", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["output_tokens_per_s"] > 0
+    code, stdout, err = llmc_in_process(capsys, "inspect", out, "--json")
+    scheme, method = {"int4-gptq": ("int4", "gptq"), "int4-awq": ("int4", "awq")}.get(quant, (quant, None))
+    figures = json.loads(stdout)["quant"][scheme]
+    assert figures["linears"] >= 14 and (method is None or figures["method"] == method)

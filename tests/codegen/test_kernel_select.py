@@ -279,3 +279,11 @@ def test_plain_attention_kernels_follow_the_window_and_a_quantised_cache():
     assert sorted(c["SPLIT_K"] for c in by_name["paged_decode"]) == [False, True]
     # decode_num_splits picks 2..max_splits splits; the reduce tile is the next power of two
     assert sorted(c["BLOCK_S"] for c in by_name["paged_decode_reduce"]) == [2, 4, 8, 16]
+
+
+def test_every_template_names_its_launch_grid():
+    """Each launch's record carries its grid; a new template without one fails here, not at compile."""
+    from llmc.codegen.kernel_select import GRIDS
+    from llmc.codegen.triton_render import TEMPLATE_DIR
+    templates = {p.name for p in TEMPLATE_DIR.glob("*.py.j2") if not p.name.startswith("_")}
+    assert templates == set(GRIDS)

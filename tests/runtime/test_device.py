@@ -23,8 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 
 
-
-
 @no_gpu
 def test_gpu_artifact_without_gpu_fails_with_one_line(bf16_artifact, capsys):
     with pytest.raises(RuntimeLlmcError, match=r"targets h100-bf16 \(a GPU\).*no CUDA GPU.*device='cpu'.*--device cpu"):
@@ -69,7 +67,6 @@ except RuntimeLlmcError as e:
     sys.exit(0)
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
-from llmc_cli import llmc_in_process as cli
 print("interpreting" if isinstance(tl.zeros, InterpretedFunction) else "compiling")
 """
 
