@@ -5,6 +5,7 @@ figures, and optionally the same workload through HF transformers as a baseline.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -143,18 +144,40 @@ def unfused_weights(weights: dict[str, torch.Tensor], hf_state: dict[str, torch.
     return out
 
 
+_LAYER = re.compile(r"^(model\.layers\.)(\d+)(\..*)$")
+
+
+def renumbered_layers(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Layer-pruned weights keep their original layer numbers; HF wants 0..n-1 in order."""
+    kept = sorted({int(m.group(2)) for name in weights if (m := _LAYER.match(name))})
+    new = {old: i for i, old in enumerate(kept)}
+    return {(_LAYER.sub(lambda m: f"{m.group(1)}{new[int(m.group(2))]}{m.group(3)}", name)): t
+            for name, t in weights.items()}
+
+
+def pruned_shapes(meta: dict, weights: dict[str, torch.Tensor]) -> dict:
+    """HF config fields as the compiled graph has them: pruning and KV-head conversion change
+    layers, heads and the FFN width, the source config does not."""
+    shapes = {"num_hidden_layers": meta["num_layers"], "num_attention_heads": meta["num_heads"],
+              "num_key_value_heads": meta["num_kv_heads"], "head_dim": meta["head_dim"]}
+    down = next((t for name, t in weights.items() if name.endswith("mlp.down_proj.weight")), None)
+    if down is not None:
+        shapes["intermediate_size"] = down.shape[1]
+    return shapes
+
+
 def hf_model_from_artifact(engine) -> torch.nn.Module:
     """Rebuild the HF model from the artifact's own config and weights (same numbers, no
     download), so the baseline runs exactly what we compiled."""
     import transformers
 
-    cfg_dict = dict(engine.manifest["model"]["hf_config"])
+    weights = renumbered_layers({name: engine.executor.weight(name) for name in engine.executor.plan.params})
+    cfg_dict = {**engine.manifest["model"]["hf_config"], **pruned_shapes(engine.model, weights)}
     arch = engine.model["architecture"]
     config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     config._attn_implementation = "sdpa"
     model = getattr(transformers, arch)(config).eval()
-    state = engine.executor.plan.params
-    weights = unfused_weights({name: engine.executor.weight(name) for name in state}, model.state_dict())
+    weights = unfused_weights(weights, model.state_dict())
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = "model.embed_tokens.weight" if config.tie_word_embeddings else None
     missing = [m for m in missing if "rotary_emb" not in m and m != tied]

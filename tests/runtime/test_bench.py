@@ -163,3 +163,21 @@ def test_cli_bench_against_another_artifact_and_hf_refuses_quantised_weights(art
     with pytest.raises(SystemExit) as exit_info:
         main(args + ["--baseline", "hf"])
     assert exit_info.value.code == 2 and "--baseline PATH" in capsys.readouterr().err
+
+
+def test_hf_baseline_rebuilds_a_pruned_and_fused_artifact(tmp_path):
+    """Layer, head and FFN pruning change the shapes the source HF config states, and layer
+    pruning leaves gaps in the layer numbers: the baseline rebuilds the pruned model as compiled."""
+    import llmc
+    path = llmc.compile("tiny-llama", output=tmp_path / "pruned.llmc", prune="layers:1,heads:0.5,ffn:0.25",
+                        calib_samples=2, calib_seq_len=24)
+    engine = Engine(path, EngineConfig(kv_memory="4MiB"))
+    assert engine.model["num_layers"] == 1
+    model = hf_model_from_artifact(engine)
+    assert model.config.num_hidden_layers == 1 and model.config.num_key_value_heads == engine.model["num_kv_heads"]
+    ids = torch.randint(0, VOCAB, (17,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        hf_logits = model(ids[None]).logits[0]
+    ours = engine.executor.run_values({"input_ids": ids, "positions": torch.arange(17),
+                                       "logits_indices": torch.arange(17)})["logits"]
+    torch.testing.assert_close(hf_logits, ours, atol=1e-5, rtol=1e-5)
