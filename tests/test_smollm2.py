@@ -84,3 +84,22 @@ def test_16_mixed_requests_batched_equal_alone_and_hf(smol, smollm2_model):
         ref = out[0, len(p["prompt_token_ids"]):].tolist()
         # HF stops at EOS; we ignore it, so HF's tokens are a prefix of ours
         assert got[:len(ref)] == ref and (len(ref) == 12 or ref[-1] == tok.eos_token_id)
+
+
+def test_triton_plan_matches_the_cpu_plan_at_full_scale(smol, tmp_path):
+    """SmolLM2 compiled for h100-bf16 but kept in fp32 (cast_bf16 off), run through the Triton
+    interpreter: every kernel at the real shapes (9 query / 3 KV heads, head_dim 64, fused rope,
+    paged cache) gives the cpu plan's logits. (In bf16 the interpreter truncates stores instead
+    of rounding them, so a bf16 comparison here would measure the interpreter.)"""
+    llm, _ = smol
+    path = llmc.compile("smollm2-135m", target="h100-bf16", output=tmp_path / "smol-h100-f32.llmc",
+                        disable=["cast_bf16"], max_num_batched_tokens=64)
+    triton_plan = llmc.load(path, device="cpu", kv_memory="64MiB").engine.executor
+    ids = llm.engine.tokenizer(PROMPTS[0])["input_ids"]
+    rows = torch.arange(len(ids))
+    inputs = {"input_ids": torch.tensor(ids), "positions": rows, "logits_indices": rows}
+    ref = llm.engine.executor.run_values(inputs)["logits"]
+    got = triton_plan.run_values(inputs)["logits"]
+    assert triton_plan.plan.target == "h100-bf16" and got.dtype == torch.float32
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-4
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))

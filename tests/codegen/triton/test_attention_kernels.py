@@ -230,6 +230,7 @@ PREFILL_CASES = {
     "ragged-gqa-prefix-hits": ([(0, 9), (5, 20), (16, 3), (0, 1)], 4, 2, 24, 4),
     "mqa-head_dim-80": ([(3, 18), (0, 5)], 4, 1, 80, 16),
     "mha-head_dim-64-one-sequence": ([(0, 33)], 2, 2, 64, 8),
+    "smollm2-gqa-group-3": ([(0, 21), (16, 5)], 9, 3, 64, 16),   # a group size that is no power of two
 }
 
 
@@ -324,7 +325,8 @@ def decode_batch(context_lens, **kw):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (8, 1, 80), (2, 2, 64)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (8, 1, 80), (2, 2, 64), (9, 3, 64)],
+                         ids=["gqa", "mqa", "mha", "gqa-group-3"])
 def test_decode_matches_float64_sdpa_over_splits(num_splits, heads, kv_heads, head_dim):
     # 3 keys: most of five splits are empty; 150 keys: every split takes several key tiles
     batch = decode_batch([150, 3, 41, 77], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=8, seed=8)
