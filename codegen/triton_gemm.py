@@ -20,6 +20,7 @@ WEIGHT_LAYOUTS = {"int8": "int8 [N, K]", "int4": "uint8 [N, K/2], two codes a by
                   "fp8": "float8_e4m3fn [N, K]"}
 
 
+@functools.cache
 def render_dequant_gemm(scheme: str, config: TileConfig, *, group_size: int | None = None,
                         x_dtype: str = "float32", out_dtype: str = "float32", per_channel_scale: bool = True,
                         has_act_scale: bool = False, has_bias: bool = False) -> RenderedKernel:

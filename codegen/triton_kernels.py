@@ -26,11 +26,11 @@ TRITON_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
 TORCH_OPS = ("embedding", "qembedding", "linear", "silu", "mul", "add", "select_rows", "cast", "split", "aten")
 
 
-def kernel(op: str, context: tuple[str, ...] = (), prepare: Callable | None = None):
-    """Register `fn` as kernel triton.<op>, as cpu_kernels.kernel does for cpu.<op>."""
+def kernel(op: str, context: tuple[str, ...] = ()):
+    """Register `fn` as kernel triton.<op>, as cpu_kernels.kernel does for cpu.<op> (no Triton
+    kernel needs a load-time `prepare`: the GEMMs read the stored weights as they are)."""
     def register(fn):
         fn.context = context
-        fn.prepare = prepare
         TRITON_KERNELS[f"triton.{op}"] = fn
         return fn
     return register

@@ -4,6 +4,7 @@ so the text is written to the user cache under its sha256 and imported from ther
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -31,7 +32,7 @@ class RenderedKernel:
     constants: tuple         # sorted (name, value) pairs it was rendered with
     source: str
 
-    @property
+    @functools.cached_property   # load_kernel reads it at every launch
     def sha256(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()
 

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from llmc.compiler.artifact import TOKENIZER_DIR, read_manifest, sha256_file
+from llmc.compiler.prune_recipes import parse_prune
 from llmc.errors import ArtifactError, ModelLoadError, PassError
 
 DEFAULT_QUANT = "int4-rtn"
@@ -85,7 +86,7 @@ def draft_options(options, loaded, target: DraftTarget):
     keep = options.draft_layers or max(1, math.ceil(layers * DEFAULT_KEEP_FRACTION))
     if keep > layers:
         raise PassError(f"--draft-layers {keep} exceeds the {layers} layers of {loaded.source!r}; give fewer")
-    if options.prune and "layers" in [p.split(":")[0].strip() for p in options.prune.split(",")]:
+    if options.prune and "layers" in parse_prune(options.prune):
         raise PassError("--draft-of prunes layers itself (--draft-layers); drop layers: from --prune")
     prune = ",".join(p for p in (f"layers:{layers - keep}" if keep < layers else "", options.prune) if p)
     return dataclasses.replace(options, prune=prune or None, quant=options.quant or DEFAULT_QUANT)

@@ -374,8 +374,8 @@ def _scaled_scores(m: Matcher, value: str) -> tuple[str, str, float] | None:
     """matmul(q, transpose(k, -2, -1)) [* s | / d] -> (q, k, scale)."""
     n = m.node(m.through_noops(value))
     scale = 1.0
-    if m.is_(n, "aten.mul.Tensor", "aten.div.Tensor") and _scalar(m.arg(n, 1)):
-        s = _scalar(m.arg(n, 1))
+    s = _scalar(m.arg(n, 1)) if m.is_(n, "aten.mul.Tensor", "aten.div.Tensor") else None
+    if s:
         scale = s if n.attrs["target"] == "aten.mul.Tensor" else 1.0 / s
         n = m.node(m.through_noops(m.arg(n, 0)))
     if not m.is_(n, "aten.matmul.default") or m.types[n.outputs[0].name].rank != 4:

@@ -20,12 +20,12 @@ from llmc.compiler.artifact import write_artifact
 from llmc.compiler.calibration import calibration_sequences, calibration_source
 from llmc.compiler.draft import draft_options, read_draft_target
 from llmc.compiler.frontends import load_model
-from llmc.compiler.ir import DTYPE_BYTES, Graph
+from llmc.compiler.ir import DTYPE_BYTES, Graph, Node
 from llmc.compiler.kv_heads_recipe import insert_kv_heads_pass
 from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output, select_logit_rows
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.compiler.prune_recipes import insert_prune_passes, prune_pass_specs
-from llmc.compiler.quant_recipes import KV_CACHE_CHOICES, insert_quant_passes, quant_pass_specs
+from llmc.compiler.quant_recipes import add_kv_cache_pass, insert_quant_passes, quant_pass_specs
 from llmc.compiler.targets import Target, get_target
 from llmc.compiler.trace import export_lm, translate
 from llmc.errors import ArtifactError, PassError
@@ -67,11 +67,10 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    # passes may change the cache's shape (convert_kv_heads, layer pruning): the graph says what it is now
-    layers, kv_heads, head_dim = graph_kv_layout(graph) or (text.num_hidden_layers, kv_heads, head_dim)
-    heads = graph_query_heads(graph) or heads  # prune_heads removes query heads
-    eos = text.eos_token_id if getattr(text, "eos_token_id", None) is not None else []
     attns = [n for n in graph.nodes if n.op in ATTENTION_OPS]
+    # passes may change these (convert_kv_heads, head and layer pruning): the graph says what they are now
+    layers, heads, kv_heads, head_dim = attention_shape(attns) or (text.num_hidden_layers, heads, kv_heads, head_dim)
+    eos = text.eos_token_id if getattr(text, "eos_token_id", None) is not None else []
     # the cache holds keys in the dtype attention reads them (bf16 on GPU targets, whose logits stay fp32)
     dtype = graph.type_of(attns[0].inputs[1] if attns else graph.outputs[0]).dtype
     # quantize_kv_cache leaves {"dtype", "scales", "scale_params"}; otherwise the cache holds activations
@@ -91,18 +90,14 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
     }
 
 
-def graph_kv_layout(graph: Graph) -> tuple[int, int, int] | None:
-    """(layers, kv_heads, head_dim) of the graph's attention nodes; None without any. The
-    plan's kv_layout() refuses layers that differ, so the first one speaks for all."""
-    attns = [n for n in graph.nodes if n.op in ATTENTION_OPS]
+def attention_shape(attns: list[Node]) -> tuple[int, int, int, int] | None:
+    """(layers, query heads, KV heads, head_dim) of a graph's attention nodes; None without any.
+    The plan's kv_layout() refuses layers that differ and pruning cuts the same heads in every
+    layer, so the first one speaks for all."""
     if not attns:
         return None
-    return len(attns), attns[0].attrs["num_kv_heads"], attns[0].attrs["head_dim"]
-
-
-def graph_query_heads(graph: Graph) -> int | None:
-    """Query heads of the graph's first attention node (pruning cuts the same number in every layer)."""
-    return next((n.attrs["num_heads"] for n in graph.nodes if n.op in ATTENTION_OPS), None)
+    first = attns[0].attrs
+    return len(attns), first["num_heads"], first["num_kv_heads"], first["head_dim"]
 
 
 def hf_config_dict(config, kv_heads: int) -> dict:
@@ -158,28 +153,14 @@ def pipeline_entries(tgt: Target, opts: CompileOptions) -> list[str]:
     return add_kv_cache_pass(entries, opts.kv_cache or (None if explicit else tgt.default_kv_cache))
 
 
-def add_kv_cache_pass(entries: list[str], kv_cache: str | None) -> list[str]:
-    """Last, so no cleanup pass after it prunes its scale params (no node reads them); "none"
-    keeps the cache in the activation dtype where a target would quantise it."""
-    if kv_cache is None or kv_cache == "none":
-        return entries
-    if kv_cache not in KV_CACHE_CHOICES:
-        raise PassError(f"--kv-cache {kv_cache!r} is unknown; choose one of {', '.join(KV_CACHE_CHOICES)}")
-    if any(e.split(":", 1)[0].strip() == "quantize_kv_cache" for e in entries):
-        raise PassError("--passes already holds quantize_kv_cache and --kv-cache adds it again; "
-                        "give one or the other")
-    return entries + [f"quantize_kv_cache:dtype={kv_cache}"]
-
-
 def check_kv_scales(graph: Graph) -> None:
     """A quantised KV cache needs its scale params in the artifact; a cleanup pass run after
     quantize_kv_cache drops them, since no node reads them."""
     kv = graph.meta.get("kv_cache")
     if not kv:
         return
-    layers = [n.attrs["layer"] for n in graph.nodes if n.op in ATTENTION_OPS]
-    missing = [kv["scale_params"].format(layer=i) for i in layers
-               if kv["scale_params"].format(layer=i) not in graph.weights]
+    params = (kv["scale_params"].format(layer=n.attrs["layer"]) for n in graph.nodes if n.op in ATTENTION_OPS)
+    missing = [name for name in params if name not in graph.weights]
     if missing:
         raise PassError(f"the {kv['dtype']} KV cache lost its scale params {missing[:3]} to a pass after "
                         f"quantize_kv_cache; put quantize_kv_cache last in --passes")

@@ -4,6 +4,7 @@ pass sees the pruned shapes and quantises weights whose zeros are already in pla
 
 from __future__ import annotations
 
+from llmc.compiler.quant_recipes import pass_name
 from llmc.errors import PassError
 
 # --prune kind -> its pass spec; applied in this order: whole layers first, so heads and FFN
@@ -13,10 +14,6 @@ PRUNE_KINDS = {"layers": "prune_layers:count={}", "heads": "prune_heads:fraction
 SPARSITY_METHODS = ("wanda", "magnitude")
 PRUNE_PASS_NAMES = {"prune_layers", "prune_heads", "prune_ffn", "prune_sparse"}
 EXAMPLE = "heads:0.25,ffn:0.3,layers:4"
-
-
-def pass_name(spec: str) -> str:
-    return spec.split(":", 1)[0].strip()
 
 
 def parse_prune(spec: str) -> dict[str, float | int]:

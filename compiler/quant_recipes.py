@@ -1,5 +1,6 @@
 """What `--quant` names mean as passes, and where they go in a pipeline: before the cleanup
-passes, replacing whatever quantisation a target's default pipeline carries."""
+passes, replacing whatever quantisation a target's default pipeline carries; `--kv-cache`'s
+pass goes last."""
 
 from __future__ import annotations
 
@@ -52,5 +53,18 @@ def insert_quant_passes(entries: list[str], specs: list[str], explicit: bool) ->
     return rest[:at] + specs + rest[at:]
 
 
+def add_kv_cache_pass(entries: list[str], kv_cache: str | None) -> list[str]:
+    """Last, so no cleanup pass after it prunes its scale params (no node reads them); "none"
+    keeps the cache in the activation dtype where a target would quantise it."""
+    if kv_cache is None or kv_cache == "none":
+        return entries
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise PassError(f"--kv-cache {kv_cache!r} is unknown; choose one of {', '.join(KV_CACHE_CHOICES)}")
+    if any(pass_name(e) == "quantize_kv_cache" for e in entries):
+        raise PassError("--passes already holds quantize_kv_cache and --kv-cache adds it again; "
+                        "give one or the other")
+    return entries + [f"quantize_kv_cache:dtype={kv_cache}"]
+
+
 __all__ = ["QUANT_RECIPES", "QUANT_CHOICES", "KV_CACHE_CHOICES", "DEFAULT_GROUP_SIZE",
-           "quant_pass_specs", "insert_quant_passes"]
+           "quant_pass_specs", "insert_quant_passes", "add_kv_cache_pass"]

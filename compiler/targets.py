@@ -7,7 +7,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass, field
 
-from llmc.compiler.quant_recipes import insert_quant_passes, quant_pass_specs
+from llmc.compiler.quant_recipes import add_kv_cache_pass, insert_quant_passes, quant_pass_specs
 from llmc.errors import TargetError
 
 GiB = 2**30
@@ -58,13 +58,11 @@ class Target:
 
     def full_pipeline(self) -> list[str]:
         """The pass specs a compile without pipeline flags runs: the default pipeline with the
-        default_quant recipe inserted where compiler/quant_recipes.py puts it."""
+        default_quant recipe and default_kv_cache pass inserted where compiler/quant_recipes.py puts them."""
         entries = list(self.default_pipeline)
         if self.default_quant is not None:
             entries = insert_quant_passes(entries, quant_pass_specs(self.default_quant), explicit=False)
-        if self.default_kv_cache is not None:
-            entries.append(f"quantize_kv_cache:dtype={self.default_kv_cache}")
-        return entries
+        return add_kv_cache_pass(entries, self.default_kv_cache)
 
     def check_ready(self) -> None:
         """Raise TargetError when llmc cannot compile for this target yet."""

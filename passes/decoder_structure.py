@@ -14,6 +14,7 @@ import torch
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
 from llmc.compiler.ops import OPS, infer_types
 from llmc.errors import PassError
+from llmc.passes.quantize import param_bytes
 
 # Ops between a q/k projection and the attention that keep its [tokens, heads * head_dim] layout.
 HEAD_PRESERVING = {"rope"}
@@ -254,10 +255,6 @@ def param_count(graph: Graph) -> int:
     return sum(p.type.numel() for p in graph.params.values())
 
 
-def param_bytes(graph: Graph) -> int:
-    return sum(p.type.nbytes() for p in graph.params.values())
-
-
 def kv_bytes_per_token(graph: Graph) -> int:
     """Bytes one token's keys and values take in the cache across all attention layers."""
     total = 0
@@ -282,5 +279,5 @@ def sizes(graph: Graph) -> dict:
 
 
 __all__ = ["AttentionBlock", "MLPBlock", "DecoderLayer", "attention_blocks", "mlp_blocks", "decoder_layers",
-           "dataflow", "set_weight", "retype", "param_count", "param_bytes", "kv_bytes_per_token",
+           "dataflow", "set_weight", "retype", "param_count", "kv_bytes_per_token",
            "size_report", "sizes", "check_float_linear"]

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.compiler.ir import Graph
+from llmc.compiler.lower import number_layers
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, register_pass
 from llmc.passes.calibration_stats import observe
@@ -43,8 +44,7 @@ def remove_layers(graph: Graph, layers: list[DecoderLayer], doomed: list[int], c
     for i in sorted(doomed, reverse=True):  # later layers first: a removed layer's input may be the next one's output
         graph.replace_uses(layers[i].output, layers[i].input)
     DeadCodeElimination().run(graph, ctx)
-    for number, node in enumerate(n for n in graph.nodes if n.op == "attention"):
-        node.attrs["layer"] = number
+    number_layers(graph)
 
 
 @register_pass

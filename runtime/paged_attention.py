@@ -113,8 +113,7 @@ class StepMetadata:
             width = max(len(t) for t in dec_tables)
             meta.decode_rows = torch.tensor(dec_rows, device=device)
             meta.decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], device=device)
-            lens = torch.tensor(dec_lens, device=device)
-            meta.decode_lens = lens.to(torch.int32)
+            meta.decode_lens = lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
             meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :]
                                 < lens[:, None])[:, None, None, :]
         return meta
@@ -164,7 +163,8 @@ class PagedAttention(AttentionBackend):
         mask = meta.decode_mask
         if window is not None:
             # a decode at position p sees keys p - window + 1 .. p
-            mask = mask & (torch.arange(mask.shape[-1]) >= meta.decode_lens[:, None] - window)[:, None, None, :]
+            mask = mask & (torch.arange(mask.shape[-1], device=mask.device)
+                           >= meta.decode_lens[:, None] - window)[:, None, None, :]
         keys, values = self.cache.read(layer, meta.decode_blocks, q.dtype)
         # gathered: [decodes, max_blocks * block_size, kv_heads, head_dim] -> heads first
         keys = keys.reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)

@@ -57,6 +57,9 @@ class TritonPagedAttention(AttentionBackend):
             rows = meta.decode_rows
             # from host-side lengths: choosing splits must not wait for the device
             splits = decode_num_splits(self.config, meta.max_context_len, len(rows), num_kv_heads)
+            if not meta.prefills:   # decodes only: row i is decode i, so no gather or scatter
+                return paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens,
+                                              num_splits=splits, **rotary, **shape)
             out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, meta.decode_blocks, meta.decode_lens,
                                                num_splits=splits, **_for_rows(rotary, rows), **shape)
         return out

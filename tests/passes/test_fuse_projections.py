@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from renamed_params import renamed
 
 import llmc
 from llmc import SamplingParams
@@ -142,19 +143,6 @@ def test_fuse_qkv_finds_the_projections_of_a_flash_attention_that_rotates_them_i
     inputs = prompt(9, 10)
     torch.testing.assert_close(interpret(graph, inputs)["logits"], interpret(lowered, inputs)["logits"],
                                rtol=1e-4, atol=1e-5)
-
-
-def renamed(graph, prefix="w"):
-    """The graph with every param named `<prefix><i>`: nothing left to find projections by name."""
-    g = graph.copy()
-    names = {old: f"{prefix}{i}" for i, old in enumerate(g.params)}
-    g.params = {names[k]: p for k, p in g.params.items()}
-    for new, p in g.params.items():
-        p.name = new
-    g.weights = {names[k]: t for k, t in g.weights.items()}
-    for node in g.nodes:
-        node.inputs = [names.get(i, i) for i in node.inputs]
-    return g
 
 
 def test_projections_are_found_by_structure_not_by_param_names(lowered):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 from prune_models import all_logits, build, capture, plan_logits, run_pass, tokens
+from renamed_params import renamed
 
-from llmc.compiler.ir import Graph
 from llmc.errors import PassError
 from llmc.passes.base import PassContext
 from llmc.passes.decoder_structure import decoder_layers
@@ -29,20 +29,6 @@ def numpy_block_influence(model, seqs):
         cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
         out.append(1.0 - cos.mean())
     return out
-
-
-def renamed(graph: Graph) -> Graph:
-    """The same graph with every param called p0, p1, ... (no layer names left to read)."""
-    g = graph.copy()
-    names = {old: f"p{i}" for i, old in enumerate(g.params)}
-    g.params = {names[k]: p for k, p in g.params.items()}
-    for new, p in g.params.items():
-        p.name = new
-    g.weights = {names[k]: w for k, w in g.weights.items()}
-    for node in g.nodes:
-        node.inputs = [names.get(i, i) for i in node.inputs]
-    g.verify()
-    return g
 
 
 def test_block_influence_matches_float64_numpy_on_hf_hidden_states(model):
