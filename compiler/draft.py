@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from llmc.compiler.artifact import TOKENIZER_DIR, read_manifest, sha256_file
-from llmc.compiler.prune_recipes import parse_prune
+from llmc.compiler.recipes import parse_prune
 from llmc.errors import ArtifactError, ModelLoadError, PassError
 
 DEFAULT_QUANT = "int4-rtn"

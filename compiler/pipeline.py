@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -21,44 +20,15 @@ from llmc.compiler.calibration import calibration_sequences, calibration_source
 from llmc.compiler.draft import draft_options, read_draft_target
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node
-from llmc.compiler.kv_heads_recipe import insert_kv_heads_pass
-from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output, select_logit_rows
 from llmc.compiler.ops import ATTENTION_OPS
-from llmc.compiler.prune_recipes import insert_prune_passes, prune_pass_specs
-from llmc.compiler.quant_recipes import add_kv_cache_pass, insert_quant_passes, quant_pass_specs
+from llmc.compiler.options import CompileOptions
+from llmc.compiler.recipes import added_passes, kv_cache_passes, kv_heads_passes, prune_passes, quant_passes
 from llmc.compiler.targets import Target, get_target
 from llmc.compiler.trace import export_lm, translate
 from llmc.errors import ArtifactError, PassError
-from llmc.passes.base import PassContext, PassManager, echo_stderr
-from llmc.passes.registry import build_pipeline, get_pass
-
-
-@dataclass
-class CompileOptions:
-    passes: str | None = None                 # comma list replacing the target's pipeline
-    disable: list[str] = field(default_factory=list)
-    pass_options: dict[str, dict] = field(default_factory=dict)
-    print_ir_after: set[str] = field(default_factory=set)
-    dump_ir: str | None = None
-    max_num_batched_tokens: int = 2048
-    force: bool = False
-    quiet: bool = False
-    calib: str | None = None                  # calibration text file; None: self-generated text
-    calib_samples: int = 8
-    calib_seq_len: int = 128
-    calib_seed: int = 0
-    max_ppl_increase: float | None = None     # accuracy budget: percent over calibration perplexity
-    quant: str | None = None                  # a --quant recipe (compiler/quant_recipes.py)
-    group_size: int | None = None             # int4 group size (default 128)
-    kv_cache: str | None = None               # "int8" | "fp8"
-    kv_heads: int | None = None               # convert_kv_heads to this many KV heads (1 = MQA)
-    kv_grouping: str | None = None            # "auto" (default) | "index" | "similarity"
-    draft_of: str | None = None               # target artifact this compile makes a draft of
-    draft_layers: int | None = None           # layers the draft keeps (compiler/draft.py)
-    prune: str | None = None                  # --prune "heads:0.25,ffn:0.3,layers:4" (compiler/prune_recipes.py)
-    sparsity: str | float | None = None       # --sparsity 0.5 | "2:4"
-    sparsity_method: str | None = None        # "wanda" (default) | "magnitude"
-    autotune: bool = False                    # time Triton launch configs on a CUDA GPU (codegen/autotune.py)
+from llmc.passes.base import Pass, PassContext, PassManager, Stage, echo_stderr
+from llmc.passes.lowering import LOWERING
+from llmc.passes.registry import PassConfig, apply_options, drop_disabled, parse_pass_list, schedule
 
 
 def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
@@ -118,39 +88,44 @@ def weight_bytes_by_dtype(graph: Graph) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def trace_and_lower(module: torch.nn.Module, max_tokens: int, log: Callable[[str, float, dict], None]) -> Graph:
+def trace(module: torch.nn.Module, max_tokens: int, log: Callable[[str, float, dict], None]) -> Graph:
+    """The model as a graph of aten nodes (torch.export, then translated into the IR)."""
     t = time.perf_counter()
-    ep = export_lm(module, max_tokens=max(max_tokens, 16))
-    graph = translate(ep)
+    graph = translate(export_lm(module, max_tokens=max(max_tokens, 16)))
     log("trace", time.perf_counter() - t, {"aten_nodes": len(graph.nodes)})
-    t = time.perf_counter()
-    stats = lower(graph)
-    PassManager([get_pass("remove_noops"), get_pass("dce")], PassContext(quiet=True)).run(graph)
-    stats["batch_dim_dropped"] = int(drop_batch_dim(graph))
-    stats["logit_rows_selected"] = int(stats["batch_dim_dropped"] and select_logit_rows(graph))
-    rename_output(graph)
-    canonical_names(graph)
-    graph.verify()
-    log("lower", time.perf_counter() - t, stats)
     return graph
 
 
-def pipeline_entries(tgt: Target, opts: CompileOptions) -> list[str]:
-    """The pass specs to run: --passes or the target's pipeline, with the --quant recipe (or,
-    without --passes, the target's default_quant) inserted before the cleanup passes, and
-    --kv-cache's pass (or the target's default_kv_cache) last."""
+def lowering_configs() -> list[PassConfig]:
+    return [PassConfig.of(name, Stage.LOWER, origin="lowering") for name in LOWERING]
+
+
+def trace_and_lower(module: torch.nn.Module, max_tokens: int, log: Callable[[str, float, dict], None]) -> Graph:
+    """The model traced and lowered to LLM ops (the lowering stage alone, for tools and tests)."""
+    graph = trace(module, max_tokens, log)
+    configs = lowering_configs()
+    PassManager([c.instantiate() for c in configs], PassContext(quiet=True), [c.stage for c in configs]).run(graph)
+    return graph
+
+
+def pass_configs(tgt: Target, opts: CompileOptions) -> list[PassConfig]:
+    """The whole pipeline: lowering, then --passes (in the user's order) or the target's
+    pipeline, with the passes the compile flags ask for (--prune/--sparsity, --kv-heads, --quant
+    or the target's default quantisation, --kv-cache, --add-pass) placed by their stage."""
     explicit = opts.passes is not None
-    entries = [e for e in opts.passes.split(",") if e.strip()] if explicit else list(tgt.default_pipeline)
+    base = (parse_pass_list(e for e in opts.passes.split(",") if e.strip()) if explicit
+            else tgt.pass_configs())
     quant = opts.quant or (None if explicit else tgt.default_quant)
-    if quant is not None:
-        entries = insert_quant_passes(entries, quant_pass_specs(quant, opts.group_size), explicit)
-    elif opts.group_size is not None:
-        raise PassError("--group-size needs --quant int4-rtn, int4-gptq or int4-awq")
-    entries = insert_kv_heads_pass(entries, opts.kv_heads, opts.kv_grouping)
-    # last of the insertions, since it prepends: pruning runs before KV-head conversion and quantisation
-    entries = insert_prune_passes(entries, prune_pass_specs(opts.prune, opts.sparsity, opts.sparsity_method),
-                                  explicit)
-    return add_kv_cache_pass(entries, opts.kv_cache or (None if explicit else tgt.default_kv_cache))
+    kv_cache = opts.kv_cache or (None if explicit else tgt.default_kv_cache)
+    added = (prune_passes(opts.prune, opts.sparsity, opts.sparsity_method)
+             + kv_heads_passes(opts.kv_heads, opts.kv_grouping)
+             + quant_passes(quant, opts.group_size) + kv_cache_passes(kv_cache) + added_passes(opts.add))
+    configs = schedule(lowering_configs() + base, added)
+    return apply_options(drop_disabled(configs, opts.disable), opts.pass_options)
+
+
+def instantiate(configs: list[PassConfig]) -> list[Pass]:
+    return [c.instantiate() for c in configs]
 
 
 def check_kv_scales(graph: Graph) -> None:
@@ -169,7 +144,7 @@ def check_kv_scales(graph: Graph) -> None:
 def calibrate(loaded, pipeline: list, opts: CompileOptions, log) -> list[torch.Tensor] | None:
     """Calibration sequences, made only when a lossy (or otherwise calibrated) pass will use
     them (so lossless compiles stay fast and never sample from the model)."""
-    if not any(p.lossy or getattr(p, "needs_calibration", False) for p in pipeline):
+    if not any("calibration" in p.needs for p in pipeline):
         return None
     t = time.perf_counter()
     seqs = calibration_sequences(loaded, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.calib_seed)
@@ -213,7 +188,7 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     if output.exists() and not opts.force:
         raise ArtifactError(f"output '{output}' exists; pass --force to overwrite it")
     draft_target = read_draft_target(opts.draft_of, opts.draft_layers)  # checked before the slow load
-    pipeline = build_pipeline(pipeline_entries(tgt, opts), None, opts.disable, opts.pass_options)
+    configs = pass_configs(tgt, opts)
     stages: list[dict] = []
 
     def log(name, seconds, details):
@@ -224,19 +199,20 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     log("load", time.perf_counter() - t, {"kind": loaded.kind, "name": loaded.name})
     if draft_target is not None:  # how many layers to cut depends on the loaded model
         opts = draft_options(opts, loaded, draft_target)
-        pipeline = build_pipeline(pipeline_entries(tgt, opts), None, opts.disable, opts.pass_options)
-    graph = trace_and_lower(loaded.module, opts.max_num_batched_tokens, log)
+        configs = pass_configs(tgt, opts)
+    pipeline = instantiate(configs)
+    graph = trace(loaded.module, opts.max_num_batched_tokens, log)
     calibration = calibrate(loaded, pipeline, opts, log)
     ctx = PassContext(target=tgt, options=budget_options(opts), calibration=calibration,
                       print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
-    records = PassManager(pipeline, ctx).run(graph)
+    records = PassManager(pipeline, ctx, [c.stage for c in configs]).run(graph)
     note_calibration(records, calibration, opts)
     check_kv_scales(graph)
     graph.meta = model_meta(loaded.config, graph, loaded.module)
     t = time.perf_counter()
-    configs, tuning = launch_configs(graph, tgt, opts, echo or echo_stderr)
-    plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens, configs)
+    overrides, tuning = launch_configs(graph, tgt, opts, echo or echo_stderr)
+    plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens, overrides)
     if tuning is not None:
         plan.meta["autotune"] = tuning
     kernels, kernel_index = kernel_sources(plan)
@@ -256,8 +232,21 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     }
     if draft_target is not None:
         manifest["draft_of"] = draft_target.record()
-    timings = {"stages": stages, "passes": [{"name": r.name, "seconds": round(r.seconds, 4)} for r in records],
-               "host": platform.machine()}
-    return write_artifact(output, graph_json=graph.to_json(), plan_json=plan.to_json(), weights=graph.weights,
-                          tokenizer=loaded.tokenizer, manifest=manifest, timings=timings, force=opts.force,
+    path = write_artifact(output, graph_json=graph.to_json(), plan_json=plan.to_json(), weights=graph.weights,
+                          tokenizer=loaded.tokenizer, manifest=manifest, force=opts.force,
                           kernels=kernels, kernel_index=kernel_index or None)
+    if opts.report is not None:
+        write_report(opts.report, stages, records)
+    return path
+
+
+def write_report(path: str | Path, stages: list[dict], records: list) -> None:
+    """The compile's wall-clock log, beside the artifact rather than in it (timings differ
+    between identical compiles, and the artifact's bytes must not)."""
+    report = {"stages": stages, "passes": [{"name": r.name, "stage": r.stage, "seconds": round(r.seconds, 4)}
+                                           for r in records], "host": platform.machine()}
+    try:
+        Path(path).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    except OSError as e:
+        raise ArtifactError(f"--report '{path}' cannot be written ({e.strerror}); the artifact was written; "
+                            f"give a writable file path") from None

@@ -7,7 +7,6 @@ import os
 import platform
 from dataclasses import asdict, dataclass, field
 
-from llmc.compiler.quant_recipes import add_kv_cache_pass, insert_quant_passes, quant_pass_specs
 from llmc.errors import TargetError
 
 GiB = 2**30
@@ -17,7 +16,7 @@ GiB = 2**30
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
                     "fp8": "float8_e4m3fn", "int8": "int8", "int4": "uint8"}
 
-CLEANUP = ["remove_noops", "fold_constants", "dce"]
+CLEANUP = ("remove_noops", "fold_constants", "dce")
 
 
 @dataclass(frozen=True)
@@ -34,10 +33,12 @@ class Target:
     weight_dtype: str                             # a PRECISION_DTYPES key
     activation_dtype: str                         # the dtype between kernels
     compute_dtype: str                            # the dtype GEMMs run in (a peak_tflops key)
-    default_pipeline: list[str] = field(hash=False)
+    # the passes a compile runs after lowering, by name: each is placed in its declared stage
+    # (a cleanup pass named after the fusions runs in the final cleanup stage)
+    default_pipeline: tuple[str, ...] = field(hash=False)
     compile_ready: bool = True
     not_ready_reason: str = ""
-    # the --quant recipe (compiler/quant_recipes.py) applied when the user names none
+    # the --quant recipe (compiler/recipes.py) applied when the user names none
     default_quant: str | None = None
     # the --kv-cache dtype (int8 | fp8) applied when the user names none
     default_kv_cache: str | None = None
@@ -56,13 +57,21 @@ class Target:
     def activation_ir_dtype(self) -> str:
         return PRECISION_DTYPES[self.activation_dtype]
 
+    def pass_configs(self) -> list:
+        """The default pipeline as typed pass configurations (PassConfig), in stage order."""
+        from llmc.passes.registry import parse_pass_list
+
+        configs = parse_pass_list(self.default_pipeline, origin=f"target {self.name}")
+        assert [c.stage for c in configs] == sorted(c.stage for c in configs), self.name
+        return configs
+
     def full_pipeline(self) -> list[str]:
-        """The pass specs a compile without pipeline flags runs: the default pipeline with the
-        default_quant recipe and default_kv_cache pass inserted where compiler/quant_recipes.py puts them."""
-        entries = list(self.default_pipeline)
-        if self.default_quant is not None:
-            entries = insert_quant_passes(entries, quant_pass_specs(self.default_quant), explicit=False)
-        return add_kv_cache_pass(entries, self.default_kv_cache)
+        """The passes a compile without pipeline flags runs after lowering, as name:key=value
+        specs: the default pipeline with the default_quant and default_kv_cache passes placed."""
+        from llmc.compiler.options import CompileOptions
+        from llmc.compiler.pipeline import pass_configs
+
+        return [c.spec() for c in pass_configs(self, CompileOptions()) if c.origin != "lowering"]
 
     def check_ready(self) -> None:
         """Raise TargetError when llmc cannot compile for this target yet."""
@@ -100,7 +109,7 @@ def gpu_target(name: str, description: str, arch: str, memory_gib: int, bandwidt
     return Target(name, description, "cuda", arch, memory_gib * GiB, bandwidth, peak_tflops,
                   supports_fp8="fp8" in peak_tflops, weight_dtype=weight_dtype,
                   activation_dtype="bf16", compute_dtype=compute_dtype,
-                  default_pipeline=CLEANUP + ["cast_bf16"] + FUSIONS + ["dce"], default_quant=default_quant,
+                  default_pipeline=CLEANUP + ("cast_bf16",) + FUSIONS + ("dce",), default_quant=default_quant,
                   default_kv_cache=default_kv_cache)
 
 
@@ -112,18 +121,17 @@ A100 = {"int4": 1248.0, "int8": 624.0, "bf16": 312.0, "fp16": 312.0, "fp32": 19.
 RTX4090 = {"int4": 1321.2, "int8": 660.6, "fp8": 330.3, "bf16": 165.2, "fp16": 165.2, "fp32": 82.6}
 ORIN = {"int8": 85.0, "bf16": 42.5, "fp16": 42.5, "fp32": 5.3}
 
-# Unfused attention is raised first so fuse_attention sees every attention; gate/up fuse into one
-# GEMM before swiglu, so swiglu reads the packed GEMM output.
-FUSIONS = ["raise_attention", "fuse_attention", "fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm"]
+# Gate/up fuse into one GEMM before swiglu, so swiglu reads the packed GEMM output.
+FUSIONS = ("fuse_attention", "fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm")
 # The cpu target's fusions: q/k/v and gate/up each become one GEMM, swiglu and add + rms_norm one
 # kernel each (decode tokens/s before/after: bench/fusion.sh).
-CPU_FUSIONS = ["fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm"]
+CPU_FUSIONS = ("fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm")
 
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("cpu", "this host's CPU through torch (nominal bandwidth and peak)", "cpu",
            platform.machine(), host_memory_bytes(), 50e9, {"fp32": 1.0, "bf16": 1.0, "int8": 2.0},
            supports_fp8=False, weight_dtype="fp32", activation_dtype="fp32", compute_dtype="fp32",
-           default_pipeline=CLEANUP + ["raise_attention"] + CPU_FUSIONS + ["fuse_attention", "dce"]),
+           default_pipeline=CLEANUP + CPU_FUSIONS + ("fuse_attention", "dce")),
     gpu_target("h100-fp8", "NVIDIA H100 SXM 80GB, fp8 e4m3 weights and activations in GEMMs",
                "sm_90", 80, 3.35e12, H100, "fp8", "fp8", default_quant="fp8",
                default_kv_cache="fp8"),

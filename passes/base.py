@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import abc
+import enum
 import json
 import sys
 import time
@@ -11,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-import click
 from tqdm import tqdm
 
 from llmc.compiler.ir import Graph
 from llmc.errors import IRError, PassError
 from llmc.passes.accuracy import AccuracyMeter, check_budget
+from llmc.passes.options import PassOptions
 from llmc.passes.registry import (
     PASSES,
     build_pipeline,
@@ -37,65 +38,64 @@ class PassResult:
     accuracy: dict | None = None                  # lossy passes: measured cost on calibration text
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+class Stage(enum.IntEnum):
+    """Where a pass runs; the pipeline builder orders passes by stage. Lowering's own steps (with
+    the frontend cleanup) come first; the passes that change weights (prune, convert heads,
+    quantise) see the graph as lowered; cleanup passes run after them (simplify) and after the
+    fusions. The KV-cache pass comes last, so every attention it scales is final."""
+    LOWER = 0
+    PRUNE = 1
+    CONVERT_HEADS = 2
+    QUANTIZE = 3
+    SIMPLIFY = 4
+    SHARD = 5
+    CAST = 6
+    FUSE = 7
+    CLEANUP = 8
+    KV_CACHE = 9
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
 
 
-def coerce_option(pass_name: str, key: str, value: Any, default: Any) -> Any:
-    """Turn a CLI string into the type of the option's default (bool, int, float, list)."""
-    if not isinstance(value, str) or isinstance(default, str):
-        return value
-    text = value.strip()
-    try:
-        if isinstance(default, bool):
-            if text.lower() not in _TRUE | _FALSE:
-                raise ValueError(text)
-            return text.lower() in _TRUE
-        if isinstance(default, int):
-            return int(text)
-        if isinstance(default, float):
-            return float(text)
-        if isinstance(default, (list, tuple)):
-            return type(default)(x.strip() for x in text.split(",") if x.strip())
-    except ValueError:
-        raise PassError(f"pass {pass_name!r}: option {key}={value!r} is not a valid "
-                        f"{type(default).__name__} (default {default!r})") from None
-    if default is None:
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text
-    return value
+# What a pass may declare it needs; the driver provides each before the pipeline runs.
+NEEDS = {"calibration": "calibration sequences (--calib text, or text the model generates)",
+         "target": "the compile target's facts (its activation dtype)"}
 
 
 class Pass(abc.ABC):
-    """A graph transformation. Subclasses set `name`, `description`, `lossy` and the option
-    defaults in `options`; an instance's `options` holds the values it runs with."""
+    """A graph transformation. Subclasses declare `name`, `description`, `stage` (and the
+    other `stages` it may be placed in), `lossy`, `needs` (keys of NEEDS), `required` (lowering
+    steps nobody may disable) and `Options`, a PassOptions dataclass; an instance's `options`
+    is that class filled in with the values it runs with."""
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    stage: ClassVar[Stage] = Stage.FUSE
+    stages: ClassVar[tuple[Stage, ...]] = ()
     lossy: ClassVar[bool] = False
-    options: dict = {}
+    needs: ClassVar[tuple[str, ...]] = ()
+    required: ClassVar[bool] = False
+    Options: ClassVar[type[PassOptions]] = PassOptions
 
     def __init__(self, **options):
-        defaults = type(self).options
-        unknown = sorted(set(options) - set(defaults))
-        if unknown:
-            valid = ", ".join(sorted(defaults)) or "none"
-            raise PassError(f"pass {self.name!r} has no option {unknown[0]!r}; valid options: {valid}")
-        self.options = {**defaults, **{k: coerce_option(self.name, k, v, defaults[k])
-                                       for k, v in options.items()}}
+        self.options = type(self).Options.build(options)
+
+    @classmethod
+    def allowed_stages(cls) -> tuple[Stage, ...]:
+        return cls.stages or (cls.stage,)
 
     @abc.abstractmethod
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         """Rewrite `graph` in place and say what was done."""
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.to_dict().items())
         return f"{self.name}({opts})"
 
 
 def echo_stderr(message: str) -> None:
-    click.echo(message, err=True)
+    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -121,6 +121,7 @@ class PassContext:
 class PassRecord:
     """One pass's entry in the compile report and the artifact manifest."""
     name: str
+    stage: str
     options: dict
     seconds: float
     changed: bool
@@ -133,7 +134,7 @@ class PassRecord:
 
     def to_dict(self, include_timing: bool = True) -> dict:
         """Plain JSON data; without timing it is identical for identical compiles."""
-        d = {"name": self.name, "options": self.options, "changed": self.changed,
+        d = {"name": self.name, "stage": self.stage, "options": self.options, "changed": self.changed,
              "matches": self.matches, "details": self.details, "bytes_saved": self.bytes_saved,
              "accuracy": self.accuracy, "op_counts_before": self.op_counts_before,
              "op_counts_after": self.op_counts_after}
@@ -145,9 +146,15 @@ class PassRecord:
 class PassManager:
     """Runs passes in order over one graph, verifying the IR after each."""
 
-    def __init__(self, passes: list[Pass], ctx: PassContext | None = None):
+    def __init__(self, passes: list[Pass], ctx: PassContext | None = None, stages: list[Stage] | None = None):
+        """`stages`, when given, says which stage each pass was scheduled in (a cleanup pass
+        may run in more than one); otherwise each runs in its declared stage."""
         self.passes = list(passes)
         self.ctx = ctx or PassContext()
+        self.stages = list(stages) if stages is not None else [p.stage for p in self.passes]
+
+    def stage_of(self, p: Pass) -> Stage:
+        return self.stages[next(i for i, q in enumerate(self.passes) if q is p)]
 
     def run(self, graph: Graph) -> list[PassRecord]:
         self._check_instrument_names()
@@ -185,8 +192,8 @@ class PassManager:
         if meter is not None:
             accuracy = {**(accuracy or {}), **meter.measure(graph)}
             check_budget(p.name, accuracy, self.ctx.options.get("max_ppl_increase"))
-        record = PassRecord(p.name, dict(p.options), seconds, result.changed, result.matches,
-                            result.details, result.bytes_saved, accuracy,
+        record = PassRecord(p.name, self.stage_of(p).label, p.options.to_dict(), seconds, result.changed,
+                            result.matches, result.details, result.bytes_saved, accuracy,
                             before, graph.op_counts())
         if self.ctx.verbose:
             self.ctx.echo(summarize(record))
@@ -219,6 +226,10 @@ class PassManager:
                 if name not in known:
                     raise PassError(f"{what} names unknown pass {name!r}; "
                                     f"valid passes: {', '.join(sorted(known))}")
+        required = sorted(p.name for p in self.passes if p.required and p.name in self.ctx.disabled)
+        if required:
+            raise PassError(f"--disable-pass {required[0]}: it is a lowering step every compile needs; "
+                            f"it cannot be disabled")
 
 
 def summarize(record: PassRecord) -> str:
@@ -239,6 +250,6 @@ def format_bytes(n: int) -> str:
     return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
-__all__ = ["PassResult", "Pass", "PassContext", "PassRecord", "PassManager", "PASSES",
-           "register_pass", "get_pass", "build_pipeline", "parse_pass_options", "coerce_option",
+__all__ = ["PassResult", "Pass", "Stage", "NEEDS", "PassOptions", "PassContext", "PassRecord", "PassManager",
+           "PASSES", "register_pass", "get_pass", "build_pipeline", "parse_pass_options",
            "summarize", "format_bytes"]

@@ -16,11 +16,13 @@ normalisation itself still runs in fp32 inside the op."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llmc.compiler.artifact import view_key
 from llmc.compiler.ir import Graph, Node, TensorType, Value
 from llmc.compiler.ops import TORCH_DTYPES, infer_types
-from llmc.errors import PassError
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
+from llmc.passes.options import PassOptions, option
 
 CAST_DTYPES = ("bfloat16", "float16")
 # The float dtypes activations move between; fp8 and integer values are never touched.
@@ -68,8 +70,13 @@ class CastDtype(Pass):
                    "quant scales, rotary inv_freq, aten fallbacks and the logits in float32")
     # Not metered: bf16 storage costs ~0.2% calibration perplexity on SmolLM2, and measuring it
     # would make every bf16 compile generate calibration text (~90 s); `llmc eval --ref` measures it.
-    lossy = False
-    options = {"dtype": None}   # None: the target's activation dtype when 16-bit, else bfloat16
+    stage = Stage.CAST
+    needs = ("target",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        dtype: str | None = option(None, "16-bit dtype (default: the target's activation dtype when 16-bit, "
+                                         "else bfloat16)", choices=CAST_DTYPES)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         dtype = self.resolve_dtype(ctx)
@@ -81,14 +88,10 @@ class CastDtype(Pass):
         return PassResult(cast + inserted, bool(cast or inserted), details, bytes_saved=saved)
 
     def resolve_dtype(self, ctx: PassContext) -> str:
-        dtype = self.options["dtype"]
-        if dtype is None:
-            target_dtype = getattr(ctx.target, "activation_ir_dtype", None)
-            dtype = target_dtype if target_dtype in CAST_DTYPES else "bfloat16"
-        if dtype not in CAST_DTYPES:
-            raise PassError(f"pass 'cast_bf16': option dtype={dtype!r} is not one of {', '.join(CAST_DTYPES)}; "
-                            f"use --pass-option cast_bf16.dtype=bfloat16")
-        return dtype
+        if self.options.dtype is not None:
+            return self.options.dtype
+        target_dtype = getattr(ctx.target, "activation_ir_dtype", None)
+        return target_dtype if target_dtype in CAST_DTYPES else "bfloat16"
 
 
 def cast_params(graph: Graph, dtype: str) -> tuple[int, int]:

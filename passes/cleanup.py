@@ -4,6 +4,7 @@ tracing, fold nodes computed from weights alone, and remove dead nodes and param
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -11,7 +12,8 @@ import torch
 from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS, DTYPE_NAMES, run_reference
 from llmc.errors import PassError
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
+from llmc.passes.options import PassOptions, option
 
 # torch uses INT64_MAX (or similar) as the end of an open slice.
 _HUGE = 2**62
@@ -46,6 +48,7 @@ def param_nbytes(t: TensorType) -> int:
 class DeadCodeElimination(Pass):
     name = "dce"
     description = "remove nodes whose outputs nothing uses, then params no node reads"
+    stage, stages = Stage.SIMPLIFY, (Stage.LOWER, Stage.SIMPLIFY, Stage.CLEANUP)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         live = set(graph.outputs)
@@ -155,6 +158,7 @@ class RemoveNoops(Pass):
     name = "remove_noops"
     description = ("remove aten asserts, aliases, clones, same-dtype casts, same-shape views, "
                    "full slices, x*1, x+0 and dropout (inference only)")
+    stage, stages = Stage.SIMPLIFY, (Stage.LOWER, Stage.SIMPLIFY, Stage.CLEANUP)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         types = graph.types()
@@ -176,7 +180,12 @@ class RemoveNoops(Pass):
 class FoldConstants(Pass):
     name = "fold_constants"
     description = "evaluate nodes whose inputs are all weights and store the results as params"
-    options = {"max_growth": 2.0}   # largest allowed result bytes / input bytes
+    stage, stages = Stage.SIMPLIFY, (Stage.SIMPLIFY, Stage.CLEANUP)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        max_growth: float = option(2.0, "largest allowed result bytes / input bytes of a folded node",
+                                   low=0.0, strict=True)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         kept, folded, added = [], Counter(), 0
@@ -212,7 +221,7 @@ class FoldConstants(Pass):
         if any(t.dtype == "symint" or not all(isinstance(d, int) for d in t.shape) for t in out_types):
             return False
         in_bytes = sum(graph.params[name].type.nbytes() for name in set(node.inputs))
-        return sum(t.nbytes() for t in out_types) <= self.options["max_growth"] * in_bytes
+        return sum(t.nbytes() for t in out_types) <= self.options.max_growth * in_bytes
 
     def _evaluate(self, graph: Graph, node: Node) -> list[torch.Tensor]:
         with torch.no_grad():

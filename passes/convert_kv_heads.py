@@ -20,8 +20,9 @@ from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.errors import PassError
 from llmc.passes.accuracy import graph_logits, mean_kl, perplexity, significant, top1_agreement
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.kv_head_grouping import HeadSimilarity, index_groups, similarity_groups
+from llmc.passes.options import PassOptions, option
 from llmc.passes.quantize_kv import run_logits
 
 GROUPINGS = ("auto", "index", "similarity")
@@ -241,24 +242,21 @@ class ConvertKVHeads(Pass):
     name = "convert_kv_heads"
     description = ("MHA/GQA -> GQA/MQA: mean-pool key and value projection heads into kv_heads groups, "
                    "grouped by index, by similarity on calibration text, or by whichever scores better")
+    stage = Stage.CONVERT_HEADS
     lossy = True
-    options = {"kv_heads": 1, "grouping": "auto"}
+    needs = ("calibration",)
 
-    def __init__(self, **options):
-        super().__init__(**options)
-        n, grouping = self.options["kv_heads"], self.options["grouping"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise PassError(f"convert_kv_heads: kv_heads={n!r} must be a positive int dividing the "
-                            f"model's KV heads (1 = multi-query attention)")
-        if grouping not in GROUPINGS:
-            raise PassError(f"convert_kv_heads: grouping={grouping!r} is unknown; choose one of "
-                            f"{', '.join(GROUPINGS)}")
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        kv_heads: int = option(1, "KV heads to keep, dividing the model's (1 = multi-query attention)", low=1)
+        grouping: str = option("auto", "which KV heads pool together: by index, by similarity on calibration "
+                                       "text, or auto (both scored, the better kept)", choices=GROUPINGS)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        sites, n = find_sites(graph), self.options["kv_heads"]
+        sites, n = find_sites(graph), self.options.kv_heads
         check_kv_heads(sites, n)
         details = {"kv_heads_before": sorted({s.kv_heads for s in sites}), "kv_heads_after": n,
-                   "requested_grouping": self.options["grouping"],
+                   "requested_grouping": self.options.grouping,
                    "kv_bytes_per_token_before": kv_bytes_per_token(graph, sites)}
         if all(s.kv_heads == n for s in sites):
             return PassResult(0, False, {**details, "kv_bytes_per_token_after": details[
@@ -276,7 +274,7 @@ class ConvertKVHeads(Pass):
 
     def choose(self, graph: Graph, ctx: PassContext, sites: list[AttentionSite], n: int):
         """(grouping used, its plan, {grouping: score} when `auto` compared them)."""
-        grouping = self.options["grouping"]
+        grouping = self.options.grouping
         by_index = {s.attn.name: index_groups(s.kv_heads, n) for s in sites}
         if grouping == "index":
             return "index", by_index, None

@@ -6,7 +6,7 @@ go through memory. Where q, k and v come from (linears, a fused QKV's split) doe
 from __future__ import annotations
 
 from llmc.compiler.ir import Graph, Node
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 
 
 def shared_rope(attn: Node, producers: dict[str, Node], users: dict[str, list[Node]]):
@@ -41,6 +41,7 @@ def flash_node(attn: Node, ropes: tuple[Node, Node] | None) -> Node:
 class FuseAttention(Pass):
     name = "fuse_attention"
     description = "attention (and the rope on its q and k) -> one flash_attention op"
+    stage = Stage.FUSE
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         producers, users = graph.producers(), graph.users()

@@ -5,7 +5,7 @@ add feeding an rms_norm into one `add_rms_norm` that also yields the sum for the
 from __future__ import annotations
 
 from llmc.compiler.ir import Graph, Node
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 
 
 def silu_times(producers: dict[str, Node], mul: Node) -> tuple[Node, str, str] | None:
@@ -35,6 +35,7 @@ class FuseSwiGLU(Pass):
     name = "fuse_swiglu"
     description = ("silu(gate) * up -> swiglu; reads a fused gate_up GEMM's output packed, "
                    "dropping its split")
+    stage = Stage.FUSE
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         producers, users, types = graph.producers(), graph.users(), graph.types()
@@ -84,6 +85,7 @@ class FuseRMSNorm(Pass):
     name = "fuse_rms_norm"
     description = ("add(x, residual) feeding an rms_norm -> add_rms_norm, whose second output "
                    "keeps the sum for the next residual add")
+    stage = Stage.FUSE
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         users, types = graph.users(), graph.types()

@@ -13,7 +13,7 @@ import torch
 
 from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS, DTYPE_NAMES, qlinear_inputs
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.quantize import param_bytes, quant_param_names
 
 PROJECTIONS = ("linear", "qlinear")
@@ -195,6 +195,7 @@ def fuse_group(graph: Graph, nodes: list[Node], kind: str) -> str:
 
 
 class FuseProjections(Pass):
+    stage = Stage.FUSE
     """Fuse each candidate group `candidates(graph)` finds; report the ones that cannot fuse."""
     kind = ""
 

@@ -7,13 +7,16 @@ the same fraction of the lowest-scoring channels is cut from every layer, so lay
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmc.compiler.ir import Graph
 from llmc.errors import PassError
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.calibration_stats import channel_norms
 from llmc.passes.decoder_structure import MLPBlock, mlp_blocks, retype, set_weight, size_report, sizes
+from llmc.passes.options import PassOptions, option
 
 
 def channel_scores(down_weight: torch.Tensor, input_norms: torch.Tensor) -> torch.Tensor:
@@ -49,13 +52,17 @@ def cut_channels(graph: Graph, block: MLPBlock, keep: torch.Tensor) -> None:
 class PruneFFN(Pass):
     name = "prune_ffn"
     description = "remove the MLP channels with the lowest Wanda score ‖X_j‖·Σ|W_down[:, j]| on calibration text"
+    stage = Stage.PRUNE
     lossy = True
-    options = {"fraction": 0.25, "multiple_of": 8}
+    needs = ("calibration",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        fraction: float = option(0.25, "fraction of each MLP's channels to remove", low=0.0, high=1.0, strict=True)
+        multiple_of: int = option(8, "keep a channel count that is a multiple of this", low=1)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        fraction = self.options["fraction"]
-        if not 0.0 < fraction < 1.0:
-            raise PassError(f"prune_ffn: fraction={fraction} must lie strictly between 0 and 1")
+        fraction = self.options.fraction
         blocks = mlp_blocks(graph, self.name)
         if not blocks:
             raise PassError("prune_ffn: found no MLP (a down projection fed by linears through "
@@ -65,7 +72,7 @@ class PruneFFN(Pass):
         channels_before = [b.channels for b in blocks]
         for b in blocks:
             scores = channel_scores(graph.weights[b.down.inputs[1]], norms[b.down.inputs[0]])
-            keep = kept_channel_count(b.channels, fraction, self.options["multiple_of"])
+            keep = kept_channel_count(b.channels, fraction, self.options.multiple_of)
             cut_channels(graph, b, channels_to_keep(scores, keep))
         retype(graph, self.name)
         details = {"channels_before": channels_before, "channels_after": [b.channels for b in blocks],

@@ -11,13 +11,16 @@ heads from every group, keeping the KV layout as it was."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmc.compiler.ir import Graph
 from llmc.errors import PassError
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.calibration_stats import gram_matrices
 from llmc.passes.decoder_structure import AttentionBlock, attention_blocks, retype, set_weight, size_report, sizes
+from llmc.passes.options import PassOptions, option
 
 UNITS = ("group", "query")
 
@@ -96,15 +99,17 @@ class PruneHeads(Pass):
     name = "prune_heads"
     description = ("remove the attention heads (whole KV groups, or query heads evenly within groups) "
                    "that write least into the residual stream through o_proj on calibration text")
+    stage = Stage.PRUNE
     lossy = True
-    options = {"fraction": 0.25, "unit": "group"}
+    needs = ("calibration",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        fraction: float = option(0.25, "fraction of attention heads to remove", low=0.0, high=1.0, strict=True)
+        unit: str = option("group", "remove whole KV groups, or query heads evenly within groups", choices=UNITS)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        fraction, unit = self.options["fraction"], self.options["unit"]
-        if not 0.0 < fraction < 1.0:
-            raise PassError(f"prune_heads: fraction={fraction} must lie strictly between 0 and 1")
-        if unit not in UNITS:
-            raise PassError(f"prune_heads: unit={unit!r} is unknown; choose one of {', '.join(UNITS)}")
+        fraction, unit = self.options.fraction, self.options.unit
         blocks = attention_blocks(graph, self.name)
         if not blocks:
             raise PassError("prune_heads: the graph has no attention nodes to prune")

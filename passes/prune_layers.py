@@ -6,16 +6,19 @@ one shot by joining the stream around them, and the remaining attention layers a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from llmc.compiler.ir import Graph
 from llmc.compiler.lower import number_layers
 from llmc.errors import PassError
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.calibration_stats import observe
 from llmc.passes.cleanup import DeadCodeElimination
 from llmc.passes.decoder_structure import DecoderLayer, decoder_layers, size_report, sizes
+from llmc.passes.options import PassOptions, option
 
 
 def block_influence(graph: Graph, ctx: PassContext, layers: list[DecoderLayer], pass_name: str) -> list[float]:
@@ -51,11 +54,16 @@ def remove_layers(graph: Graph, layers: list[DecoderLayer], doomed: list[int], c
 class PruneLayers(Pass):
     name = "prune_layers"
     description = "remove the decoder layers with the lowest block influence 1 − cos(h_in, h_out) on calibration text"
+    stage = Stage.PRUNE
     lossy = True
-    options = {"count": 1}
+    needs = ("calibration",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        count: int = option(1, "decoder layers to remove", low=1)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        count = self.options["count"]
+        count = self.options.count
         layers = decoder_layers(graph, self.name)
         if not 1 <= count < len(layers):
             raise PassError(f"prune_layers: count={count} must be at least 1 and below the model's "

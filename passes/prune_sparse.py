@@ -8,14 +8,17 @@ speedup each target can get from them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.targets import TARGETS, Target
 from llmc.errors import PassError
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.calibration_stats import channel_norms
 from llmc.passes.decoder_structure import kv_bytes_per_token
+from llmc.passes.options import PassOptions, option
 from llmc.passes.quantize import FLOAT_DTYPES, lm_head_weights
 
 METHODS = ("wanda", "magnitude")
@@ -102,8 +105,25 @@ class PruneSparse(Pass):
     name = "prune_sparse"
     description = ("zero the lowest-scoring linear weights (magnitude or Wanda): a fraction `sparsity`, "
                    "or an N:M `pattern` such as 2:4 along the input dim; stored densely")
+    stage = Stage.PRUNE
     lossy = True
-    options = {"sparsity": 0.0, "pattern": "", "method": "wanda"}
+    needs = ("calibration",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        sparsity: float = option(0.0, "fraction of weights to zero (or give pattern)", low=0.0, high=1.0)
+        pattern: str = option("", "N:M pattern along the input dim, e.g. 2:4 (or give sparsity)")
+        method: str = option("wanda", "how weights are scored: |W|·‖X‖ on calibration text, or |W|",
+                             choices=METHODS)
+
+        def validate(self) -> None:
+            if bool(self.pattern) == bool(self.sparsity):
+                raise self.invalid("give exactly one of sparsity=FRACTION or pattern=N:M "
+                                   f"(got sparsity={self.sparsity}, pattern={self.pattern!r})")
+            if self.pattern:
+                parse_pattern(self.pattern)
+            elif not 0.0 < self.sparsity < 1.0:
+                raise self.invalid(f"sparsity={self.sparsity} must lie strictly between 0 and 1")
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         sparsity, pattern, method = self.checked_options()
@@ -126,21 +146,14 @@ class PruneSparse(Pass):
         return PassResult(len(linears), True, self.details(ctx, graph, skipped, counts, pattern))
 
     def checked_options(self) -> tuple[float, tuple[int, int] | None, str]:
-        sparsity, pattern, method = self.options["sparsity"], self.options["pattern"], self.options["method"]
-        if method not in METHODS:
-            raise PassError(f"prune_sparse: method={method!r} is unknown; choose one of {', '.join(METHODS)}")
-        if bool(pattern) == bool(sparsity):
-            raise PassError("prune_sparse: give exactly one of sparsity=FRACTION or pattern=N:M "
-                            f"(got sparsity={sparsity}, pattern={pattern!r})")
-        if not pattern and not 0.0 < sparsity < 1.0:
-            raise PassError(f"prune_sparse: sparsity={sparsity} must lie strictly between 0 and 1")
+        sparsity, pattern, method = self.options.sparsity, self.options.pattern, self.options.method
         return sparsity, parse_pattern(pattern) if pattern else None, method
 
     def details(self, ctx: PassContext, graph: Graph, skipped: dict, counts: dict, pattern) -> dict:
         own = ctx.target if isinstance(ctx.target, Target) else TARGETS.get(ctx.target_name or "cpu")
         kv = kv_bytes_per_token(graph)
-        return {"method": self.options["method"], "pattern": self.options["pattern"] or None,
-                "sparsity": self.options["sparsity"] or None,
+        return {"method": self.options.method, "pattern": self.options.pattern or None,
+                "sparsity": self.options.sparsity or None,
                 "skipped": {reason: len(names) for reason, names in sorted(skipped.items())},
                 **counts, "sparsity_achieved": round(counts["zeros_after"] / counts["weights"], 6),
                 "params_removed": 0, "bytes_removed": 0, "storage": "dense",

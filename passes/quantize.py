@@ -15,7 +15,8 @@ from llmc.compiler.ir import Graph, Node, QuantScheme, TensorType
 from llmc.compiler.ops import DTYPE_NAMES, QLINEAR_STORAGE
 from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
 from llmc.errors import PassError
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
+from llmc.passes.options import PassOptions, option
 
 # method_fn(weight fp32 [N, K], ctx, node) -> (codes, scales, zeros or None); int4 codes are
 # unpacked uint8 [N, K] in 0..15, int8 codes int8 [N, K].
@@ -140,14 +141,14 @@ class EmbeddingPlan:
 
 def plan_embeddings(graph: Graph, options: dict,
                     group_of: Callable[[int], int | None] | None = None) -> EmbeddingPlan:
-    """Embeddings to quantise when options["include_embedding"]; group_of(embedding_dim) is the
+    """Embeddings to quantise when options.include_embedding; group_of(embedding_dim) is the
     int4 group size (None: none divides), absent for per-row int8."""
     plan = EmbeddingPlan([], {}, [], {})
-    if not options["include_embedding"]:
+    if not options.include_embedding:
         return plan
     for node in (n for n in graph.nodes if n.op == "embedding"):
         weight = node.inputs[1]
-        reason = (skip_reason(graph, node, True, options["skip"], set())
+        reason = (skip_reason(graph, node, True, options.skip, set())
                   or (None if node.out.type.dtype == "float32" else "output is not float32"))
         group = -1
         if reason is None and group_of is not None:
@@ -159,7 +160,7 @@ def plan_embeddings(graph: Graph, options: dict,
             plan.group_sizes[weight] = group
         else:
             plan.skipped.setdefault(reason, []).append(weight)
-    if options["include_lm_head"] is not False:
+    if options.include_lm_head is not False:
         plan.heads = [n for n in graph.nodes if n.op == "linear" and n.inputs[1] in plan.group_sizes]
     return plan
 
@@ -171,7 +172,7 @@ def select_weights(p: Pass, graph: Graph, check: Callable[[Node], str | None] = 
     default) quantises the LM head only when it is tied to a quantised embedding: it then reads
     the embedding's params, so it leaves the linears quantised on their own."""
     plan = plan_embeddings(graph, p.options, group_of)
-    nodes, skipped = select_linears(graph, p.options["include_lm_head"] is True, p.options["skip"], check)
+    nodes, skipped = select_linears(graph, p.options.include_lm_head is True, p.options.skip, check)
     tied = {n.inputs[1] for n in plan.heads}
     nodes = [n for n in nodes if n.inputs[1] not in tied]
     skipped = {reason: kept for reason, weights in skipped.items()
@@ -268,11 +269,19 @@ def report_skipped(p: Pass, ctx: PassContext, skipped: dict[str, list[str]]) -> 
 class QuantizeInt8(Pass):
     name = "quantize_int8"
     description = "weight-only int8: per-output-channel symmetric scales, round to nearest"
+    stage = Stage.QUANTIZE
     lossy = True
+    needs = ("calibration",)
+
     # include_embedding: the token table becomes a qembedding (as llama.cpp's Q8_0/Q4 files
     # store token_embd); include_lm_head=None quantises the LM head only when it is tied to
     # that table, sharing its params, since a float head would keep the table's bytes anyway.
-    options = {"include_lm_head": None, "include_embedding": True, "skip": []}
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        include_lm_head: bool | None = option(None, "quantise the LM head (default: only when tied to the "
+                                                    "embedding table)")
+        include_embedding: bool = option(True, "quantise the token embedding table")
+        skip: list[str] = option([], "names of linears (or their weights) to keep in float")
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         fmt = WeightFormat("int8", "rtn", 8)
@@ -290,7 +299,9 @@ class QuantizeInt4(Pass):
     name = "quantize_int4"
     description = ("weight-only int4: groups of group_size along K with scales and zero points, "
                    "by rtn (round to nearest), gptq or awq (both from calibration activations)")
+    stage = Stage.QUANTIZE
     lossy = True
+    needs = ("calibration",)
     # shrink_groups: a linear whose K group_size does not divide takes the largest supported
     # group size below it that does (SmolLM2's K=576 at 128 -> 64) instead of staying float;
     # on by default because such models would otherwise be mostly unquantised. The report
@@ -302,38 +313,39 @@ class QuantizeInt4(Pass):
     # from 0.585 to 0.645 for 0.7% more weight bytes (16.0% of fp32).
     # act_order (GPTQ only): on, since on SmolLM2-135M it took int4-gptq's eval perplexity from
     # 30.04 (worse than RTN's 29.74) to 28.25 and KL against fp32 from 0.32 to 0.27.
-    options = {"group_size": 128, "method": "rtn", "include_lm_head": None, "include_embedding": True,
-               "embedding_group_size": 32, "skip": [], "shrink_groups": True, "act_order": True,
-               "damp": 0.01}
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        group_size: int = option(128, "int4 group size along K", choices=INT4_GROUP_SIZES)
+        method: str = option("rtn", "round to nearest, or GPTQ/AWQ from calibration activations",
+                             choices=INT4_METHODS)
+        include_lm_head: bool | None = option(None, "quantise the LM head (default: only when tied to the "
+                                                    "embedding table)")
+        include_embedding: bool = option(True, "quantise the token embedding table (RTN)")
+        embedding_group_size: int = option(32, "group size of the embedding table", choices=INT4_GROUP_SIZES)
+        skip: list[str] = option([], "names of linears (or their weights) to keep in float")
+        shrink_groups: bool = option(True, "give a linear whose K group_size does not divide the largest "
+                                           "smaller group size that does")
+        act_order: bool = option(True, "GPTQ: quantise columns in order of decreasing activation energy")
+        damp: float = option(0.01, "GPTQ: Hessian dampening, a fraction of its mean diagonal", low=0.0)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        g, method = self.check_options()
+        g, method = self.options.group_size, self.options.method
         fmt = WeightFormat("int4", method, 4, g, symmetric=False)
         groups: dict[str, int] = {}
 
         def check(node: Node) -> str | None:
             k = graph.params[node.inputs[1]].type.shape[1]
-            size = group_size_for(k, g, self.options["shrink_groups"])
+            size = group_size_for(k, g, self.options.shrink_groups)
             if size is None:
                 return f"in_features {k} is not a multiple of group_size {g}"
             groups[node.name] = size
             return None
-        table_g = self.options["embedding_group_size"]
+        table_g = self.options.embedding_group_size
         nodes, skipped, tables = select_weights(
-            self, graph, check, lambda dim: group_size_for(dim, table_g, self.options["shrink_groups"]))
+            self, graph, check, lambda dim: group_size_for(dim, table_g, self.options.shrink_groups))
         method_fn = int4_method(method, graph, ctx, nodes, self.options, lambda node: groups[node.name])
         return quantize_linears(self, graph, ctx, fmt, nodes, skipped, method_fn, groups, tables)
-
-    def check_options(self) -> tuple[int, str]:
-        g, method = self.options["group_size"], self.options["method"]
-        for key in ("group_size", "embedding_group_size"):
-            if self.options[key] not in INT4_GROUP_SIZES:
-                raise PassError(f"pass {self.name!r}: {key}={self.options[key]} is not supported; use one "
-                                f"of {', '.join(map(str, INT4_GROUP_SIZES))} (e.g. --group-size 128)")
-        if method not in INT4_METHODS:
-            raise PassError(f"pass {self.name!r}: method={method!r} is unknown; use one of "
-                            f"{', '.join(INT4_METHODS)}")
-        return g, method
 
 
 def group_size_for(k: int, g: int, shrink: bool) -> int | None:
@@ -342,7 +354,7 @@ def group_size_for(k: int, g: int, shrink: bool) -> int | None:
     return max(fits) if fits else None
 
 
-def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node], options: dict,
+def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node], options: PassOptions,
                 group_of: Callable[[Node], int]) -> WeightQuantizer:
     """The weight quantiser of `method` (group_of(node): that linear's group size); GPTQ and
     AWQ first observe calibration activations (and AWQ rescales the graph), which is why they
@@ -351,7 +363,7 @@ def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node], 
         return lambda weight, ctx, node: quantize_int4(weight, group_of(node))
     from llmc.passes.quantize_calibrated import awq_method, gptq_method
     if method == "gptq":
-        return gptq_method(graph, ctx, nodes, group_of, act_order=options["act_order"], damp=options["damp"])
+        return gptq_method(graph, ctx, nodes, group_of, act_order=options.act_order, damp=options.damp)
     return awq_method(graph, ctx, nodes, group_of)
 
 

@@ -4,12 +4,15 @@ per-tensor activation scale per linear, max |x| over the calibration inputs / 44
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.quant import FP8_E4M3_MAX, quantize_fp8
 from llmc.passes.activation_ranges import input_abs_max, require_calibration
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
+from llmc.passes.options import PassOptions, option
 from llmc.passes.quantize import WeightFormat, quant_param_names, quantize_linears, select_linears
 
 
@@ -18,13 +21,20 @@ class QuantizeFp8(Pass):
     name = "quantize_fp8"
     description = ("fp8 e4m3 weights (per-channel scales, per_channel=false: one per tensor) and static "
                    "per-tensor activation scales from calibration")
+    stage = Stage.QUANTIZE
     lossy = True
-    options = {"per_channel": True, "include_lm_head": False, "skip": []}
+    needs = ("calibration",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        per_channel: bool = option(True, "one weight scale per output channel (false: one per tensor)")
+        include_lm_head: bool = option(False, "quantise the LM head too")
+        skip: list[str] = option([], "names of linears (or their weights) to keep in float")
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         require_calibration(ctx, self.name)
-        per_channel = self.options["per_channel"]
-        nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"])
+        per_channel = self.options.per_channel
+        nodes, skipped = select_linears(graph, self.options.include_lm_head, self.options.skip)
         act_scales = activation_scales(nodes, input_abs_max(graph, ctx, nodes, self.name))
         for weight, a in act_scales.items():
             # quantize_linear_weights wires a present `<weight>.act_scale` into the qlinear

@@ -6,6 +6,8 @@ from graph.meta["kv_cache"]."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmc.compiler.interpreter import interpret
@@ -13,7 +15,8 @@ from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS, attention_prologue, attention_ref
 from llmc.errors import PassError
 from llmc.passes.accuracy import check_budget, mean_kl, perplexity, significant, top1_agreement
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
+from llmc.passes.options import PassOptions, option
 
 # --kv-cache name -> (storage dtype, largest magnitude it holds)
 KV_FORMATS = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", 448.0)}
@@ -112,15 +115,15 @@ class QuantizeKVCache(Pass):
     description = "int8/fp8 KV cache with static per-layer, per-KV-head scales from calibration"
     # The IR computes the same function afterwards (the runtime applies the loss), so the
     # PassManager's before/after meter would see nothing; the pass measures itself instead.
-    lossy = False
-    needs_calibration = True
-    options = {"dtype": "int8"}
+    stage = Stage.KV_CACHE
+    needs = ("calibration",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        dtype: str = option("int8", "dtype the KV cache stores", choices=tuple(KV_FORMATS))
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        if self.options["dtype"] not in KV_FORMATS:
-            raise PassError(f"quantize_kv_cache: dtype={self.options['dtype']!r} is unknown; "
-                            f"choose one of {', '.join(KV_FORMATS)}")
-        storage, qmax = KV_FORMATS[self.options["dtype"]]
+        storage, qmax = KV_FORMATS[self.options.dtype]
         layers = attention_layers(graph)
         if not layers:
             return PassResult(0, False, {"reason": "no attention op; the graph keeps no KV cache"})

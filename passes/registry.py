@@ -1,31 +1,46 @@
-"""The registry of named passes and the parser that turns a default pipeline plus CLI
-choices (`--passes`, `--disable-pass`, `--pass-option`) into configured pass objects."""
+"""The registry of passes and the typed configurations a pipeline is built from: a `PassConfig`
+names a registered pass, its validated options and the stage it runs in. Targets and compile
+flags produce configs; `schedule` places them by stage; `--passes` lists keep the user's order."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Iterable
 
 from llmc.errors import PassError
+from llmc.passes.options import PassOptions
 
 if TYPE_CHECKING:
-    from llmc.passes.base import Pass
+    from llmc.passes.base import Pass, Stage
 
 PASSES: dict[str, type[Pass]] = {}
 
 # Modules of this package that hold infrastructure rather than passes.
-_INFRASTRUCTURE = {"base", "registry"}
+_INFRASTRUCTURE = {"base", "registry", "options"}
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:
-    """Class decorator: make a pass reachable by its `name`."""
+    """Class decorator: check a pass's declaration and make it reachable by its `name`."""
+    from llmc.passes.base import NEEDS, Stage
+
     name = getattr(cls, "name", "")
     if not name:
         raise TypeError(f"pass class {cls.__qualname__} has no name")
     if name in PASSES and PASSES[name] is not cls:
-        raise TypeError(f"pass name {name!r} is registered twice "
-                        f"({PASSES[name].__module__} and {cls.__module__})")
+        raise TypeError(f"pass name {name!r} is registered twice ({PASSES[name].__module__} and {cls.__module__})")
+    if not isinstance(cls.stage, Stage) or cls.stage not in cls.allowed_stages():
+        raise TypeError(f"pass {name!r}: stage {cls.stage!r} is no Stage among its stages {cls.allowed_stages()}")
+    unknown = sorted(set(cls.needs) - set(NEEDS))
+    if unknown or (cls.lossy and "calibration" not in cls.needs):
+        raise TypeError(f"pass {name!r}: needs {cls.needs} must be keys of {sorted(NEEDS)} and hold "
+                        f"'calibration' when the pass is lossy (its cost is measured on calibration text)")
+    if "Options" not in cls.__dict__:  # a pass without options still gets its own (empty) class
+        cls.Options = dataclasses.make_dataclass(f"{cls.__name__}Options", [], bases=(PassOptions,), frozen=True)
+    if not (isinstance(cls.Options, type) and issubclass(cls.Options, PassOptions)):
+        raise TypeError(f"pass {name!r}: Options must be a PassOptions dataclass")
+    cls.Options.pass_name = name
     PASSES[name] = cls
     return cls
 
@@ -51,15 +66,60 @@ def valid_pass_names() -> list[str]:
     return sorted(PASSES)
 
 
-def check_pass_name(name: str, what: str = "pass") -> None:
+def pass_class(name: str, what: str = "pass") -> type[Pass]:
     if name not in valid_pass_names():
         raise PassError(f"unknown {what} {name!r}; valid passes: {', '.join(valid_pass_names())}")
+    return PASSES[name]
+
+
+def check_pass_name(name: str, what: str = "pass") -> None:
+    pass_class(name, what)
 
 
 def get_pass(name: str, **options) -> Pass:
     """A configured instance of the pass registered as `name`."""
-    check_pass_name(name)
-    return PASSES[name](**options)
+    return pass_class(name)(**options)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassConfig:
+    """One pipeline entry: a registered pass, its validated options, its stage, and what put it
+    there (a target, `--passes`, a compile flag), for error messages."""
+    name: str
+    options: PassOptions
+    stage: Stage
+    origin: str = ""
+
+    @classmethod
+    def of(cls, name: str, stage: Stage | None = None, origin: str = "", **options) -> PassConfig:
+        pass_cls = pass_class(name)
+        stage = pass_cls.stage if stage is None else stage
+        if stage not in pass_cls.allowed_stages():
+            raise PassError(f"pass {name!r} runs in stage {pass_cls.stage.label}, not {stage.label}")
+        return cls(name, pass_cls.Options.build(options), stage, origin)
+
+    def configure(self, **values) -> PassConfig:
+        return dataclasses.replace(self, options=self.options.replace(**values))
+
+    def instantiate(self) -> Pass:
+        return PASSES[self.name](**self.options.to_dict())
+
+    def spec(self) -> str:
+        """`name:key=value` for each option that differs from its default."""
+        default = PASSES[self.name].Options.build({}).to_dict() if _has_defaults(self.name) else {}
+        changed = [f"{k}={_spec_value(v)}" for k, v in self.options.to_dict().items() if default.get(k, object()) != v]
+        return ":".join([self.name, *changed])
+
+
+def _has_defaults(name: str) -> bool:
+    return all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+               for f in dataclasses.fields(PASSES[name].Options))
+
+
+def _spec_value(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    return ",".join(v) if isinstance(v, list) else str(v)
 
 
 def parse_pass_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -94,27 +154,83 @@ def parse_pass_options(items: Iterable[str]) -> dict[str, dict[str, str]]:
     return options
 
 
-def build_pipeline(default: list[str], passes: str | None = None, disable: Iterable[str] = (),
-                   options: dict[str, dict] | None = None) -> list[Pass]:
-    """Configured passes: `passes` (a comma list) replaces `default`, `disable` drops names,
-    `options` maps a pass name to option values applied to every instance of that pass."""
-    entries = default if passes is None else [e for e in passes.split(",") if e.strip()]
-    specs = [parse_pass_spec(e) for e in entries]
-    for name, _ in specs:
-        check_pass_name(name)
+def parse_pass_list(entries: Iterable[str | PassConfig], origin: str = "--passes") -> list[PassConfig]:
+    """Configs for a pass list (a target's, or a user's `--passes`), in its order. A pass allowed
+    in several stages (the cleanup passes) takes the earliest of them, from its declared stage
+    on, that is not before the entry ahead of it."""
+    configs: list[PassConfig] = []
+    for entry in entries:
+        if isinstance(entry, PassConfig):
+            configs.append(entry)
+            continue
+        name, opts = parse_pass_spec(entry)
+        cls = pass_class(name)
+        allowed = sorted(s for s in cls.allowed_stages() if s >= cls.stage)
+        floor = configs[-1].stage if configs else cls.stage
+        stage = next((s for s in allowed if s >= floor), allowed[-1])
+        configs.append(PassConfig.of(name, stage, origin, **opts))
+    return configs
+
+
+def schedule(base: list[PassConfig], added: Iterable[PassConfig]) -> list[PassConfig]:
+    """`base` in its own order, each added config placed before the first base entry of a later
+    stage. A compile flag (origin starting with "--") may not add a stage `base` already fills
+    from `--passes` (say one or the other)."""
+    out = list(base)
+    for config in added:
+        clash = [b for b in base if b.stage == config.stage and b.origin == "--passes"]
+        if clash and config.origin.startswith("--") and config.origin != "--add-pass":
+            raise PassError(f"--passes already holds {', '.join(b.name for b in clash)} "
+                            f"({config.stage.label}) and {config.origin} adds {config.name}; "
+                            f"give one or the other")
+        at = next((i for i, b in enumerate(out) if b.stage > config.stage), len(out))
+        out.insert(at, config)
+    return out
+
+
+def drop_disabled(configs: list[PassConfig], disable: Iterable[str]) -> list[PassConfig]:
     dropped = set()
     for name in disable:
-        check_pass_name(name, "pass to disable")
+        if pass_class(name, "pass to disable").required:
+            raise PassError(f"--disable-pass {name}: it is a lowering step every compile needs; "
+                            f"it cannot be disabled")
         dropped.add(name)
-    specs = [(name, opts) for name, opts in specs if name not in dropped]
-    chosen = [name for name, _ in specs]
+    return [c for c in configs if c.name not in dropped]
+
+
+def apply_options(configs: list[PassConfig], options: dict[str, dict] | None) -> list[PassConfig]:
+    """`options` (pass name -> values) applied to every config of that pass."""
+    chosen = [c.name for c in configs]
     for name in options or {}:
         check_pass_name(name, "pass in --pass-option")
         if name not in chosen:
             raise PassError(f"options given for pass {name!r}, which is not in the pipeline "
-                            f"({', '.join(chosen) or 'empty'}); add it with --passes or drop the option")
-    return [get_pass(name, **{**opts, **(options or {}).get(name, {})}) for name, opts in specs]
+                            f"({', '.join(chosen) or 'empty'}); add it with --passes or --add-pass, "
+                            f"or drop the option")
+    return [c.configure(**options[c.name]) if c.name in (options or {}) else c for c in configs]
 
 
-__all__ = ["PASSES", "register_pass", "get_pass", "load_builtin_passes", "valid_pass_names",
-           "parse_pass_spec", "parse_pass_options", "build_pipeline"]
+def build_pipeline(default: list[str | PassConfig], passes: str | None = None, disable: Iterable[str] = (),
+                   options: dict[str, dict] | None = None) -> list[Pass]:
+    """Configured passes: `passes` (a comma list) replaces `default`, `disable` drops names,
+    `options` maps a pass name to option values applied to every instance of that pass."""
+    entries = default if passes is None else [e for e in passes.split(",") if e.strip()]
+    configs = apply_options(drop_disabled(parse_pass_list(entries), disable), options)
+    return [c.instantiate() for c in configs]
+
+
+def describe_passes() -> list[dict]:
+    """Every registered pass: name, stage (and other stages), options, lossy flag, needs."""
+    out = []
+    for name in valid_pass_names():
+        cls = PASSES[name]
+        out.append({"name": name, "stage": cls.stage.label,
+                    "stages": [s.label for s in cls.allowed_stages()],
+                    "description": cls.description, "options": cls.Options.describe(),
+                    "lossy": cls.lossy, "needs": list(cls.needs), "required": cls.required})
+    return out
+
+
+__all__ = ["PASSES", "PassConfig", "register_pass", "get_pass", "pass_class", "load_builtin_passes",
+           "valid_pass_names", "parse_pass_spec", "parse_pass_options", "parse_pass_list", "schedule",
+           "drop_disabled", "apply_options", "build_pipeline", "describe_passes"]

@@ -5,12 +5,15 @@ linears as int8 per-channel weights with per-token dynamic int8 activations (sch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmc.compiler.ir import Graph, Node
 from llmc.errors import PassError
 from llmc.passes.activation_ranges import input_abs_max, require_calibration
-from llmc.passes.base import Pass, PassContext, PassResult, register_pass
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
+from llmc.passes.options import PassOptions, option
 from llmc.passes.quantize import WeightFormat, quantize_linears, rtn_int8, select_linears
 from llmc.passes.quantize_calibrated import fold_into_rms_norm
 
@@ -71,16 +74,21 @@ class SmoothQuant(Pass):
     name = "smoothquant"
     description = ("SmoothQuant: per-channel factors from calibration activations, folded into the rms_norm "
                    "weights and the linears they feed (q/k/v share one, gate/up share one)")
+    stage = Stage.QUANTIZE
     lossy = True
-    options = {"alpha": 0.5, "include_lm_head": False, "skip": []}
+    needs = ("calibration",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        alpha: float = option(0.5, "migration strength: 0.5 for most models, up to 0.75-0.85 for ones with "
+                                   "large activation outliers", low=0.0, high=1.0)
+        include_lm_head: bool = option(False, "smooth the LM head too")
+        skip: list[str] = option([], "names of linears (or their weights) to leave alone")
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        alpha = self.options["alpha"]
-        if not 0.0 <= alpha <= 1.0:
-            raise PassError(f"pass {self.name!r}: alpha={alpha} is outside [0, 1]; SmoothQuant uses 0.5 "
-                            f"for most models, up to 0.75-0.85 for ones with large activation outliers")
+        alpha = self.options.alpha
         require_calibration(ctx, self.name)
-        nodes, _ = select_linears(graph, self.options["include_lm_head"], self.options["skip"])
+        nodes, _ = select_linears(graph, self.options.include_lm_head, self.options.skip)
         groups, left = norm_fed_groups(graph, nodes)
         ranges = input_abs_max(graph, ctx, [n for g in groups.values() for n in g], self.name)
         factors, smoothed = [], 0
@@ -102,15 +110,22 @@ class QuantizeW8A8(Pass):
     name = "quantize_w8a8"
     description = ("w8a8: int8 per-channel weights, int8 per-token activations at run time, for the linears "
                    "smoothquant smoothed (all_linears=true: every linear)")
+    stage = Stage.QUANTIZE
     lossy = True
-    options = {"all_linears": False, "include_lm_head": False, "skip": []}
+    needs = ("calibration",)
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        all_linears: bool = option(False, "quantise every linear, not only those smoothquant smoothed")
+        include_lm_head: bool = option(False, "quantise the LM head too")
+        skip: list[str] = option([], "names of linears (or their weights) to keep in float")
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        every = self.options["all_linears"]
+        every = self.options.all_linears
 
         def check(node: Node) -> str | None:
             return None if every or node.attrs.get(SMOOTHED) else NOT_SMOOTHED
-        nodes, skipped = select_linears(graph, self.options["include_lm_head"], self.options["skip"], check)
+        nodes, skipped = select_linears(graph, self.options.include_lm_head, self.options.skip, check)
         if not nodes and NOT_SMOOTHED in skipped:
             raise PassError(f"pass {self.name!r} found no linear smoothed by smoothquant; run smoothquant "
                             f"before it (--quant w8a8 does) or set quantize_w8a8.all_linears=true")

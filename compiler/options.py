@@ -1,0 +1,113 @@
+"""The compile options, defined once: `llmc compile`'s flags are generated from these fields
+(llmc/cli.py), `llmc.compile(**options)` takes them by name, and the pipeline reads them.
+Adding an option means adding one field here (and using it where it acts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmc.compiler.recipes import KV_CACHE_CHOICES, KV_GROUPING_CHOICES, QUANT_CHOICES, SPARSITY_METHODS
+from llmc.errors import PassError
+
+
+def flag(default: Any, help: str, *, cli: str | None = None, short: str | None = None,
+         choices: tuple | None = None, kind: type | None = None, multiple: bool = False,
+         is_flag: bool = False, path: str | None = None) -> Any:
+    """A compile option. `cli`: its flag (default --name-with-dashes); `kind`: the CLI value type;
+    `path`: "file" or "dir" for path-valued flags; `multiple`: repeatable."""
+    meta = {"help": help, "cli": cli, "short": short, "choices": choices, "kind": kind,
+            "multiple": multiple, "is_flag": is_flag, "path": path}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class CompileOptions:
+    force: bool = flag(False, "Replace an existing llmc artifact at the output path.", is_flag=True)
+    passes: str | None = flag(None, "Comma list of passes replacing the target's pipeline (name:key=val), "
+                                    "run in the order given.")
+    disable: list[str] = flag([], "Drop a pass from the pipeline (repeatable).", cli="--disable-pass",
+                              multiple=True)
+    add: list[str] = flag([], "Add a registered pass (name:key=val) to the pipeline, placed by its stage "
+                              "(repeatable; see `llmc passes`).", cli="--add-pass", multiple=True)
+    pass_options: dict[str, dict] = flag({}, "pass.key=value (repeatable).", cli="--pass-option", multiple=True)
+    print_ir_after: set[str] = flag(set(), "Print the IR after this pass ('all' for every pass).", multiple=True)
+    dump_ir: str | None = flag(None, "Write the IR before/after each pass here.", path="dir")
+    report: str | None = flag(None, "Write the compile report (stage and pass timings) to this JSON file; "
+                                    "the artifact itself holds no timings.", path="file")
+    max_num_batched_tokens: int = flag(2048, "Largest token batch the plan is sized for.", kind=int)
+    quant: str | None = flag(None, "Quantise the linears' weights (default: the target's own, if any).",
+                             choices=QUANT_CHOICES)
+    group_size: int | None = flag(None, "int4 group size along K (default 128).", kind=int)
+    kv_cache: str | None = flag(None, "Quantise the KV cache (none: keep it unquantised where the target "
+                                      "would quantise it).", choices=KV_CACHE_CHOICES + ("none",))
+    kv_heads: int | None = flag(None, "Mean-pool the KV heads down to N (dividing the model's KV heads; "
+                                      "1 = MQA).", kind=int)
+    kv_grouping: str | None = flag(None, "Which KV heads --kv-heads pools: by index, by similarity on "
+                                         "calibration text, or auto (both scored, the better kept; default).",
+                                   choices=KV_GROUPING_CHOICES)
+    draft_of: str | None = flag(None, "Make a speculative-decoding draft of this target artifact (same "
+                                      "tokenizer): layers pruned, int4 weights.", path="any")
+    draft_layers: int | None = flag(None, "Layers the draft keeps (default: half).", kind=int)
+    prune: str | None = flag(None, "Structured pruning, e.g. heads:0.25,ffn:0.3,layers:4 (fractions of heads "
+                                   "and MLP channels per layer, a number of layers); runs first.")
+    sparsity: str | float | None = flag(None, "Zero weights of the linears: a fraction (0.5) or 2:4; "
+                                              "stored densely.", kind=str)
+    sparsity_method: str | None = flag(None, "How --sparsity scores weights (default wanda: |W|·‖X‖ on "
+                                             "calibration text).", choices=SPARSITY_METHODS)
+    calib: str | None = flag(None, "Calibration text for lossy passes (default: text the model generates "
+                                   "itself).", path="file")
+    calib_samples: int = flag(8, "Calibration sequences.", kind=int)
+    calib_seq_len: int = flag(128, "Tokens per calibration sequence.", kind=int)
+    calib_seed: int = flag(0, "Seed of the self-generated calibration text.", kind=int)
+    max_ppl_increase: float | None = flag(None, "Accuracy budget: fail if a lossy pass raises calibration "
+                                                "perplexity by more than PCT%.", kind=float)
+    autotune: bool = flag(False, "GPU targets: time each Triton kernel family's candidate configs (needs a "
+                                 "CUDA GPU).", is_flag=True)
+    quiet: bool = flag(False, "No progress or notes on stderr.", short="-q", is_flag=True)
+
+    def __post_init__(self):
+        self.disable, self.add = list(self.disable), list(self.add)
+        self.print_ir_after = set(self.print_ir_after)
+        self.pass_options = dict(self.pass_options)
+        for name in ("max_num_batched_tokens", "calib_samples", "calib_seq_len"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("group_size", "kv_heads", "draft_layers", "calib_seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise PassError(f"{cli_name(name)} {value!r} is not a whole number")
+        if self.max_ppl_increase is not None and not (isinstance(self.max_ppl_increase, (int, float))
+                                                      and math.isfinite(self.max_ppl_increase)
+                                                      and self.max_ppl_increase >= 0):
+            raise PassError(f"--max-ppl-increase {self.max_ppl_increase!r} must be a percentage >= 0")
+
+    @classmethod
+    def build(cls, **options) -> CompileOptions:
+        """From keyword arguments, refusing unknown ones by name."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise PassError(f"unknown compile option {unknown[0]!r}; valid options: {', '.join(names)}")
+        return cls(**options)
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PassError(f"{cli_name(name)} {value!r} must be a whole number >= 1")
+
+
+def cli_name(name: str) -> str:
+    """The flag of option `name`."""
+    f = {f.name: f for f in dataclasses.fields(CompileOptions)}[name]
+    return f.metadata.get("cli") or "--" + name.replace("_", "-")
+
+
+def option_fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(CompileOptions))
+
+
+__all__ = ["CompileOptions", "option_fields", "cli_name"]

@@ -1,0 +1,164 @@
+"""What the compile flags mean as passes: `--quant`, `--prune`/`--sparsity`, `--kv-heads` and
+`--kv-cache` each become typed pass configurations, which the pipeline places by their stage.
+Flag syntax is checked here; option values are checked by the passes' own option classes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmc.errors import PassError
+
+if TYPE_CHECKING:
+    from llmc.passes.registry import PassConfig
+
+DEFAULT_GROUP_SIZE = 128
+
+# --quant name -> (pass, options) in order; int4 recipes take --group-size.
+QUANT_RECIPES: dict[str, list[tuple[str, dict]]] = {
+    "int8": [("quantize_int8", {})],
+    "int4-rtn": [("quantize_int4", {"method": "rtn"})],
+    "int4-gptq": [("quantize_int4", {"method": "gptq"})],
+    "int4-awq": [("quantize_int4", {"method": "awq"})],
+    "fp8": [("quantize_fp8", {})],
+    "w8a8": [("smoothquant", {}), ("quantize_w8a8", {"all_linears": True})],  # o_proj/down_proj unsmoothed
+}
+QUANT_CHOICES = tuple(QUANT_RECIPES)
+KV_CACHE_CHOICES = ("int8", "fp8")
+KV_GROUPING_CHOICES = ("auto", "index", "similarity")
+SPARSITY_METHODS = ("wanda", "magnitude")
+# --prune kind -> (pass, its amount option); whole layers first, so heads and FFN channels are
+# scored on the layers that stay.
+PRUNE_KINDS = {"layers": ("prune_layers", "count"), "heads": ("prune_heads", "fraction"),
+               "ffn": ("prune_ffn", "fraction")}
+PRUNE_EXAMPLE = "heads:0.25,ffn:0.3,layers:4"
+
+
+def configs(origin: str, entries: list[tuple[str, dict]]) -> list[PassConfig]:
+    """PassConfigs of `entries`; an option a pass refuses is reported against the flag."""
+    from llmc.passes.registry import PassConfig
+
+    try:
+        return [PassConfig.of(name, origin=origin, **options) for name, options in entries]
+    except PassError as e:
+        raise PassError(f"{origin}: {e}") from None
+
+
+def quant_passes(quant: str | None, group_size: int | None = None) -> list[PassConfig]:
+    """The passes of the --quant recipe `quant` (none without one)."""
+    if quant is None:
+        if group_size is not None:
+            raise PassError("--group-size needs --quant int4-rtn, int4-gptq or int4-awq")
+        return []
+    if quant not in QUANT_RECIPES:
+        raise PassError(f"--quant {quant!r} is unknown; choose one of {', '.join(QUANT_CHOICES)}")
+    if group_size is not None and not quant.startswith("int4"):
+        raise PassError(f"--group-size applies to int4 quantisation, not --quant {quant}; "
+                        f"drop --group-size or use --quant int4-rtn/int4-gptq/int4-awq")
+    g = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    entries = [(name, {**opts, "group_size": g} if name == "quantize_int4" else opts)
+               for name, opts in QUANT_RECIPES[quant]]
+    return configs("--quant", entries)
+
+
+def kv_cache_passes(kv_cache: str | None) -> list[PassConfig]:
+    """"none" keeps the cache in the activation dtype where a target would quantise it."""
+    if kv_cache is None or kv_cache == "none":
+        return []
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise PassError(f"--kv-cache {kv_cache!r} is unknown; choose one of {', '.join(KV_CACHE_CHOICES)}")
+    return configs("--kv-cache", [("quantize_kv_cache", {"dtype": kv_cache})])
+
+
+def kv_heads_passes(kv_heads: int | None, grouping: str | None) -> list[PassConfig]:
+    if kv_heads is None:
+        if grouping is not None:
+            raise PassError(f"--kv-grouping {grouping} needs --kv-heads N, the number of KV heads to keep")
+        return []
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise PassError(f"--kv-heads {kv_heads!r} must be a positive number of KV heads dividing the "
+                        f"model's (1 = multi-query attention)")
+    return configs("--kv-heads", [("convert_kv_heads", {"kv_heads": kv_heads, "grouping": grouping or "auto"})])
+
+
+def parse_prune(spec: str) -> dict[str, str]:
+    """`"heads:0.25,ffn:0.3,layers:4"` -> {"heads": "0.25", "ffn": "0.3", "layers": "4"}."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise PassError(f"--prune is empty; give kind:amount parts such as {PRUNE_EXAMPLE}")
+    amounts: dict[str, str] = {}
+    for part in parts:
+        kind, sep, text = (s.strip() for s in part.partition(":"))
+        if kind not in PRUNE_KINDS:
+            raise PassError(f"--prune part {part!r}: unknown kind {kind!r}; kinds are "
+                            f"{', '.join(sorted(PRUNE_KINDS))} (e.g. {PRUNE_EXAMPLE})")
+        if kind in amounts:
+            raise PassError(f"--prune part {part!r}: {kind} is given twice; give each kind once")
+        if not sep or not text:
+            raise PassError(f"--prune part {part!r} has no amount; write {kind}:"
+                            f"{'COUNT' if kind == 'layers' else 'FRACTION'} (e.g. {PRUNE_EXAMPLE})")
+        amounts[kind] = text
+    return amounts
+
+
+def prune_passes(prune: str | None = None, sparsity: str | float | None = None,
+                 sparsity_method: str | None = None) -> list[PassConfig]:
+    """Structured pruning (layers, heads, ffn) then unstructured sparsity."""
+    if sparsity_method is not None and sparsity_method not in SPARSITY_METHODS:
+        raise PassError(f"--sparsity-method {sparsity_method!r} is unknown; choose one of "
+                        f"{', '.join(SPARSITY_METHODS)}")
+    if sparsity_method is not None and sparsity is None:
+        raise PassError("--sparsity-method needs --sparsity (a fraction such as 0.5, or 2:4)")
+    amounts = parse_prune(prune) if prune is not None else {}
+    out = []
+    for kind, (name, key) in PRUNE_KINDS.items():
+        if kind in amounts:
+            out += part_config(f"{kind}:{amounts[kind]}", name, key, amounts[kind])
+    if sparsity is not None:
+        out += configs("--sparsity", [("prune_sparse", {**sparsity_options(sparsity),
+                                                         "method": sparsity_method or "wanda"})])
+    return out
+
+
+def part_config(part: str, name: str, key: str, text: str) -> list[PassConfig]:
+    """The pass of one --prune part; its pass's options class bounds the amount."""
+    try:
+        return configs("--prune", [(name, {key: text})])
+    except PassError:
+        pass
+    if key == "count":
+        raise PassError(f"--prune part {part!r}: {text!r} is not a whole number of layers >= 1 (e.g. layers:4)")
+    try:
+        float(text)
+    except ValueError:
+        raise PassError(f"--prune part {part!r}: {text!r} is not a number; give a fraction "
+                        f"between 0 and 1 (e.g. ffn:0.3)") from None
+    raise PassError(f"--prune part {part!r}: the fraction must lie strictly between 0 and 1")
+
+
+def sparsity_options(sparsity: str | float) -> dict:
+    text = str(sparsity).strip()
+    if ":" in text:
+        n, _, m = text.partition(":")
+        if not (n.isdigit() and m.isdigit() and 0 < int(n) < int(m)):
+            raise PassError(f"--sparsity {text!r} is not an N:M pattern with 0 < N < M (e.g. 2:4)")
+        return {"pattern": f"{int(n)}:{int(m)}"}
+    try:
+        value = float(text)
+    except ValueError:
+        raise PassError(f"--sparsity {text!r} is neither a fraction (e.g. 0.5) nor an N:M pattern "
+                        f"(e.g. 2:4)") from None
+    if not 0.0 < value < 1.0:
+        raise PassError(f"--sparsity {text!r}: the fraction of weights to zero must lie strictly between 0 and 1")
+    return {"sparsity": value}
+
+
+def added_passes(add: list[str]) -> list[PassConfig]:
+    """`--add-pass name[:key=value...]`: a registered pass placed by its stage."""
+    from llmc.passes.registry import parse_pass_list
+
+    return [c for spec in add for c in parse_pass_list([spec], origin="--add-pass")]
+
+
+__all__ = ["QUANT_RECIPES", "QUANT_CHOICES", "KV_CACHE_CHOICES", "KV_GROUPING_CHOICES", "SPARSITY_METHODS",
+           "PRUNE_KINDS", "DEFAULT_GROUP_SIZE", "quant_passes", "kv_cache_passes", "kv_heads_passes",
+           "parse_prune", "prune_passes", "added_passes"]
