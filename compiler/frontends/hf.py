@@ -3,13 +3,14 @@ transformers' own model classes, after checking each file so a bad one is named 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from llmc.compiler.frontends.config_check import check_config_values
 from llmc.compiler.frontends.model import (
     ARCHITECTURE_BY_MODEL_TYPE,
     SUPPORTED_ARCHITECTURES,
@@ -17,11 +18,17 @@ from llmc.compiler.frontends.model import (
     call_transformers,
     first_line,
     hash_files,
+    read_json_object,
 )
+from llmc.compiler.frontends.safetensors_table import INDEX, read_safetensors_table
+from llmc.compiler.frontends.tensor_table import check_loading_info, check_tensor_table, meta_model
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
 EXPECTED_FILES = "config.json, *.safetensors and tokenizer files (tokenizer.json or tokenizer.model)"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# JSON files transformers reads from a checkpoint directory besides config.json.
+JSON_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", INDEX)
 
 
 def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
@@ -31,10 +38,15 @@ def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     for weights in find_safetensors(path):
         check_safetensors(weights)
     check_tokenizer_files(path)
+    check_json_files(path)
     config = call_transformers(path, AutoConfig.from_pretrained, path, local_files_only=True)
-    module = call_transformers(path, AutoModelForCausalLM.from_pretrained, path, config=config,
-                               dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True,
-                               local_files_only=True)
+    check_config_values(config, f"'{config_path}'")
+    where, stored = read_safetensors_table(path)
+    check_tensor_table(meta_model(config, f"'{config_path}'"), stored, where)
+    module, info = call_transformers(path, AutoModelForCausalLM.from_pretrained, path, config=config,
+                                     dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True,
+                                     local_files_only=True, output_loading_info=True)
+    check_loading_info(info, where)
     tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path, local_files_only=True)
     return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
                        name=path.resolve().name, source_hash=hash_source_dir(path),
@@ -53,18 +65,22 @@ def find_config(path: Path) -> Path:
 
 
 def check_architecture(config_path: Path) -> str:
-    """The config's causal-LM class, if llmc supports it."""
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"'{config_path}' is not valid JSON ({e}); re-download the model") from e
+    """The config's causal-LM class, if llmc supports it and its model_type agrees."""
+    config = read_json_object(config_path)
+    model_type = config.get("model_type")
     architectures = config.get("architectures") or [
-        ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), f"model_type={config.get('model_type')!r}")]
+        ARCHITECTURE_BY_MODEL_TYPE.get(model_type, f"model_type={model_type!r}")]
+    if not isinstance(architectures, list):
+        raise ModelLoadError(f"'{config_path}': architectures is {architectures!r}, not a list of class names; "
+                             f"restore the original config")
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"'{config_path}': architecture {architecture} is not supported; "
             f"llmc compiles {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if ARCHITECTURE_BY_MODEL_TYPE.get(model_type) != architecture:
+        raise ModelLoadError(f"'{config_path}': model_type {model_type!r} does not match architecture "
+                             f"{architecture}; restore the original config")
     return architecture
 
 
@@ -92,6 +108,20 @@ def check_tokenizer_files(path: Path) -> None:
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"directory '{path}' has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                              f"save one there with tokenizer.save_pretrained(dir)")
+
+
+def check_json_files(path: Path) -> None:
+    """Each JSON file transformers will read holds a JSON object, and tokenizer.json a tokenizer."""
+    for name in JSON_FILES:
+        if (path / name).is_file():
+            read_json_object(path / name)
+    tokenizer_json = path / "tokenizer.json"
+    if tokenizer_json.is_file():
+        try:
+            Tokenizer.from_file(str(tokenizer_json))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            raise ModelLoadError(f"'{tokenizer_json}' is not a valid tokenizer ({first_line(e)}); "
+                                 f"re-download it or save one with tokenizer.save_pretrained(dir)") from e
 
 
 def hash_source_dir(path: Path) -> str:

@@ -4,6 +4,7 @@ tokenizer, and where it came from), plus the checks and hashing the frontends sh
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
@@ -11,6 +12,11 @@ from typing import Iterable, Literal
 import torch
 
 from llmc.errors import ModelLoadError
+
+try:
+    from huggingface_hub.errors import StrictDataclassError  # strict config validation in transformers 5
+except ImportError:
+    StrictDataclassError = ValueError
 
 # Causal-LM classes llmc compiles (SmolLM is a LlamaForCausalLM), and their GGUF names.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -54,16 +60,39 @@ def _update_from_file(digest, path: Path) -> None:
             digest.update(chunk)
 
 
+JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; NaN and Infinity, which JSON itself lacks, are refused."""
+    try:
+        value = json.loads(path.read_bytes(), parse_constant=refuse_constant)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError and refuse_constant's are ValueErrors
+        raise ModelLoadError(f"'{path}' is not valid JSON ({first_line(e)}); re-download the model") from e
+    if not isinstance(value, dict):
+        kind = JSON_KINDS.get(type(value), type(value).__name__)
+        raise ModelLoadError(f"'{path}' holds a JSON {kind}, not an object; re-download the model")
+    return value
+
+
+def refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def call_transformers(path: Path, load, *args, **kwargs):
     """Call a transformers loader, turning its reports of bad files into a ModelLoadError."""
-    # transformers reports missing shards, bad configs and tokenizer trouble as OSError/ValueError.
+    # transformers reports missing shards, bad configs and tokenizer trouble as OSError/ValueError;
+    # a field of the wrong type in a config or tokenizer file surfaces as TypeError/AttributeError.
     try:
         return load(*args, **kwargs)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as e:
         raise ModelLoadError(f"transformers cannot load '{path}': {first_line(e)}; "
                              f"check the files are a complete, supported checkpoint") from e
 
 
 def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """The error's first line, joined with the next when it only introduces it ("...field 'x':")."""
+    lines = [line.strip() for line in str(error).strip().splitlines()]
+    if not lines or not lines[0]:
+        return type(error).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
