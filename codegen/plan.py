@@ -7,14 +7,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmc.codegen.kernel_select import KV_BLOCK_SIZE, kernel_record, kernels_for_step
 from llmc.codegen.memory_plan import MemoryPlan, plan_memory
-from llmc.compiler.ir import Graph, Node, TensorType
+from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.compiler.targets import TARGETS
 from llmc.errors import ArtifactError, TargetError
 
 PLAN_FORMAT = 1
+MAX_TOKENS = 1 << 20     # batched tokens a plan may be sized for; beyond any real batch
+RECOMPILE = "the artifact is corrupt or was not made by this llmc; recompile the model with this llmc"
 
 # Which kernel family a target's plan launches: torch ops on the CPU, Triton kernels (and torch
 # calls for ops without one) on GPU targets.
@@ -36,6 +37,10 @@ class PlanStep:
     @classmethod
     def from_dict(cls, d: dict) -> "PlanStep":
         return cls(d["kernel"], list(d["inputs"]), list(d["outputs"]), dict(d["attrs"]), d["node"])
+
+    def where(self, index: int) -> str:
+        """How an error names this step: `plan.json step 12 (node 'l0.attn', kernel cpu.attention)`."""
+        return f"plan.json step {index} (node {self.node!r}, kernel {self.kernel})"
 
 
 @dataclass
@@ -82,9 +87,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        if d.get("format") != PLAN_FORMAT:
-            raise ArtifactError(f"plan.json has format {d.get('format')!r}, this llmc reads "
-                                f"format {PLAN_FORMAT}; recompile the model with this llmc")
+        """The plan `d` describes, after checking that every field has its JSON form (the
+        semantic checks of an untrusted plan run at load: runtime/plan_check.py)."""
+        check_plan_json(d)
         return cls(steps=[PlanStep.from_dict(s) for s in d["steps"]], inputs=list(d["inputs"]),
                    outputs=list(d["outputs"]), memory=MemoryPlan.from_dict(d["memory"]),
                    target=d["target"], max_tokens=int(d["max_tokens"]), params=list(d["params"]),
@@ -98,6 +103,80 @@ class Plan:
             raise ArtifactError(f"plan.json is not valid JSON ({e}); the artifact is corrupt, "
                                 f"recompile it") from e
         return cls.from_dict(d)
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _expect(ok: bool, where: str, value: Any, want: str) -> None:
+    if not ok:
+        raise ArtifactError(f"plan.json {where} is {_show(value)}, expected {want}; {RECOMPILE}")
+
+
+def _is_int(v: Any, lo: int = 0, hi: int = 1 << 40) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def _is_names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _fields(d: Any, where: str, fields: dict[str, tuple[Any, str]]) -> None:
+    """`d` is an object holding each of `fields` (name -> (test, what it must be))."""
+    _expect(isinstance(d, dict), where or "(the whole file)", d, "a JSON object")
+    for name, (test, want) in fields.items():
+        _expect(name in d and test(d[name]), f"{where}.{name}".lstrip("."), d.get(name), want)
+
+
+_NAMES = (_is_names, "a list of value names")
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
+_PLAN_FIELDS = {"target": (lambda v: isinstance(v, str), "a target name"),
+                "max_tokens": (lambda v: _is_int(v, 1, MAX_TOKENS), f"an int in 1..{MAX_TOKENS}"),
+                "inputs": _NAMES, "outputs": _NAMES, "params": _NAMES, "types": _OBJECT, "meta": _OBJECT,
+                "steps": (lambda v: isinstance(v, list), "a list of steps"), "memory": _OBJECT}
+_STEP_FIELDS = {"kernel": (lambda v: isinstance(v, str), "a kernel name"), "inputs": _NAMES, "outputs": _NAMES,
+                "attrs": _OBJECT, "node": (lambda v: isinstance(v, str), "a node name")}
+_DIM = (lambda d: _is_int(d) or isinstance(d, str) and 0 < len(d) <= 64)
+_TYPE_FIELDS = {"shape": (lambda v: isinstance(v, list) and len(v) <= 16 and all(map(_DIM, v)),
+                          "a list of at most 16 dims (ints in 0..2^40 or symbolic names)"),
+                "dtype": (lambda v: v in DTYPE_BYTES, f"one of {', '.join(DTYPE_BYTES)}")}
+_MEMORY_FIELDS = {"slot_of": (lambda v: isinstance(v, dict) and all(_is_int(s, 0, 1 << 31) for s in v.values()),
+                              "an object of slot numbers"),
+                  "slot_bytes": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of byte counts"),
+                  "lifetimes": (lambda v: isinstance(v, dict) and all(
+                      isinstance(s, list) and len(s) == 2 and all(_is_int(x, 0, 1 << 31) for x in s)
+                      for s in v.values()), "an object of [first step, last step] pairs"),
+                  "value_bytes": (lambda v: isinstance(v, dict) and all(map(_is_int, v.values())),
+                                  "an object of byte counts")}
+_CONSTANT = (lambda c: type(c) is bool or _is_int(c, -(1 << 31), 1 << 31)
+             or isinstance(c, str) and len(c) <= 64 and all(ch.isalnum() or ch in " _.,/[]" for ch in c))
+_KERNEL_FIELDS = {"name": (lambda v: isinstance(v, str) and v.isidentifier(), "an identifier"),
+                  "template": (lambda v: isinstance(v, str) and v.endswith(".py.j2") and "/" not in v,
+                               "a template file name"),
+                  "sha256": (lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v),
+                             "a sha256 hex digest"),
+                  "constants": (lambda v: isinstance(v, dict) and all(k.isidentifier() and _CONSTANT(c)
+                                                                      for k, c in v.items()),
+                                "an object of identifier: bool, int or short string"),
+                  "grid": (lambda v: isinstance(v, str), "a string")}
+
+
+def check_plan_json(d: Any) -> None:
+    """Raise ArtifactError naming the first field of plan.json that lacks its JSON form."""
+    _expect(isinstance(d, dict) and d.get("format") == PLAN_FORMAT, "format",
+            d.get("format") if isinstance(d, dict) else d, f"format {PLAN_FORMAT} (the one this llmc reads)")
+    _fields(d, "", _PLAN_FIELDS)
+    for i, step in enumerate(d["steps"]):
+        _fields(step, f"steps[{i}]", _STEP_FIELDS)
+        records = step["attrs"].get("kernels", [])
+        _expect(isinstance(records, list), f"steps[{i}].attrs.kernels", records, "a list of kernel records")
+        for j, record in enumerate(records):
+            _fields(record, f"steps[{i}].attrs.kernels[{j}]", _KERNEL_FIELDS)
+    for name, t in d["types"].items():
+        _fields(t, f"types[{name!r}]", _TYPE_FIELDS)
+    _fields(d["memory"], "memory", _MEMORY_FIELDS)
 
 
 def kernel_namespace(target_name: str) -> str:
@@ -116,7 +195,10 @@ def build_plan(graph: Graph, target_name: str, max_tokens: int, configs: dict | 
     """Verify the graph, then lay its nodes out as kernel launches with a memory plan. On a Triton
     target each step records the kernels it launches (attrs["kernels"]); `configs` overrides the
     target's launch configs by kernel family (see codegen/kernel_select.py)."""
-    graph.verify()
+    graph.verify(for_runtime=True)
+    if max_tokens > MAX_TOKENS:
+        raise TargetError(f"max_tokens {max_tokens} is over the {MAX_TOKENS} batched tokens a plan may be sized "
+                          f"for; pick a smaller --max-num-batched-tokens")
     ns = kernel_namespace(target_name)
     steps = [PlanStep(f"{ns}.{n.op}", list(n.inputs), [v.name for v in n.outputs], dict(n.attrs), n.name)
              for n in graph.nodes]
@@ -135,6 +217,8 @@ def build_plan(graph: Graph, target_name: str, max_tokens: int, configs: dict | 
 def record_kernels(graph: Graph, steps: list[PlanStep], target_name: str, configs: dict | None) -> dict:
     """Put each step's Triton kernels in its attrs; returns the plan meta saying which ops launch
     Triton kernels and which run as torch calls."""
+    from llmc.codegen.kernel_select import KV_BLOCK_SIZE, kernel_record  # compile side: renders templates
+
     types = graph.types()
     kv_dtype = (graph.meta.get("kv_cache") or {}).get("dtype")
     triton_ops, torch_ops = set(), set()
@@ -148,6 +232,8 @@ def record_kernels(graph: Graph, steps: list[PlanStep], target_name: str, config
 
 
 def step_kernels(node: Node, types: dict, target_name: str, configs: dict | None, kv_dtype: str | None) -> list:
+    from llmc.codegen.kernel_select import kernels_for_step
+
     try:
         return kernels_for_step(node.op, node.attrs, [types[i] for i in node.inputs],
                                 [v.type for v in node.outputs], target_name, configs=configs, kv_cache_dtype=kv_dtype)
@@ -155,4 +241,5 @@ def step_kernels(node: Node, types: dict, target_name: str, configs: dict | None
         raise TargetError(f"node {node.name}: {e}") from e
 
 
-__all__ = ["PLAN_FORMAT", "KERNEL_NAMESPACES", "PlanStep", "Plan", "kernel_namespace", "build_plan"]
+__all__ = ["PLAN_FORMAT", "MAX_TOKENS", "KERNEL_NAMESPACES", "PlanStep", "Plan", "check_plan_json",
+           "kernel_namespace", "build_plan"]

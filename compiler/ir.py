@@ -9,8 +9,6 @@ import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-import networkx as nx
-
 from llmc.errors import IRError
 
 # A dim is a concrete int or a symbolic name such as "tokens".
@@ -212,8 +210,11 @@ class Graph:
             counts[n.op] = counts.get(n.op, 0) + 1
         return dict(sorted(counts.items()))
 
-    def to_networkx(self) -> nx.DiGraph:
-        """Dataflow graph over node names (graph inputs and params are not nodes)."""
+    def to_networkx(self):
+        """Dataflow graph (networkx.DiGraph) over node names (graph inputs and params are not
+        nodes); networkx is imported here, so the runtime, which reads graphs, never loads it."""
+        import networkx as nx
+
         g = nx.DiGraph()
         prod = self.producers()
         for n in self.nodes:
@@ -247,22 +248,17 @@ class Graph:
             self.weights.pop(p, None)
         return unused
 
-    def toposort(self) -> None:
-        """Reorder nodes topologically, stable with respect to the current order."""
-        order = {n.name: i for i, n in enumerate(self.nodes)}
-        by_name = {n.name: n for n in self.nodes}
-        sorted_names = nx.lexicographical_topological_sort(self.to_networkx(), key=order.__getitem__)
-        self.nodes = [by_name[name] for name in sorted_names]
-
     def copy(self) -> "Graph":
         g = Graph.from_json(self.to_json())
         g.weights = dict(self.weights)
         return g
 
     # -- verification -------------------------------------------------------------
-    def verify(self) -> None:
-        """Check SSA form, topological order, dangling values, and op types."""
-        from llmc.compiler.ops import infer_types
+    def verify(self, for_runtime: bool = False) -> None:
+        """Check SSA form, topological order, dangling values, and op types. With `for_runtime` (before
+        codegen), also refuse every node the runtime would refuse to load (ops.runtime_refusal: attrs
+        outside the op's spec, aten fallbacks off the allow-list of pure tensor ops)."""
+        from llmc.compiler.ops import infer_types, runtime_refusal
 
         defined = {v.name for v in self.inputs} | set(self.params)
         if len(defined) != len(self.inputs) + len(self.params):
@@ -276,6 +272,8 @@ class Graph:
             for i in n.inputs:
                 if i not in defined:
                     raise IRError(f"node {n.name} ({n.op}): input {i!r} is not defined before use")
+            if for_runtime:
+                _refuse_for_runtime(n, runtime_refusal(n.op, n.attrs, [types[i] for i in n.inputs]))
             expected = infer_types(n, [types[i] for i in n.inputs])
             if expected is not None:
                 got = [v.type for v in n.outputs]
@@ -347,6 +345,13 @@ class Graph:
     @classmethod
     def from_json(cls, text: str) -> "Graph":
         return cls.from_dict(json.loads(text))
+
+
+def _refuse_for_runtime(node: Node, why: str | None) -> None:
+    if why:
+        target = f" {node.attrs.get('target')}" if node.op == "aten" else ""
+        raise IRError(f"node {node.name} ({node.op}{target}): {why}; the llmc runtime would refuse to run it, so it "
+                      f"is not compiled (aten fallbacks must be pure tensor ops: compiler/aten_allowlist.py)")
 
 
 def _short(v: Any) -> str:

@@ -1,5 +1,6 @@
 """The compile driver: model source -> trace -> lower -> target pipeline -> plan -> artifact.
-Each stage is timed and logged into the manifest's report."""
+The output path is checked before any work; each stage is timed into the compile report, which
+is printed (and written with --report), never stored in the artifact."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import llmc
 from llmc.codegen.autotune import autotune
 from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.plan import build_plan
-from llmc.compiler.artifact import write_artifact
+from llmc.compiler.artifact import staged_output, write_contents
 from llmc.compiler.calibration import calibration_sequences, calibration_source
+from llmc.compiler.compile_report import check_report_path, timing_line, write_report
 from llmc.compiler.draft import draft_options, read_draft_target
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node
@@ -25,7 +27,7 @@ from llmc.compiler.options import CompileOptions
 from llmc.compiler.recipes import added_passes, kv_cache_passes, kv_heads_passes, prune_passes, quant_passes
 from llmc.compiler.targets import Target, get_target
 from llmc.compiler.trace import export_lm, translate
-from llmc.errors import ArtifactError, PassError
+from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassManager, Stage, echo_stderr
 from llmc.passes.lowering import LOWERING
 from llmc.passes.registry import PassConfig, apply_options, drop_disabled, parse_pass_list, schedule
@@ -180,13 +182,28 @@ def launch_configs(graph: Graph, tgt: Target, opts: CompileOptions, echo) -> tup
 
 def compile_model(source: str, target: str | Target = "cpu", output: str | Path = "model.llmc",
                   options: CompileOptions | None = None, echo: Callable[[str], None] | None = None) -> Path:
-    """Compile `source` (sample name, HF dir, GGUF file) for `target` into an artifact dir."""
+    """Compile `source` (sample name, HF dir, GGUF file) for `target` into an artifact dir. The
+    output (and --report) are checked before any work; the artifact is built in a staging
+    directory that a failure or interrupt removes (see staged_output)."""
     opts = options or CompileOptions()
+    output = Path(output)
+    check_report_path(opts.report)
+    start = time.perf_counter()
+    with staged_output(output, opts.force) as staging:
+        report = build_into(staging, source, target, opts, echo)
+    report["seconds"] = round(time.perf_counter() - start, 4)
+    if not opts.quiet:
+        (echo or echo_stderr)(timing_line(report))
+    if opts.report is not None:
+        write_report(opts.report, report)
+    return output
+
+
+def build_into(staging: Path, source: str, target: str | Target, opts: CompileOptions,
+               echo: Callable[[str], None] | None) -> dict:
+    """Compile `source` into the empty directory `staging`; return the compile report (timings)."""
     tgt = get_target(target)
     tgt.check_ready()
-    output = Path(output)
-    if output.exists() and not opts.force:
-        raise ArtifactError(f"output '{output}' exists; pass --force to overwrite it")
     draft_target = read_draft_target(opts.draft_of, opts.draft_layers)  # checked before the slow load
     configs = pass_configs(tgt, opts)
     stages: list[dict] = []
@@ -221,7 +238,9 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
         "llmc_version": llmc.__version__, "torch_version": torch.__version__.split("+")[0],
         "target": tgt.to_dict(), "model": {"name": loaded.name, "source_kind": loaded.kind,
                                            "source_sha256": loaded.source_hash, **graph.meta},
-        "pipeline": [r.to_dict(include_timing=False) for r in records],
+        # lowering's records apart, so "pipeline" lists the passes a target or the flags chose
+        "lowering": [r.to_dict(include_timing=False) for r in records if r.stage == Stage.LOWER.label],
+        "pipeline": [r.to_dict(include_timing=False) for r in records if r.stage != Stage.LOWER.label],
         "report": {
             "op_counts": graph.op_counts(), "weight_bytes": weight_bytes_by_dtype(graph),
             "kv_bytes_per_token": graph.meta["kv_bytes_per_token"],
@@ -232,21 +251,9 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     }
     if draft_target is not None:
         manifest["draft_of"] = draft_target.record()
-    path = write_artifact(output, graph_json=graph.to_json(), plan_json=plan.to_json(), weights=graph.weights,
-                          tokenizer=loaded.tokenizer, manifest=manifest, force=opts.force,
-                          kernels=kernels, kernel_index=kernel_index or None)
-    if opts.report is not None:
-        write_report(opts.report, stages, records)
-    return path
-
-
-def write_report(path: str | Path, stages: list[dict], records: list) -> None:
-    """The compile's wall-clock log, beside the artifact rather than in it (timings differ
-    between identical compiles, and the artifact's bytes must not)."""
-    report = {"stages": stages, "passes": [{"name": r.name, "stage": r.stage, "seconds": round(r.seconds, 4)}
-                                           for r in records], "host": platform.machine()}
-    try:
-        Path(path).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-    except OSError as e:
-        raise ArtifactError(f"--report '{path}' cannot be written ({e.strerror}); the artifact was written; "
-                            f"give a writable file path") from None
+    t = time.perf_counter()
+    write_contents(staging, graph.to_json(), plan.to_json(), graph.weights, loaded.tokenizer, manifest, kernels,
+                   kernel_index or None)
+    log("write", time.perf_counter() - t, {})
+    return {"stages": stages, "passes": [{"name": r.name, "stage": r.stage, "seconds": round(r.seconds, 4)}
+                                         for r in records], "host": platform.machine()}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import json
 import sys
@@ -77,6 +78,14 @@ class Pass(abc.ABC):
     needs: ClassVar[tuple[str, ...]] = ()
     required: ClassVar[bool] = False
     Options: ClassVar[type[PassOptions]] = PassOptions
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if "Options" not in cls.__dict__:  # a pass without options still gets its own (empty) class
+            cls.Options = dataclasses.make_dataclass(f"{cls.__name__}Options", [], bases=(PassOptions,), frozen=True)
+        cls.Options.pass_name = cls.name
+        if cls.lossy and "calibration" not in cls.needs:  # its cost is measured on calibration text
+            cls.needs = (*cls.needs, "calibration")
 
     def __init__(self, **options):
         self.options = type(self).Options.build(options)

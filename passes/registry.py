@@ -33,14 +33,10 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
     if not isinstance(cls.stage, Stage) or cls.stage not in cls.allowed_stages():
         raise TypeError(f"pass {name!r}: stage {cls.stage!r} is no Stage among its stages {cls.allowed_stages()}")
     unknown = sorted(set(cls.needs) - set(NEEDS))
-    if unknown or (cls.lossy and "calibration" not in cls.needs):
-        raise TypeError(f"pass {name!r}: needs {cls.needs} must be keys of {sorted(NEEDS)} and hold "
-                        f"'calibration' when the pass is lossy (its cost is measured on calibration text)")
-    if "Options" not in cls.__dict__:  # a pass without options still gets its own (empty) class
-        cls.Options = dataclasses.make_dataclass(f"{cls.__name__}Options", [], bases=(PassOptions,), frozen=True)
+    if unknown:
+        raise TypeError(f"pass {name!r}: needs {cls.needs} must be keys of {sorted(NEEDS)}")
     if not (isinstance(cls.Options, type) and issubclass(cls.Options, PassOptions)):
         raise TypeError(f"pass {name!r}: Options must be a PassOptions dataclass")
-    cls.Options.pass_name = name
     PASSES[name] = cls
     return cls
 
@@ -105,15 +101,11 @@ class PassConfig:
         return PASSES[self.name](**self.options.to_dict())
 
     def spec(self) -> str:
-        """`name:key=value` for each option that differs from its default."""
-        default = PASSES[self.name].Options.build({}).to_dict() if _has_defaults(self.name) else {}
-        changed = [f"{k}={_spec_value(v)}" for k, v in self.options.to_dict().items() if default.get(k, object()) != v]
+        """`name:key=value` for each option that differs from its declared default."""
+        default = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                   for f in dataclasses.fields(self.options)}
+        changed = [f"{k}={_spec_value(v)}" for k, v in self.options.to_dict().items() if default[k] != v]
         return ":".join([self.name, *changed])
-
-
-def _has_defaults(name: str) -> bool:
-    return all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-               for f in dataclasses.fields(PASSES[name].Options))
 
 
 def _spec_value(v) -> str:

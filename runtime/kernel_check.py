@@ -9,11 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 
-import jinja2
-
-from llmc.codegen.kernel_sources import kernel_file
 from llmc.codegen.plan import Plan
-from llmc.codegen.triton_render import render_kernel
 from llmc.compiler.artifact import Artifact
 from llmc.errors import ArtifactError
 
@@ -31,8 +27,14 @@ def recorded_kernels(plan: Plan) -> dict[str, tuple[dict, str]]:
 
 def verify_kernels(plan: Plan, stored: dict[str, str], path: str | Path) -> None:
     """Raise ArtifactError naming the first kernel whose template renders differently now, or
-    whose stored source is missing or differs."""
-    for digest, (record, node) in sorted(recorded_kernels(plan).items()):
+    whose stored source is missing or differs. The renderer (jinja2) loads only for a plan that
+    records kernels: a cpu plan's runtime never imports it."""
+    recorded = recorded_kernels(plan)
+    if not recorded:
+        return
+    from llmc.codegen.kernel_sources import kernel_file
+
+    for digest, (record, node) in sorted(recorded.items()):
         where = f"artifact '{path}': kernel {record['name']} (step {node}, template {record['template']})"
         rendered = _render(record, where)
         if rendered != digest:
@@ -55,6 +57,10 @@ def verified_plan(art: Artifact) -> Plan:
 
 
 def _render(record: dict, where: str) -> str:
+    import jinja2
+
+    from llmc.codegen.triton_render import render_kernel
+
     try:
         return render_kernel(record["template"], record["name"], dict(record["constants"])).sha256
     except jinja2.TemplateNotFound:

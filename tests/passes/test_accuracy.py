@@ -4,6 +4,7 @@ the pass (exit 2, no artifact) and otherwise records the figures in the manifest
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from llmc.passes.accuracy import (
     top1_agreement,
 )
 from llmc.passes.base import PASSES, Pass, PassContext, PassManager, PassResult
+from llmc.passes.options import PassOptions, option
 
 VOCAB = 37
 
@@ -100,14 +102,17 @@ class ScaleLinears(Pass):
     """Test-only lossy pass: multiplies every linear weight by (1 + noise * N(0, 1))."""
     name = "scale_linears_for_test"
     lossy = True
-    options = {"noise": 0.5}
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        noise: float = option(0.5, "standard deviation of the relative noise", low=0.0)
 
     def run(self, graph, ctx):
         g = torch.Generator().manual_seed(0)
         linears = [n for n in graph.nodes if n.op == "linear"]
         for node in linears:
             w = graph.weights[node.inputs[1]]
-            noise = self.options["noise"] * torch.randn(w.shape, generator=g)
+            noise = self.options.noise * torch.randn(w.shape, generator=g)
             graph.weights[node.inputs[1]] = w * (1 + noise)
         return PassResult(len(linears), bool(linears))
 

@@ -16,7 +16,8 @@ from llmc.cli import main
 from llmc.compiler.frontends.samples import build_tiny_tokenizer, fill_seeded_weights
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ops import causal_attention
-from llmc.compiler.pipeline import CompileOptions, pipeline_entries, trace_and_lower
+from llmc.compiler.options import CompileOptions
+from llmc.compiler.pipeline import pass_configs, trace_and_lower
 from llmc.compiler.targets import get_target
 from llmc.errors import PassError
 from llmc.passes.base import PassContext, PassManager
@@ -312,9 +313,10 @@ def test_cli_bad_kv_heads_is_one_error_line_exit_2(qwen_dir, tmp_path, capfd, ar
 
 def test_pipeline_order_is_pruning_then_kv_heads_then_quantisation_then_cleanup():
     opts = CompileOptions(prune="layers:1", kv_heads=1, kv_grouping="similarity", quant="int8")
-    names = [e.split(":")[0] for e in pipeline_entries(get_target("cpu"), opts)]
+    configs = [c for c in pass_configs(get_target("cpu"), opts) if c.origin != "lowering"]
+    names = [c.name for c in configs]
     assert names[:3] == ["prune_layers", "convert_kv_heads", "quantize_int8"] and names[3] == "remove_noops"
-    assert "convert_kv_heads:kv_heads=1:grouping=similarity" in pipeline_entries(get_target("cpu"), opts)
+    assert configs[1].options.to_dict() == {"kv_heads": 1, "grouping": "similarity"}
 
 
 def test_index_groups_are_contiguous():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from contiguous_kv_cache import ContiguousKVCache
 
 import llmc
 from llmc.codegen.cpu_kernels import RopeCache, resolve_kernel
@@ -20,7 +21,7 @@ from llmc.compiler.ops import OPS, infer_types, run_reference
 from llmc.errors import IRError
 from llmc.passes.base import PassContext, PassManager
 from llmc.passes.registry import build_pipeline, get_pass
-from llmc.runtime.attention import ContiguousKVCache, NoCacheAttention
+from llmc.runtime.attention import NoCacheAttention
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata

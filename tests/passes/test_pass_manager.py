@@ -1,6 +1,7 @@
 """The pass manager runs, verifies, times and instruments passes; pipelines parse from CLI text."""
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from llmc.passes.base import (
     parse_pass_options,
     register_pass,
 )
+from llmc.passes.options import PassOptions, option
 
 CLEANUP = ["remove_noops", "fold_constants", "dce"]
 
@@ -48,7 +50,15 @@ class DropFirstNode(Pass):
 
 class CountNodes(Pass):
     name = "count_nodes"
-    options = {"scale": 1, "enabled": True, "ratio": 0.5, "ops": [], "label": "x", "extra": None}
+
+    @dataclass(frozen=True)
+    class Options(PassOptions):
+        scale: int = option(1, "multiplies the count")
+        enabled: bool = option(True, "unused")
+        ratio: float = option(0.5, "unused", low=0.0, high=1.0)
+        ops: list[str] = option([], "unused")
+        label: str = option("x", "unused")
+        extra: str | None = option(None, "unused")
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -56,7 +66,7 @@ class CountNodes(Pass):
 
     def run(self, graph, ctx):
         self.calls += 1
-        return PassResult(len(graph.nodes) * self.options["scale"], False, {"seen": len(graph.nodes)})
+        return PassResult(len(graph.nodes) * self.options.scale, False, {"seen": len(graph.nodes)})
 
 
 def quiet_ctx(**kw) -> PassContext:
@@ -89,6 +99,7 @@ def test_records_have_results_timing_and_op_counts():
     assert dce.op_counts_before == {"linear": 2, "silu": 1}
     assert dce.op_counts_after == {"linear": 1, "silu": 1}
     assert records[1].options == {"max_growth": 2.0}
+    assert [r.stage for r in records] == ["simplify"] * 3
     assert all(r.seconds >= 0 for r in records)
     d = dce.to_dict()
     assert d["seconds"] == dce.seconds
@@ -165,11 +176,23 @@ def test_pass_must_return_a_pass_result():
 
 # -- options ---------------------------------------------------------------------------
 def test_options_from_the_cli_are_coerced_to_the_default_type():
-    p = CountNodes(scale="3", enabled="false", ratio="0.25", ops="linear, silu", label="7", extra="[1, 2]")
-    assert p.options == {"scale": 3, "enabled": False, "ratio": 0.25, "ops": ["linear", "silu"],
-                         "label": "7", "extra": [1, 2]}
-    assert CountNodes(extra="tokens").options["extra"] == "tokens"
-    assert CountNodes().options["scale"] == 1
+    p = CountNodes(scale="3", enabled="false", ratio="0.25", ops="linear, silu", label="7", extra="none")
+    assert p.options.to_dict() == {"scale": 3, "enabled": False, "ratio": 0.25, "ops": ["linear", "silu"],
+                                   "label": "7", "extra": None}
+    assert CountNodes(extra="tokens").options.extra == "tokens"
+    assert CountNodes().options.scale == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"scale": True}, "scale=True is not a valid int"),
+    ({"ratio": 1.5}, r"ratio=1.5 must lie in \[0.0, 1.0\]"),
+    ({"ratio": "nan"}, "ratio='nan' is not a valid float .a finite number."),
+    ({"ops": "a" and 3}, "ops=3 is not a valid list"),
+    ({"label": 7}, "label=7 is not a valid str"),
+])
+def test_options_are_type_checked_and_bounded_when_the_pass_is_configured(bad, message):
+    with pytest.raises(PassError, match=rf"pass 'count_nodes': option {message}"):
+        CountNodes(**bad)
 
 
 @pytest.mark.parametrize("bad", [{"scale": "three"}, {"enabled": "maybe"}, {"ratio": "x"}])
@@ -188,7 +211,7 @@ def test_unknown_option_lists_valid_options():
 
 # -- registry and pipelines --------------------------------------------------------------
 def test_get_pass_unknown_lists_valid_passes():
-    with pytest.raises(PassError, match=r"unknown pass 'dcee'; valid passes: .*dce, fold_constants, "
+    with pytest.raises(PassError, match=r"unknown pass 'dcee'; valid passes: .*dce, .*fold_constants, "
                                         r".*remove_noops"):
         get_pass("dcee")
 
@@ -209,17 +232,17 @@ def test_build_pipeline_default_replace_disable_and_options():
     assert [p.name for p in build_pipeline(CLEANUP)] == CLEANUP
     pipeline = build_pipeline(CLEANUP, passes="dce, fold_constants:max_growth=8,dce")
     assert [p.name for p in pipeline] == ["dce", "fold_constants", "dce"]
-    assert pipeline[1].options == {"max_growth": 8.0}
+    assert pipeline[1].options.to_dict() == {"max_growth": 8.0}
     assert [p.name for p in build_pipeline(CLEANUP, disable=["fold_constants"])] == ["remove_noops", "dce"]
     configured = build_pipeline(CLEANUP, options={"fold_constants": {"max_growth": "3"}})
-    assert configured[1].options == {"max_growth": 3.0}
+    assert configured[1].options.to_dict() == {"max_growth": 3.0}
     assert build_pipeline(CLEANUP, passes="") == []
 
 
 def test_pass_option_flag_overrides_inline_option():
     pipeline = build_pipeline([], passes="fold_constants:max_growth=8",
                               options=parse_pass_options(["fold_constants.max_growth=5"]))
-    assert pipeline[0].options == {"max_growth": 5.0}
+    assert pipeline[0].options.to_dict() == {"max_growth": 5.0}
 
 
 @pytest.mark.parametrize("kwargs, message", [

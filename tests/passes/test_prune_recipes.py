@@ -12,29 +12,32 @@ from llmc_cli import llmc_in_process
 import llmc
 from llmc import SamplingParams
 from llmc.cli import main
-from llmc.compiler.pipeline import CompileOptions, pipeline_entries
-from llmc.compiler.prune_recipes import insert_prune_passes, parse_prune, prune_pass_specs
+from llmc.compiler.options import CompileOptions
+from llmc.compiler.pipeline import pass_configs
+from llmc.compiler.recipes import parse_prune, prune_passes
 from llmc.compiler.targets import get_target
 from llmc.errors import PassError
-from llmc.passes.registry import build_pipeline
+
+
+def specs(configs) -> list[str]:
+    return [c.spec() for c in configs]
 
 
 def test_prune_parts_become_passes_layers_then_heads_then_ffn_then_sparsity():
-    assert parse_prune(" ffn:0.3, layers:4 ,heads:0.25") == {"ffn": 0.3, "layers": 4, "heads": 0.25}
-    assert prune_pass_specs("ffn:0.3,layers:4,heads:0.25", "2:4") == [
-        "prune_layers:count=4", "prune_heads:fraction=0.25", "prune_ffn:fraction=0.3",
-        "prune_sparse:pattern=2:4:method=wanda"]
-    assert prune_pass_specs(None, 0.5, "magnitude") == ["prune_sparse:sparsity=0.5:method=magnitude"]
-    assert prune_pass_specs(None, "0.7") == ["prune_sparse:sparsity=0.7:method=wanda"]
-    assert prune_pass_specs() == []
+    assert parse_prune(" ffn:0.3, layers:4 ,heads:0.25") == {"ffn": "0.3", "layers": "4", "heads": "0.25"}
+    assert specs(prune_passes("ffn:0.3,layers:4,heads:0.25", "2:4")) == [
+        "prune_layers:count=4", "prune_heads", "prune_ffn:fraction=0.3", "prune_sparse:pattern=2:4"]
+    assert specs(prune_passes(None, 0.5, "magnitude")) == ["prune_sparse:sparsity=0.5:method=magnitude"]
+    assert specs(prune_passes(None, "0.7")) == ["prune_sparse:sparsity=0.7"]
+    assert prune_passes() == []
 
 
-def test_specs_build_passes_with_typed_options():
-    passes = build_pipeline(prune_pass_specs("heads:0.25,layers:4", "2:4", "magnitude"))
-    assert [p.options for p in passes] == [
+def test_configs_hold_typed_options():
+    configs = prune_passes("heads:0.25,layers:4", "2:4", "magnitude")
+    assert [c.options.to_dict() for c in configs] == [
         {"count": 4}, {"fraction": 0.25, "unit": "group"},
         {"sparsity": 0.0, "pattern": "2:4", "method": "magnitude"}]
-    assert all(p.lossy for p in passes)
+    assert all(c.instantiate().lossy for c in configs) and {c.stage.label for c in configs} == {"prune"}
 
 
 @pytest.mark.parametrize("prune, sparsity, method, message", [
@@ -54,22 +57,21 @@ def test_specs_build_passes_with_typed_options():
 ])
 def test_bad_specs_name_the_bad_part(prune, sparsity, method, message):
     with pytest.raises(PassError) as e:
-        prune_pass_specs(prune, sparsity, method)
+        prune_passes(prune, sparsity, method)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_pruning_runs_before_kv_head_conversion_quantisation_and_cleanup():
     opts = CompileOptions(prune="ffn:0.25,layers:2", sparsity="2:4", kv_heads=1, quant="int8")
-    entries = pipeline_entries(get_target("cpu"), opts)
-    names = [e.split(":", 1)[0] for e in entries]
+    names = [c.name for c in pass_configs(get_target("cpu"), opts) if c.origin != "lowering"]
     assert names[:4] == ["prune_layers", "prune_ffn", "prune_sparse", "convert_kv_heads"]
     assert names.index("quantize_int8") == 4 and names[5:] == list(get_target("cpu").default_pipeline)
 
 
 def test_explicit_passes_that_already_prune_refuse_a_second_pruning():
-    with pytest.raises(PassError, match="--passes already prunes"):
-        insert_prune_passes(["prune_ffn:fraction=0.5", "dce"], ["prune_layers:count=1"], explicit=True)
-    assert insert_prune_passes(["dce"], [], explicit=True) == ["dce"]
+    with pytest.raises(PassError, match="--passes already holds prune_ffn .prune. and --prune adds prune_layers"):
+        pass_configs(get_target("cpu"), CompileOptions(passes="prune_ffn:fraction=0.5,dce", prune="layers:1"))
+    assert [c.name for c in pass_configs(get_target("cpu"), CompileOptions(passes="dce"))][-1] == "dce"
 
 
 def test_cli_refuses_a_bad_prune_on_one_line_with_exit_2(tmp_path, capsys):

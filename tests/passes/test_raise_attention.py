@@ -1,13 +1,14 @@
 """Unfused attention (matmul -> scale -> mask -> softmax -> matmul, with or without repeat_kv) is
 raised to the `attention` op: HF Llama with eager attention and hand-written modules lower with
 no aten fallback left and keep their logits; masks that are not causal stay fallbacks (and still
-compute the model); the `raise_attention` pass does the same for a graph that skipped lowering."""
+compute the model); lowering's `lower` pass is what raises them."""
 
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from contiguous_kv_cache import ContiguousKVCache
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -18,7 +19,6 @@ from llmc.compiler.targets import get_target
 from llmc.compiler.trace import export_lm, translate
 from llmc.passes.base import PassContext, PassManager
 from llmc.passes.registry import get_pass
-from llmc.runtime.attention import ContiguousKVCache
 from llmc.runtime.executor import PlanExecutor
 
 VOCAB = 96
@@ -199,25 +199,24 @@ def test_attention_without_a_causal_mask_stays_a_fallback_and_still_computes_the
     assert_same_logits(graph, model, lengths=(3, 11))
 
 
-# -- the pass -------------------------------------------------------------------------------------
+# -- the lowering pass ----------------------------------------------------------------------------
 def run_pass(graph):
-    return PassManager([get_pass("raise_attention")], PassContext(quiet=True)).run(graph)[0]
+    return PassManager([get_pass("lower"), get_pass("dce")], PassContext(quiet=True)).run(graph)
 
 
-def test_pass_raises_attention_in_a_graph_that_skipped_lowering():
+def test_the_lower_pass_raises_attention_in_a_traced_graph():
     model = plain_decoder(kv_heads=2, mask="additive")
     graph = translate(export_lm(model, max_tokens=64))
-    record = run_pass(graph)
-    assert record.matches == 2 and record.details["aten_nodes_removed"] > 0
+    lowered, dce = run_pass(graph)
+    assert lowered.details["attention"] == 2 and dce.matches > 0 and lowered.stage == dce.stage == "lower"
     assert [n.attrs["layer"] for n in graph.nodes if n.op == "attention"] == [0, 1]
     assert not aten_targets(graph) & {"aten.matmul.default", "aten.softmax.int", "aten.expand.default"}
     assert_same_logits(graph, model, lengths=(4, 13))
 
 
-def test_pass_finds_nothing_after_lowering_and_runs_on_the_cpu_pipeline(eager_gqa):
+def test_lowering_leaves_nothing_to_raise_so_no_target_pipeline_raises_again(eager_gqa):
     graph = eager_gqa[1].copy()
     before = graph.to_json()
-    assert run_pass(graph).matches == 0 and graph.to_json() == before
+    assert run_pass(graph)[0].details["attention"] == 0 and graph.to_json() == before
     for target in ("cpu", "h100-bf16"):
-        pipeline = get_target(target).default_pipeline
-        assert pipeline.index("raise_attention") < pipeline.index("fuse_attention")
+        assert "raise_attention" not in get_target(target).full_pipeline()

@@ -5,10 +5,11 @@ import weakref
 
 import pytest
 import torch
+from contiguous_kv_cache import ContiguousKVCache
 
 from llmc.codegen.plan import Plan, build_plan
 from llmc.errors import ArtifactError, RuntimeLlmcError
-from llmc.runtime.attention import ContiguousKVCache, NoCacheAttention
+from llmc.runtime.attention import NoCacheAttention
 from llmc.runtime.executor import PlanExecutor
 
 from tiny_llama import HEAD_DIM, HEADS, KV_HEADS, build_tiny_llama, random_tokens, reference_outputs

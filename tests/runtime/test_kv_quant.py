@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import llmc
 from llmc.cli import main
-from llmc.compiler.pipeline import CompileOptions, pipeline_entries
+from llmc.compiler.options import CompileOptions
+from llmc.compiler.pipeline import pass_configs
 from llmc.compiler.targets import get_target
 from llmc.errors import ArtifactError, PassError
 from llmc.passes.quantize_kv import KV_FORMATS, fake_quantize_kv
@@ -154,10 +155,10 @@ def test_missing_scales_are_an_artifact_error():
 # --- compiled tiny-llama ----------------------------------------------------------------
 
 def test_kv_cache_pass_runs_last_and_once():
-    entries = pipeline_entries(get_target("cpu"), CompileOptions(kv_cache="fp8", quant="int8"))
+    entries = [c.spec() for c in pass_configs(get_target("cpu"), CompileOptions(kv_cache="fp8", quant="int8"))]
     assert entries[-1] == "quantize_kv_cache:dtype=fp8" and "quantize_int8" in entries
     with pytest.raises(PassError, match="one or the other"):
-        pipeline_entries(get_target("cpu"), CompileOptions(passes="dce,quantize_kv_cache", kv_cache="int8"))
+        pass_configs(get_target("cpu"), CompileOptions(passes="dce,quantize_kv_cache", kv_cache="int8"))
 
 
 @pytest.fixture(scope="module")
