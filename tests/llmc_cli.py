@@ -14,3 +14,11 @@ def llmc_in_process(capture, *args) -> tuple[int, str, str]:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
     out, err = capture.readouterr()
     return code, out, err
+
+
+def error_line(err: str) -> str:
+    """The one stderr line of a refused command, without its "llmc: error: " prefix."""
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got:\n{err}"
+    assert lines[0].startswith("llmc: error: "), lines[0]
+    return lines[0].removeprefix("llmc: error: ")

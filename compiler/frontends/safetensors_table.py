@@ -58,7 +58,8 @@ def read_shards(path: Path, index: Path) -> dict[str, StoredTensor]:
     absent = sorted(set(weight_map) - set(table))
     if absent:
         raise ModelLoadError(f"'{index}' places {count(absent, 'tensor')} in shards that do not hold "
-                             f"them ({listing(absent)}); re-download the checkpoint")
+                             f"them ({listing(absent)}); the index and its shards disagree: re-download "
+                             f"the checkpoint")
     return table
 
 
