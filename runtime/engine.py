@@ -137,8 +137,8 @@ class Engine:
         return request_id
 
     def _sample(self, seq: Sequence, req: _Request, index: int) -> _Sample:
-        state = SamplingState(req.params, req.prompt_token_ids, [], sample_index=index, device=self.device)
-        stop = StopChecker(self.tokenizer, req.params, req.prompt_token_ids, self.eos_token_ids,
+        state = SamplingState(req.params, seq, sample_index=index, device=self.device)
+        stop = StopChecker(self.tokenizer, req.params, seq, self.eos_token_ids,
                            max_model_len=self.max_model_len)
         return _Sample(seq, state, stop, index)
 
@@ -184,29 +184,29 @@ class Engine:
             touched[req.request_id] = req
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            if not s.state.output_token_ids and s.index == 0 and req.params.n > 1:
+            if s.seq.num_output_tokens == 1 and s.index == 0 and req.params.n > 1:
                 # fork before the parent's stop check, which may finish it and free its blocks
                 self._fork(req, s, logits[i])
             self._accept(s, result, i)
 
     def _accept(self, s: _Sample, result, i: int) -> None:
         token = result.token_ids[i]
-        s.state.output_token_ids.append(token)
+        assert s.seq.last_token == token, "a sampled token is appended to its sequence before it is accepted"
         if s.state.params.logprobs is not None:
             entry = {token: Logprob(result.logprobs[i], result.ranks[i] if result.ranks else None)}
             for rank, (tok, lp) in enumerate(result.top_logprobs[i] if result.top_logprobs else [], 1):
                 entry.setdefault(tok, Logprob(lp, rank))
             s.logprobs = (s.logprobs or []) + [entry]
             s.cumulative_logprob = (s.cumulative_logprob or 0.0) + result.logprobs[i]
-        if s.stop.append(token):
+        if s.stop.check_new_token():
             self.scheduler.finish(s.seq, s.stop.finish_reason)
 
     def _fork(self, req: _Request, parent: _Sample, logits: torch.Tensor) -> None:
         """n > 1: the other samples share the prompt's KV blocks (copy-on-write) and draw
         their own first token from the same logits."""
         for index in range(1, req.params.n):
-            seq = self.scheduler.fork(parent.seq, seq_id=next(_fork_ids))
-            seq.token_ids.pop()  # the parent's first token; this sample draws its own
+            # the prompt only: this sample draws its own first token
+            seq = self.scheduler.fork(parent.seq, seq_id=next(_fork_ids), num_tokens=parent.seq.num_prompt_tokens)
             sample = self._sample(seq, req, index)
             req.samples.append(sample)
             result = self.sampler.sample(logits[None], [sample.state])
@@ -218,7 +218,7 @@ class Engine:
         return next(s for s in self.requests[seq.request_id].samples if s.seq is seq)
 
     def _output(self, req: _Request) -> RequestOutput:
-        outs = [CompletionOutput(index=s.index, text=s.stop.output_text, token_ids=list(s.stop.token_ids),
+        outs = [CompletionOutput(index=s.index, text=s.stop.output_text, token_ids=s.seq.output_token_ids,
                                  cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
                                  finish_reason="abort" if req.error else s.stop.finish_reason,
                                  stop_reason=req.error or s.stop.stop_reason)

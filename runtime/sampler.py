@@ -19,21 +19,21 @@ vLLM's default, so they do not change with temperature or filters.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sequence import Sequence
 
 
 @dataclass
 class SamplingState:
-    """One sequence as the sampler sees it. The engine appends each sampled token to
-    `output_token_ids`; the sampler only reads it. Sample `sample_index` of an n > 1
-    request is seeded with seed + sample_index so the n samples differ (as vLLM)."""
+    """One sequence as the sampler sees it: its parameters and generator; its tokens are
+    read from `seq`, never copied. Sample `sample_index` of an n > 1 request is seeded
+    with seed + sample_index so the n samples differ (as vLLM)."""
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
+    seq: Sequence
     sample_index: int = 0
     device: str | torch.device = "cpu"  # where the seeded generator draws
     generator: torch.Generator | None = None
@@ -87,7 +87,7 @@ class Sampler:
         vocab = logits.shape[1]
         rows, cols = [], []
         for i, s in enumerate(states):
-            if len(s.output_token_ids) >= s.params.min_tokens:
+            if s.seq.num_output_tokens >= s.params.min_tokens:
                 continue
             eos = [] if s.params.ignore_eos else self.eos_token_ids
             for t in set(s.params.stop_token_ids) | set(eos):
@@ -136,10 +136,10 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
     if not any(out_rows):
         return logits
     vocab, device = logits.shape[1], logits.device
-    output_counts = token_counts([s.output_token_ids if need else []
+    output_counts = token_counts([s.seq.output_token_ids if need else []
                                   for s, need in zip(states, out_rows)], vocab, device)
     if any(rep_rows):
-        prompt_counts = token_counts([s.prompt_token_ids if need else []
+        prompt_counts = token_counts([s.seq.prompt_token_ids if need else []
                                       for s, need in zip(states, rep_rows)], vocab, device)
         penalty = _column([p.repetition_penalty for p in params], device)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)

@@ -106,10 +106,11 @@ class Scheduler:
         else:
             self._enqueue(seq)
 
-    def fork(self, parent: Sequence, seq_id: int) -> Sequence:
-        """Another sample of a running `parent`, sharing its KV blocks; runs from the next step."""
+    def fork(self, parent: Sequence, seq_id: int, num_tokens: int | None = None) -> Sequence:
+        """Another sample of a running `parent` (its first `num_tokens` tokens, all by default),
+        sharing its KV blocks; runs from the next step."""
         assert parent.status is SequenceStatus.RUNNING, f"fork of a {parent.status.name} sequence"
-        child = parent.fork(seq_id)
+        child = parent.fork(seq_id, num_tokens)
         self.block_manager.fork(parent, child)
         self.running.append(child)
         return child

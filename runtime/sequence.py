@@ -1,5 +1,6 @@
-"""One generation stream's state as the scheduler and KV block manager see it: its
-tokens, the KV blocks it owns, how much of it is computed, and why it finished."""
+"""One generation stream's state: its tokens (the only store of them: the sampler, the stop
+checker and the outputs read them from here), the KV blocks it owns, how much of it is
+computed, and why it finished."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """Tokens are one list (prompt then output); the KV of the first
-    `num_computed_tokens` of them is in the blocks of `block_table`."""
+    """Tokens are one list (prompt then output), grown only by `append_token`; the KV of
+    the first `num_computed_tokens` of them is in the blocks of `block_table`."""
 
     def __init__(self, prompt_token_ids: list[int], *, seq_id: int | None = None,
                  request_id: str | None = None, params: Any = None, priority: int = 0,
@@ -91,14 +92,19 @@ class Sequence:
         return self.token_ids[i * block_size:(i + 1) * block_size]
 
     def append_token(self, token_id: int) -> None:
+        """The one place a sample's token list grows."""
         self.token_ids.append(token_id)
 
-    def fork(self, new_id: int) -> Sequence:
-        """Another sample of the same request: same tokens and a copy of the block table.
-        The block manager's `fork` takes the extra references on the shared blocks."""
+    def fork(self, new_id: int, num_tokens: int | None = None) -> Sequence:
+        """Another sample of the same request: its own copy of the block table and of the
+        first `num_tokens` tokens (all by default; at least the prompt and the computed
+        ones). The block manager's `fork` takes the extra references on the shared blocks."""
+        num_tokens = self.num_tokens if num_tokens is None else num_tokens
+        assert max(self.num_computed_tokens, self.num_prompt_tokens) <= num_tokens <= self.num_tokens, \
+            (num_tokens, self)
         child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)
         child.seq_id = new_id
-        child.token_ids = list(self.token_ids)
+        child.token_ids = self.token_ids[:num_tokens]
         child.block_table = list(self.block_table)
         return child

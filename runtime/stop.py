@@ -1,45 +1,44 @@
 """Decides when a sequence finishes (stop token, stop string, length) while turning its
-tokens into text incrementally, as vLLM's detokenizer and stop checker do together."""
+tokens into text incrementally, as vLLM's detokenizer and stop checker do together. Both
+read the tokens from the sequence; neither keeps its own copy."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sequence import Sequence
 
 # Prompt tokens kept as decoding context for the first output tokens (as vLLM).
 _PREFIX_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token sequence, decoding only a short window per token.
+    """Text of a sequence's output tokens as they are appended, decoding only a short
+    window per token, the last prompt tokens giving the first window its context.
 
-    Keeps two offsets into the ids (vLLM's detokenize_incrementally, TGI's decode_token):
-    the new text is decode(ids[prefix:]) minus decode(ids[prefix:read]). Decoding a window
-    instead of the lone new token gets context-dependent text right (SentencePiece's
-    leading space, a character split over byte tokens: held back while the window ends
-    in U+FFFD). Written here rather than taken from `tokenizers.decoders.DecodeStream`
+    Keeps two offsets into the sequence's ids (vLLM's detokenize_incrementally, TGI's
+    decode_token): the new text is decode(ids[prefix:]) minus decode(ids[prefix:read]).
+    Decoding a window instead of the lone new token gets context-dependent text right
+    (SentencePiece's leading space, a character split over byte tokens: held back while
+    the window ends in U+FFFD). Written here rather than taken from `tokenizers.decoders.DecodeStream`
     because that needs a fast tokenizer and cannot take the prompt as context."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, seq: Sequence, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.seq = seq
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_token_ids[-_PREFIX_CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = seq.num_prompt_tokens
+        self.prefix_offset = max(self.read_offset - _PREFIX_CONTEXT, 0)
 
-    def append(self, token_id: int) -> str:
-        """Adds one token; returns the text it completes (may be "")."""
-        self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset:])
+    def decode_new(self) -> str:
+        """The text completed by the tokens appended since the last call (may be "")."""
+        ids = self.seq.token_ids
+        prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(ids[self.prefix_offset:])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        # only ids[prefix_offset:] are ever decoded again
-        del self.ids[:self.prefix_offset]
-        self.read_offset -= self.prefix_offset
-        self.prefix_offset = 0
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         return full_text[len(prefix_text):]
 
     def _decode(self, ids: list[int]) -> str:
@@ -49,29 +48,28 @@ class IncrementalDetokenizer:
 
 
 class StopChecker:
-    """One per sequence: feed it each sampled token with `append`; it keeps the output
-    ids and text and says when and why the sequence finished.
+    """One per sequence: call `check_new_token` after each token appended to the
+    sequence; it keeps the output text and says when and why the sequence finished.
 
     Checked in this order for each token (vLLM's v0 order): EOS (unless ignore_eos) ->
     "stop", stop_reason None (vLLM's convention for EOS); a stop_token_id -> "stop",
     stop_reason the id; a stop string in the text -> "stop", stop_reason the string, the
     text cut before it (after it with include_stop_str_in_output); max_tokens or
     max_model_len reached -> "length". Stop tokens and strings count only after
-    min_tokens tokens. A stop token stays in `token_ids`; its text is left out unless
-    include_stop_str_in_output."""
+    min_tokens tokens. A stop token stays in the sequence's tokens; its text is left out
+    unless include_stop_str_in_output."""
 
-    def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: list[int],
+    def __init__(self, tokenizer, params: SamplingParams, seq: Sequence,
                  eos_token_id: int | Iterable[int] | None = None,
                  max_model_len: int | None = None):
         """eos_token_id: None takes the tokenizer's."""
         self.params = params
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.seq = seq
         self.max_model_len = max_model_len
         self.eos_token_ids = _as_set(eos_token_id if eos_token_id is not None
                                      else tokenizer.eos_token_id)
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
-                                                  params.skip_special_tokens)
-        self.token_ids: list[int] = []
+        self.detokenizer = IncrementalDetokenizer(tokenizer, seq, params.skip_special_tokens)
+        self._num_checked = seq.num_output_tokens
         self.output_text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -83,15 +81,18 @@ class StopChecker:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token_id: int) -> bool:
-        """Adds one sampled token; returns whether the sequence is now finished. With
-        several tokens a step (speculative decoding), stop at the first True."""
-        assert not self.finished, "append after the sequence finished"
-        self.token_ids.append(token_id)
-        may_stop = len(self.token_ids) > self.params.min_tokens
+    def check_new_token(self) -> bool:
+        """Checks the token just appended to the sequence; returns whether the sequence is
+        now finished. With several tokens a step (speculative decoding), append and check
+        them one at a time and stop at the first True."""
+        assert not self.finished, "a token appended after the sequence finished"
+        self._num_checked += 1
+        assert self._num_checked == self.seq.num_output_tokens, "each new token is checked once"
+        token_id = self.seq.last_token
+        may_stop = self._num_checked > self.params.min_tokens
         if may_stop and self._check_stop_token(token_id):
             return True
-        new_text = self.detokenizer.append(token_id)
+        new_text = self.detokenizer.decode_new()
         self.output_text += new_text
         if may_stop and new_text and self._check_stop_strings(len(new_text)):
             return True
@@ -120,7 +121,7 @@ class StopChecker:
         else:
             return False
         if self.params.include_stop_str_in_output:
-            self.output_text += self.detokenizer.append(token_id)
+            self.output_text += self.detokenizer.decode_new()
         self.finish_reason, self.stop_reason = "stop", reason
         return True
 
@@ -137,9 +138,8 @@ class StopChecker:
 
     def _check_length(self):
         at_max_tokens = self.params.max_tokens is not None \
-            and len(self.token_ids) >= self.params.max_tokens
-        at_max_len = self.max_model_len is not None \
-            and self.num_prompt_tokens + len(self.token_ids) >= self.max_model_len
+            and self.seq.num_output_tokens >= self.params.max_tokens
+        at_max_len = self.max_model_len is not None and self.seq.num_tokens >= self.max_model_len
         if at_max_tokens or at_max_len:
             self.finish_reason = "length"
 

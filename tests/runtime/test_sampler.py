@@ -8,6 +8,7 @@ import torch
 
 from llmc.runtime.sampler import Sampler, SamplingState, apply_penalties
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sequence import Sequence
 from llmc.runtime.stop import IncrementalDetokenizer, StopChecker
 
 VOCAB = 8
@@ -19,8 +20,20 @@ def random_logits(rows, vocab, seed):
     return torch.randn(rows, vocab, generator=g) * 2.0
 
 
+def sequence(prompt, output=()) -> Sequence:
+    """The token store the sampler and the stop checker read: `prompt`, then `output`."""
+    seq = Sequence(list(prompt))
+    for token in output:
+        seq.append_token(token)
+    return seq
+
+
+def state(params, prompt, output=(), **kw) -> SamplingState:
+    return SamplingState(params, sequence(prompt, output), **kw)
+
+
 def states_for(params, rows, prompt=(1, 2, 3)):
-    return [SamplingState(params, list(prompt)) for _ in range(rows)]
+    return [state(params, prompt) for _ in range(rows)]
 
 
 # ---------------------------------------------------------------- float64 references
@@ -67,7 +80,7 @@ def test_greedy_is_argmax(params):
 def test_greedy_rows_in_a_mixed_batch_stay_argmax():
     logits = random_logits(6, 30, seed=2)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_p=0.9)] * 3
-    states = [SamplingState(p, [1]) for p in params]
+    states = [state(p, [1]) for p in params]
     out = Sampler(eos_token_id=None, seed=0).sample(logits, states)
     for row in (0, 2, 4):
         assert out.token_ids[row] == logits[row].argmax().item()
@@ -109,7 +122,7 @@ def test_empirical_frequencies_match_the_filtered_distribution(case):
 def test_each_row_uses_its_own_top_k_and_top_p():
     logits = random_logits(1, VOCAB, seed=4).expand(DRAWS, -1)
     params = [SamplingParams(top_k=2), SamplingParams(top_p=0.999999)]
-    states = [SamplingState(params[i % 2], []) for i in range(DRAWS)]
+    states = [state(params[i % 2], [0]) for i in range(DRAWS)]
     tokens = torch.tensor(Sampler(None, seed=5).sample(logits, states).token_ids)
     top2 = set(logits[0].topk(2).indices.tolist())
     assert set(tokens[0::2].tolist()) <= top2
@@ -125,7 +138,7 @@ def test_penalties_match_float64_reference():
     params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25),
               SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.3),
               SamplingParams(repetition_penalty=2.0, presence_penalty=1.0)]
-    states = [SamplingState(p, pr, out) for p, pr, out in zip(params, prompts, outputs)]
+    states = [state(p, pr, out) for p, pr, out in zip(params, prompts, outputs)]
     got = apply_penalties(logits, states)
     for row, (p, pr, out) in enumerate(zip(params, prompts, outputs)):
         want = reference_penalties(logits[row], pr, out, p.repetition_penalty,
@@ -136,8 +149,8 @@ def test_penalties_match_float64_reference():
 
 def test_rows_without_penalties_keep_their_logits():
     logits = random_logits(2, 12, seed=7)
-    states = [SamplingState(SamplingParams(repetition_penalty=1.5), [1, 2], [3]),
-              SamplingState(SamplingParams(), [1, 2], [3, 3])]
+    states = [state(SamplingParams(repetition_penalty=1.5), [1, 2], [3]),
+              state(SamplingParams(), [1, 2], [3, 3])]
     got = apply_penalties(logits, states)
     assert torch.equal(got[1], logits[1])
     assert apply_penalties(logits, [states[1], states[1]]) is logits
@@ -145,8 +158,8 @@ def test_rows_without_penalties_keep_their_logits():
 
 def test_greedy_pick_follows_the_penalised_logits():
     logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
-    state = SamplingState(SamplingParams(temperature=0.0, repetition_penalty=1.2), [0])
-    assert Sampler(None).sample(logits, [state]).token_ids == [1]
+    row = state(SamplingParams(temperature=0.0, repetition_penalty=1.2), [0])
+    assert Sampler(None).sample(logits, [row]).token_ids == [1]
 
 
 # ---------------------------------------------------------------- min_tokens
@@ -155,14 +168,14 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[0.0, 9.0, 8.0, 1.0, 2.0]])  # eos=1 then stop id 2 are the best
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])
     sampler = Sampler(eos_token_id=1)
-    assert sampler.sample(logits, [SamplingState(params, [0], [4])]).token_ids == [4]
-    assert sampler.sample(logits, [SamplingState(params, [0], [4, 4])]).token_ids == [1]
+    assert sampler.sample(logits, [state(params, [0], [4])]).token_ids == [4]
+    assert sampler.sample(logits, [state(params, [0], [4, 4])]).token_ids == [1]
 
 
 def test_min_tokens_leaves_eos_alone_when_eos_is_ignored():
     logits = torch.tensor([[0.0, 9.0, 8.0]])
     params = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
-    assert Sampler(eos_token_id=[1]).sample(logits, [SamplingState(params, [0])]).token_ids == [1]
+    assert Sampler(eos_token_id=[1]).sample(logits, [state(params, [0])]).token_ids == [1]
 
 
 # ---------------------------------------------------------------- seeds
@@ -171,27 +184,27 @@ def generate(sampler, states, steps, vocab=64):
     """Feeds the same random logits to every row each step; returns each row's tokens."""
     for step in range(steps):
         logits = random_logits(1, vocab, seed=100 + step).expand(len(states), -1)
-        for state, token in zip(states, sampler.sample(logits, states).token_ids):
-            state.output_token_ids.append(token)
-    return [s.output_token_ids for s in states]
+        for row, token in zip(states, sampler.sample(logits, states).token_ids):
+            row.seq.append_token(token)
+    return [s.seq.output_token_ids for s in states]
 
 
 def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch():
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
-    alone = generate(Sampler(None), [SamplingState(seeded, [1])], steps=12)[0]
-    batch = [SamplingState(SamplingParams(temperature=1.2), [5]),
-             SamplingState(seeded, [1]),
-             SamplingState(SamplingParams(temperature=0.0), [2]),
-             SamplingState(SamplingParams(temperature=0.9, seed=7), [3]),
-             SamplingState(SamplingParams(top_k=5), [4])]
+    alone = generate(Sampler(None), [state(seeded, [1])], steps=12)[0]
+    batch = [state(SamplingParams(temperature=1.2), [5]),
+             state(seeded, [1]),
+             state(SamplingParams(temperature=0.0), [2]),
+             state(SamplingParams(temperature=0.9, seed=7), [3]),
+             state(SamplingParams(top_k=5), [4])]
     assert generate(Sampler(None, seed=9), batch, steps=12)[1] == alone
-    other_seed = generate(Sampler(None), [SamplingState(SamplingParams(seed=43), [1])], steps=12)
+    other_seed = generate(Sampler(None), [state(SamplingParams(seed=43), [1])], steps=12)
     assert other_seed[0] != alone
 
 
 def test_parallel_samples_of_a_seeded_request_differ():
     params = SamplingParams(seed=42, n=2)
-    first, second = generate(Sampler(None), [SamplingState(params, [1], sample_index=i)
+    first, second = generate(Sampler(None), [state(params, [1], sample_index=i)
                                              for i in range(2)], steps=12)
     assert first != second
 
@@ -204,7 +217,7 @@ def test_logprobs_are_the_raw_model_logprobs():
               SamplingParams(temperature=0.0, logprobs=0),
               SamplingParams(top_p=0.5),
               SamplingParams(min_p=0.3, logprobs=3)]
-    states = [SamplingState(p, [1, 2], [3]) for p in params]
+    states = [state(p, [1, 2], [3]) for p in params]
     out = Sampler(None, seed=3).sample(logits, states)
     reference = torch.log_softmax(logits.double(), dim=-1)
     for row, token in enumerate(out.token_ids):
@@ -249,13 +262,24 @@ def metaspace_words():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
 
 
+def checker_for(tokenizer, params, prompt=None, **kw) -> StopChecker:
+    """A stop checker on a fresh sequence; no prompt stands for no decoding context: the
+    EOS token alone, which decodes to no text."""
+    return StopChecker(tokenizer, params, sequence(prompt or [tokenizer.eos_token_id]), **kw)
+
+
+def feed(checker, token) -> bool:
+    """Appends a sampled token to the checker's sequence, as the engine does, and checks it."""
+    checker.seq.append_token(token)
+    return checker.check_new_token()
+
+
 def run_checker(tokenizer, text, prompt="Hello", **params):
-    checker = StopChecker(tokenizer, SamplingParams(max_tokens=1000, **params),
-                          tokenizer.encode(prompt))
+    checker = checker_for(tokenizer, SamplingParams(max_tokens=1000, **params), tokenizer.encode(prompt))
     ids = tokenizer.encode(text)
     streamed = ""
     for token in ids:
-        if checker.append(token):
+        if feed(checker, token):
             break
         streamed += checker.new_text()
     return checker, ids, streamed + checker.new_text()
@@ -271,10 +295,14 @@ def test_incremental_text_equals_full_decode(byte_bpe, text):
 
 def test_incremental_text_keeps_the_leading_space_after_the_prompt(metaspace_words):
     prompt = metaspace_words.encode("hello world")
-    detok = IncrementalDetokenizer(metaspace_words, prompt)
+    seq = sequence(prompt)
+    detok = IncrementalDetokenizer(metaspace_words, seq)
     output = metaspace_words.encode("the end of it")
     assert metaspace_words.unk_token_id not in output
-    text = "".join(detok.append(t) for t in output)
+    text = ""
+    for t in output:
+        seq.append_token(t)
+        text += detok.decode_new()
     full = metaspace_words.decode(prompt + output)
     assert text == " the end of it" == full[len(metaspace_words.decode(prompt)):]
 
@@ -291,7 +319,7 @@ def test_stop_string_spanning_tokens_truncates(byte_bpe, include):
     expected = text[:start + len(stop)] if include else text[:start]
     assert (checker.finish_reason, checker.stop_reason) == ("stop", stop)
     assert checker.output_text == expected and streamed == expected
-    assert byte_bpe.decode(checker.token_ids).startswith(text[:start + len(stop)])
+    assert byte_bpe.decode(checker.seq.output_token_ids).startswith(text[:start + len(stop)])
 
 
 def test_earliest_stop_string_wins(byte_bpe):
@@ -305,44 +333,44 @@ def test_stop_strings_count_only_after_min_tokens(byte_bpe):
     first_hello = byte_bpe.encode("Hello")
     checker, _, _ = run_checker(byte_bpe, text, stop=["Hello"], min_tokens=len(first_hello))
     assert checker.output_text == "Hello world, " and checker.finish_reason == "stop"
-    assert len(checker.token_ids) < len(ids)
+    assert len(checker.seq.output_token_ids) < len(ids)
 
 
 def test_eos_and_stop_token_ids_finish_with_stop(byte_bpe):
     eos = byte_bpe.eos_token_id
     ids = byte_bpe.encode("Hello world")
-    checker = StopChecker(byte_bpe, SamplingParams(), [])
-    assert not any(checker.append(t) for t in ids)
-    assert checker.append(eos)
+    checker = checker_for(byte_bpe, SamplingParams())
+    assert not any(feed(checker, t) for t in ids)
+    assert feed(checker, eos)
     assert (checker.finish_reason, checker.stop_reason) == ("stop", None)
-    assert checker.output_text == "Hello world" and checker.token_ids[-1] == eos
+    assert checker.output_text == "Hello world" and checker.seq.output_token_ids[-1] == eos
 
     comma = byte_bpe.encode(",")[0]
-    checker = StopChecker(byte_bpe, SamplingParams(stop_token_ids=[comma]), [])
+    checker = checker_for(byte_bpe, SamplingParams(stop_token_ids=[comma]))
     ids = byte_bpe.encode("Hello world, the end")
-    steps = next(i + 1 for i, t in enumerate(ids) if checker.append(t))
-    assert ids[steps - 1] == comma and checker.token_ids == ids[:steps]
+    steps = next(i + 1 for i, t in enumerate(ids) if feed(checker, t))
+    assert ids[steps - 1] == comma and checker.seq.output_token_ids == ids[:steps]
     assert (checker.finish_reason, checker.stop_reason, checker.output_text) == \
         ("stop", comma, "Hello world")
 
 
 def test_ignore_eos_and_min_tokens_keep_going(byte_bpe):
     eos = byte_bpe.eos_token_id
-    checker = StopChecker(byte_bpe, SamplingParams(ignore_eos=True, max_tokens=3), [])
-    assert [checker.append(t) for t in (eos, eos, eos)] == [False, False, True]
+    checker = checker_for(byte_bpe, SamplingParams(ignore_eos=True, max_tokens=3))
+    assert [feed(checker, t) for t in (eos, eos, eos)] == [False, False, True]
     assert checker.finish_reason == "length" and checker.stop_reason is None
-    checker = StopChecker(byte_bpe, SamplingParams(min_tokens=2), [])
-    assert [checker.append(t) for t in (eos, eos, eos)] == [False, False, True]
+    checker = checker_for(byte_bpe, SamplingParams(min_tokens=2))
+    assert [feed(checker, t) for t in (eos, eos, eos)] == [False, False, True]
     assert checker.finish_reason == "stop"
 
 
 def test_length_limits(byte_bpe):
     ids = byte_bpe.encode("Hello world, the end. Stop here")
-    checker = StopChecker(byte_bpe, SamplingParams(max_tokens=4), [])
-    assert [checker.append(t) for t in ids[:4]] == [False, False, False, True]
+    checker = checker_for(byte_bpe, SamplingParams(max_tokens=4))
+    assert [feed(checker, t) for t in ids[:4]] == [False, False, False, True]
     assert checker.finish_reason == "length" and checker.output_text == byte_bpe.decode(ids[:4])
-    checker = StopChecker(byte_bpe, SamplingParams(max_tokens=None), ids[:3], max_model_len=5)
-    assert [checker.append(t) for t in ids[3:5]] == [False, True]
+    checker = checker_for(byte_bpe, SamplingParams(max_tokens=None), ids[:3], max_model_len=5)
+    assert [feed(checker, t) for t in ids[3:5]] == [False, True]
     assert checker.finish_reason == "length"
 
 
