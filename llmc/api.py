@@ -67,37 +67,49 @@ class LLM:
     block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, device)."""
 
     def __init__(self, path: str | Path, **engine_options):
+        from dataclasses import fields
+
         from llmc.runtime.engine import Engine, EngineConfig
 
+        unknown = sorted(set(engine_options) - {f.name for f in fields(EngineConfig)})
+        if unknown:
+            raise RuntimeLlmcError(f"unknown engine option(s) {', '.join(unknown)}; valid: "
+                                   f"{', '.join(f.name for f in fields(EngineConfig))}")
         self.path = Path(path)
         self.engine = Engine(self.path, EngineConfig(**engine_options))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts=None, sampling_params=None, *, messages=None, priority=None, use_tqdm=False):
         """One prompt or a list: strings or {"prompt_token_ids": [...]}. `sampling_params` is one
-        SamplingParams or a list (one per prompt). Returns RequestOutputs in prompt order."""
-        from llmc.runtime.sampling_params import SamplingParams
-
+        SamplingParams or a list (one per prompt). Returns RequestOutputs in prompt order. Every
+        value is checked before any request is added; a call that fails leaves the engine as it
+        found it."""
+        label = "prompts"
         if messages is not None:
-            prompts = [self.apply_chat_template(m) for m in _as_conversations(messages)]
+            prompts, label = [self.apply_chat_template(m) for m in _as_conversations(messages)], "messages"
         if prompts is None:
             raise RuntimeLlmcError("generate() needs prompts or messages")
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise RuntimeLlmcError(f"generate() got {len(prompts)} prompts but {len(params)} SamplingParams")
-        prio = priority if isinstance(priority, list) else [priority or 0] * len(prompts)
-        ids = [self._add(p, sp, pr) for p, sp, pr in zip(prompts, params, prio)]
-        done = {}
-        bar = _progress(len(ids), use_tqdm)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
-        return [done[i] for i in ids]
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else _as_list(prompts, "prompts")
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        prio = _per_prompt(priority, len(prompts), "priority")
+        requests = [self._checked(p, sp, pr, f"{label}[{i}]")
+                    for i, (p, sp, pr) in enumerate(zip(prompts, params, prio))]
+        ids: list[str] = []
+        try:
+            for r in requests:
+                ids.append(self.engine.add_request(**r))
+            ours, done = set(ids), {}
+            bar = _progress(len(ids), use_tqdm)
+            while any(i in self.engine.requests for i in ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ours:
+                        done[out.request_id] = out
+                        bar.update(1)
+            bar.close()
+            return [done[i] for i in ids]
+        finally:
+            for i in ids:
+                self.engine.abort(i)
 
     def chat(self, messages, sampling_params=None, **kw):
         """One conversation (list of {"role", "content"}) or a list of them."""
@@ -105,11 +117,11 @@ class LLM:
 
     def stream(self, prompt, sampling_params=None) -> Iterator[str]:
         """Yield the text of one prompt's first sample as it is generated."""
-        from llmc.runtime.sampling_params import SamplingParams
-
-        request_id = self._add(prompt, sampling_params or SamplingParams(), 0)
-        sample = self.engine.requests[request_id].samples[0]
+        request = self._checked(prompt, sampling_params, None, "prompt")
+        request_id = None
         try:
+            request_id = self.engine.add_request(**request)
+            sample = self.engine.requests[request_id].samples[0]
             while request_id in self.engine.requests:
                 for out in self.engine.step():
                     if out.request_id == request_id:
@@ -122,26 +134,67 @@ class LLM:
             if rest:
                 yield rest
         finally:
-            self.engine.abort(request_id)
+            if request_id is not None:
+                self.engine.abort(request_id)
 
     def apply_chat_template(self, messages) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeLlmcError(f"the model in {self.path} has no chat template; pass plain prompts")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def _add(self, prompt, params, priority) -> str:
+    def _checked(self, prompt, params, priority, where: str) -> dict:
+        """add_request's arguments for one prompt, every value checked (nothing is added yet)."""
+        from llmc.runtime import request_values
+        from llmc.runtime.sampling_params import SamplingParams
+
+        text, token_ids = prompt, None
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
-                raise RuntimeLlmcError("a dict prompt needs the key 'prompt_token_ids'")
-            return self.engine.add_request(prompt_token_ids=prompt["prompt_token_ids"], params=params,
-                                           priority=priority)
-        return self.engine.add_request(prompt=prompt, params=params, priority=priority)
+                raise RuntimeLlmcError(f"{where}: a dict prompt needs the key 'prompt_token_ids'")
+            text, token_ids = None, prompt["prompt_token_ids"]
+        return {"prompt": text, "prompt_token_ids": self.engine.prompt_ids(text, token_ids, where),
+                "params": request_values.sampling_params(params or SamplingParams(), where),
+                "priority": request_values.priority(priority or 0, where)}
 
 
-def _as_conversations(messages):
-    if messages and isinstance(messages[0], dict):
-        return [messages]
-    return list(messages)
+def _as_list(values, name: str) -> list:
+    from llmc.runtime.request_values import shown
+
+    if isinstance(values, (bytes, int, float)) or not hasattr(values, "__iter__"):
+        raise RuntimeLlmcError(f"{name} is {shown(values)}; pass a str, a "
+                               "{'prompt_token_ids': [...]} dict, or a list of them")
+    return list(values)
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    """One value for every prompt, or a list of exactly one per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise RuntimeLlmcError(f"generate() got {count} prompts but {len(value)} {name}; give one "
+                               f"{name} or a list of one per prompt")
+    return value
+
+
+def _as_conversations(messages) -> list[list[dict]]:
+    """One conversation or a list of them, each checked to be a non-empty list of
+    {"role": str, "content": str} dicts."""
+    from llmc.runtime.request_values import shown
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise RuntimeLlmcError(f"messages is {shown(messages)}; pass a list of "
+                               "{'role': str, 'content': str} dicts, or a list of such lists")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conversation in enumerate(conversations):
+        where = "messages" if conversations[0] is messages else f"messages[{i}]"
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise RuntimeLlmcError(f"{where} is {shown(conversation)}; a conversation is a non-empty list "
+                                   "of {'role': str, 'content': str} dicts")
+        for j, message in enumerate(conversation):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise RuntimeLlmcError(f"{where}[{j}] is {shown(message)}; each message is a "
+                                       "{'role': str, 'content': str} dict")
+    return conversations
 
 
 class _NoBar:

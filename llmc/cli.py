@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from llmc.cli_values import NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, checked_text, prompt_lines
 from llmc.compiler.kv_heads_recipe import KV_GROUPING_CHOICES
 from llmc.compiler.prune_recipes import SPARSITY_METHODS
 from llmc.compiler.quant_recipes import KV_CACHE_CHOICES, QUANT_CHOICES
@@ -126,11 +127,13 @@ def targets(as_json):
 
 def sampling_options(f):
     for opt in reversed([
-        click.option("--max-tokens", default=64, show_default=True),
-        click.option("--temperature", default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-p", default=1.0, show_default=True),
-        click.option("--top-k", default=-1, show_default=True),
-        click.option("--seed", type=int, default=None),
+        click.option("--max-tokens", type=POSITIVE, default=64, show_default=True),
+        click.option("--temperature", type=FiniteFloat(min=0.0), default=0.0, show_default=True,
+                     help="0 = greedy."),
+        click.option("--top-p", type=FiniteFloat(0.0, 1.0, min_open=True), default=1.0, show_default=True),
+        click.option("--top-k", type=click.IntRange(min=-1), default=-1, show_default=True,
+                     help="-1 or 0 = disabled."),
+        click.option("--seed", type=SEED, default=None),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--kv-memory", default="1GiB", show_default=True, help="KV cache budget."),
     ]):
@@ -153,7 +156,7 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @cli.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", "-p", multiple=True, help="Prompt text (repeatable).")
-@click.option("--prompts-file", type=click.File("r"), help="One prompt per line ('-' for stdin).")
+@click.option("--prompts-file", type=click.File("rb"), help="One prompt per line ('-' for stdin).")
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--no-stream", is_flag=True, help="Print whole outputs at the end.")
 @sampling_options
@@ -163,9 +166,11 @@ def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature
     """Generate from one prompt (streamed) or many (batched together)."""
     import llmc
 
-    prompts = list(prompt) + ([line.rstrip("\n") for line in prompts_file if line.strip()] if prompts_file else [])
+    prompts = [checked_text(p, f"--prompt {i}") for i, p in enumerate(prompt, 1)]
+    if prompts_file:
+        prompts += prompt_lines(prompts_file.read(), f"--prompts-file '{prompts_file.name}'")
     if not prompts and not sys.stdin.isatty():
-        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        prompts = prompt_lines(sys.stdin.buffer.read(), "stdin")
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
     model = llmc.load(artifact, kv_memory=kv_memory, device=device)
@@ -195,10 +200,13 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
     messages = [{"role": "system", "content": system}] if system else []
     while True:
         try:
-            user = click.prompt(">>>", prompt_suffix=" ")
+            user = checked_text(click.prompt(">>>", prompt_suffix=" "), "the line read from stdin")
         except (EOFError, click.Abort):
             click.echo()
             return
+        except UnicodeDecodeError as e:
+            raise LlmcError(f"the line read from stdin is not valid UTF-8 text ({e.reason} at byte "
+                            f"{e.start}); type UTF-8 text") from None
         messages.append({"role": "user", "content": user})
         reply = ""
         for piece in model.stream(model.apply_chat_template(messages), params):
@@ -210,22 +218,23 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 
 @cli.command()
 @click.argument("artifact", type=click.Path())
-@click.option("--num-requests", "-n", default=64, show_default=True)
-@click.option("--input-len", default=128, show_default=True)
-@click.option("--output-len", default=128, show_default=True)
-@click.option("--input-spread", default=0.0, show_default=True, help="Prompt lengths uniform in len*(1±spread).")
-@click.option("--output-spread", default=0.0, show_default=True)
-@click.option("--prefix-len", default=0, show_default=True, help="Tokens every prompt shares.")
+@click.option("--num-requests", "-n", type=POSITIVE, default=64, show_default=True)
+@click.option("--input-len", type=POSITIVE, default=128, show_default=True)
+@click.option("--output-len", type=POSITIVE, default=128, show_default=True)
+@click.option("--input-spread", type=FiniteFloat(0.0, 1.0, max_open=True), default=0.0, show_default=True,
+              help="Prompt lengths uniform in len*(1±spread).")
+@click.option("--output-spread", type=FiniteFloat(0.0, 1.0, max_open=True), default=0.0, show_default=True)
+@click.option("--prefix-len", type=NON_NEGATIVE, default=0, show_default=True, help="Tokens every prompt shares.")
 @click.option("--qps", default="inf", show_default=True, help="Poisson arrival rate; inf = all at once.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", type=NON_NEGATIVE, default=0, show_default=True)
 @click.option("--kv-memory", default="1GiB", show_default=True)
-@click.option("--max-num-seqs", default=64, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=None)
+@click.option("--max-num-seqs", type=POSITIVE, default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=POSITIVE, default=None)
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--baseline", default="none", show_default=True,
               help="none, hf (HF transformers on the artifact's own fp32 weights), or another artifact's "
                    "path (e.g. the fp32 build of a quantised one) run on the same workload.")
-@click.option("--baseline-batch-size", type=int, default=None, help="HF batch size (default: all requests).")
+@click.option("--baseline-batch-size", type=POSITIVE, default=None, help="HF batch size (default: all requests).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write latency CDFs and throughput to this PNG.")
 @device_option
@@ -240,6 +249,9 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
         qps_value = float(qps)
     except ValueError:
         raise LlmcError(f"--qps {qps!r} is not a number; use e.g. 4 or inf") from None
+    if plot:
+        from llmc.runtime.bench_plot import check_plot_path
+        check_plot_path(plot)
     workload = Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
                         qps_value, seed)
     engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
@@ -262,14 +274,12 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
     if base is not None:
         result["baseline"] = {**base.to_dict(), "name": baseline}
         result["ratio"] = ours.output_tokens_per_s / base.output_tokens_per_s
+    # the results first: a plot that fails to save must not lose the run
+    click.echo(json.dumps(result, indent=2, sort_keys=True, default=str) if as_json else _bench_table(result))
     if plot:
         from llmc.runtime.bench_plot import plot_bench
         plot_bench(ours, plot, base, title=f"llmc bench: {artifact}",
                    baseline_name="HF" if baseline == "hf" else baseline)
-    if as_json:
-        click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
-        return
-    click.echo(_bench_table(result))
 
 
 def _bench_table(r: dict) -> str:
@@ -297,7 +307,8 @@ def _bench_table(r: dict) -> str:
               help="UTF-8 text to score (default: samples/eval.txt of the source checkout).")
 @click.option("--ref", type=click.Path(),
               help="Reference artifact: also report KL(ref || ours) and top-1 agreement.")
-@click.option("--max-tokens", default=4096, show_default=True, help="Score the text's first N tokens.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
+              help="Score the text's first N tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
 @device_option
 def eval_command(artifact, text_file, ref, max_tokens, as_json, device):

@@ -34,8 +34,10 @@ class Workload:
                 raise RuntimeLlmcError(f"bench: --{name.replace('_', '-')} must be at least 1")
         if not 0 <= self.input_spread < 1 or not 0 <= self.output_spread < 1:
             raise RuntimeLlmcError("bench: length spreads must lie in [0, 1)")
-        if self.qps <= 0:
-            raise RuntimeLlmcError("bench: --qps must be positive (or inf for all at once)")
+        if self.prefix_len < 0 or self.seed < 0:
+            raise RuntimeLlmcError("bench: --prefix-len and --seed must be at least 0")
+        if not self.qps > 0:  # also nan: no request would ever arrive
+            raise RuntimeLlmcError(f"bench: --qps is {self.qps}; it must be positive (or inf for all at once)")
 
     def build(self, vocab_size: int) -> list[dict]:
         rng = np.random.default_rng(self.seed)

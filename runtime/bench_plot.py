@@ -2,7 +2,30 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
+
+from llmc.errors import RuntimeLlmcError
+
+
+def check_plot_path(path: str) -> None:
+    """Refuse, before the benchmark runs, a --plot path that could not be written after it."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    file = Path(path)
+    parent = file.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise RuntimeLlmcError(f"--plot '{path}': '{parent}' is not a writable directory; "
+                               "pick a path in an existing directory you can write")
+    if file.is_dir():
+        raise RuntimeLlmcError(f"--plot '{path}' is a directory; give a file name such as bench.png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = file.suffix.lstrip(".").lower()
+    if suffix and suffix not in formats:
+        raise RuntimeLlmcError(f"--plot '{path}': cannot write a .{suffix} image; use one of "
+                               f"{', '.join('.' + f for f in sorted(formats))}")
 
 
 def plot_bench(result, path: str, baseline=None, title: str = "llmc bench", baseline_name: str = "HF") -> None:
@@ -38,5 +61,10 @@ def plot_bench(result, path: str, baseline=None, title: str = "llmc bench", base
     thr.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise RuntimeLlmcError(f"--plot '{path}' could not be written ({e.strerror or e}); the results "
+                               "above are complete, only the plot is missing") from None
+    finally:
+        plt.close(fig)

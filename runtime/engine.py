@@ -14,6 +14,7 @@ import torch
 from llmc.compiler.artifact import load_tokenizer, read_artifact
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import RuntimeLlmcError
+from llmc.runtime import request_values
 from llmc.runtime.block_manager import BlockManager, num_blocks_for_budget, parse_bytes
 from llmc.runtime.device import resolve_device
 from llmc.runtime.executor import PlanExecutor
@@ -24,7 +25,7 @@ from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmc.runtime.paged_attention import PagedKVCache
 from llmc.runtime.sampler import Sampler, SamplingState
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import MAX_SEED, SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
 from llmc.runtime.stop import StopChecker
@@ -44,6 +45,33 @@ class EngineConfig:
     seed: int | None = None                 # for requests without their own seed
     device: str | None = None               # "cpu" | "cuda"; None: the artifact target's device
     check_kernels: bool = False             # debug: fail a step that launches a kernel it does not record
+
+    def __post_init__(self):
+        for name, rule in (("block_size", "an integer >= 1"), ("max_num_seqs", "an integer >= 1"),
+                           ("max_num_batched_tokens", "an integer >= 1 or None"),
+                           ("seed", "an integer in [0, 2**64 - 1] or None")):
+            value = getattr(self, name)
+            low = 0 if name == "seed" else 1
+            ok_int = isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_SEED
+            if not ok_int and not (value is None and rule.endswith("None")):
+                raise RuntimeLlmcError(f"engine option {name}={value!r} must be {rule}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "check_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True or False")
+
+
+def _check_kv_fits(cache_bytes: int, device: torch.device, asked) -> None:
+    """Refuse a KV cache the device cannot hold before allocating it: torch would fail with a
+    bare RuntimeError, or the OS would kill the process part way through zero-filling it."""
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], f"{device} has"
+    else:
+        import psutil
+        free, where = psutil.virtual_memory().available, "the machine has"
+    if cache_bytes > free:
+        raise RuntimeLlmcError(f"--kv-memory {asked}: the KV cache needs {cache_bytes / 2**30:.2f} GiB "
+                               f"({cache_bytes} bytes) but {where} {free / 2**30:.2f} GiB ({free} bytes) "
+                               "available; give a smaller --kv-memory")
 
 
 @dataclass
@@ -86,6 +114,8 @@ class Engine:
         self.max_model_len = self.model["max_position_embeddings"]
         num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
                                            config.block_size)
+        _check_kv_fits(num_blocks * config.block_size * self.model["kv_bytes_per_token"], self.device,
+                       config.kv_memory)
         self.cache = self._make_cache(art.weights, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         max_tokens = min(config.max_num_batched_tokens or plan.max_tokens, plan.max_tokens)
@@ -112,22 +142,14 @@ class Engine:
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
                     params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> str:
-        params = params or SamplingParams()
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         if request_id in self.requests:
             raise RuntimeLlmcError(f"request id {request_id!r} is already in use; pick another")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise RuntimeLlmcError("a request needs a prompt string or prompt_token_ids")
-            prompt_token_ids = self.tokenizer(prompt)["input_ids"]
-        ids = [int(t) for t in prompt_token_ids]
-        vocab = self.model["vocab_size"]
-        if any(t < 0 or t >= vocab for t in ids):
-            raise RuntimeLlmcError(f"request {request_id}: prompt token ids must lie in [0, {vocab})")
-        if len(ids) > self.max_model_len:
-            raise RuntimeLlmcError(f"request {request_id}: prompt of {len(ids)} tokens is longer than the "
-                                   f"model's context of {self.max_model_len} tokens; shorten the prompt")
+        where = f"request {request_id}"
+        params = request_values.sampling_params(params or SamplingParams(), where)
+        priority = request_values.priority(priority, where)
+        ids = self.prompt_ids(prompt, prompt_token_ids, where)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = _Request(request_id, prompt, ids, params, RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)))
         seq = Sequence(ids, request_id=request_id, params=params, priority=priority, arrival_time=now)
@@ -135,6 +157,21 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
         return request_id
+
+    def prompt_ids(self, prompt: str | None, prompt_token_ids, where: str) -> list[int]:
+        """The checked token ids of a prompt given as text or as ids (ids win when both are);
+        `where` names the request in the errors."""
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RuntimeLlmcError(f"{where} needs a prompt string or prompt_token_ids")
+            prompt_token_ids = self.tokenizer(request_values.prompt_text(prompt, where))["input_ids"]
+        ids = request_values.token_ids(prompt_token_ids, self.model["vocab_size"], where)
+        if not ids:
+            raise RuntimeLlmcError(f"{where}: the prompt has no tokens; give at least one")
+        if len(ids) > self.max_model_len:
+            raise RuntimeLlmcError(f"{where}: prompt of {len(ids)} tokens is longer than the "
+                                   f"model's context of {self.max_model_len} tokens; shorten the prompt")
+        return ids
 
     def _sample(self, seq: Sequence, req: _Request, index: int) -> _Sample:
         state = SamplingState(req.params, seq, sample_index=index, device=self.device)

@@ -160,13 +160,17 @@ def read_eval_text(path: str | Path | None) -> str:
     """The text at `path`, or the shipped samples/eval.txt when `path` is None."""
     file = Path(path) if path is not None else DEFAULT_TEXT
     try:
-        return file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
         hint = "" if path is not None else " (the default, shipped in a source checkout)"
         raise RuntimeLlmcError(f"evaluation text '{file}'{hint} not found; pass --text FILE") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RuntimeLlmcError(f"evaluation text '{file}' cannot be read as UTF-8 text ({e}); "
                                f"pass a plain text file to --text") from None
+    if "\0" in text:
+        raise RuntimeLlmcError(f"evaluation text '{file}' holds a NUL byte at character {text.index(chr(0))}: "
+                               "it looks binary; pass a plain text file to --text")
+    return text
 
 
 def format_summary(result: dict, artifact: str, text_name: str, ref: str | None) -> str:

@@ -10,6 +10,8 @@ from llmc.errors import RuntimeLlmcError
 
 # Below this a temperature is treated as greedy: dividing logits by ~0 overflows (as vLLM).
 GREEDY_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes at most an unsigned 64-bit seed; sample i draws with seed + i.
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
@@ -33,10 +35,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "SamplingParams":
+        """Check every field (again: a dataclass can be changed after it is made)."""
         self._normalise()
         self._check_numbers()
         self._check_lengths()
         self._check_stops()
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +75,8 @@ class SamplingParams:
             _fail("top_k", "must be -1, 0 or None (disabled) or an integer >= 1", self.top_k)
         if self.seed is not None and not _is_int(self.seed):
             _fail("seed", "must be an integer or None", self.seed)
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            _fail("seed", "must lie in [0, 2**64 - 1]", self.seed)
 
     def _check_lengths(self):
         if not _is_int(self.n) or self.n < 1:
@@ -80,6 +89,9 @@ class SamplingParams:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             _fail("logprobs", "must be an integer >= 0 or None", self.logprobs)
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            _fail("seed", f"+ n - 1 must be at most 2**64 - 1 (sample i draws with seed + i; n is {self.n})",
+                  self.seed)
 
     def _check_stops(self):
         for s in self.stop:
@@ -103,7 +115,7 @@ def _is_number(value) -> bool:
 
 def _check_range(name, value, low, high, shown, low_open=False):
     too_low = value <= low if low_open else value < low
-    if math.isnan(value) or too_low or value > high:
+    if not math.isfinite(value) or too_low or value > high:
         _fail(name, f"must be in {shown}", value)
 
 

@@ -29,6 +29,7 @@ from llmc.errors import ModelLoadError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
 PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+VOCABULARY = "tokenizer.ggml.tokens"
 
 
 def load_gguf_file(path: Path, source: str | None = None) -> LoadedModel:
@@ -52,8 +53,8 @@ def load_gguf_file(path: Path, source: str | None = None) -> LoadedModel:
 
 
 def check_gguf(path: Path) -> tuple[GGUFReader, str]:
-    """The parsed file and its general.architecture, once the magic, header, tensor table and
-    tensor types check out."""
+    """The parsed file and its general.architecture, once the magic, header, vocabulary, tensor
+    table and tensor types check out."""
     with open(path, "rb") as f:
         magic = f.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
@@ -64,7 +65,7 @@ def check_gguf(path: Path) -> tuple[GGUFReader, str]:
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"'{path}': GGUF architecture {architecture!r} is not supported; "
                                     f"llmc compiles {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-    check_tensor_types(reader, path)
+    check_contents(reader, path)
     return reader, architecture
 
 
@@ -84,7 +85,11 @@ def read_architecture(reader: GGUFReader, path: Path) -> str:
     return str(field.contents())
 
 
-def check_tensor_types(reader: GGUFReader, path: Path) -> None:
+def check_contents(reader: GGUFReader, path: Path) -> None:
+    """A vocabulary and at least one tensor, each in a type gguf can dequantize."""
+    if VOCABULARY not in reader.fields:
+        raise ModelLoadError(f"GGUF file '{path}' has no vocabulary ({VOCABULARY}); llmc needs the tokenizer "
+                             f"in the file: re-convert the model with its tokenizer")
     if not reader.tensors:
         raise ModelLoadError(f"GGUF file '{path}' holds no tensors (only metadata, such as a vocabulary); "
                              f"pass a GGUF file with the model's weights")

@@ -34,13 +34,12 @@ JSON_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
 def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     """Check and load the checkpoint in directory `path`."""
     config_path = find_config(path)
-    check_architecture(config_path)
+    check_config_values(read_config(config_path), f"'{config_path}'")
     for weights in find_safetensors(path):
         check_safetensors(weights)
     check_tokenizer_files(path)
     check_json_files(path)
     config = call_transformers(path, AutoConfig.from_pretrained, path, local_files_only=True)
-    check_config_values(config, f"'{config_path}'")
     where, stored = read_safetensors_table(path)
     check_tensor_table(meta_model(config, f"'{config_path}'"), stored, where)
     module, info = call_transformers(path, AutoModelForCausalLM.from_pretrained, path, config=config,
@@ -64,8 +63,9 @@ def find_config(path: Path) -> Path:
     return config_path
 
 
-def check_architecture(config_path: Path) -> str:
-    """The config's causal-LM class, if llmc supports it and its model_type agrees."""
+def read_config(config_path: Path) -> dict:
+    """config.json's object, once its causal-LM class is one llmc supports, its model_type agrees,
+    and it is not pre-quantised."""
     config = read_json_object(config_path)
     model_type = config.get("model_type")
     architectures = config.get("architectures") or [
@@ -81,7 +81,13 @@ def check_architecture(config_path: Path) -> str:
     if ARCHITECTURE_BY_MODEL_TYPE.get(model_type) != architecture:
         raise ModelLoadError(f"'{config_path}': model_type {model_type!r} does not match architecture "
                              f"{architecture}; restore the original config")
-    return architecture
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModelError(f"'{config_path}': the checkpoint is pre-quantised (quantization_config "
+                                    f"{method!r}); pass its float checkpoint and quantise with "
+                                    f"`llmc compile --quant`")
+    return config
 
 
 def find_safetensors(path: Path) -> list[Path]:

@@ -82,10 +82,11 @@ def refuse_constant(name: str):
 def call_transformers(path: Path, load, *args, **kwargs):
     """Call a transformers loader, turning its reports of bad files into a ModelLoadError."""
     # transformers reports missing shards, bad configs and tokenizer trouble as OSError/ValueError;
-    # a field of the wrong type in a config or tokenizer file surfaces as TypeError/AttributeError.
+    # a field of the wrong type or value in a config or tokenizer file surfaces as TypeError,
+    # AttributeError or ArithmeticError (zero heads divide by zero).
     try:
         return load(*args, **kwargs)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError, StrictDataclassError) as e:
         raise ModelLoadError(f"transformers cannot load '{path}': {first_line(e)}; "
                              f"check the files are a complete, supported checkpoint") from e
 

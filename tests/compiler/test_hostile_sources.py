@@ -64,19 +64,20 @@ def gguf_tensors(tiny) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_gguf(path: Path, tiny, tensors: dict, hparams: bool = True, embedding_length=None,
-               raw_types: dict | None = None) -> Path:
+def write_gguf(path: Path, tiny, tensors: dict, hparams: bool = True, vocabulary: bool = True,
+               embedding_length=None, head_count=None, raw_types: dict | None = None) -> Path:
     config, writer = tiny.config, gguf.GGUFWriter(str(path), "llama")
     if hparams:
         writer.add_context_length(config.max_position_embeddings)
         writer.add_embedding_length(embedding_length or config.hidden_size)
         writer.add_block_count(config.num_hidden_layers)
         writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count(config.num_attention_heads if head_count is None else head_count)
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_rope_freq_base(10000.0)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    add_vocabulary(writer, tiny.tokenizer)
+    if vocabulary:
+        add_vocabulary(writer, tiny.tokenizer)
     for name, values in tensors.items():
         raw_type = (raw_types or {}).get(name)
         writer.add_tensor(name, values.astype(np.int32) if raw_type else values, raw_dtype=raw_type)
@@ -221,8 +222,14 @@ HOSTILE = {
     "negative-size": ("single", edit_config(hidden_size=-64),
                       ["config.json", "hidden_size is -64", "positive integer", "restore the original config"]),
     "huge-size": ("single", edit_config(intermediate_size=10**30), ["config.json", "intermediate_size is 10000"]),
-    "size-not-an-integer": ("single", edit_config(hidden_size="64"), ["hidden_size", "expected int"]),
-    "heads-do-not-divide-hidden": ("single", edit_config(num_attention_heads=3, head_dim=None),
+    "size-not-an-integer": ("single", edit_config(num_hidden_layers=2.0),
+                            ["config.json", "num_hidden_layers is 2.0", "positive integer"]),
+    "zero-heads": ("single", edit_config(num_attention_heads=0), ["config.json", "num_attention_heads is 0"]),
+    "field-of-the-wrong-type": ("single", edit_config(tie_word_embeddings="yes"),
+                                ["'tie_word_embeddings'", "expected bool"]),
+    "pre-quantised": ("single", edit_config(quantization_config={"quant_method": "gptq", "bits": 4}),
+                      ["config.json", "pre-quantised", "'gptq'", "--quant"]),
+    "heads-do-not-divide-hidden": ("single", edit_config(num_attention_heads=3, num_key_value_heads=3, head_dim=None),
                                    ["hidden size (64)", "attention heads (3)"]),
     "kv-heads-do-not-divide-heads": ("single", edit_config(num_key_value_heads=3),
                                      ["config.json", "num_key_value_heads (3)", "restore the original config"]),
@@ -236,6 +243,8 @@ HOSTILE = {
     # GGUF
     "gguf-vocabulary-only": ("gguf", lambda p, t: write_gguf(p, t, {}, hparams=False),
                              ["holds no tensors", "pass a GGUF file with the model's weights"]),
+    "gguf-without-vocabulary": ("gguf", gguf_with(vocabulary=False), ["no vocabulary", "tokenizer.ggml.tokens"]),
+    "gguf-zero-heads": ("gguf", gguf_with(head_count=0), ["transformers cannot load", "by zero"]),
     "gguf-missing-tensor": ("gguf", gguf_without_random_tensor, ["lacks 1 tensor", "re-download"]),
     "gguf-extra-tensor": ("gguf", gguf_with(extra={"rope_freqs.weight": np.ones(8, np.float32)}),
                           ["holds 1 tensor", "rope_freqs.weight"]),

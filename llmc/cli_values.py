@@ -1,0 +1,60 @@
+"""Values the run-time commands (run, chat, bench, eval) take from the command line: numbers
+that must be finite and in range, and prompt text that must be UTF-8. A bad one is refused
+before any model loads, in one line naming the option (or source) and what it accepts."""
+
+from __future__ import annotations
+
+import math
+
+import click
+
+from llmc.errors import LlmcError
+
+# torch.Generator.manual_seed takes at most an unsigned 64-bit seed.
+SEED = click.IntRange(0, 2**64 - 1)
+POSITIVE = click.IntRange(min=1)
+NON_NEGATIVE = click.IntRange(min=0)
+
+
+class FiniteFloat(click.FloatRange):
+    """A float in a range that also refuses nan and ±inf (click's FloatRange lets nan through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number; give one in the range {self._describe_range()}",
+                      param, ctx)
+        return number
+
+
+def checked_text(text: str, source: str) -> str:
+    """`text` unless it holds bytes that were not UTF-8 (click and Python's own argv and stdin
+    decoding turn each into a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = _escaped_byte(text[e.start])
+        raise LlmcError(f"{source} is not valid UTF-8 text ({byte} at character {e.start}); "
+                        "pass UTF-8 text") from None
+    return text
+
+
+def prompt_lines(data: bytes, source: str) -> list[str]:
+    """One prompt per non-blank line of `data` (a prompts file or stdin), which must be UTF-8
+    text: a NUL byte or an invalid sequence means a binary file was given."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise LlmcError(f"{source} holds a NUL byte at offset {nul}: it looks binary; pass a UTF-8 "
+                        "text file with one prompt per line")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise LlmcError(f"{source} is not valid UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}, "
+                        f"line {line}); pass a UTF-8 text file with one prompt per line") from None
+    return [line.rstrip("\r") for line in text.split("\n") if line.strip()]
+
+
+def _escaped_byte(char: str) -> str:
+    code = ord(char)
+    return f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
