@@ -1,28 +1,36 @@
 """Write and read compiled artifacts: a directory of manifest.json (format version, sha256 of
 every file), graph.json, plan.json, weights.safetensors, tokenizer/ and, for Triton plans, kernels/
 with its index kernels.json.
-Writes are atomic and byte-deterministic; reads check every hash and never unpickle."""
+Writes are atomic and byte-deterministic, and --force replaces nothing but a previous artifact.
+An artifact is untrusted input: reads refuse symlinks, check every hash and the manifest's schema,
+read no unhashed file but the manifest, and never unpickle."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from llmc.compiler.manifest_schema import check_manifest, check_model_agrees
 from llmc.errors import ArtifactError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-TIMINGS = "timings.json"  # wall-clock build log: informational, not hashed
+TIMINGS = "timings.json"  # older llmc's wall-clock build log: tolerated, never read
+MAX_MANIFEST_BYTES = 64 << 20  # the one file read unhashed: bounded
 GRAPH = "graph.json"
 PLAN = "plan.json"
 WEIGHTS = "weights.safetensors"
@@ -43,34 +51,123 @@ class Artifact:
 
 
 def write_artifact(path, *, graph_json: str, plan_json: str, weights: dict[str, torch.Tensor], tokenizer,
-                   manifest: dict, kernels: dict[str, str] | None = None, timings: dict | None = None,
-                   force: bool = False, kernel_index: list[dict] | None = None) -> Path:
-    """Write an artifact to `path` via a temporary sibling directory renamed into place, so a
-    failed write leaves nothing behind. The same inputs give byte-identical files, except
-    `timings.json` (the build's wall-clock log), which is therefore not hashed."""
+                   manifest: dict, kernels: dict[str, str] | None = None, force: bool = False,
+                   kernel_index: list[dict] | None = None) -> Path:
+    """Write an artifact to `path` via a temporary sibling directory renamed into place (see
+    staged_output), so a failed write leaves nothing behind. The same inputs give byte-identical
+    files."""
     path = Path(path)
-    refuse_existing(path, force)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    try:
-        staging.chmod(0o755)  # mkdtemp makes it owner-only
+    with staged_output(path, force) as staging:
         write_contents(staging, graph_json, plan_json, weights, tokenizer, manifest, kernels or {}, kernel_index)
-        if timings is not None:
-            (staging / TIMINGS).write_bytes(dump_json(timings).encode())
-        move_into_place(staging, path, force)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return path
 
 
-def refuse_existing(path: Path, force: bool) -> None:
-    if (path.exists() or path.is_symlink()) and not force:
-        raise ArtifactError(f"output '{path}' exists; pass --force to overwrite")
+@contextmanager
+def staged_output(path: Path, force: bool) -> Iterator[Path]:
+    """Check that `path` may be written (absent, or with force a previous llmc artifact) and that
+    its parent takes a directory, then yield an empty staging sibling to fill. On a normal exit
+    the staging directory, its modes made 0644/0755, replaces `path`; on any exception (SIGINT,
+    a SIGTERM the CLI turns into SystemExit) it goes, with any parent directories made for it."""
+    check_output(path, force)
+    made = make_parents(path)
+    try:
+        staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    except OSError as e:
+        remove_empty(made)
+        raise ArtifactError(f"cannot write output '{path}': its directory '{path.parent}' does not take new "
+                            f"entries ({e.strerror}); choose another -o") from None
+    try:
+        yield staging
+        set_modes(staging)
+        move_into_place(staging, path, force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        remove_empty(made)
+        raise
+
+
+def check_output(path: Path, force: bool) -> None:
+    """Refuse an existing `path` without force, and with it anything but a previous llmc artifact."""
+    if os.path.lexists(path):
+        if not force:
+            raise ArtifactError(f"output '{path}' exists; pass --force to overwrite")
+        check_replaceable(path)
+
+
+def check_replaceable(path: Path) -> None:
+    problem = artifact_problem(path)
+    if problem is not None:
+        raise ArtifactError(f"output '{path}' {problem}; --force replaces only a previous llmc artifact: "
+                            f"move it away or choose another -o")
+
+
+def artifact_problem(path: Path) -> str | None:
+    """Why `path` is not (only) an llmc artifact, or None when it is: a real directory whose
+    manifest.json has a format_version and a files table listing every file under it."""
+    if path.is_symlink():
+        return "is a symlink"
+    if not path.is_dir():
+        return "is a file, not an llmc artifact"
+    manifest_path = path / MANIFEST
+    if manifest_path.is_symlink() or not manifest_path.is_file():
+        return f"is a directory without an llmc {MANIFEST}"
+    try:
+        manifest = json.loads(read_bounded(manifest_path))
+    except (OSError, ValueError, ArtifactError):
+        manifest = None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
+            and isinstance(manifest.get("files"), dict)):
+        return f"has a {MANIFEST} that is no llmc manifest"
+    listed = set(manifest["files"]) | {MANIFEST, TIMINGS}
+    for entry in walk_entries(path):
+        name = entry.relative_to(path).as_posix()
+        if entry.is_symlink():
+            return f"holds the symlink {name}, which is no part of an llmc artifact"
+        if entry.is_dir() and not any(f.startswith(name + "/") for f in listed):
+            return f"holds the directory {name}, which its {MANIFEST} does not list"
+        if not entry.is_dir() and name not in listed:
+            return f"holds {name}, which its {MANIFEST} does not list"
+    return None
+
+
+def make_parents(path: Path) -> list[Path]:
+    """Create the missing directories above `path`; return them, innermost first."""
+    missing = []
+    parent = path.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ArtifactError(f"cannot write output '{path}': '{parent}' is not a directory; choose another -o")
+    for i, directory in enumerate(reversed(missing)):
+        try:
+            directory.mkdir()
+        except OSError as e:
+            remove_empty(missing[len(missing) - i:])
+            raise ArtifactError(f"cannot write output '{path}': cannot create directory '{directory}' "
+                                f"({e.strerror}); choose another -o") from None
+    return missing
+
+
+def remove_empty(directories: list[Path]) -> None:
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # not empty (or gone): someone else uses it
+
+
+def set_modes(root: Path) -> None:
+    """Files 0644 and directories 0755, whatever the umask or mkstemp made them, so that whoever
+    may read the artifact's directory can load it."""
+    root.chmod(0o755)
+    for entry in walk_entries(root):
+        entry.chmod(0o755 if entry.is_dir() else 0o644)
 
 
 def write_contents(root: Path, graph_json: str, plan_json: str, weights: dict, tokenizer,
                    manifest: dict, kernels: dict[str, str], kernel_index: list[dict] | None = None) -> None:
+    """Fill the staging directory `root`; the manifest, written last, hashes every other file."""
     (root / GRAPH).write_bytes(graph_json.encode())
     (root / PLAN).write_bytes(plan_json.encode())
     tokenizer.save_pretrained(root / TOKENIZER_DIR)
@@ -119,49 +216,117 @@ def view_key(name: str, tensor: torch.Tensor) -> tuple:
 
 
 def move_into_place(staging: Path, path: Path, force: bool) -> None:
-    if not (path.exists() or path.is_symlink()):
-        os.rename(staging, path)
-        return
-    refuse_existing(path, force)
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
-    os.rename(path, old)
+    """Rename the finished staging directory to `path`. With force, a previous artifact there is
+    set aside first and removed after. If another writer put something at `path` meanwhile, that
+    stays as it is and this write fails."""
+    old = set_aside(path) if force else None
     try:
-        os.rename(staging, path)
-    except BaseException:
-        os.rename(old, path)
-        raise
-    remove_path(old)
+        os.rename(staging, path)  # fails onto anything but an absent path or an empty directory
+    except OSError as e:
+        if old is not None and not os.path.lexists(path):
+            os.rename(old, path)
+            old = None
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise ArtifactError(f"another compile wrote '{path}' at the same time; it is left as it is, "
+                                f"retry") from None
+        raise ArtifactError(f"cannot move the finished artifact to '{path}' ({e.strerror}); retry") from None
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(path: Path) -> Path | None:
+    """Move the previous artifact at `path` to a hidden sibling and return it (None: nothing is
+    there). What was moved is checked again: it may have changed since the compile began."""
+    if not os.path.lexists(path):
+        return None
+    check_replaceable(path)
+    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
+    try:
+        os.rename(path, old)
+    except FileNotFoundError:
+        return None  # another writer set it aside first
+    problem = artifact_problem(old)
+    if problem is not None:
+        try:
+            os.rename(old, path)
+        except OSError:
+            raise ArtifactError(f"output '{path}' changed while compiling and {problem}; it now lies at "
+                                f"'{old}'") from None
+        raise ArtifactError(f"output '{path}' changed while compiling and {problem}; it is left as it is")
+    return old
 
 
 def read_artifact(path, verify: bool = True) -> Artifact:
-    """Read the artifact at `path`; with verify, first check every file against the manifest."""
+    """Read the artifact at `path`; with verify, first check every file against the manifest.
+    Either way the manifest must fit its schema and agree with graph.json and plan.json."""
     path = Path(path)
     if not path.is_dir():
         raise ArtifactError(f"artifact '{path}' not found (no such directory); "
                             f"compile one with `llmc compile`")
+    refuse_links(path)
     manifest = read_manifest(path)
     if verify:
         verify_files(path, manifest)
-    return Artifact(path=path, manifest=manifest, graph_json=read_text(path, GRAPH),
-                    plan_json=read_text(path, PLAN), weights=read_weights(path, manifest),
-                    tokenizer_dir=path / TOKENIZER_DIR, kernels=read_kernels(path))
+    graph_json, plan_json = read_text(path, GRAPH), read_text(path, PLAN)
+    check_model_agrees(manifest, parse_json(path, GRAPH, graph_json), parse_json(path, PLAN, plan_json),
+                       f"artifact '{path}'")
+    return Artifact(path=path, manifest=manifest, graph_json=graph_json, plan_json=plan_json,
+                    weights=read_weights(path, manifest), tokenizer_dir=path / TOKENIZER_DIR,
+                    kernels=read_kernels(path))
 
 
 def read_manifest(path: Path) -> dict:
+    """The manifest of the artifact at `path`, checked against its schema (manifest_schema.py)."""
     manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
+    if manifest_path.is_symlink() or not manifest_path.is_file():
         raise ArtifactError(f"artifact '{path}' has no {MANIFEST}: not an llmc artifact, or its write "
-                            f"was interrupted; recompile")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"artifact '{path}': {MANIFEST} is not valid JSON ({e}); recompile") from e
+                            f"was interrupted; compile one with `llmc compile`")
+    manifest = parse_json(path, MANIFEST, read_bounded(manifest_path))
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise ArtifactError(f"artifact '{path}': {MANIFEST} has no 'files' table; recompile")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"artifact '{path}' has format version {manifest.get('format_version')!r}; "
                             f"this llmc reads version {FORMAT_VERSION}; recompile with this llmc")
+    check_manifest(manifest, f"artifact '{path}'")
     return manifest
+
+
+def read_bounded(file: Path) -> str:
+    """A small text file that no hash vouches for, refused when it is large."""
+    with open(file, "rb") as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"'{file}' is larger than {MAX_MANIFEST_BYTES >> 20} MiB; it is no llmc manifest")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"'{file}' is not UTF-8 text ({e}); recompile") from None
+
+
+def parse_json(path: Path, name: str, text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"artifact '{path}': {name} is not valid JSON ({e}); recompile") from None
+
+
+def refuse_links(path: Path) -> None:
+    """Refuse an artifact holding anything but plain files and directories: a symlink (to
+    /dev/zero, or out of the artifact), a FIFO or a device would be read as if it were data."""
+    for entry in walk_entries(path):
+        mode = entry.lstat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+            raise ArtifactError(f"artifact '{path}': {entry.relative_to(path).as_posix()} is {kind}; an "
+                                f"artifact holds only plain files and directories, recompile it")
+
+
+def walk_entries(root: Path) -> Iterator[Path]:
+    """Every file, directory and link under root, never following a link."""
+    for directory, dirs, files in os.walk(root):
+        for name in sorted(dirs + files):
+            yield Path(directory) / name
 
 
 def verify_files(path: Path, manifest: dict) -> None:
@@ -171,12 +336,18 @@ def verify_files(path: Path, manifest: dict) -> None:
         raise ArtifactError(f"artifact '{path}': file {unlisted[0]} is not listed in {MANIFEST} "
                             f"(added after compiling?); remove it or recompile")
     for name, digest in sorted(listed.items()):
-        file = path / checked_relative(name, f"artifact '{path}': {MANIFEST} entry {name!r}")
-        if not file.is_file():
-            raise ArtifactError(f"artifact '{path}': file {name} is missing; recompile")
-        if sha256_file(file) != digest:
-            raise ArtifactError(f"artifact '{path}': file {name} fails its sha256 check "
-                                f"(tampered or truncated); recompile")
+        verify_file(path, name, digest)
+
+
+def verify_file(path: Path, name: str, digest: str) -> Path:
+    """The listed file `name` of the artifact at `path`, after checking its sha256."""
+    file = path / checked_relative(name, f"artifact '{path}': {MANIFEST} entry {name!r}")
+    if file.is_symlink() or not file.is_file():
+        raise ArtifactError(f"artifact '{path}': file {name} is missing; recompile")
+    if sha256_file(file) != digest:
+        raise ArtifactError(f"artifact '{path}': file {name} fails its sha256 check "
+                            f"(tampered or truncated); recompile")
+    return file
 
 
 def read_weights(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
@@ -237,10 +408,3 @@ def sha256_file(path: Path) -> str:
 
 def dump_json(value) -> str:
     return json.dumps(value, sort_keys=True, indent=1) + "\n"
-
-
-def remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()

@@ -1,5 +1,7 @@
-"""What `llmc inspect` shows: an artifact's graph summary, pass log with timings, and
-memory figures, read from its manifest without loading the weights."""
+"""What `llmc inspect` shows: an artifact's graph summary, pass log and memory figures, read
+from its manifest (checked against its schema and against graph.json and plan.json, whose hashes
+are checked) without loading the weights. Compile timings are no part of an artifact: see
+`llmc compile --report`."""
 
 from __future__ import annotations
 
@@ -7,43 +9,42 @@ import hashlib
 import json
 from pathlib import Path
 
+from llmc.compiler.artifact import GRAPH, KERNEL_INDEX, PLAN, parse_json, read_manifest, refuse_links, verify_file
+from llmc.compiler.manifest_schema import check_model_agrees
 from llmc.errors import ArtifactError
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArtifactError(f"'{path.parent}' is not an llmc artifact: {path.name} is missing; "
-                            f"compile one with `llmc compile MODEL -o DIR`") from None
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"artifact '{path.parent}': {what} {path.name} is corrupt ({e}); recompile") from None
-
-
 def _read_manifest(path: Path) -> dict:
+    """The artifact's manifest, after checking its schema and that graph.json and plan.json say
+    the same of the model."""
     if not path.is_dir():
         raise ArtifactError(f"artifact '{path}' not found (no such directory); "
                             f"compile one with `llmc compile MODEL -o DIR`")
-    manifest = _read_json(path / "manifest.json", "manifest")
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("report"), dict):
-        raise ArtifactError(f"'{path}' is not an llmc artifact: its manifest.json has no report; "
-                            f"compile one with `llmc compile MODEL -o DIR`")
+    refuse_links(path)
+    manifest = read_manifest(path)
+    check_model_agrees(manifest, _read_json(path, manifest, GRAPH), _read_json(path, manifest, PLAN),
+                       f"artifact '{path}'")
     return manifest
 
 
-def _pass_seconds(pipeline: list[dict], timed: list[dict]) -> list[float | None]:
-    """Each pipeline entry's wall time, paired by position: a pass may run more than once."""
-    if [t["name"] for t in timed] != [p["name"] for p in pipeline]:
-        return [None] * len(pipeline)
-    return [t["seconds"] for t in timed]
+def _read_listed(path: Path, manifest: dict, name: str) -> str:
+    """The text of a file the manifest lists, after checking its sha256."""
+    if name not in manifest["files"]:
+        raise ArtifactError(f"artifact '{path}': {name} is not listed in its manifest.json; recompile")
+    try:
+        return verify_file(path, name, manifest["files"][name]).read_bytes().decode()
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"artifact '{path}': {name} is not UTF-8 text ({e}); recompile") from None
+
+
+def _read_json(path: Path, manifest: dict, name: str):
+    return parse_json(path, name, _read_listed(path, manifest, name))
 
 
 def report(artifact: str | Path) -> dict:
     """Machine-readable summary; keys are stable for pipelines."""
     path = Path(artifact)
     manifest = _read_manifest(path)
-    timings = _read_json(path / "timings.json", "build log") if (path / "timings.json").exists() else {}
-    seconds = _pass_seconds(manifest["pipeline"], timings.get("passes", []))
     rep = manifest["report"]
     return {
         "target": manifest["target"]["name"],
@@ -57,8 +58,7 @@ def report(artifact: str | Path) -> dict:
         "activation_peak_bytes": rep["activation_peak_bytes"],
         "activation_naive_bytes": rep["activation_naive_bytes"],
         "max_num_batched_tokens": rep["max_num_batched_tokens"],
-        "passes": [{**p, "seconds": t} for p, t in zip(manifest["pipeline"], seconds)],
-        "stages": timings.get("stages", []),
+        "passes": manifest["pipeline"],
         "artifact_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
         "llmc_version": manifest["llmc_version"],
         "torch_version": manifest["torch_version"],
@@ -133,17 +133,11 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
         lines.append(f"  draft of: {d['model']} ({d['num_layers']} layers; this draft has {m['num_layers']}), "
                      f"target manifest sha256 {d['manifest_sha256'][:16]}")
     lines += _quant_lines(r["quant"])
-    stage_time = sum(s["seconds"] for s in r["stages"]) + sum(p["seconds"] or 0 for p in r["passes"])
-    lines.append(f"  compile time: {stage_time:.1f} s")
     if brief:
         return "\n".join(lines)
-    lines.append("  stages:")
-    lines += [f"    {s['name']:<16} {s['seconds']:8.3f} s  {json.dumps(s['details'], sort_keys=True)}"
-              for s in r["stages"]]
     lines.append("  passes:")
     for p in r["passes"]:
-        t = f"{p['seconds']:8.3f} s" if p["seconds"] is not None else "       ? s"
-        lines.append(f"    {p['name']:<16} {t}  matches {p['matches']:<4} "
+        lines.append(f"    {p['name']:<16} matches {p['matches']:<4} "
                      f"bytes saved {p['bytes_saved']:,}  {json.dumps(p['details'], sort_keys=True)[:80]}")
         if "params_removed" in (p["details"] or {}):
             lines.append(f"    {'':<16} {_size_line(p['details'])}")
@@ -151,7 +145,8 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
             lines.append(f"    {'':<16} {_accuracy_line(p['accuracy'])}")
     if show_ir:
         from llmc.compiler.ir import Graph
-        lines.append(str(Graph.from_json((Path(artifact) / "graph.json").read_text())))
+        path = Path(artifact)
+        lines.append(str(Graph.from_json(_read_listed(path, read_manifest(path), GRAPH))))
     return "\n".join(lines)
 
 
@@ -161,8 +156,8 @@ def kernel_report(artifact: str | Path) -> dict:
     that launch it), which ops run as torch calls, and the launch configs from autotuning."""
     path = Path(artifact)
     manifest = _read_manifest(path)
-    meta = _read_json(path / "plan.json", "plan").get("meta", {})
-    index = _read_json(path / "kernels.json", "kernel index") if (path / "kernels.json").exists() else []
+    meta = _read_json(path, manifest, PLAN).get("meta", {})
+    index = _read_json(path, manifest, KERNEL_INDEX) if KERNEL_INDEX in manifest["files"] else []
     return {"target": manifest["target"]["name"],
             "kernels": [{**entry, "launches": len(entry["steps"])} for entry in index],
             "triton_ops": meta.get("kernels", {}).get("triton_ops", []),
@@ -202,10 +197,7 @@ def kernel_source(artifact: str | Path, name: str) -> str:
         what = "names several kernels" if hits else "is no kernel of it"
         raise ArtifactError(f"artifact '{path}': {name!r} {what}; give one of its files: {files}")
     entry = hits[0]
-    try:
-        source = (path / entry["file"]).read_bytes()
-    except OSError as e:
-        raise ArtifactError(f"artifact '{path}': {entry['file']} cannot be read ({e}); recompile") from None
+    source = _read_listed(path, read_manifest(path), entry["file"]).encode()
     if hashlib.sha256(source).hexdigest() != entry["sha256"]:
         raise ArtifactError(f"artifact '{path}': {entry['file']} fails its sha256 check (edited after "
                             f"compiling?); recompile")

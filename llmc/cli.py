@@ -4,7 +4,9 @@ User errors print one line and exit 2; bugs keep their traceback and exit 1."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -75,18 +77,38 @@ def compile(model, target, output, force, passes, disable_pass, pass_option, pri
     from llmc.api import compile as compile_api
     from llmc.passes.registry import parse_pass_options
 
-    path = compile_api(model, target=target, output=output, force=force, passes=passes,
-                       disable=list(disable_pass), pass_options=parse_pass_options(pass_option),
-                       print_ir_after=set(print_ir_after), dump_ir=dump_ir,
-                       max_num_batched_tokens=max_num_batched_tokens, quiet=quiet,
-                       quant=quant, group_size=group_size, kv_cache=kv_cache, calib=calib,
-                       calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-                       max_ppl_increase=max_ppl_increase, kv_heads=kv_heads, kv_grouping=kv_grouping,
-                       draft_of=draft_of, draft_layers=draft_layers, prune=prune, sparsity=sparsity,
-                       sparsity_method=sparsity_method, autotune=autotune)
+    with _sigterm_exits():
+        path = compile_api(model, target=target, output=output, force=force, passes=passes,
+                           disable=list(disable_pass), pass_options=parse_pass_options(pass_option),
+                           print_ir_after=set(print_ir_after), dump_ir=dump_ir,
+                           max_num_batched_tokens=max_num_batched_tokens, quiet=quiet,
+                           quant=quant, group_size=group_size, kv_cache=kv_cache, calib=calib,
+                           calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+                           max_ppl_increase=max_ppl_increase, kv_heads=kv_heads, kv_grouping=kv_grouping,
+                           draft_of=draft_of, draft_layers=draft_layers, prune=prune, sparsity=sparsity,
+                           sparsity_method=sparsity_method, autotune=autotune)
     if not quiet:
         from llmc.compiler.inspect import summarize
         click.echo(summarize(path, brief=True))
+
+
+@contextmanager
+def _sigterm_exits():
+    """While a compile runs, SIGTERM exits (status 143) through the same cleanup as Ctrl-C, which
+    removes the staging directory; a second SIGTERM during that cleanup is ignored."""
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread, where Python cannot take signals
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @cli.command()

@@ -92,7 +92,7 @@ def test_compile_mistake_is_one_line_exit_2_and_leaves_nothing(case, sources, tm
     assert list(out_dir.iterdir()) == []  # neither model.llmc nor .model.llmc.tmp-*
 
 
-def test_existing_output_is_refused_without_force_and_replaced_with_it(tmp_path, capfd):
+def test_existing_output_is_refused_without_force_and_replaced_with_it_only_if_an_artifact(tmp_path, capfd):
     output = tmp_path / "model.llmc"
     output.mkdir()
     (output / "keep.txt").write_text("mine\n")
@@ -104,9 +104,16 @@ def test_existing_output_is_refused_without_force_and_replaced_with_it(tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == ["model.llmc"]
 
     code, _, err = llmc_in_process(capfd, "compile", "tiny-llama", "-o", output, "--force", "-q")
-    assert code == 0, err
-    assert (output / "manifest.json").is_file() and not (output / "keep.txt").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["model.llmc"]  # no .tmp-* or .old-* left
+    assert code == 2 and "--force replaces only a previous llmc artifact" in error_line(err)
+    assert sorted(p.name for p in output.iterdir()) == ["keep.txt"]  # not an artifact: kept
+
+    (output / "keep.txt").unlink()
+    output.rmdir()
+    for force in ([], ["--force"]):  # a fresh artifact, then one that replaces it
+        code, _, err = llmc_in_process(capfd, "compile", "tiny-llama", "-o", output, *force, "-q")
+        assert code == 0, err
+        assert (output / "manifest.json").is_file()
+        assert [p.name for p in tmp_path.iterdir()] == ["model.llmc"]  # no .tmp-* or .old-* left
 
 
 @pytest.mark.parametrize("case", ["missing", "not-an-artifact"])

@@ -118,7 +118,7 @@ def stored_weight_bytes(path: Path) -> int:
         return sum(f.get_tensor(k).nbytes for k in f.keys())
 
 
-def test_inspect_shows_op_counts_pass_log_with_timings_and_memory(artifact):
+def test_inspect_shows_op_counts_pass_log_and_memory(artifact):
     result = llmc_process("inspect", artifact)
     assert result.returncode == 0, result.stderr
     text = result.stdout
@@ -129,7 +129,7 @@ def test_inspect_shows_op_counts_pass_log_with_timings_and_memory(artifact):
         assert f"{op} {count}" in ops_line
     passes = text.split("  passes:\n")[1].splitlines()
     assert [line.split()[0] for line in passes] == CPU_PIPELINE
-    assert all(line.split()[2] == "s" and float(line.split()[1]) >= 0 for line in passes)
+    assert all(line.split()[1] == "matches" and int(line.split()[2]) >= 0 for line in passes)
     # tiny-llama: 2 layers x 2 KV heads x head_dim 16, K and V, float32
     assert "KV cache: 512 bytes/token" in text
     assert "activations: peak" in text and "weights: float32" in text
@@ -147,8 +147,7 @@ def test_inspect_json_has_the_machine_readable_figures(artifact):
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert 0 < report["activation_peak_bytes"] <= report["activation_naive_bytes"]
     assert [p["name"] for p in report["passes"]] == CPU_PIPELINE
-    timed = json.loads((artifact / "timings.json").read_text())["passes"]
-    assert [p["seconds"] for p in report["passes"]] == [t["seconds"] for t in timed]
+    assert report["passes"] == manifest_of(artifact)["pipeline"]   # compile timings are no part of it
 
 
 # -- run -------------------------------------------------------------------------------------
@@ -258,6 +257,4 @@ def test_pipeline_flags_are_recorded_in_the_manifest(flags, pipeline, tmp_path, 
     assert [(p["name"], p["options"]) for p in recorded] == pipeline
     code, report, err = llmc_in_process(capsys, "inspect", out, "--json")
     assert code == 0, err
-    timed = json.loads((out / "timings.json").read_text())["passes"]
-    assert [(p["name"], p["seconds"]) for p in json.loads(report)["passes"]] == \
-        [(t["name"], t["seconds"]) for t in timed]
+    assert [(p["name"], p["options"]) for p in json.loads(report)["passes"]] == pipeline

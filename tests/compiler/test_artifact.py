@@ -1,5 +1,6 @@
 """Artifacts: written atomically and deterministically, read back only when every file matches
-its manifest hash, weights via safetensors with tied tensors restored."""
+its manifest hash, weights via safetensors with tied tensors restored. The manifest, graph and
+plan are a compiled tiny-llama's (a read checks that they agree); weights and kernels are made up."""
 
 import json
 import os
@@ -8,18 +9,26 @@ import pickle
 import pytest
 import torch
 
+import llmc
 from llmc.compiler.artifact import Artifact, load_tokenizer, read_artifact, write_artifact
 from llmc.errors import ArtifactError
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("compiled") / "tiny.llmc")
+
+
 @pytest.fixture
-def inputs(tiny_model):
+def inputs(tiny_model, compiled):
     weights = dict(tiny_model.module.state_dict())
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tie them, as SmolLM2 does
     weights["transposed"] = torch.randn(8, 4, generator=torch.Generator().manual_seed(4)).t()
-    return dict(graph_json='{"nodes": [{"op": "embedding"}]}\n', plan_json='{"steps": []}\n',
-                weights=weights, tokenizer=tiny_model.tokenizer,
-                manifest={"target": "cpu", "source_hash": tiny_model.source_hash},
+    manifest = json.loads((compiled / "manifest.json").read_text())
+    for written_by_write_artifact in ("format_version", "files", "weight_aliases"):
+        del manifest[written_by_write_artifact]
+    return dict(graph_json=(compiled / "graph.json").read_text(), plan_json=(compiled / "plan.json").read_text(),
+                weights=weights, tokenizer=tiny_model.tokenizer, manifest=manifest,
                 kernels={"rms_norm.py": "# rms_norm kernel\n", "attention/decode.py": "# decode\n"})
 
 
@@ -47,8 +56,8 @@ def test_round_trip_restores_everything(artifact, inputs, tiny_model):
     assert loaded.weights.keys() == inputs["weights"].keys()
     for name, tensor in inputs["weights"].items():
         assert torch.equal(loaded.weights[name], tensor), name
-    assert loaded.manifest["target"] == "cpu" and loaded.manifest["format_version"] == 1
-    assert loaded.manifest["source_hash"] == tiny_model.source_hash
+    assert loaded.manifest["target"]["name"] == "cpu" and loaded.manifest["format_version"] == 1
+    assert loaded.manifest["model"]["source_sha256"] == tiny_model.source_hash
     tok = load_tokenizer(loaded)
     text = "The river runs east, past the mill."
     assert tok(text)["input_ids"] == tiny_model.tokenizer(text)["input_ids"]
@@ -179,9 +188,9 @@ def test_existing_output_is_refused_without_force(artifact, inputs):
 
 
 def test_force_replaces_and_leaves_no_siblings(artifact, inputs):
-    inputs["plan_json"] = '{"steps": [1]}\n'
+    inputs["plan_json"] = inputs["plan_json"].replace('"max_tokens": 2048', '"max_tokens": 1024')
     write_artifact(artifact, **inputs, force=True)
-    assert read_artifact(artifact).plan_json == '{"steps": [1]}\n'
+    assert '"max_tokens": 1024' in read_artifact(artifact).plan_json
     assert sorted(p.name for p in artifact.parent.iterdir()) == [artifact.name]
 
 
