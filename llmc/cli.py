@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import click
 
-from llmc.cli_values import NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, checked_text, prompt_lines
+from llmc.cli_values import NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, checked_text, prompt_lines, stdin_prompts
 from llmc.compiler.kv_heads_recipe import KV_GROUPING_CHOICES
 from llmc.compiler.prune_recipes import SPARSITY_METHODS
 from llmc.compiler.quant_recipes import KV_CACHE_CHOICES, QUANT_CHOICES
@@ -192,7 +192,7 @@ def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature
     if prompts_file:
         prompts += prompt_lines(prompts_file.read(), f"--prompts-file '{prompts_file.name}'")
     if not prompts and not sys.stdin.isatty():
-        prompts = prompt_lines(sys.stdin.buffer.read(), "stdin")
+        prompts = stdin_prompts()
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
     model = llmc.load(artifact, kv_memory=kv_memory, device=device)

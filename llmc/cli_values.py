@@ -5,6 +5,7 @@ before any model loads, in one line naming the option (or source) and what it ac
 from __future__ import annotations
 
 import math
+import sys
 
 import click
 
@@ -53,6 +54,14 @@ def prompt_lines(data: bytes, source: str) -> list[str]:
         raise LlmcError(f"{source} is not valid UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}, "
                         f"line {line}); pass a UTF-8 text file with one prompt per line") from None
     return [line.rstrip("\r") for line in text.split("\n") if line.strip()]
+
+
+def stdin_prompts() -> list[str]:
+    """The prompts piped on stdin, read as bytes where stdin has them (a replaced text stdin is
+    encoded back, its lone surrogates kept, so that they are refused)."""
+    binary = getattr(sys.stdin, "buffer", None)
+    data = binary.read() if binary is not None else sys.stdin.read().encode("utf-8", "surrogatepass")
+    return prompt_lines(data, "stdin")
 
 
 def _escaped_byte(char: str) -> str:

@@ -197,7 +197,7 @@ def test_prompt_longer_than_the_context_is_refused(artifact):
     engine = make_engine(artifact)
     with pytest.raises(RuntimeLlmcError, match="longer than the model's context of 512"):
         engine.add_request(prompt_token_ids=[5] * 513)
-    with pytest.raises(RuntimeLlmcError, match=r"must lie in \[0, 512\)"):
+    with pytest.raises(RuntimeLlmcError, match=r"outside the vocabulary \[0, 512\)"):
         engine.add_request(prompt_token_ids=[5, 512])
     assert not engine.has_unfinished()
 
