@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from llmc.compiler.artifact import GRAPH, KERNEL_INDEX, PLAN, parse_json, read_manifest, refuse_links, verify_file
-from llmc.compiler.manifest_schema import check_model_agrees
+from llmc.compiler.manifest_schema import check_kernel_records, check_model_agrees
 from llmc.errors import ArtifactError
 
 
@@ -104,12 +104,12 @@ def _accuracy_line(a: dict) -> str:
 def _size_line(d: dict) -> str:
     """A pruning or KV-head pass's figures: params removed, KV bytes per token before and after."""
     parts = [f"params {d['params_removed']:,} removed"
-             + (f" ({_mib(d['bytes_removed'])})" if "bytes_removed" in d else "")]
-    if "kv_bytes_per_token_before" in d:
-        parts.append(f"KV {d['kv_bytes_per_token_before']:,} -> {d['kv_bytes_per_token_after']:,} bytes/token")
-    if "zeros_after" in d:
-        parts.append(f"{d['zeros_after']:,} of {d['weights']:,} linear weights zero ({d['storage']}); "
-                     f"expected speedup: {d['expected_speedup']}")
+             + (f" ({_mib(d['bytes_removed'])})" if d.get("bytes_removed") is not None else "")]
+    if d.get("kv_bytes_per_token_before") is not None:
+        parts.append(f"KV {d['kv_bytes_per_token_before']:,} -> {d.get('kv_bytes_per_token_after', '?')} bytes/token")
+    if d.get("zeros_after") is not None:
+        parts.append(f"{d['zeros_after']:,} of {d.get('weights', '?')} linear weights zero ({d.get('storage')}); "
+                     f"expected speedup: {d.get('expected_speedup')}")
     return ", ".join(parts)
 
 
@@ -139,7 +139,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
     for p in r["passes"]:
         lines.append(f"    {p['name']:<16} matches {p['matches']:<4} "
                      f"bytes saved {p['bytes_saved']:,}  {json.dumps(p['details'], sort_keys=True)[:80]}")
-        if "params_removed" in (p["details"] or {}):
+        if (p["details"] or {}).get("params_removed") is not None:
             lines.append(f"    {'':<16} {_size_line(p['details'])}")
         if p.get("accuracy"):
             lines.append(f"    {'':<16} {_accuracy_line(p['accuracy'])}")
@@ -156,8 +156,9 @@ def kernel_report(artifact: str | Path) -> dict:
     that launch it), which ops run as torch calls, and the launch configs from autotuning."""
     path = Path(artifact)
     manifest = _read_manifest(path)
-    meta = _read_json(path, manifest, PLAN).get("meta", {})
+    meta = _read_json(path, manifest, PLAN)["meta"]
     index = _read_json(path, manifest, KERNEL_INDEX) if KERNEL_INDEX in manifest["files"] else []
+    check_kernel_records(index, meta, f"artifact '{path}'")
     return {"target": manifest["target"]["name"],
             "kernels": [{**entry, "launches": len(entry["steps"])} for entry in index],
             "triton_ops": meta.get("kernels", {}).get("triton_ops", []),

@@ -1,6 +1,7 @@
 """The schema of an artifact's manifest.json: the type of every field llmc reads from it, and the
 check that its `model` section says what graph.json and plan.json say. The manifest itself is not
-hashed, so it is read as untrusted input: a field of the wrong type or value is refused by name."""
+hashed, so it is read as untrusted input: a field of the wrong type or value is refused by name.
+Also the schema of what `llmc inspect --kernels` reads: kernels.json and plan.json's kernel record."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
 
 from llmc.compiler.ir import DTYPE_BYTES
 from llmc.compiler.ops import ATTENTION_OPS
@@ -145,16 +156,55 @@ class Manifest(Record):
     draft_of: DraftOf | None = None
 
 
+class KernelEntry(Record):
+    """One kernel of kernels.json."""
+    name: StrictStr
+    file: StrictStr
+    template: StrictStr
+    sha256: Sha256
+    steps: list[StrictStr]
+    constants: dict[str, Any]
+    grid: StrictStr
+
+
+class Autotune(Record):
+    tuned: bool
+    device: StrictStr | None = None
+    reason: StrictStr | None = None
+
+
+class KernelOps(Record):
+    triton_ops: list[StrictStr] = []
+    torch_ops: list[StrictStr] = []
+
+
+class PlanKernels(Record):
+    """What inspect reads from plan.json's meta."""
+    kernels: KernelOps = KernelOps()
+    autotune: Autotune | None = None
+
+
 def check_manifest(manifest: Any, where: str) -> None:
     """Raise ArtifactError naming the first field of `manifest` whose type or value is wrong."""
+    check_json(Manifest, manifest, "manifest.json", where)
+
+
+def check_kernel_records(index: Any, plan_meta: Any, where: str) -> None:
+    """Raise ArtifactError naming the first wrong field of kernels.json or of plan.json's kernel
+    record (both hashed, but whoever edits them can re-hash them)."""
+    check_json(list[KernelEntry], index, "kernels.json", where)
+    check_json(PlanKernels, plan_meta, "plan.json meta", where)
+
+
+def check_json(schema: Any, value: Any, name: str, where: str) -> None:
     try:
-        Manifest.model_validate(manifest)
+        TypeAdapter(schema).validate_python(value)
     except ValidationError as e:
         error = e.errors()[0]
         field = ".".join(str(part) for part in error["loc"]) or "(top level)"
         got = "missing" if error["type"] == "missing" else f"{json.dumps(error['input'], default=str)[:60]}"
         why = error["msg"].removeprefix("Value error, ")
-        raise ArtifactError(f"{where}: manifest.json field {field} is {got}: {why[0].lower() + why[1:]}; "
+        raise ArtifactError(f"{where}: {name} field {field} is {got}: {why[0].lower() + why[1:]}; "
                             f"{RECOMPILE}") from None
 
 

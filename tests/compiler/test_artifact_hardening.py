@@ -16,7 +16,7 @@ import pytest
 import llmc
 from llmc.compiler import artifact as artifact_module
 from llmc.compiler.artifact import read_artifact, sha256_file, staged_output
-from llmc.compiler.inspect import report
+from llmc.compiler.inspect import kernel_report, report
 from llmc.errors import ArtifactError, LlmcError
 
 
@@ -137,6 +137,19 @@ def test_a_consistent_lie_in_manifest_graph_and_plan_meta_is_caught_by_the_plan_
                                                 m["report"].update(kv_bytes_per_token=1024)))
     message = refusal(read_artifact, art)
     assert "model.num_kv_heads is 4 but plan.json's steps say" in message.replace("says", "say")
+
+
+@pytest.mark.parametrize("name, change, field", [
+    ("kernels.json", lambda index: index[0].__setitem__("steps", 5), "kernels.json field 0.steps"),
+    ("kernels.json", lambda index: index[0].__setitem__("grid", None), "kernels.json field 0.grid"),
+    ("plan.json", lambda plan: plan["meta"]["kernels"].__setitem__("triton_ops", "rms_norm"),
+     "plan.json meta field kernels.triton_ops"),
+])
+def test_inspect_kernels_type_checks_the_kernel_index_and_plan_record(tmp_path, name, change, field):
+    gpu = llmc.compile("tiny-llama", target="h100-bf16", output=tmp_path / "gpu.llmc")
+    edit_json(gpu / name, change)
+    rehash(gpu, name)
+    assert field in refusal(kernel_report, gpu)
 
 
 def test_a_manifest_that_is_not_an_object_is_refused(art):
