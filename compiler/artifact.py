@@ -264,7 +264,6 @@ def read_artifact(path, verify: bool = True) -> Artifact:
     if not path.is_dir():
         raise ArtifactError(f"artifact '{path}' not found (no such directory); "
                             f"compile one with `llmc compile`")
-    refuse_links(path)
     manifest = read_manifest(path)
     if verify:
         verify_files(path, manifest)
@@ -277,7 +276,9 @@ def read_artifact(path, verify: bool = True) -> Artifact:
 
 
 def read_manifest(path: Path) -> dict:
-    """The manifest of the artifact at `path`, checked against its schema (manifest_schema.py)."""
+    """The manifest of the artifact at `path`, checked against its schema (manifest_schema.py),
+    once the artifact is known to hold no symlink or special file."""
+    refuse_links(path)
     manifest_path = path / MANIFEST
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise ArtifactError(f"artifact '{path}' has no {MANIFEST}: not an llmc artifact, or its write "

@@ -9,7 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from llmc.compiler.artifact import GRAPH, KERNEL_INDEX, PLAN, parse_json, read_manifest, refuse_links, verify_file
+from llmc.compiler.artifact import GRAPH, KERNEL_INDEX, PLAN, parse_json, read_manifest, verify_file
 from llmc.compiler.manifest_schema import check_kernel_records, check_model_agrees
 from llmc.errors import ArtifactError
 
@@ -20,7 +20,6 @@ def _read_manifest(path: Path) -> dict:
     if not path.is_dir():
         raise ArtifactError(f"artifact '{path}' not found (no such directory); "
                             f"compile one with `llmc compile MODEL -o DIR`")
-    refuse_links(path)
     manifest = read_manifest(path)
     check_model_agrees(manifest, _read_json(path, manifest, GRAPH), _read_json(path, manifest, PLAN),
                        f"artifact '{path}'")

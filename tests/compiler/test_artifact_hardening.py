@@ -40,9 +40,9 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
 
 
-def refusal(call, *args) -> str:
+def refusal(call, *args, **kwargs) -> str:
     with pytest.raises(LlmcError) as info:
-        call(*args)
+        call(*args, **kwargs)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -74,6 +74,14 @@ def test_a_listed_file_or_directory_replaced_by_a_symlink_to_the_same_bytes_is_r
     (art / name).symlink_to(moved)   # the hashes still match: the link itself is what is refused
     message = refusal(read_artifact, art)
     assert f"{name} is a symlink" in message and str(art) in message
+
+
+def test_a_draft_target_holding_a_symlink_is_refused_before_the_compile(art, tmp_path):
+    moved = (art / "tokenizer").rename(tmp_path / "tokenizer")
+    (art / "tokenizer").symlink_to(moved)
+    message = refusal(llmc.compile, "tiny-llama", "cpu", tmp_path / "draft.llmc", draft_of=art)
+    assert "tokenizer is a symlink" in message
+    assert not (tmp_path / "draft.llmc").exists() and leftovers(tmp_path) == []
 
 
 def test_a_fifo_in_an_artifact_is_refused_without_opening_it(art):
