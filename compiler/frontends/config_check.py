@@ -11,13 +11,15 @@ from llmc.errors import ModelLoadError
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id")  # the ids the runtime uses; eos may be a list
 MAX_SIZE = 2**31 - 1  # no real model dimension comes near; bigger ones overflow tensor constructors
 
 
 def check_config_values(config, where: str) -> None:
     """Refuse a config (a transformers config, or config.json's object before transformers reads it)
     whose sizes are not positive integers up to MAX_SIZE, whose KV heads do not divide its attention
-    heads, or whose norm epsilon or rope theta is not a positive finite number."""
+    heads, whose norm epsilon or rope theta is not a positive finite number, or whose special token
+    ids lie outside the vocabulary."""
     get = config.get if isinstance(config, dict) else lambda field: getattr(config, field, None)
     for field in SIZE_FIELDS:
         value = get(field)
@@ -37,6 +39,7 @@ def check_config_values(config, where: str) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
             raise ModelLoadError(f"{where}: {field} is {value!r}; expected a positive finite number: "
                                  f"restore the original config")
+    check_token_ids(get, where)
 
 
 def float_setting(get, field: str):
@@ -45,3 +48,15 @@ def float_setting(get, field: str):
     if value is None and isinstance(get("rope_parameters"), dict):
         value = get("rope_parameters").get(field)
     return value
+
+
+def check_token_ids(get, where: str) -> None:
+    vocab_size = get("vocab_size")
+    for field in TOKEN_FIELDS:
+        value = get(field)
+        for token in value if isinstance(value, list) else [] if value is None else [value]:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
+                    isinstance(vocab_size, int) and token >= vocab_size):
+                vocabulary = f"the {vocab_size}-token vocabulary" if isinstance(vocab_size, int) else "any vocabulary"
+                raise ModelLoadError(f"{where}: {field} {value!r} is not a token id of {vocabulary}; "
+                                     f"restore the original config")

@@ -42,11 +42,11 @@ def load_gguf_file(path: Path, source: str | None = None) -> LoadedModel:
     module = meta_model(config, where)
     check_tensor_table(module, tensor_table(reader, architecture, module, where), where)
     del reader  # its memory map of the file; transformers opens its own
+    tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path.parent, **kwargs)
     module, info = call_transformers(path, AutoModelForCausalLM.from_pretrained, path.parent,
                                      dtype=torch.float32, attn_implementation="sdpa",
                                      output_loading_info=True, **kwargs)
     check_loading_info(info, where)
-    tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path.parent, **kwargs)
     return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
                        name=path.stem, source_hash=sha256_file(path), source=source or str(path),
                        kind="gguf")

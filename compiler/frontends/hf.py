@@ -42,11 +42,12 @@ def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     config = call_transformers(path, AutoConfig.from_pretrained, path, local_files_only=True)
     where, stored = read_safetensors_table(path)
     check_tensor_table(meta_model(config, f"'{config_path}'"), stored, where)
+    tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path, local_files_only=True)
+    check_tokenizer(tokenizer, path)
     module, info = call_transformers(path, AutoModelForCausalLM.from_pretrained, path, config=config,
                                      dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True,
                                      local_files_only=True, output_loading_info=True)
     check_loading_info(info, where)
-    tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path, local_files_only=True)
     return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
                        name=path.resolve().name, source_hash=hash_source_dir(path),
                        source=source or str(path), kind="hf")
@@ -128,6 +129,15 @@ def check_json_files(path: Path) -> None:
         except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
             raise ModelLoadError(f"'{tokenizer_json}' is not a valid tokenizer ({first_line(e)}); "
                                  f"re-download it or save one with tokenizer.save_pretrained(dir)") from e
+
+
+def check_tokenizer(tokenizer, path: Path) -> None:
+    """The runtime encodes with it: refuse a setting it would crash on, then encode once."""
+    limit = tokenizer.model_max_length
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise ModelLoadError(f"'{path / 'tokenizer_config.json'}': model_max_length is {limit!r}; expected a "
+                             f"positive integer: restore the original file")
+    call_transformers(path, tokenizer, "Hello, world")
 
 
 def hash_source_dir(path: Path) -> str:

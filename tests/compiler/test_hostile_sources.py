@@ -109,6 +109,13 @@ def edit_config(**fields):
     return damage
 
 
+def edit_tokenizer_config(**fields):
+    def damage(path: Path, tiny):
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, **fields}))
+    return damage
+
+
 def edit_weights(edit):
     def damage(path: Path, tiny):
         tensors = load_file(path / "model.safetensors")
@@ -233,6 +240,8 @@ HOSTILE = {
                                    ["hidden size (64)", "attention heads (3)"]),
     "kv-heads-do-not-divide-heads": ("single", edit_config(num_key_value_heads=3),
                                      ["config.json", "num_key_value_heads (3)", "restore the original config"]),
+    "eos-outside-vocabulary": ("single", edit_config(eos_token_id=[2, 100000]),
+                               ["config.json", "eos_token_id [2, 100000]", "512-token vocabulary"]),
     "model-type-disagrees": ("single", edit_config(model_type="bert"),
                              ["config.json", "model_type 'bert'", "LlamaForCausalLM"]),
     # tokenizer
@@ -240,6 +249,8 @@ HOSTILE = {
                           ["tokenizer.json", "not valid JSON", "re-download"]),
     "tokenizer-not-a-tokenizer": ("single", lambda p, t: (p / "tokenizer.json").write_text('{"model": 5}'),
                                   ["tokenizer.json", "not a valid tokenizer", "save_pretrained"]),
+    "tokenizer-max-length-not-a-number": ("single", edit_tokenizer_config(model_max_length="abc"),
+                                          ["tokenizer_config.json", "model_max_length is 'abc'"]),
     # GGUF
     "gguf-vocabulary-only": ("gguf", lambda p, t: write_gguf(p, t, {}, hparams=False),
                              ["holds no tensors", "pass a GGUF file with the model's weights"]),
