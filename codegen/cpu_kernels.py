@@ -20,7 +20,7 @@ from llmc.compiler.ops import (
     decode_arg,
     qlinear_inputs,
     qlinear_ref,
-    resolve_aten,
+    resolve_allowed_aten,
     rope_cos_sin,
 )
 from llmc.compiler.quant import unpack_int4
@@ -200,8 +200,9 @@ def flash_attention(q, k, v, positions=None, inv_freq=None, *, backend, head_dim
     return attention(q, k, v, backend=backend, head_dim=head_dim, **attrs)
 
 
-# Resolving torch.ops.aten.<op>.<overload> walks attributes; do it once per target.
-_resolve_aten = functools.lru_cache(maxsize=None)(resolve_aten)
+# Resolving (and allow-list checking) torch.ops.aten.<op>.<overload> walks attributes and schemas;
+# do it once per target. Plans are checked at load (runtime/plan_check.py); this is a second line.
+_resolve_aten = functools.lru_cache(maxsize=None)(resolve_allowed_aten)
 
 
 @kernel("aten")

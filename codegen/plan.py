@@ -125,7 +125,7 @@ def _is_names(v: Any) -> bool:
 
 def _fields(d: Any, where: str, fields: dict[str, tuple[Any, str]]) -> None:
     """`d` is an object holding each of `fields` (name -> (test, what it must be))."""
-    _expect(isinstance(d, dict), where or "(the whole file)", d, "a JSON object")
+    _expect(isinstance(d, dict), where, d, "a JSON object")
     for name, (test, want) in fields.items():
         _expect(name in d and test(d[name]), f"{where}.{name}".lstrip("."), d.get(name), want)
 
@@ -141,7 +141,7 @@ _STEP_FIELDS = {"kernel": (lambda v: isinstance(v, str), "a kernel name"), "inpu
 _DIM = (lambda d: _is_int(d) or isinstance(d, str) and 0 < len(d) <= 64)
 _TYPE_FIELDS = {"shape": (lambda v: isinstance(v, list) and len(v) <= 16 and all(map(_DIM, v)),
                           "a list of at most 16 dims (ints in 0..2^40 or symbolic names)"),
-                "dtype": (lambda v: v in DTYPE_BYTES, f"one of {', '.join(DTYPE_BYTES)}")}
+                "dtype": (lambda v: isinstance(v, str) and v in DTYPE_BYTES, f"one of {', '.join(DTYPE_BYTES)}")}
 _MEMORY_FIELDS = {"slot_of": (lambda v: isinstance(v, dict) and all(_is_int(s, 0, 1 << 31) for s in v.values()),
                               "an object of slot numbers"),
                   "slot_bytes": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of byte counts"),
@@ -165,8 +165,10 @@ _KERNEL_FIELDS = {"name": (lambda v: isinstance(v, str) and v.isidentifier(), "a
 
 def check_plan_json(d: Any) -> None:
     """Raise ArtifactError naming the first field of plan.json that lacks its JSON form."""
-    _expect(isinstance(d, dict) and d.get("format") == PLAN_FORMAT, "format",
-            d.get("format") if isinstance(d, dict) else d, f"format {PLAN_FORMAT} (the one this llmc reads)")
+    _expect(isinstance(d, dict), "(the whole file)", d, "a JSON object")
+    if d.get("format") != PLAN_FORMAT:
+        raise ArtifactError(f"plan.json has format {d.get('format')!r}, this llmc reads "
+                            f"format {PLAN_FORMAT}; recompile the model with this llmc")
     _fields(d, "", _PLAN_FIELDS)
     for i, step in enumerate(d["steps"]):
         _fields(step, f"steps[{i}]", _STEP_FIELDS)

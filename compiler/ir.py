@@ -57,7 +57,7 @@ def eval_dim(dim: Dim, dims: dict[str, int]) -> int:
         return dim
     try:
         return _eval_dim_node(ast.parse(dim, mode="eval").body, dims)
-    except (SyntaxError, KeyError, TypeError) as e:
+    except (SyntaxError, KeyError, TypeError, ZeroDivisionError, RecursionError, MemoryError) as e:
         raise IRError(f"cannot evaluate dim {dim!r} with {dims}") from e
 
 

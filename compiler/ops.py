@@ -8,14 +8,37 @@ flattened into the feature dim: q is `[tokens, num_heads * head_dim]`.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from llmc.compiler.aten_allowlist import (
+    ENCODED_DEVICES,
+    ENCODED_LAYOUTS,
+    ENCODED_MEMORY_FORMATS,
+    SYMBOLIC_OPERATORS,
+    aten_refusal,
+    encoded_float,
+    target_refusal,
+)
 from llmc.compiler.ir import Node, TensorType
+from llmc.compiler.op_attrs import (
+    BOOL,
+    COUNT,
+    FLOAT,
+    INDEX,
+    INT,
+    LIST,
+    OBJECT,
+    STRING,
+    AttrSpec,
+    list_of,
+    object_of,
+    one_of,
+    optional,
+)
 from llmc.compiler.quant import dequantize_weight, fake_quant_fp8, fake_quant_int8_per_token
 from llmc.errors import IRError
 
@@ -34,14 +57,19 @@ class OpDef:
     infer: Callable[[list[TensorType], dict], list[TensorType]] | None
     reference: Callable[..., list[torch.Tensor]]
     elementwise: bool = False
+    attrs: AttrSpec = AttrSpec()
+    inputs: tuple[int, int] = (1, 1)      # fewest and most inputs a node of the op takes
 
 
 OPS: dict[str, OpDef] = {}
 
 
-def op(name: str, infer=None, elementwise: bool = False):
+def op(name: str, infer=None, elementwise: bool = False, attrs: AttrSpec = AttrSpec(),
+       inputs: int | tuple[int, int] = 1):
+    """Register `fn` as the reference of op `name`, with its type rule, attr spec and input count."""
     def register(fn):
-        OPS[name] = OpDef(name, infer, fn, elementwise)
+        counts = (inputs, inputs) if isinstance(inputs, int) else inputs
+        OPS[name] = OpDef(name, infer, fn, elementwise, attrs, counts)
         return fn
     return register
 
@@ -54,9 +82,50 @@ def infer_types(node: Node, in_types: list[TensorType]) -> list[TensorType] | No
     return None if d.infer is None else d.infer(in_types, node.attrs)
 
 
+def runtime_refusal(op: str, attrs: dict, in_types: list[TensorType]) -> str | None:
+    """Why the runtime would refuse a node of `op` with these attrs and input types (an unknown op, a
+    wrong number of inputs, an attr outside the op's spec, an aten fallback off the allow-list or with
+    arguments that do not fit its schema), or None."""
+    d = OPS.get(op)
+    if d is None:
+        return f"unknown op {op!r}"
+    lo, hi = d.inputs
+    if not lo <= len(in_types) <= hi:
+        return f"{len(in_types)} inputs, where {op} takes {lo if lo == hi else f'{lo} to {hi}'}"
+    why = d.attrs.refusal(attrs)
+    if why or op != "aten":
+        return why
+    kinds = ["size" if t.dtype == "symint" else "tensor" for t in in_types]
+    return aten_refusal(attrs["target"], attrs["args"], attrs["kwargs"], kinds)
+
+
 # -- type rules ----------------------------------------------------------------------
-def _same_as_first(ts, attrs):
+# The rules check every input a kernel relies on, so a graph or plan that type-checks also runs.
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+INDEX_DTYPES = ("int64", "int32")
+DTYPE = one_of(*TORCH_DTYPES)
+
+
+def _want(t: TensorType, what: str, dtypes: tuple[str, ...] = FLOAT_DTYPES, rank: int | None = None,
+          shape: tuple | None = None, min_rank: int = 0) -> None:
+    """Raise IRError unless `t` has one of `dtypes` and the given rank or shape."""
+    if (t.dtype not in dtypes or (rank is not None and t.rank != rank) or t.rank < min_rank
+            or (shape is not None and tuple(t.shape) != tuple(shape))):
+        want = f"[{', '.join(map(str, shape))}]" if shape is not None else f"rank {rank}" if rank is not None else (
+            f"rank >= {min_rank}" if min_rank else "any shape")
+        raise IRError(f"{what} is {t}, expected {' or '.join(dtypes)} of {want}")
+
+
+def _float_same(ts, attrs):
+    _want(ts[0], "input")
     return [ts[0]]
+
+
+def _rms_norm_type(ts, attrs):
+    x, weight = ts
+    _want(x, "rms_norm input", min_rank=1)
+    _want(weight, "rms_norm weight", shape=(x.shape[-1],))
+    return [x]
 
 
 def _broadcast(ts, attrs):
@@ -74,14 +143,36 @@ def _broadcast(ts, attrs):
 
 def _embedding_type(ts, attrs):
     ids, w = ts
+    _want(ids, "embedding ids", INDEX_DTYPES)
+    _want(w, "embedding table", FLOAT_DTYPES, rank=2)
     return [TensorType(ids.shape + (w.shape[1],), w.dtype if not attrs.get("out_dtype") else attrs["out_dtype"])]
 
 
 def _linear_type(ts, attrs):
     x, w = ts[0], ts[1]
-    if x.shape[-1] != w.shape[-1] and not attrs.get("packed"):
+    _want(x, "linear input", min_rank=1)
+    _want(w, "linear weight", (x.dtype,), rank=2)
+    if x.shape[-1] != w.shape[-1]:
         raise IRError(f"linear: input features {x.shape[-1]} differ from weight {list(w.shape)}")
-    return [TensorType(x.shape[:-1] + (attrs.get("out_features", w.shape[0]),), x.dtype)]
+    if attrs.get("out_features", w.shape[0]) != w.shape[0]:
+        raise IRError(f"linear: out_features {attrs['out_features']} differs from weight {list(w.shape)}")
+    if len(ts) == 3:
+        _want(ts[2], "linear bias", (x.dtype,), shape=(w.shape[0],))
+    return [TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)]
+
+
+def _rope_inputs(x, positions, inv_freq, head_dim: int, what: str) -> None:
+    """x [..., tokens, heads * head_dim] rotated by the positions [tokens] and inv_freq [head_dim / 2]."""
+    _want(x, f"{what} input", min_rank=2)
+    if head_dim % 2 or x.shape[-1] % head_dim:
+        raise IRError(f"{what}: head_dim {head_dim} must be even and divide the input's last dim ({x})")
+    _want(positions, f"{what} positions", INDEX_DTYPES, shape=(x.shape[-2],))
+    _want(inv_freq, f"{what} inv_freq", shape=(head_dim // 2,))
+
+
+def _rope_type(ts, attrs):
+    _rope_inputs(*ts, attrs["head_dim"], "rope")
+    return [ts[0]]
 
 
 def _attention_type(ts, attrs):
@@ -89,8 +180,16 @@ def _attention_type(ts, attrs):
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1
                                or attrs.get("causal", True) is not True):
         raise IRError(f"attention: window={window!r} must be None or a positive int, on causal attention")
+    heads, kv_heads, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    if heads % kv_heads:
+        raise IRError(f"attention: num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
     q = ts[0]
-    return [TensorType(q.shape[:-1] + (attrs["num_heads"] * attrs["head_dim"],), q.dtype)]
+    for name, t, n in zip("qkv", ts[:3], (heads, kv_heads, kv_heads)):
+        _want(t, f"attention {name}", (q.dtype,), min_rank=2)
+        if t.shape[-1] != n * hd or t.shape[:-1] != q.shape[:-1] or any(d != 1 for d in t.shape[:-2]):
+            raise IRError(f"attention: {name} is {t}, expected [{', '.join(map(str, q.shape[:-1]))}, {n * hd}] "
+                          f"({n} heads x {hd}, after unit leading dims)")
+    return [TensorType(q.shape[:-1] + (heads * hd,), q.dtype)]
 
 
 def _flash_attention_type(ts, attrs):
@@ -106,16 +205,18 @@ def _flash_attention_type(ts, attrs):
     for name, t, n in zip(names, ts, (heads, kv_heads, kv_heads)):
         if t.shape[-1] != n * hd:
             raise IRError(f"flash_attention: {name} is {t}, expected last dim {n} heads x {hd}")
+    if rope is not None:
+        _rope_inputs(ts[0], ts[3], ts[4], hd, "flash_attention rope")
     return _attention_type(ts, attrs)
 
 
 # -- reference semantics --------------------------------------------------------------
-@op("embedding", _embedding_type)
+@op("embedding", _embedding_type, attrs=AttrSpec(optional={"out_dtype": DTYPE}), inputs=2)
 def embedding_ref(ids, weight, **attrs):
     return [F.embedding(ids, weight)]
 
 
-@op("rms_norm", _same_as_first)
+@op("rms_norm", _rms_norm_type, attrs=AttrSpec({"eps": FLOAT}), inputs=2)
 def rms_norm_ref(x, weight, *, eps, **attrs):
     # Normalise in fp32 then cast back before the weight, as HF Llama does.
     h = x.float()
@@ -123,7 +224,8 @@ def rms_norm_ref(x, weight, *, eps, **attrs):
     return [weight * h.to(x.dtype)]
 
 
-@op("linear", _linear_type)
+@op("linear", _linear_type, inputs=(2, 3),
+    attrs=AttrSpec(optional={"out_features": COUNT, "packed": one_of(False), "smoothed": BOOL}))
 def linear_ref(x, weight, bias=None, **attrs):
     return [F.linear(x, weight, bias)]
 
@@ -168,10 +270,34 @@ def _qlinear_type(ts, attrs):
         raise IRError(f"qlinear ({scheme}): qweight is {qweight}, expected {dtype}[{n}, {k // per_element}]")
     if scheme == "int4" and not attrs.get("has_zeros"):
         raise IRError("qlinear (int4): int4 weights need zero points (has_zeros=true)")
+    _want(x, "qlinear input", min_rank=1)
+    _quant_params(ts, attrs, "qlinear", scheme, n, k, attrs.get("group_size", -1))
     return [TensorType(x.shape[:-1] + (n,), x.dtype)]
 
 
-@op("qlinear", _qlinear_type)
+def _quant_params(ts, attrs, what: str, scheme: str, rows: int, k: int, group_size) -> None:
+    """scales (and zeros, act_scale, bias) as docs/quantization.md lays them out for `rows` output
+    channels over `k` inputs: one scale a row, or one a group of `group_size` along k for int4."""
+    _, _, scales, zeros, act_scale, bias = qlinear_inputs(ts, attrs) if what == "qlinear" else (
+        ts + [None] * (6 - len(ts)))
+    if scheme == "int4":
+        if type(group_size) is not int or group_size <= 0 or k % group_size:
+            raise IRError(f"{what} (int4): group_size {group_size!r} must be a positive divisor of {k}")
+        for name, t in (("scales", scales), ("zeros", zeros)):
+            _want(t, f"{what} (int4) {name}", shape=(rows, k // group_size))
+    elif scheme == "fp8" and scales.shape == (1,):
+        _want(scales, f"{what} (fp8) scales", shape=(1,))
+    else:
+        _want(scales, f"{what} ({scheme}) scales", shape=(rows,))
+    if act_scale is not None:
+        _want(act_scale, f"{what} act_scale", shape=(1,))
+    if bias is not None:
+        _want(bias, f"{what} bias", shape=(rows,))
+
+
+@op("qlinear", _qlinear_type, inputs=(3, 6), attrs=AttrSpec(
+    {"scheme": one_of(*QLINEAR_STORAGE), "in_features": COUNT, "out_features": COUNT},
+    {"group_size": INT, "has_zeros": BOOL, "has_act_scale": BOOL, "has_bias": BOOL, "smoothed": BOOL}))
 def qlinear_ref(*inputs, scheme, **attrs):
     """Dequantise the weight and run F.linear in fp32, with fp8 (static scale) or per-token
     int8 (w8a8) fake quantisation of the activations."""
@@ -200,12 +326,15 @@ def _qembedding_type(ts, attrs):
                       f"(ids, qweight, scales{', zeros' if scheme == 'int4' else ''})")
     ids, qweight = ts[0], ts[1]
     dtype, per_element = QLINEAR_STORAGE[scheme]
-    if qweight.dtype != dtype or qweight.rank != 2 or qweight.shape[1] != dim // per_element:
+    if qweight.dtype != dtype or qweight.rank != 2 or qweight.shape[1] != dim // per_element or dim % per_element:
         raise IRError(f"qembedding ({scheme}): qweight is {qweight}, expected {dtype}[vocab, {dim // per_element}]")
+    _want(ids, "qembedding ids", INDEX_DTYPES)
+    _quant_params(list(ts), attrs, "qembedding", scheme, qweight.shape[0], dim, attrs.get("group_size", -1))
     return [TensorType(ids.shape + (dim,), "float32")]
 
 
-@op("qembedding", _qembedding_type)
+@op("qembedding", _qembedding_type, inputs=(3, 4), attrs=AttrSpec(
+    {"scheme": one_of(*QEMBEDDING_SCHEMES), "embedding_dim": COUNT}, {"group_size": INT}))
 def qembedding_ref(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **attrs):
     """Gather the rows of the codes, scales and zeros the ids select, then dequantise them (fp32)."""
     rows = ids.reshape(-1)
@@ -214,17 +343,17 @@ def qembedding_ref(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, *
     return [out.reshape(*ids.shape, embedding_dim)]
 
 
-@op("silu", _same_as_first, elementwise=True)
+@op("silu", _float_same, elementwise=True)
 def silu_ref(x, **attrs):
     return [F.silu(x)]
 
 
-@op("mul", _broadcast, elementwise=True)
+@op("mul", _broadcast, elementwise=True, inputs=2)
 def mul_ref(a, b, **attrs):
     return [a * b]
 
 
-@op("add", _broadcast, elementwise=True)
+@op("add", _broadcast, elementwise=True, inputs=2)
 def add_ref(a, b, **attrs):
     return [a + b]
 
@@ -234,12 +363,12 @@ def _split_type(ts, attrs):
     x, sizes = ts[0], attrs.get("sizes")
     if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
         raise IRError(f"split: sizes {sizes!r} must be a non-empty list of positive ints")
-    if isinstance(x.shape[-1], int) and sum(sizes) != x.shape[-1]:
-        raise IRError(f"split: sizes {sizes} add up to {sum(sizes)}, the input's last dim is {x.shape[-1]}")
+    if x.rank < 1 or sum(sizes) != x.shape[-1]:
+        raise IRError(f"split: sizes {sizes} add up to {sum(sizes)}, the input is {x}")
     return [TensorType(x.shape[:-1] + (s,), x.dtype) for s in sizes]
 
 
-@op("split", _split_type)
+@op("split", _split_type, attrs=AttrSpec({"sizes": list_of(COUNT)}))
 def split_ref(x, *, sizes, **attrs):
     """Consecutive column blocks of x's last dim (a fused projection's q/k/v or gate/up)."""
     return list(torch.split(x, list(sizes), dim=-1))
@@ -249,12 +378,10 @@ def _add_rms_norm_type(ts, attrs):
     x, residual, weight = ts
     if x != residual:
         raise IRError(f"add_rms_norm: x is {x} and residual is {residual}; they must have one type")
-    if weight.rank != 1 or weight.shape[0] != x.shape[-1]:
-        raise IRError(f"add_rms_norm: weight is {weight}, expected [{x.shape[-1]}]")
-    return [x, x]
+    return _rms_norm_type([x, weight], attrs) * 2
 
 
-@op("add_rms_norm", _add_rms_norm_type)
+@op("add_rms_norm", _add_rms_norm_type, attrs=AttrSpec({"eps": FLOAT}), inputs=3)
 def add_rms_norm_ref(x, residual, weight, *, eps, **attrs):
     """[rms_norm(x + residual), x + residual]: the residual stream's add and the next norm."""
     summed = x + residual
@@ -262,6 +389,7 @@ def add_rms_norm_ref(x, residual, weight, *, eps, **attrs):
 
 
 def _swiglu_type(ts, attrs):
+    _want(ts[0], "swiglu input", min_rank=1)
     if len(ts) == 2:
         if ts[0] != ts[1]:
             raise IRError(f"swiglu: gate is {ts[0]} and up is {ts[1]}; they must have one type")
@@ -274,7 +402,7 @@ def _swiglu_type(ts, attrs):
     return [TensorType(x.shape[:-1] + (x.shape[-1] // 2,), x.dtype)]
 
 
-@op("swiglu", _swiglu_type)
+@op("swiglu", _swiglu_type, inputs=(1, 2))
 def swiglu_ref(*inputs, **attrs):
     """silu(gate) * up; one packed input [..., 2I] holds gate in its first I columns, up in the last."""
     gate, up = inputs if len(inputs) == 2 else inputs[0].chunk(2, dim=-1)
@@ -283,22 +411,24 @@ def swiglu_ref(*inputs, **attrs):
 
 def _select_rows_type(ts, attrs):
     x, idx = ts
+    _want(x, "select_rows input", tuple(TORCH_DTYPES), min_rank=1)
+    _want(idx, "select_rows indices", INDEX_DTYPES, rank=1)
     return [TensorType(idx.shape[:1] + x.shape[1:], x.dtype)]
 
 
-@op("select_rows", _select_rows_type)
+@op("select_rows", _select_rows_type, inputs=2)
 def select_rows_ref(x, indices, **attrs):
     """x[indices]: keeps the rows (tokens) whose logits are needed."""
     return [x.index_select(0, indices)]
 
 
 def _cast_type(ts, attrs):
-    if attrs.get("dtype") not in TORCH_DTYPES:
+    if attrs.get("dtype") not in tuple(TORCH_DTYPES):
         raise IRError(f"cast: dtype {attrs.get('dtype')!r} is not one of {', '.join(TORCH_DTYPES)}")
     return [TensorType(ts[0].shape, attrs["dtype"])]
 
 
-@op("cast", _cast_type)
+@op("cast", _cast_type, attrs=AttrSpec({"dtype": DTYPE}))
 def cast_ref(x, *, dtype, **attrs):
     """x converted to `dtype` (cast_bf16 puts these where a value changes precision)."""
     return [x.to(TORCH_DTYPES[dtype])]
@@ -321,10 +451,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: 
     return out.reshape(shape)
 
 
-@op("rope", _same_as_first)
+@op("rope", _rope_type, attrs=AttrSpec({"head_dim": COUNT}, {"scaling": FLOAT}), inputs=3)
 def rope_ref(x, positions, inv_freq, *, head_dim, scaling=1.0, **attrs):
     cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, scaling, x.dtype)
     return [apply_rope(x, cos, sin, head_dim)]
+
+
+ATTENTION_ATTRS = AttrSpec({"layer": INDEX, "num_heads": COUNT, "num_kv_heads": COUNT, "head_dim": COUNT,
+                            "scale": FLOAT}, {"causal": BOOL, "window": optional(COUNT)})
 
 
 def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None):
@@ -345,7 +479,7 @@ def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causa
     return out.transpose(0, 1).reshape(t, num_heads * head_dim)
 
 
-@op("attention", _attention_type)
+@op("attention", _attention_type, attrs=ATTENTION_ATTRS, inputs=3)
 def attention_ref(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None, **attrs):
     lead = q.shape[:-2]
     q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
@@ -369,7 +503,8 @@ def attention_prologue(inputs: list, attrs: dict) -> tuple:
     return apply_rope(q, cos, sin, attrs["head_dim"]), apply_rope(k, cos, sin, attrs["head_dim"]), v
 
 
-@op("flash_attention", _flash_attention_type)
+@op("flash_attention", _flash_attention_type, inputs=(3, 5), attrs=AttrSpec(
+    ATTENTION_ATTRS.required, {**ATTENTION_ATTRS.optional, "rope": optional(object_of(scaling=FLOAT))}))
 def flash_attention_ref(*inputs, **attrs):
     """Attention fused with its rotary prologue (fuse_attention's output); same result as
     rope, rope, attention."""
@@ -377,19 +512,16 @@ def flash_attention_ref(*inputs, **attrs):
 
 
 # -- aten fallback ----------------------------------------------------------------------
-_OPERATORS = {"operator.add": operator.add, "operator.sub": operator.sub, "operator.mul": operator.mul,
-              "operator.floordiv": operator.floordiv, "operator.neg": operator.neg}
-
-
 _VIEWS_AS_RESHAPE = {"aten.view.default": "aten.reshape.default",
                      "aten._unsafe_view.default": "aten.reshape.default"}
 
 
 def resolve_aten(target: str):
     """`aten.view.default` -> torch.ops.aten.view.default; only the aten namespace and
-    symbolic-size arithmetic, so an artifact can name no other code to run."""
-    if target in _OPERATORS:
-        return _OPERATORS[target]
+    symbolic-size arithmetic. The compiler evaluates any traced op with it (folding, lowering);
+    what a plan runs goes through resolve_allowed_aten."""
+    if target in SYMBOLIC_OPERATORS:
+        return SYMBOLIC_OPERATORS[target]
     # IR values never alias, so a view may copy: remove_noops drops `contiguous` calls, after
     # which a strict view of a transposed input would fail where reshape copies.
     target = _VIEWS_AS_RESHAPE.get(target, target)
@@ -402,28 +534,40 @@ def resolve_aten(target: str):
         raise IRError(f"aten fallback target {target!r} does not exist in this torch") from e
 
 
+def resolve_allowed_aten(target: str):
+    """resolve_aten for targets on the allow-list of pure tensor ops (compiler/aten_allowlist.py)
+    only: the runtime runs nothing else, so an artifact can name no other code to run."""
+    refusal = target_refusal(target)
+    if refusal:
+        raise IRError(f"aten fallback: {refusal}")
+    return resolve_aten(target)
+
+
+_ENCODED = {"$layout": ENCODED_LAYOUTS, "$memory_format": ENCODED_MEMORY_FORMATS}
+
+
 def decode_arg(a: Any, inputs: list, device=None) -> Any:
     """Rebuild an aten argument from its JSON form; {"$in": k} is the node's k-th input."""
     if isinstance(a, list):
         return [decode_arg(x, inputs, device) for x in a]
-    if isinstance(a, dict):
-        if "$in" in a:
-            return inputs[a["$in"]]
-        if "$dtype" in a:
-            return TORCH_DTYPES[a["$dtype"]]
-        if "$device" in a:
-            return device if device is not None else torch.device(a["$device"])
-        if "$layout" in a:
-            return getattr(torch, a["$layout"])
-        if "$memory_format" in a:
-            return getattr(torch, a["$memory_format"])
-        if "$float" in a:
-            return float(a["$float"])
-        raise IRError(f"unknown encoded aten argument {a}")
-    return a
+    if not isinstance(a, dict):
+        return a
+    key, value = next(iter(a.items())) if len(a) == 1 else (None, None)
+    if key == "$in" and type(value) is int and 0 <= value < len(inputs):
+        return inputs[value]
+    if key == "$dtype" and isinstance(value, str) and value in TORCH_DTYPES:
+        return TORCH_DTYPES[value]
+    if key == "$device" and value in tuple(ENCODED_DEVICES):
+        return device if device is not None else torch.device(value)
+    if key in _ENCODED and value in _ENCODED[key]:
+        return getattr(torch, value)
+    if key == "$float" and encoded_float(a) is not None:
+        return encoded_float(a)
+    raise IRError(f"unknown encoded aten argument {a}")
 
 
-@op("aten")
+@op("aten", inputs=(0, 1 << 16), attrs=AttrSpec({"target": STRING, "args": LIST, "kwargs": OBJECT},
+                                           {"side_effects": BOOL}))
 def aten_ref(*inputs, target, args, kwargs, **attrs):
     device = next((i.device for i in inputs if isinstance(i, torch.Tensor)), None)
     fn = resolve_aten(target)

@@ -4,20 +4,23 @@ slots and dropped as soon as their value dies."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
 
 from llmc.codegen import cpu_kernels
 from llmc.codegen.cpu_kernels import RopeCache
-from llmc.codegen.plan import Plan
-from llmc.compiler.ops import TORCH_DTYPES
+from llmc.codegen.plan import RECOMPILE, Plan
+from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime.attention import AttentionBackend, NoCacheAttention
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
+from llmc.runtime.plan_check import check_plan
 
 KERNEL_FAMILIES = ("cpu", "triton")
+SERVING_INPUTS = ("input_ids", "positions", "logits_indices")
 
 
 class Launch(NamedTuple):
@@ -41,14 +44,15 @@ class PlanExecutor:
         self.device = torch.device(device)
         self.family = kernel_family(plan)
         self.check_kernels = check_kernels
-        self._kv_scales = self._plan_kv_scales(weights) if self.family == "triton" else None
-        # the configs the plan's Triton kernels were rendered with; kernels launch with exactly these
-        self.launch_configs = plan_launch_configs(plan) if self.family == "triton" else {}
         missing = [p for p in plan.params if p not in weights]
         if missing:
             raise ArtifactError(f"plan for {plan.target} reads weights that were not given: "
                                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; load the "
                                 f"artifact's weights file in full")
+        check_plan(plan, weights)  # a plan is untrusted data: nothing of it runs before this passes
+        self._kv_scales = self._plan_kv_scales(weights) if self.family == "triton" else None
+        # the configs the plan's Triton kernels were rendered with; kernels launch with exactly these
+        self.launch_configs = plan_launch_configs(plan) if self.family == "triton" else {}
         self._registers = {p: i for i, p in enumerate(plan.params)}
         # safetensors hands out tensors at arbitrary byte offsets; copy into fresh (aligned) memory
         self._params = [torch.empty_like(weights[p], device=self.device).copy_(weights[p]) for p in plan.params]
@@ -59,6 +63,7 @@ class PlanExecutor:
         self._num_registers = base + len(plan.memory.slot_bytes)
         self._program = [self._launch(i, step) for i, step in enumerate(plan.steps)]
         self._outputs = [self._register(o, "graph output") for o in plan.outputs]
+        self._check_registers()
 
     def weight(self, name: str) -> torch.Tensor:
         """The plan parameter `name` as the executor holds it (on its device)."""
@@ -71,8 +76,33 @@ class PlanExecutor:
         try:
             return self._registers[name]
         except KeyError:
-            raise ArtifactError(f"plan {where} reads {name!r}, which is no param, input or "
-                                f"planned value; the plan is corrupt, recompile it") from None
+            raise ArtifactError(f"{where}: {name!r} is no param, input or planned value; "
+                                f"{RECOMPILE}") from None
+
+    def _check_registers(self) -> None:
+        """Walk the program as run_values will: each launch must find in its registers the very
+        values its step names (none freed or overwritten before), and the outputs must survive."""
+        fixed = len(self._params) + len(self.plan.inputs)
+        held: list[str | None] = [None] * self._num_registers
+        for name, r in self._registers.items():
+            if r >= self._num_registers:
+                raise ArtifactError(f"plan.json memory: {name!r} has slot {r - fixed}, beyond the "
+                                    f"{self._num_registers - fixed} slots it plans; {RECOMPILE}")
+            if r < fixed:
+                held[r] = name
+        for launch, step in zip(self._program, self.plan.steps):
+            for name, r in zip(step.inputs, launch.args):
+                if held[r] != name:
+                    raise ArtifactError(f"{launch.where}: reads {name!r}, but the memory plan has put "
+                                        f"{held[r]!r} in its slot by then; {RECOMPILE}")
+            for name, r in zip(step.outputs, launch.outs):
+                held[r] = name
+            for r in launch.frees:
+                held[r] = None
+        for name, r in zip(self.plan.outputs, self._outputs):
+            if held[r] != name:
+                raise ArtifactError(f"plan.json output {name!r} is freed or overwritten before the plan "
+                                    f"ends (its slot holds {held[r]!r}); {RECOMPILE}")
 
     def _plan_kv_scales(self, weights: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
         """The static int8/fp8 KV scales a quantised KV cache of this plan uses, per layer (for the
@@ -80,8 +110,8 @@ class PlanExecutor:
         kv = self.plan.meta.get("kv_cache") or {}
         if not is_quantized_kv(TORCH_DTYPES.get(kv.get("dtype"))):
             return None
-        meta = self.plan.meta
-        return [s.to(self.device) for s in load_kv_scales(weights, kv, meta["num_layers"], meta["num_kv_heads"])]
+        layout = self.plan.kv_layout()
+        return [s.to(self.device) for s in load_kv_scales(weights, kv, layout["num_layers"], layout["num_kv_heads"])]
 
     def kv_dtype(self) -> torch.dtype | None:
         """The dtype the plan's KV cache stores (None: the plan does not say)."""
@@ -98,14 +128,42 @@ class PlanExecutor:
 
     def paged_backend(self, cache: PagedKVCache) -> AttentionBackend:
         """Attention over a paged KV cache (metadata set per step), for this kernel family."""
+        self._check_serving(cache)
         if self.family == "cpu":
             return PagedAttention(cache)
         from llmc.runtime.triton_attention_backend import TritonPagedAttention
         return TritonPagedAttention(cache, self.plan.target, self.launch_configs["attention"])
 
+    def _check_serving(self, cache: PagedKVCache) -> None:
+        """Serving feeds input_ids, positions (and logits_indices) and reads logits, with a KV cache
+        sized from the manifest: refuse a plan whose interface or attention layers do not fit them."""
+        types = {name: self.plan.type_of(name) for name in self.plan.inputs + self.plan.outputs}
+        inputs = {name: types[name] for name in self.plan.inputs}
+        if (not {"input_ids", "positions"} <= set(inputs) <= set(SERVING_INPUTS)
+                or any(t.dtype not in ("int64", "int32") or t.rank != 1 for t in inputs.values())):
+            raise ArtifactError(f"plan.json inputs {self.plan.inputs} are not the serving inputs "
+                                f"{', '.join(SERVING_INPUTS)} (int64 vectors); {RECOMPILE}")
+        logits = types.get("logits", types[self.plan.outputs[0]] if self.plan.outputs else None)
+        if logits is None or logits.rank != 2 or logits.dtype not in FLOAT_DTYPES:
+            raise ArtifactError(f"plan.json outputs {self.plan.outputs} hold no float logits [rows, vocab]; "
+                                f"{RECOMPILE}")
+        layout, shape = self.plan.kv_layout(), tuple(cache.k_cache[0].shape[2:]) if cache.k_cache else ()
+        have = {"num_layers": len(cache.k_cache), "num_kv_heads": shape[0] if shape else 0,
+                "head_dim": shape[1] if shape else 0}
+        if layout["num_layers"] and have != layout:
+            raise ArtifactError(f"the KV cache the manifest sizes ({have}) does not fit the plan's attention "
+                                f"layers ({layout}); {RECOMPILE}")
+        k_types = {self.plan.type_of(s.inputs[1]).dtype for s in self.plan.attention_steps()}
+        if not cache.quantized and k_types - {DTYPE_NAMES[cache.dtype]}:
+            raise ArtifactError(f"the manifest's {DTYPE_NAMES[cache.dtype]} KV cache cannot hold the plan's "
+                                f"{sorted(k_types)} keys and values; {RECOMPILE}")
+
     def _launch(self, index: int, step) -> Launch:
-        where = f"step {index} ({step.node}, {step.kernel})"
-        fn = resolve_kernel(step.kernel)
+        where = step.where(index)
+        try:
+            fn = resolve_kernel(step.kernel)
+        except ArtifactError as e:
+            raise ArtifactError(f"{where}: {e}") from None
         outputs = set(self.plan.outputs)
         dying = [v for v in step.outputs + step.inputs
                  if v in self.plan.memory.lifetimes and self.plan.memory.lifetimes[v][1] == index
@@ -206,16 +264,32 @@ def plan_launch_configs(plan: Plan) -> dict:
     (codegen/autotune.py), the target's defaults where it records none."""
     from llmc.codegen.triton_configs import AttentionConfig, TileConfig, attention_config, tile_config
 
-    recorded = (plan.meta.get("autotune") or {}).get("configs") or {}
+    autotune = plan.meta.get("autotune") or {}
+    recorded = (autotune.get("configs") or {}) if isinstance(autotune, dict) else None
+    if not isinstance(recorded, dict):
+        raise ArtifactError(f"plan.json meta.autotune is {autotune!r:.60}, not an object of configs; {RECOMPILE}")
     configs = {"gemm": tile_config(plan.target), "attention": attention_config(plan.target)}
     for family, cls in (("gemm", TileConfig), ("attention", AttentionConfig)):
         if family in recorded:
-            try:
-                configs[family] = cls(**recorded[family])
-            except (TypeError, AssertionError) as e:
-                raise ArtifactError(f"plan.json meta.autotune.configs.{family} {recorded[family]!r} is no valid "
-                                    f"{cls.__name__} ({e}); recompile the model with this llmc") from None
+            configs[family] = _recorded_config(cls, recorded[family], family)
     return configs
+
+
+def _recorded_config(cls, recorded, family: str):
+    """A launch config from its JSON record: small positive ints (and strings where the config has
+    them), validated by the config itself; these constants go into kernel source."""
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    ok = isinstance(recorded, dict) and set(recorded) <= set(fields) and all(
+        (type(v) is int and 1 <= v <= 1 << 16) if fields[k] in ("int", int) else isinstance(v, str)
+        for k, v in recorded.items())
+    try:
+        if ok:
+            return cls(**recorded)
+        problem = "fields must be positive ints up to 65536 (or the config's strings)"
+    except (TypeError, AssertionError) as e:
+        problem = str(e)
+    raise ArtifactError(f"plan.json meta.autotune.configs.{family} {recorded!r:.120} is no valid {cls.__name__} "
+                        f"({problem}); {RECOMPILE}")
 
 
 def resolve_kernel(name: str):
