@@ -20,7 +20,8 @@ import torch
 from llmc_cli import error_line, llmc_in_process
 from safetensors.torch import load_file, save_file
 
-from llmc.compiler.frontends import load_model
+from llmc.compiler.frontends import hf, load_model
+from llmc.errors import ModelLoadError
 
 LLMC = Path(sys.executable).parent / "llmc"
 MEMORY_LIMIT = 4 << 30
@@ -344,3 +345,13 @@ def test_rotary_inv_freq_saved_by_older_checkpoints_is_ignored(checkpoints, tiny
     ids = torch.randint(0, tiny.config.vocab_size, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(load_model(str(source)).module(ids).logits, tiny.module(ids).logits)
+
+
+def test_weights_transformers_would_initialise_are_refused_even_past_the_table_check(
+        checkpoints, tiny, tmp_path, monkeypatch):
+    """The header check runs first; transformers' own loading report is the second line of defence."""
+    monkeypatch.setattr(hf, "check_tensor_table", lambda *args: None)
+    source, name = make_source("single", drop_random_tensor, checkpoints, tiny, tmp_path)
+    with pytest.raises(ModelLoadError, match="would fill them with random values") as info:
+        load_model(str(source))
+    assert name in str(info.value) and str(source / "model.safetensors") in str(info.value)
