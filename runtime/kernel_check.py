@@ -65,7 +65,8 @@ def _render(record: dict, where: str) -> str:
         return render_kernel(record["template"], record["name"], dict(record["constants"])).sha256
     except jinja2.TemplateNotFound:
         raise ArtifactError(f"{where}: this llmc has no such template; {RECOMPILE}") from None
-    except jinja2.UndefinedError as e:
+    except (jinja2.UndefinedError, ArithmeticError, TypeError, ValueError) as e:
+        # untrusted constants: a zero tile size or a string where the template computes with an int
         raise ArtifactError(f"{where}: the recorded constants {json.dumps(record['constants'], sort_keys=True)} "
                             f"do not fit this llmc's template ({e}); {RECOMPILE}") from None
 

@@ -265,3 +265,51 @@ def test_the_fallbacks_lowering_leaves_in_llama_variants_are_allowed_and_load(ac
     values = executor.run_values({"input_ids": torch.randint(0, 96, (t,)), "positions": torch.arange(t)}
                                  | ({"logits_indices": torch.arange(t)} if "logits_indices" in plan.inputs else {}))
     assert torch.isfinite(values[plan.outputs[0]]).all()
+
+
+# -- Triton plans: kernel records and launch configs feed kernel source -------------------------------
+def _first_record(plan: dict) -> dict:
+    return next(r for s in plan["steps"] for r in s["attrs"].get("kernels", []))
+
+
+@pytest.mark.parametrize("constant", ["bfloat16\nimport os; os.system('id')", {"nested": 1}, 2 ** 40])
+def test_a_triton_kernel_record_with_a_constant_no_template_takes_is_refused(bf16_artifact, constant):
+    plan = json.loads((bf16_artifact / "plan.json").read_text())
+    _first_record(plan)["constants"]["X_DTYPE"] = constant
+    with pytest.raises(ArtifactError, match=r"steps\[\d+\]\.attrs\.kernels\[0\]\.constants"):
+        Plan.from_dict(plan)
+
+
+@pytest.mark.parametrize("family, field, value", [("gemm", "num_warps", "4); import os #"),
+                                                  ("gemm", "block_m", 0), ("attention", "num_stages", 10 ** 9),
+                                                  ("attention", "evil", 1)])
+def test_a_triton_launch_config_outside_small_positive_ints_is_refused(bf16_artifact, family, field, value):
+    from llmc.runtime.executor import plan_launch_configs
+
+    plan = json.loads((bf16_artifact / "plan.json").read_text())
+    plan["meta"]["autotune"]["configs"][family][field] = value
+    with pytest.raises(ArtifactError, match=f"meta.autotune.configs.{family}"):
+        plan_launch_configs(Plan.from_dict(plan))
+
+
+def test_every_allow_listed_op_exists_in_this_torch_and_has_a_pure_overload():
+    from llmc.compiler.aten_allowlist import ALLOWED_ATEN, target_refusal
+
+    for name in sorted(ALLOWED_ATEN):
+        overloads = getattr(torch.ops.aten, name).overloads()
+        assert any(target_refusal(f"aten.{name}.{o}") is None for o in overloads), name
+
+
+def test_a_kv_cache_that_does_not_fit_the_plans_attention_layers_is_refused(artifact):
+    from llmc.runtime.paged_attention import PagedKVCache
+
+    executor = load_plan(artifact, lambda plan: None)
+    layout = executor.plan.kv_layout()
+    for wrong in ({"num_layers": layout["num_layers"] - 1}, {"head_dim": layout["head_dim"] * 2}):
+        shape = {**layout, **wrong}
+        cache = PagedKVCache(shape["num_layers"], 4, 16, shape["num_kv_heads"], shape["head_dim"])
+        with pytest.raises(ArtifactError, match="does not fit the plan's attention layers"):
+            executor.paged_backend(cache)
+    cache = PagedKVCache(layout["num_layers"], 4, 16, layout["num_kv_heads"], layout["head_dim"], torch.bfloat16)
+    with pytest.raises(ArtifactError, match="bfloat16 KV cache cannot hold"):
+        executor.paged_backend(cache)
