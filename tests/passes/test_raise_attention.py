@@ -17,7 +17,7 @@ from llmc.compiler.interpreter import interpret
 from llmc.compiler.pipeline import trace_and_lower
 from llmc.compiler.targets import get_target
 from llmc.compiler.trace import export_lm, translate
-from llmc.passes.base import PassContext, PassManager
+from llmc.passes.base import PassContext, PassManager, Stage
 from llmc.passes.registry import get_pass
 from llmc.runtime.executor import PlanExecutor
 
@@ -201,7 +201,7 @@ def test_attention_without_a_causal_mask_stays_a_fallback_and_still_computes_the
 
 # -- the lowering pass ----------------------------------------------------------------------------
 def run_pass(graph):
-    return PassManager([get_pass("lower"), get_pass("dce")], PassContext(quiet=True)).run(graph)
+    return PassManager([get_pass("lower"), get_pass("dce")], PassContext(quiet=True), [Stage.LOWER] * 2).run(graph)
 
 
 def test_the_lower_pass_raises_attention_in_a_traced_graph():
