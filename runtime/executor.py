@@ -153,8 +153,9 @@ class PlanExecutor:
         if layout["num_layers"] and have != layout:
             raise ArtifactError(f"the KV cache the manifest sizes ({have}) does not fit the plan's attention "
                                 f"layers ({layout}); {RECOMPILE}")
+        # the CPU backend copies keys into the cache as they are (Triton's cache write converts)
         k_types = {self.plan.type_of(s.inputs[1]).dtype for s in self.plan.attention_steps()}
-        if not cache.quantized and k_types - {DTYPE_NAMES[cache.dtype]}:
+        if self.family == "cpu" and not cache.quantized and k_types - {DTYPE_NAMES[cache.dtype]}:
             raise ArtifactError(f"the manifest's {DTYPE_NAMES[cache.dtype]} KV cache cannot hold the plan's "
                                 f"{sorted(k_types)} keys and values; {RECOMPILE}")
 
