@@ -9,41 +9,18 @@ from typing import Iterator
 from llmc.errors import RuntimeLlmcError
 
 
-def compile(model: str, target: str = "cpu", output: str | Path | None = None, *, force: bool = False,
-            passes: str | None = None, disable: list[str] | None = None,
-            pass_options: dict[str, dict] | None = None, print_ir_after: set[str] | None = None,
-            dump_ir: str | None = None, max_num_batched_tokens: int = 2048, quiet: bool = True,
-            quant: str | None = None, group_size: int | None = None, kv_cache: str | None = None,
-            calib: str | Path | None = None, calib_samples: int = 8, calib_seq_len: int = 128,
-            calib_seed: int = 0, max_ppl_increase: float | None = None,
-            kv_heads: int | None = None, kv_grouping: str | None = None,
-            draft_of: str | Path | None = None, draft_layers: int | None = None,
-            prune: str | None = None, sparsity: str | float | None = None,
-            sparsity_method: str | None = None, autotune: bool = False) -> Path:
-    """Compile `model` (sample name, HF checkpoint dir, or .gguf file) for `target`; `quant` is
-    a --quant recipe ("int8", "int4-rtn", "int4-gptq", "int4-awq", "fp8", "w8a8"). Lossy passes
-    are measured on `calib` text (default: text the model generates itself, seeded by
-    `calib_seed`); `max_ppl_increase` (percent) fails the compile if one costs more.
-    `kv_heads` mean-pools the KV heads down to that many (`kv_grouping` "auto", "index" or
-    "similarity"). `draft_of` (a target artifact) makes a speculative-decoding draft of it
-    from `model`: `draft_layers` layers kept (default half), int4 weights unless `quant` says.
-    `prune` ("heads:0.25,ffn:0.3,layers:4") removes attention heads, MLP channels and whole
-    layers; `sparsity` (0.5, or "2:4") zeroes weights by `sparsity_method` ("wanda" or
-    "magnitude"); both run first in the pipeline. `autotune` times a GPU target's Triton launch
-    configs on a CUDA GPU (without one the plan records the defaults)."""
-    from llmc.compiler.pipeline import CompileOptions, compile_model
+def compile(model: str, target: str = "cpu", output: str | Path | None = None, **options) -> Path:
+    """Compile `model` (sample name, HF checkpoint dir, or .gguf file) for `target` into the
+    artifact directory `output`. `options` are the compile options of `llmc compile`, by their
+    Python names (compiler/options.py defines them once; `llmc compile --help` shows them all):
+    e.g. quant="int4-awq", kv_cache="int8", prune="heads:0.25", passes="dce,fuse_qkv",
+    pass_options={"quantize_int4": {"group_size": 64}}, force=True."""
+    from llmc.compiler.options import CompileOptions
+    from llmc.compiler.pipeline import compile_model
 
+    options.setdefault("quiet", True)
     output = output or f"{Path(str(model)).name.removesuffix('.gguf')}.llmc"
-    opts = CompileOptions(passes=passes, disable=list(disable or []), pass_options=dict(pass_options or {}),
-                          print_ir_after=set(print_ir_after or ()), dump_ir=dump_ir,
-                          max_num_batched_tokens=max_num_batched_tokens, force=force, quiet=quiet,
-                          quant=quant, group_size=group_size, kv_cache=kv_cache,
-                          calib=None if calib is None else str(calib), calib_samples=calib_samples,
-                          calib_seq_len=calib_seq_len, calib_seed=calib_seed,
-                          max_ppl_increase=max_ppl_increase, kv_heads=kv_heads, kv_grouping=kv_grouping,
-                          draft_of=None if draft_of is None else str(draft_of), draft_layers=draft_layers,
-                          prune=prune, sparsity=sparsity, sparsity_method=sparsity_method, autotune=autotune)
-    return compile_model(model, target, output, opts)
+    return compile_model(model, target, output, CompileOptions.build(**options))
 
 
 def evaluate(path: str | Path, text: str, ref: str | Path | None = None, max_tokens: int = 4096,

@@ -11,9 +11,6 @@ from contextlib import contextmanager
 import click
 
 from llmc.cli_values import NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, checked_text, prompt_lines, stdin_prompts
-from llmc.compiler.kv_heads_recipe import KV_GROUPING_CHOICES
-from llmc.compiler.prune_recipes import SPARSITY_METHODS
-from llmc.compiler.quant_recipes import KV_CACHE_CHOICES, QUANT_CHOICES
 from llmc.errors import LlmcError
 
 
@@ -28,66 +25,42 @@ def cli():
     """llmc: compile LLMs into artifacts and run them."""
 
 
+def compile_flags(f):
+    """The compile options of compiler/options.py (their one definition) as click options."""
+    from llmc.compiler.options import option_fields
+
+    for field in reversed(option_fields()):
+        m = field.metadata
+        decls = [m["cli"] or "--" + field.name.replace("_", "-")] + ([m["short"]] if m["short"] else [])
+        kwargs = {"help": m["help"]}
+        if m["is_flag"]:
+            kwargs["is_flag"] = True
+        elif m["multiple"]:
+            kwargs["multiple"] = True
+        else:
+            kwargs["default"] = field.default
+            kwargs["show_default"] = field.default is not None
+            kwargs["type"] = (click.Choice(m["choices"]) if m["choices"] else
+                              click.Path(dir_okay=m["path"] != "file", file_okay=m["path"] != "dir")
+                              if m["path"] else m["kind"])
+        f = click.option(*decls, field.name, **kwargs)(f)
+    return f
+
+
 @cli.command()
 @click.argument("model")
 @click.option("--target", "-t", default="cpu", show_default=True, help="Target name (see `llmc targets`).")
 @click.option("--output", "-o", required=True, help="Artifact directory to write.")
-@click.option("--force", is_flag=True, help="Overwrite an existing output.")
-@click.option("--passes", help="Comma list of passes replacing the target's pipeline (name:key=val).")
-@click.option("--disable-pass", multiple=True, help="Drop a pass from the pipeline (repeatable).")
-@click.option("--pass-option", multiple=True, help="pass.key=value (repeatable).")
-@click.option("--print-ir-after", multiple=True, help="Print the IR after this pass ('all' for every pass).")
-@click.option("--dump-ir", type=click.Path(file_okay=False), help="Write the IR before/after each pass here.")
-@click.option("--max-num-batched-tokens", default=2048, show_default=True,
-              help="Largest token batch the plan is sized for.")
-@click.option("--quant", type=click.Choice(QUANT_CHOICES),
-              help="Quantise the linears' weights (default: the target's own, if any).")
-@click.option("--group-size", type=int, default=None, help="int4 group size along K (default 128).")
-@click.option("--kv-cache", type=click.Choice(KV_CACHE_CHOICES + ("none",)),
-              help="Quantise the KV cache (none: keep it unquantised where the target would quantise it).")
-@click.option("--kv-heads", type=int, default=None,
-              help="Mean-pool the KV heads down to N (dividing the model's KV heads; 1 = MQA).")
-@click.option("--kv-grouping", type=click.Choice(KV_GROUPING_CHOICES), default=None,
-              help="Which KV heads --kv-heads pools: by index, by similarity on calibration text, "
-                   "or auto (both scored, the better kept; default).")
-@click.option("--draft-of", type=click.Path(), default=None,
-              help="Make a speculative-decoding draft of this target artifact (same tokenizer): "
-                   "layers pruned, int4 weights.")
-@click.option("--draft-layers", type=int, default=None, help="Layers the draft keeps (default: half).")
-@click.option("--prune", default=None,
-              help="Structured pruning, e.g. heads:0.25,ffn:0.3,layers:4 (fractions of heads and MLP "
-                   "channels per layer, a number of layers); runs first.")
-@click.option("--sparsity", default=None, help="Zero weights of the linears: a fraction (0.5) or 2:4; stored densely.")
-@click.option("--sparsity-method", type=click.Choice(SPARSITY_METHODS), default=None,
-              help="How --sparsity scores weights (default wanda: |W|·‖X‖ on calibration text).")
-@click.option("--calib", type=click.Path(dir_okay=False),
-              help="Calibration text for lossy passes (default: text the model generates itself).")
-@click.option("--calib-samples", default=8, show_default=True, help="Calibration sequences.")
-@click.option("--calib-seq-len", default=128, show_default=True, help="Tokens per calibration sequence.")
-@click.option("--max-ppl-increase", type=float, default=None,
-              help="Accuracy budget: fail if a lossy pass raises calibration perplexity by more than PCT%.")
-@click.option("--autotune", is_flag=True,
-              help="GPU targets: time each Triton kernel family's candidate configs (needs a CUDA GPU).")
-@click.option("--quiet", "-q", is_flag=True)
-def compile(model, target, output, force, passes, disable_pass, pass_option, print_ir_after, dump_ir,
-            max_num_batched_tokens, quant, group_size, kv_cache, calib, calib_samples, calib_seq_len,
-            max_ppl_increase, quiet, kv_heads, kv_grouping, draft_of, draft_layers, prune, sparsity,
-            sparsity_method, autotune):
+@compile_flags
+def compile(model, target, output, **options):
     """Compile MODEL (a sample name, an HF checkpoint dir, or a .gguf file) into an artifact."""
     from llmc.api import compile as compile_api
     from llmc.passes.registry import parse_pass_options
 
+    options["pass_options"] = parse_pass_options(options["pass_options"])
     with _sigterm_exits():
-        path = compile_api(model, target=target, output=output, force=force, passes=passes,
-                           disable=list(disable_pass), pass_options=parse_pass_options(pass_option),
-                           print_ir_after=set(print_ir_after), dump_ir=dump_ir,
-                           max_num_batched_tokens=max_num_batched_tokens, quiet=quiet,
-                           quant=quant, group_size=group_size, kv_cache=kv_cache, calib=calib,
-                           calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-                           max_ppl_increase=max_ppl_increase, kv_heads=kv_heads, kv_grouping=kv_grouping,
-                           draft_of=draft_of, draft_layers=draft_layers, prune=prune, sparsity=sparsity,
-                           sparsity_method=sparsity_method, autotune=autotune)
-    if not quiet:
+        path = compile_api(model, target=target, output=output, **options)
+    if not options["quiet"]:
         from llmc.compiler.inspect import summarize
         click.echo(summarize(path, brief=True))
 
@@ -109,6 +82,26 @@ def _sigterm_exits():
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@cli.command("passes")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable list.")
+def passes_command(as_json):
+    """List every registered pass: stage, options, whether it is lossy, what it needs."""
+    from llmc.passes.registry import describe_passes
+
+    passes = describe_passes()
+    if as_json:
+        click.echo(json.dumps(passes, indent=2, default=list))
+        return
+    for p in passes:
+        flags = ", ".join(["lossy"] * p["lossy"] + [f"needs {n}" for n in p["needs"]] + ["required"] * p["required"])
+        click.echo(f"{p['name']}  [{p['stage']}]{'  ' + flags if flags else ''}")
+        click.echo(f"    {p['description']}")
+        for o in p["options"]:
+            allowed = f"; one of {', '.join(map(str, o['choices']))}" if "choices" in o else ""
+            click.echo(f"    --pass-option {p['name']}.{o['name']}={o['default']!r} ({o['type']}{allowed}): "
+                       f"{o['description']}")
 
 
 @cli.command()

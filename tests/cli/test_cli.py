@@ -23,11 +23,12 @@ from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.frontends import load_model
 from llmc.compiler.targets import TARGETS, get_target
+from llmc.passes.lowering import LOWERING
 from llmc.runtime.executor import PlanExecutor
 
 LLMC = Path(sys.executable).parent / "llmc"
 ISSUE_TARGETS = ["cpu", "h100-fp8", "h100-bf16", "a100-bf16", "a100-int8", "rtx4090-int4", "orin-int4"]
-CPU_PIPELINE = get_target("cpu").default_pipeline   # cleanup, then the fusions
+CPU_PIPELINE = list(get_target("cpu").default_pipeline)   # cleanup, then the fusions
 GREEDY_8 = ["--max-tokens", "8", "--temperature", "0"]
 
 
@@ -235,11 +236,12 @@ def test_print_ir_after_and_dump_ir_show_the_graph_around_passes(tmp_path, capsy
     code, _, err = llmc_in_process(capsys, "compile", "tiny-llama", "-o", tmp_path / "x.llmc", "-q",
                                    "--print-ir-after", "dce", "--dump-ir", dump)
     assert code == 0, err
-    assert err.count("// IR after") == CPU_PIPELINE.count("dce") and "// IR after dce\n" in err
-    dumped = [f"{i:02d}_{name}.{when}.txt" for i, name in enumerate(CPU_PIPELINE, 1)
+    steps = LOWERING + CPU_PIPELINE   # lowering's steps are passes too
+    assert err.count("// IR after") == steps.count("dce") and "// IR after dce\n" in err
+    dumped = [f"{i:02d}_{name}.{when}.txt" for i, name in enumerate(steps, 1)
               for when in ("before", "after")]
     assert sorted(p.name for p in dump.iterdir()) == sorted(dumped)
-    after_dce = (dump / "03_dce.after.txt").read_text()
+    after_dce = (dump / f"{len(LOWERING) + 3:02d}_dce.after.txt").read_text()
     assert "attention" in after_dce and after_dce in err
 
 
