@@ -22,6 +22,8 @@ from llmc.compiler.ops import (
     qlinear_ref,
     resolve_allowed_aten,
     rope_cos_sin,
+    split_kv_scales,
+    through_kv_cache,
 )
 from llmc.compiler.quant import unpack_int4
 from llmc.errors import ArtifactError
@@ -178,10 +180,15 @@ def rope(x, positions, inv_freq, *, head_dim, scaling=1.0, rope_cache: RopeCache
 
 
 @kernel("attention", context=("backend",))
-def attention(q, k, v, *, backend, layer, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None,
-              **attrs):
+def attention(q, k, v, kv_scales=None, *, backend, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
+              window=None, kv_cache=None, **attrs):
     """q: [tokens, num_heads*head_dim], k/v: [tokens, num_kv_heads*head_dim] (optionally
-    after unit leading dims); the backend decides which cached keys the queries also see."""
+    after unit leading dims); the backend decides which cached keys the queries also see. With a
+    quantised KV cache (`kv_cache`, scales input), keys and values go through it: a paged cache
+    stores the codes itself; a backend that keeps nothing reads them through the same arithmetic."""
+    if kv_scales is not None and not getattr(backend, "quantizes_kv", False):
+        k, v = through_kv_cache(k, v, kv_scales, {"num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                                                  "kv_cache": kv_cache})
     lead = q.shape[:-2]
     q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
     out = backend.forward(layer, q2, k2, v2, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -190,14 +197,15 @@ def attention(q, k, v, *, backend, layer, num_heads, num_kv_heads, head_dim, sca
 
 
 @kernel("flash_attention", context=("backend", "rope_cache"))
-def flash_attention(q, k, v, positions=None, inv_freq=None, *, backend, head_dim, rope=None,
-                    rope_cache: RopeCache | None = None, **attrs):
+def flash_attention(*inputs, backend, head_dim, rope=None, rope_cache: RopeCache | None = None, **attrs):
     """The rotary prologue on q and k (when `rope` is set), then the attention kernel: on the CPU
     the fused op runs the same backend, so its keys reach the KV cache rotated as before."""
+    inputs, kv_scales = split_kv_scales(inputs, attrs)
+    q, k, v = inputs[:3]
     if rope is not None:
-        cos, sin = rope_tables(rope_cache, positions, inv_freq, rope["scaling"], q.dtype)
+        cos, sin = rope_tables(rope_cache, inputs[3], inputs[4], rope["scaling"], q.dtype)
         q, k = apply_rope(q, cos, sin, head_dim), apply_rope(k, cos, sin, head_dim)
-    return attention(q, k, v, backend=backend, head_dim=head_dim, **attrs)
+    return attention(q, k, v, kv_scales, backend=backend, head_dim=head_dim, **attrs)
 
 
 # Resolving (and allow-list checking) torch.ops.aten.<op>.<overload> walks attributes and schemas;

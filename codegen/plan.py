@@ -222,7 +222,8 @@ def record_kernels(graph: Graph, steps: list[PlanStep], target_name: str, config
     from llmc.codegen.kernel_select import KV_BLOCK_SIZE, kernel_record  # compile side: renders templates
 
     types = graph.types()
-    kv_dtype = (graph.meta.get("kv_cache") or {}).get("dtype")
+    # the dtype a quantised KV cache stores, as its attention nodes say (quantize_kv_cache)
+    kv_dtype = next((n.attrs.get("kv_cache") for n in graph.nodes if n.op in ATTENTION_OPS), None)
     triton_ops, torch_ops = set(), set()
     for node, step in zip(graph.nodes, steps):
         kernels = step_kernels(node, types, target_name, configs, kv_dtype)

@@ -16,7 +16,7 @@ from llmc.codegen.triton_elementwise import rms_norm as launch_rms_norm
 from llmc.codegen.triton_elementwise import rotary
 from llmc.codegen.triton_elementwise import swiglu as launch_swiglu
 from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
-from llmc.compiler.ops import OPS, qlinear_inputs
+from llmc.compiler.ops import OPS, qlinear_inputs, split_kv_scales
 from llmc.errors import ArtifactError, RuntimeLlmcError
 
 TRITON_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -74,21 +74,25 @@ def qlinear(*inputs, scheme, target, launch_configs=None, group_size=None, **att
 
 
 @kernel("attention", context=("backend",))
-def attention(q, k, v, *, backend, layer, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None,
-              **attrs):
+def attention(q, k, v, kv_scales=None, *, backend, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
+              window=None, **attrs):
     """q: [tokens, num_heads*head_dim], k/v: [tokens, num_kv_heads*head_dim]: the backend writes
-    k/v to its cache and attends over each sequence's context."""
+    k/v to its cache and attends over each sequence's context. A quantised cache's scales input
+    holds the params the backends were built with (the executor loads them once), so it is not
+    read per launch."""
     _check_backend(backend, layer)
     return [backend.forward(layer, q, k, v, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                             scale=scale, causal=causal, window=window)]
 
 
 @kernel("flash_attention", context=("backend",))
-def flash_attention(q, k, v, positions=None, inv_freq=None, *, backend, layer, num_heads, num_kv_heads, head_dim,
+def flash_attention(*inputs, backend, layer, num_heads, num_kv_heads, head_dim,
                     scale, causal=True, window=None, rope=None, **attrs):
     """attention with the rotary embedding fused (when `rope` is set, q and k arrive unrotated):
     the cache write rotates k, the attention kernels rotate q as they load it."""
     _check_backend(backend, layer)
+    (q, k, v, *rest), _ = split_kv_scales(inputs, attrs)
+    positions, inv_freq = rest if rope is not None else (None, None)
     rotary = {} if rope is None else dict(positions=positions, inv_freq=inv_freq, rope_scaling=float(rope["scaling"]))
     return [backend.forward(layer, q, k, v, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                             scale=scale, causal=causal, window=window, **rotary)]

@@ -39,7 +39,7 @@ from llmc.compiler.op_attrs import (
     one_of,
     optional,
 )
-from llmc.compiler.quant import dequantize_weight, fake_quant_fp8, fake_quant_int8_per_token
+from llmc.compiler.quant import KV_QMAX, dequantize_weight, fake_quant_fp8, fake_quant_int8_per_token, fake_quant_kv
 from llmc.errors import IRError
 
 TORCH_DTYPES = {
@@ -175,6 +175,21 @@ def _rope_type(ts, attrs):
     return [ts[0]]
 
 
+def _kv_scales_type(ts, attrs, op: str) -> list:
+    ts, scales = split_kv_scales(ts, attrs)
+    if scales is not None and (scales.shape != (2, attrs["num_kv_heads"]) or scales.dtype != "float32"):
+        raise IRError(f"{op}: KV scales are {scales}, expected float32[2, {attrs['num_kv_heads']}] "
+                      f"(keys, values per KV head)")
+    return ts
+
+
+def _attention_op_type(ts, attrs):
+    ts = _kv_scales_type(ts, attrs, "attention")
+    if len(ts) != 3:
+        raise IRError(f"attention: {len(ts)} inputs besides KV scales, expected 3 (q, k, v)")
+    return _attention_type(ts, attrs)
+
+
 def _attention_type(ts, attrs):
     window = attrs.get("window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1
@@ -193,6 +208,7 @@ def _attention_type(ts, attrs):
 
 
 def _flash_attention_type(ts, attrs):
+    ts = _kv_scales_type(ts, attrs, "flash_attention")
     rope = attrs.get("rope")
     if rope is not None and not (isinstance(rope, dict) and set(rope) == {"scaling"}):
         raise IRError(f"flash_attention: rope={rope!r} must be None or {{\"scaling\": float}}")
@@ -457,8 +473,27 @@ def rope_ref(x, positions, inv_freq, *, head_dim, scaling=1.0, **attrs):
     return [apply_rope(x, cos, sin, head_dim)]
 
 
+# `kv_cache`: the dtype a quantised KV cache stores; the op then takes the layer's static scales
+# (fp32 [2, kv_heads]: keys, values) as its last input and reads keys and values through them.
 ATTENTION_ATTRS = AttrSpec({"layer": INDEX, "num_heads": COUNT, "num_kv_heads": COUNT, "head_dim": COUNT,
-                            "scale": FLOAT}, {"causal": BOOL, "window": optional(COUNT)})
+                            "scale": FLOAT}, {"causal": BOOL, "window": optional(COUNT),
+                                              "kv_cache": optional(one_of(*KV_QMAX))})
+
+
+def split_kv_scales(inputs: list, attrs: dict) -> tuple[list, object]:
+    """(an attention op's other inputs, its KV scales input or None without a quantised cache)."""
+    if attrs.get("kv_cache") is None:
+        return list(inputs), None
+    return list(inputs[:-1]), inputs[-1]
+
+
+def through_kv_cache(k, v, kv_scales, attrs: dict):
+    """k and v as a quantised cache gives them back (unchanged without one)."""
+    if kv_scales is None:
+        return k, v
+    kv, hd = attrs["num_kv_heads"], attrs["head_dim"]
+    return tuple(fake_quant_kv(x.reshape(*x.shape[:-1], kv, hd), kv_scales[row].float(), attrs["kv_cache"])
+                 .reshape(x.shape) for row, x in enumerate((k, v)))
 
 
 def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None):
@@ -479,8 +514,11 @@ def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causa
     return out.transpose(0, 1).reshape(t, num_heads * head_dim)
 
 
-@op("attention", _attention_type, attrs=ATTENTION_ATTRS, inputs=3)
-def attention_ref(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None, **attrs):
+@op("attention", _attention_op_type, attrs=ATTENTION_ATTRS, inputs=(3, 4))
+def attention_ref(q, k, v, kv_scales=None, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None,
+                  kv_cache=None, **attrs):
+    k, v = through_kv_cache(k, v, kv_scales, {"num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                                              "kv_cache": kv_cache})
     lead = q.shape[:-2]
     q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
     out = causal_attention(q2, k2, v2, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -494,7 +532,9 @@ ATTENTION_OPS = ("attention", "flash_attention")
 
 def attention_prologue(inputs: list, attrs: dict) -> tuple:
     """The q, k, v an attention op's core sees: flash_attention with a `rope` attr takes q/k
-    before rotary (inputs q, k, v, positions, inv_freq) and rotates them first."""
+    before rotary (inputs q, k, v, positions, inv_freq) and rotates them first. A quantised cache's
+    scales input (the last) is not part of it."""
+    inputs, _ = split_kv_scales(inputs, attrs)
     q, k, v = inputs[:3]
     if attrs.get("rope") is None:
         return q, k, v
@@ -503,12 +543,13 @@ def attention_prologue(inputs: list, attrs: dict) -> tuple:
     return apply_rope(q, cos, sin, attrs["head_dim"]), apply_rope(k, cos, sin, attrs["head_dim"]), v
 
 
-@op("flash_attention", _flash_attention_type, inputs=(3, 5), attrs=AttrSpec(
+@op("flash_attention", _flash_attention_type, inputs=(3, 6), attrs=AttrSpec(
     ATTENTION_ATTRS.required, {**ATTENTION_ATTRS.optional, "rope": optional(object_of(scaling=FLOAT))}))
 def flash_attention_ref(*inputs, **attrs):
     """Attention fused with its rotary prologue (fuse_attention's output); same result as
     rope, rope, attention."""
-    return attention_ref(*attention_prologue(list(inputs), attrs), **attrs)
+    _, kv_scales = split_kv_scales(inputs, attrs)
+    return attention_ref(*attention_prologue(list(inputs), attrs), kv_scales, **attrs)
 
 
 # -- aten fallback ----------------------------------------------------------------------

@@ -45,8 +45,7 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
     eos = text.eos_token_id if getattr(text, "eos_token_id", None) is not None else []
     # the cache holds keys in the dtype attention reads them (bf16 on GPU targets, whose logits stay fp32)
     dtype = graph.type_of(attns[0].inputs[1] if attns else graph.outputs[0]).dtype
-    # quantize_kv_cache leaves {"dtype", "scales", "scale_params"}; otherwise the cache holds activations
-    kv_cache = graph.meta.get("kv_cache") or {"dtype": dtype, "scales": None}
+    kv_cache = kv_cache_meta(attns) or {"dtype": dtype, "scales": None}
     return {
         "architecture": (getattr(config, "architectures", None) or [type(module).__name__])[0],
         "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads,
@@ -60,6 +59,23 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
         # the whole HF config, so tools (the HF bench baseline) can rebuild the reference model
         "hf_config": hf_config_dict(config, kv_heads),
     }
+
+
+def kv_cache_meta(attns: list[Node]) -> dict | None:
+    """The quantised KV cache the attention nodes read (quantize_kv_cache sets each node's
+    `kv_cache` dtype and scales input), for the runtime to allocate; None when it is unquantised.
+    Every layer must agree, and its scales must be the param the runtime looks up by layer."""
+    from llmc.passes.quantize_kv import SCALE_PARAMS
+
+    dtypes = {n.attrs.get("kv_cache") for n in attns}
+    if dtypes == {None}:
+        return None
+    stray = [n.name for n in attns if n.inputs[-1] != SCALE_PARAMS.format(layer=n.attrs["layer"])]
+    if len(dtypes) > 1 or stray:
+        raise PassError(f"attention nodes disagree on the KV cache (dtypes {sorted(map(str, dtypes))}, "
+                        f"scales not named {SCALE_PARAMS!r}: {stray[:3]}); quantise it with one "
+                        f"quantize_kv_cache pass over every layer")
+    return {"dtype": dtypes.pop(), "scales": "static", "scale_params": SCALE_PARAMS}
 
 
 def attention_shape(attns: list[Node]) -> tuple[int, int, int, int] | None:
@@ -128,19 +144,6 @@ def pass_configs(tgt: Target, opts: CompileOptions) -> list[PassConfig]:
 
 def instantiate(configs: list[PassConfig]) -> list[Pass]:
     return [c.instantiate() for c in configs]
-
-
-def check_kv_scales(graph: Graph) -> None:
-    """A quantised KV cache needs its scale params in the artifact; a cleanup pass run after
-    quantize_kv_cache drops them, since no node reads them."""
-    kv = graph.meta.get("kv_cache")
-    if not kv:
-        return
-    params = (kv["scale_params"].format(layer=n.attrs["layer"]) for n in graph.nodes if n.op in ATTENTION_OPS)
-    missing = [name for name in params if name not in graph.weights]
-    if missing:
-        raise PassError(f"the {kv['dtype']} KV cache lost its scale params {missing[:3]} to a pass after "
-                        f"quantize_kv_cache; put quantize_kv_cache last in --passes")
 
 
 def calibrate(loaded, pipeline: list, opts: CompileOptions, log) -> list[torch.Tensor] | None:
@@ -225,7 +228,6 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
     records = PassManager(pipeline, ctx, [c.stage for c in configs]).run(graph)
     note_calibration(records, calibration, opts)
-    check_kv_scales(graph)
     graph.meta = model_meta(loaded.config, graph, loaded.module)
     t = time.perf_counter()
     overrides, tuning = launch_configs(graph, tgt, opts, echo or echo_stderr)

@@ -123,6 +123,20 @@ def fake_quant_int8_per_token(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- one entry point for every scheme ----------------------------------------------------------
+# KV-cache storage dtypes -> the largest magnitude each holds (a head's scale maps its absmax there)
+KV_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def fake_quant_kv(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
+    """x [..., kv_heads, head_dim] through a static-scale KV cache of `storage` and back, with the
+    runtime's arithmetic (runtime/kv_quant.py; a test holds the two equal): int8 rounds to
+    nearest, both saturate at ±qmax; scale fp32 [kv_heads]."""
+    qmax = KV_QMAX[storage]
+    y = (x.to(torch.float32) / scale[:, None]).clamp(-qmax, qmax)
+    y = y.round() if storage == "int8" else y.to(torch.float8_e4m3fn).to(torch.float32)
+    return (y * scale[:, None]).to(x.dtype)
+
+
 SCHEMES = ("int8", "int4", "fp8", "w8a8")
 
 

@@ -16,7 +16,7 @@ GiB = 2**30
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
                     "fp8": "float8_e4m3fn", "int8": "int8", "int4": "uint8"}
 
-CLEANUP = ("remove_noops", "fold_constants", "dce")
+CLEANUP = ["remove_noops", "fold_constants", "dce"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Target:
     compute_dtype: str                            # the dtype GEMMs run in (a peak_tflops key)
     # the passes a compile runs after lowering, by name: each is placed in its declared stage
     # (a cleanup pass named after the fusions runs in the final cleanup stage)
-    default_pipeline: tuple[str, ...] = field(hash=False)
+    default_pipeline: list[str] = field(hash=False)
     compile_ready: bool = True
     not_ready_reason: str = ""
     # the --quant recipe (compiler/recipes.py) applied when the user names none
@@ -109,7 +109,7 @@ def gpu_target(name: str, description: str, arch: str, memory_gib: int, bandwidt
     return Target(name, description, "cuda", arch, memory_gib * GiB, bandwidth, peak_tflops,
                   supports_fp8="fp8" in peak_tflops, weight_dtype=weight_dtype,
                   activation_dtype="bf16", compute_dtype=compute_dtype,
-                  default_pipeline=CLEANUP + ("cast_bf16",) + FUSIONS + ("dce",), default_quant=default_quant,
+                  default_pipeline=CLEANUP + ["cast_bf16"] + FUSIONS + ["dce"], default_quant=default_quant,
                   default_kv_cache=default_kv_cache)
 
 
@@ -122,16 +122,16 @@ RTX4090 = {"int4": 1321.2, "int8": 660.6, "fp8": 330.3, "bf16": 165.2, "fp16": 1
 ORIN = {"int8": 85.0, "bf16": 42.5, "fp16": 42.5, "fp32": 5.3}
 
 # Gate/up fuse into one GEMM before swiglu, so swiglu reads the packed GEMM output.
-FUSIONS = ("fuse_attention", "fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm")
+FUSIONS = ["fuse_attention", "fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm"]
 # The cpu target's fusions: q/k/v and gate/up each become one GEMM, swiglu and add + rms_norm one
 # kernel each (decode tokens/s before/after: bench/fusion.sh).
-CPU_FUSIONS = ("fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm")
+CPU_FUSIONS = ["fuse_qkv", "fuse_gate_up", "fuse_swiglu", "fuse_rms_norm"]
 
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("cpu", "this host's CPU through torch (nominal bandwidth and peak)", "cpu",
            platform.machine(), host_memory_bytes(), 50e9, {"fp32": 1.0, "bf16": 1.0, "int8": 2.0},
            supports_fp8=False, weight_dtype="fp32", activation_dtype="fp32", compute_dtype="fp32",
-           default_pipeline=CLEANUP + CPU_FUSIONS + ("fuse_attention", "dce")),
+           default_pipeline=CLEANUP + CPU_FUSIONS + ["fuse_attention", "dce"]),
     gpu_target("h100-fp8", "NVIDIA H100 SXM 80GB, fp8 e4m3 weights and activations in GEMMs",
                "sm_90", 80, 3.35e12, H100, "fp8", "fp8", default_quant="fp8",
                default_kv_cache="fp8"),

@@ -7,7 +7,7 @@ What stays float32, and why:
   param a QuantScheme names): the dequantising kernels read them as fp32;
 - rotary inv_freq (rope / flash_attention input): angles position * inv_freq need fp32 to stay
   exact at long positions, as HF keeps inv_freq fp32 in bf16 models;
-- KV-cache scales (params no node reads, named by graph.meta["kv_cache"]) and unused params;
+- KV-cache scales (an attention op's last input when it has a `kv_cache` dtype) and unused params;
 - aten fallbacks keep their fp32 semantics: their float inputs are cast up, results cast down;
 - the graph outputs (logits): cast back to fp32 for the sampler and log-probabilities.
 RMSNorm weights are cast: HF Llama multiplies them in the activation dtype (`weight *
@@ -35,6 +35,8 @@ FP32_INPUTS_FROM = {"qlinear": 2, "qembedding": 1}
 def fp32_slot(node: Node, index: int) -> bool:
     """Whether input `index` of `node` must be float32."""
     if node.op == "aten":
+        return True
+    if node.attrs.get("kv_cache") and index == len(node.inputs) - 1:  # KV-cache scales
         return True
     if index in FP32_INPUTS.get(node.op, ()):
         return True

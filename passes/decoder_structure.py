@@ -260,7 +260,7 @@ def kv_bytes_per_token(graph: Graph) -> int:
     total = 0
     for node in graph.nodes:
         if node.op == "attention":
-            dtype = (graph.meta.get("kv_cache") or {}).get("dtype") or graph.type_of(node.inputs[1]).dtype
+            dtype = node.attrs.get("kv_cache") or graph.type_of(node.inputs[1]).dtype
             total += 2 * node.attrs["num_kv_heads"] * node.attrs["head_dim"] * DTYPE_BYTES[dtype]
     return total
 

@@ -140,16 +140,21 @@ def check_bounds(pass_name: str, f: dataclasses.Field, value: Any) -> None:
     if value is None:
         return
     if meta.get("choices") is not None and value not in meta["choices"]:
-        raise PassError(f"pass {pass_name!r}: option {f.name}={value!r} is not allowed; choose one of "
+        raise PassError(f"pass {pass_name!r}: option {f.name}={value!r} is unknown; choose one of "
                         f"{', '.join(map(str, meta['choices']))}")
     low, high, strict = meta.get("low"), meta.get("high"), meta.get("strict")
     below = low is not None and (value <= low if strict else value < low)
     above = high is not None and (value >= high if strict else value > high)
     if below or above:
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        where = f"strictly between {lo} and {hi}" if strict else f"in [{lo}, {hi}]"
-        raise PassError(f"pass {pass_name!r}: option {f.name}={value!r} must lie {where}")
+        raise PassError(f"pass {pass_name!r}: option {f.name}={value!r} {bounds_text(low, high, strict)}")
+
+
+def bounds_text(low, high, strict: bool) -> str:
+    if low is not None and high is not None:
+        return f"must lie strictly between {low:g} and {high:g}" if strict else f"is outside [{low:g}, {high:g}]"
+    if low is not None:
+        return f"must be {'above' if strict else 'at least'} {low:g}"
+    return f"must be {'below' if strict else 'at most'} {high:g}"
 
 
 __all__ = ["PassOptions", "option", "coerce"]

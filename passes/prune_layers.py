@@ -60,7 +60,7 @@ class PruneLayers(Pass):
 
     @dataclass(frozen=True)
     class Options(PassOptions):
-        count: int = option(1, "decoder layers to remove", low=1)
+        count: int = option(1, "decoder layers to remove (at least 1, fewer than the model has)")
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         count = self.options.count

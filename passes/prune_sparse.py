@@ -111,7 +111,7 @@ class PruneSparse(Pass):
 
     @dataclass(frozen=True)
     class Options(PassOptions):
-        sparsity: float = option(0.0, "fraction of weights to zero (or give pattern)", low=0.0, high=1.0)
+        sparsity: float = option(0.0, "fraction of weights to zero, strictly between 0 and 1 (or give pattern)")
         pattern: str = option("", "N:M pattern along the input dim, e.g. 2:4 (or give sparsity)")
         method: str = option("wanda", "how weights are scored: |W|·‖X‖ on calibration text, or |W|",
                              choices=METHODS)

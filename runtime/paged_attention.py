@@ -140,6 +140,11 @@ class PagedAttention(AttentionBackend):
         self.cache = cache
         self.metadata: StepMetadata | None = None
 
+    @property
+    def quantizes_kv(self) -> bool:
+        """A quantised cache stores codes: keys and values are read back through it."""
+        return self.cache.quantized
+
     def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None):
         meta, cache = self.metadata, self.cache
         cache.write(layer, meta.slot_mapping, k.reshape(-1, num_kv_heads, head_dim),

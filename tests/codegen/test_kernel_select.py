@@ -28,7 +28,7 @@ from llmc.compiler.ir import Graph, TensorType
 from llmc.compiler.ops import TORCH_DTYPES, run_reference
 from llmc.compiler.pipeline import trace_and_lower
 from llmc.compiler.quant import dequantize_weight
-from llmc.compiler.quant_recipes import quant_pass_specs
+from llmc.compiler.recipes import quant_passes
 from llmc.compiler.targets import get_target
 from llmc.errors import TargetError
 from llmc.passes.base import PassContext, PassManager
@@ -55,8 +55,8 @@ def calibration():
 def gpu_graph(lowered: Graph, target: str, quant: str | None) -> Graph:
     """tiny-llama through `target`'s pipeline, quantised by the recipe `quant`."""
     graph = lowered.copy()
-    specs = (quant_pass_specs(quant, 64 if quant.startswith("int4") else None) if quant else [])
-    passes = build_pipeline(specs + get_target(target).default_pipeline)
+    configs = quant_passes(quant, 64 if quant and quant.startswith("int4") else None)
+    passes = build_pipeline(configs + list(get_target(target).default_pipeline))
     PassManager(passes, PassContext(target=get_target(target), calibration=calibration(), quiet=True)).run(graph)
     return graph
 

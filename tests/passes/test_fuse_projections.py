@@ -127,7 +127,7 @@ def test_fuse_gate_up_puts_gate_before_up(lowered):
 
 def test_fused_float_graph_computes_the_unfused_logits(lowered):
     graph = lowered.copy()
-    records = run_passes(graph, CPU_FUSIONS + ["dce"])
+    records = run_passes(graph, [*CPU_FUSIONS, "dce"])
     assert [records[n].matches for n in CPU_FUSIONS] == [2, 2, 2, 4]
     assert "silu" not in graph.op_counts() and "mul" not in graph.op_counts()
     assert_same_logits(lowered, graph)
@@ -198,7 +198,7 @@ def quantised(lowered, calibration, scheme, per_channel=True):
 def test_quantised_projections_fuse_exactly_and_keep_their_logits(lowered, calibration, scheme):
     unfused = quantised(lowered, calibration, scheme)
     graph = unfused.copy()
-    records = run_passes(graph, CPU_FUSIONS + ["dce"])
+    records = run_passes(graph, [*CPU_FUSIONS, "dce"])
     assert [records[n].matches for n in CPU_FUSIONS] == [2, 2, 2, 4]
     assert graph.op_counts()["qlinear"] == unfused.op_counts()["qlinear"] - 6
     for kind, parts in (("self_attn.qkv", [ATTN.format(0, p) for p in "qkv"]),
@@ -293,7 +293,7 @@ def test_smollm2_greedy_tokens_are_identical_with_and_without_fusions(smollm2_mo
     graph = trace_and_lower(smollm2_model.module, 64, lambda *a: None)
     run_passes(graph, CLEANUP)
     fused = graph.copy()
-    records = run_passes(fused, CPU_FUSIONS + ["dce"])
+    records = run_passes(fused, [*CPU_FUSIONS, "dce"])
     assert [records[n].matches for n in CPU_FUSIONS] == [30, 30, 30, 60]
     ids = smollm2_model.tokenizer("The three primary colours are")["input_ids"]
     assert greedy(fused, ids, 12) == greedy(graph, ids, 12)

@@ -185,7 +185,7 @@ def test_options_from_the_cli_are_coerced_to_the_default_type():
 
 @pytest.mark.parametrize("bad, message", [
     ({"scale": True}, "scale=True is not a valid int"),
-    ({"ratio": 1.5}, r"ratio=1.5 must lie in \[0.0, 1.0\]"),
+    ({"ratio": 1.5}, r"ratio=1.5 is outside \[0, 1\]"),
     ({"ratio": "nan"}, "ratio='nan' is not a valid float .a finite number."),
     ({"ops": "a" and 3}, "ops=3 is not a valid list"),
     ({"label": 7}, "label=7 is not a valid str"),

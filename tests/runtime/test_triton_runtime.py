@@ -160,8 +160,14 @@ def run_engine(path) -> dict:
 
 
 def reference_logits(art, ids: list[int]) -> torch.Tensor:
-    """The artifact's own graph run by the reference interpreter on one sequence: logits [len, vocab]."""
+    """The artifact's own graph run by the reference interpreter on one sequence: logits [len, vocab].
+    A quantised KV cache is left out (keys and values stay bf16), as the fp8 tolerance below assumes:
+    the engine rotates keys in fp32 before storing fp8 codes, the reference in bf16, so the two
+    roundings part on near-ties in a way unrelated to what this test checks."""
     graph = Graph.from_json(art.graph_json)
+    for node in graph.nodes:
+        if node.attrs.pop("kv_cache", None):
+            node.inputs.pop()
     inputs = {"input_ids": torch.tensor(ids), "positions": torch.arange(len(ids))}
     if "logits_indices" in [v.name for v in graph.inputs]:
         inputs["logits_indices"] = torch.arange(len(ids))
