@@ -19,8 +19,8 @@ from llmc.compiler.ops import ATTENTION_OPS
 def kv_int8(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv-ir")
     # dce after the KV pass: with the scales read by attention nodes, nothing is left to drop
-    return llmc.compile("tiny-llama", output=root / "kv8.llmc", passes="fuse_attention,quantize_kv_cache:dtype=int8,dce",
-                        calib_samples=2, calib_seq_len=24)
+    return llmc.compile("tiny-llama", output=root / "kv8.llmc", calib_samples=2, calib_seq_len=24,
+                        passes="fuse_attention,quantize_kv_cache:dtype=int8,dce")
 
 
 def graph_of(path) -> Graph:

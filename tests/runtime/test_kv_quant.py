@@ -13,9 +13,9 @@ import llmc
 from llmc.cli import main
 from llmc.compiler.options import CompileOptions
 from llmc.compiler.pipeline import pass_configs
+from llmc.compiler.quant import fake_quant_kv
 from llmc.compiler.targets import get_target
 from llmc.errors import ArtifactError, PassError
-from llmc.compiler.quant import fake_quant_kv
 from llmc.passes.quantize_kv import KV_FORMATS
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.kv_quant import KV_QMAX, dequantize_kv, load_kv_scales, quantize_kv
