@@ -120,7 +120,10 @@ def prune_passes(prune: str | None = None, sparsity: str | float | None = None,
 
 
 def part_config(part: str, name: str, key: str, text: str) -> list[PassConfig]:
-    """The pass of one --prune part; its pass's options class bounds the amount."""
+    """The pass of one --prune part; its pass's options class bounds a fraction (a layer count's
+    upper bound depends on the model, so prune_layers checks it when it runs)."""
+    if key == "count" and not (text.isdigit() and int(text) >= 1):
+        raise PassError(f"--prune part {part!r}: {text!r} is not a whole number of layers >= 1 (e.g. layers:4)")
     try:
         return configs("--prune", [(name, {key: text})])
     except PassError:

@@ -170,16 +170,22 @@ def staging_dirs(directory: Path) -> list[Path]:
 
 
 def test_sigterm_during_a_compile_removes_its_staging_directory(tmp_path):
-    work = tmp_path / "out"
-    work.mkdir()
-    proc = subprocess.Popen([str(LLMC), "compile", "tiny-llama", "-o", str(work / "x.llmc")],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not staging_dirs(work) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert staging_dirs(work), "the compile never made its staging directory"
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    # a calibrated compile takes seconds, so the signal lands mid-compile even on a loaded machine;
+    # should the compile still win the race (exit 0), the attempt proves nothing and is repeated
+    for attempt in range(3):
+        work = tmp_path / f"out{attempt}"
+        work.mkdir()
+        args = ["compile", "tiny-llama", "-o", str(work / "x.llmc"), "--quant", "int4-gptq"]
+        proc = subprocess.Popen([str(LLMC), *args],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not staging_dirs(work) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert staging_dirs(work), "the compile never made its staging directory"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        if proc.returncode != 0:
+            break
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err
     assert list(work.iterdir()) == []
