@@ -4,6 +4,7 @@ is printed (and written with --report), never stored in the artifact."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
@@ -142,6 +143,19 @@ def pass_configs(tgt: Target, opts: CompileOptions) -> list[PassConfig]:
     return apply_options(drop_disabled(configs, opts.disable), opts.pass_options)
 
 
+@contextlib.contextmanager
+def transformers_bars(enabled: bool):
+    """transformers' own progress bars ("Loading weights") on or off while a model loads."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
 def instantiate(configs: list[PassConfig]) -> list[Pass]:
     return [c.instantiate() for c in configs]
 
@@ -215,7 +229,8 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
         stages.append({"name": name, "seconds": round(seconds, 4), "details": details})
 
     t = time.perf_counter()
-    loaded = load_model(source)
+    with transformers_bars(not opts.quiet):
+        loaded = load_model(source)
     log("load", time.perf_counter() - t, {"kind": loaded.kind, "name": loaded.name})
     if draft_target is not None:  # how many layers to cut depends on the loaded model
         opts = draft_options(opts, loaded, draft_target)
