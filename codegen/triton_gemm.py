@@ -104,18 +104,6 @@ def render_w8a8_gemm(target: str, dtype: str, in_features: int, *, has_bias: boo
             render_int8_gemm(config or tile_config(target), out_dtype=dtype, has_bias=has_bias))
 
 
-def quantize_int8_rows(x: torch.Tensor, act_scale: torch.Tensor | None = None, *,
-                       target: str = "h100") -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (int8 codes [M, K], fp32 scales [M]) for its M rows, symmetric: per token with
-    scale max|row| / 127 as codegen/cpu_qlinear_a8.quantize_per_token, or with the fp32 [1]
-    `act_scale` as every row's scale; codes round(x / scale) clamped to -127..127, ties to even."""
-    if x.dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"activations must be one of {list(ACTIVATION_DTYPES)}, got {x.dtype}")
-    _check_act_scale(act_scale)
-    kernel = render_quantize_int8(target, ACTIVATION_DTYPES[x.dtype], x.shape[-1], act_scale is not None)
-    return _quantize_rows(kernel, x, act_scale)
-
-
 def w8a8_gemm(x: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None = None,
               act_scale: torch.Tensor | None = None, *, target: str = "h100",
               config: TileConfig | None = None) -> torch.Tensor:
@@ -219,4 +207,4 @@ def _check_groups(scales, zeros, n, k, group_size) -> None:
 
 
 __all__ = ["GEMM_SCHEMES", "render_dequant_gemm", "dequant_gemm", "render_quantize_int8", "render_int8_gemm",
-           "render_w8a8_gemm", "quantize_int8_rows", "w8a8_gemm"]
+           "render_w8a8_gemm", "w8a8_gemm"]

@@ -9,7 +9,15 @@ import torch
 
 from llmc.codegen import cpu_qlinear_a8
 from llmc.codegen.triton_configs import TILE_CONFIGS, TileConfig
-from llmc.codegen.triton_gemm import quantize_int8_rows, render_int8_gemm, render_w8a8_gemm, w8a8_gemm
+from llmc.codegen.triton_gemm import (
+    ACTIVATION_DTYPES,
+    _check_act_scale,
+    _quantize_rows,
+    render_int8_gemm,
+    render_quantize_int8,
+    render_w8a8_gemm,
+    w8a8_gemm,
+)
 from llmc.codegen.triton_render import kernel_cache_dir
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ops import qlinear_ref
@@ -23,6 +31,15 @@ pytestmark = pytest.mark.triton
 
 SMALL = TileConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)  # many programs, ragged tiles
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def quantize_int8_rows(x: torch.Tensor, act_scale: torch.Tensor | None = None, *,
+                       target: str = "h100") -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantiser kernel w8a8_gemm launches, on its own: x [..., K] -> (int8 codes
+    [M, K], fp32 scales [M]), per token (max|row| / 127) or with the fp32 [1] `act_scale`."""
+    _check_act_scale(act_scale)
+    kernel = render_quantize_int8(target, ACTIVATION_DTYPES[x.dtype], x.shape[-1], act_scale is not None)
+    return _quantize_rows(kernel, x, act_scale)
 
 
 def activations(m, k, dtype=torch.float32, seed=0):
