@@ -41,7 +41,8 @@ def load(path: str | Path, device: str | None = None, **engine_options) -> "LLM"
 
 class LLM:
     """An artifact on the llmc engine. `engine_options` are EngineConfig fields (kv_memory,
-    block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, device)."""
+    block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, device, threads: CPU
+    threads, default $LLMC_NUM_THREADS or the physical cores)."""
 
     def __init__(self, path: str | Path, **engine_options):
         from dataclasses import fields

@@ -162,6 +162,18 @@ def device_option(f):
                              "artifact's Triton kernels through Triton's interpreter (slow).")(f)
 
 
+def threads_option(f):
+    return click.option("--threads", metavar="N", default=None,
+                        help="CPU threads to compute with (default: $LLMC_NUM_THREADS, else the "
+                             "machine's physical cores).")(f)
+
+
+def _threads(value) -> int:
+    """The checked thread count, before anything loads."""
+    from llmc.runtime.threads import resolve_threads
+    return resolve_threads(value)
+
+
 def _params(max_tokens, temperature, top_p, top_k, seed, stop):
     from llmc.runtime.sampling_params import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -176,11 +188,13 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @click.option("--no-stream", is_flag=True, help="Print whole outputs at the end.")
 @sampling_options
 @device_option
+@threads_option
 def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
-        kv_memory, device):
+        kv_memory, device, threads):
     """Generate from one prompt (streamed) or many (batched together)."""
     import llmc
 
+    threads = _threads(threads)
     prompts = [checked_text(p, f"--prompt {i}") for i, p in enumerate(prompt, 1)]
     if prompts_file:
         prompts += prompt_lines(prompts_file.read(), f"--prompts-file '{prompts_file.name}'")
@@ -188,7 +202,7 @@ def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature
         prompts = stdin_prompts()
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
-    model = llmc.load(artifact, kv_memory=kv_memory, device=device)
+    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads)
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -206,11 +220,12 @@ def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature
 @click.option("--system", default=None, help="System prompt.")
 @sampling_options
 @device_option
-def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv_memory, device):
+@threads_option
+def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv_memory, device, threads):
     """Interactive chat with the model's chat template, streaming replies. Ctrl-D ends."""
     import llmc
 
-    model = llmc.load(artifact, kv_memory=kv_memory, device=device)
+    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=_threads(threads))
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     messages = [{"role": "system", "content": system}] if system else []
     while True:
@@ -252,14 +267,21 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @click.option("--baseline-batch-size", type=POSITIVE, default=None, help="HF batch size (default: all requests).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write latency CDFs and throughput to this PNG.")
+@click.option("--bandwidth", type=FiniteFloat(min=0.0, min_open=True), default=None, metavar="GBPS",
+              help="Memory bandwidth for the roofline (default: measured once per machine and cached).")
+@click.option("--gemm-peak", type=FiniteFloat(min=0.0, min_open=True), default=None, metavar="GFLOPS",
+              help="fp32 GEMM peak for the roofline (default: measured once per machine and cached).")
 @device_option
+@threads_option
 def bench(artifact, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps, seed,
           kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline, baseline_batch_size,
-          as_json, plot, device):
+          as_json, plot, bandwidth, gemm_peak, device, threads):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers."""
     from llmc.runtime.bench import Workload, hf_model_from_artifact, run_engine, run_hf_baseline
     from llmc.runtime.engine import Engine, EngineConfig
+    from llmc.runtime.roofline import bench_roofline
 
+    threads = _threads(threads)
     try:
         qps_value = float(qps)
     except ValueError:
@@ -271,10 +293,12 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
                         qps_value, seed)
     engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
-                                           enable_prefix_caching=not no_prefix_caching, device=device))
+                                           enable_prefix_caching=not no_prefix_caching, device=device,
+                                           threads=threads))
     requests = workload.build(engine.model["vocab_size"])
     ours = run_engine(engine, requests, progress=not as_json)
-    result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}}
+    result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
+              "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak)}
     base = None
     if baseline == "hf":
         model = hf_model_from_artifact(engine)
@@ -284,7 +308,8 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
         del engine   # one model in memory at a time
         other = Engine(baseline, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                               max_num_batched_tokens=max_num_batched_tokens,
-                                              enable_prefix_caching=not no_prefix_caching, device=device))
+                                              enable_prefix_caching=not no_prefix_caching, device=device,
+                                              threads=threads))
         base = run_engine(other, requests, progress=not as_json)
     if base is not None:
         result["baseline"] = {**base.to_dict(), "name": baseline}
@@ -298,6 +323,8 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
 
 
 def _bench_table(r: dict) -> str:
+    from llmc.runtime.roofline import format_roofline
+
     def pct(d):
         return "  ".join(f"{k} {d[k]:8.1f}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
     lines = [f"requests/s        {r['requests_per_s']:.2f}",
@@ -306,7 +333,8 @@ def _bench_table(r: dict) -> str:
              f"TPOT ms           {pct(r['tpot_ms'])}",
              f"ITL ms            {pct(r['itl_ms'])}",
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
-             f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}"]
+             f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
+             f"threads           {r['threads']}", *format_roofline(r["roofline"])]
     if "baseline" in r:
         b = r["baseline"]
         name = "HF" if b["name"] == "hf" else b["name"]
@@ -326,10 +354,13 @@ def _bench_table(r: dict) -> str:
               help="Score the text's first N tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
 @device_option
-def eval_command(artifact, text_file, ref, max_tokens, as_json, device):
+@threads_option
+def eval_command(artifact, text_file, ref, max_tokens, as_json, device, threads):
     """Perplexity of ARTIFACT on a text: windows of 512 tokens, stride 256, each token scored once."""
     from llmc.runtime.evaluate import DEFAULT_TEXT, evaluate_text, format_summary, read_eval_text
+    from llmc.runtime.threads import apply_threads
 
+    apply_threads(_threads(threads))
     text = read_eval_text(text_file)
     result = evaluate_text(artifact, text, ref=ref, max_tokens=max_tokens, progress=True, device=device)
     if as_json:

@@ -58,6 +58,23 @@ def _spread(rng, n: int, spread: float) -> int:
 
 
 @dataclass
+class StepTotals:
+    """Wall time inside engine.step(), and the part of it spent in decode steps: steps whose
+    every token was a sequence's next one (no prompt tokens), each reading the weights once."""
+    seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    def add(self, metrics, steps_before: int, new_tokens: int, seconds: float) -> None:
+        self.seconds += seconds
+        if metrics.steps > steps_before and metrics.batch_tokens[-1] == new_tokens > 0:
+            self.decode_steps += 1
+            self.decode_tokens += new_tokens
+            self.decode_seconds += seconds
+
+
+@dataclass
 class BenchResult:
     requests_per_s: float
     output_tokens_per_s: float
@@ -73,6 +90,7 @@ class BenchResult:
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
+    steps: StepTotals = field(default_factory=StepTotals)
 
     def to_dict(self) -> dict:
         keys = ("requests_per_s", "output_tokens_per_s", "total_seconds", "ttft_ms", "tpot_ms", "itl_ms",
@@ -90,7 +108,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
     timeline: list[tuple[float, int]] = []
     bar = tqdm(total=len(requests), desc="bench", unit="req", disable=not progress)
     start = time.perf_counter()
-    total_tokens = 0
+    total_tokens, totals = 0, StepTotals()
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and pending[0][1]["arrival"] <= now:
@@ -103,8 +121,10 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
         if not engine.has_unfinished():
             time.sleep(max(0.0, pending[0][1]["arrival"] - now))
             continue
+        steps_before, t0 = engine.metrics.steps, time.perf_counter()
         outs = engine.step()
         t = time.perf_counter() - start
+        seconds = time.perf_counter() - t0
         step_tokens = 0
         for out in outs:
             n = len(out.outputs[0].token_ids) - len(token_times[out.request_id])
@@ -114,6 +134,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
                 bar.update(1)
         total_tokens += step_tokens
         timeline.append((t, step_tokens))
+        totals.add(engine.metrics, steps_before, step_tokens, seconds)
     total = time.perf_counter() - start
     bar.close()
     ttft = [ts[0] - arrival[r] for r, ts in token_times.items() if ts]
@@ -122,7 +143,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
     m = engine.metrics
     return BenchResult(len(requests) / total, total_tokens / total, total, percentiles(ttft, 1e3),
                        percentiles(tpot, 1e3), percentiles(itl, 1e3), m.kv_waste, m.prefix_hit_rate,
-                       m.preemptions, m.peak_kv_usage, timeline, ttft, itl, tpot)
+                       m.preemptions, m.peak_kv_usage, timeline, ttft, itl, tpot, totals)
 
 
 # fused projection (passes/fuse_projections.py names it <prefix>.<kind>_proj) -> its parts, in order

@@ -29,6 +29,7 @@ from llmc.runtime.sampling_params import MAX_SEED, SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
 from llmc.runtime.stop import StopChecker
+from llmc.runtime.threads import apply_threads, resolve_threads
 
 # Forked samples get ids far from Sequence's own counter.
 _fork_ids = itertools.count(1 << 40)
@@ -45,6 +46,7 @@ class EngineConfig:
     seed: int | None = None                 # for requests without their own seed
     device: str | None = None               # "cpu" | "cuda"; None: the artifact target's device
     check_kernels: bool = False             # debug: fail a step that launches a kernel it does not record
+    threads: int | None = None              # CPU threads; None: LLMC_NUM_THREADS, else the physical cores
 
     def __post_init__(self):
         for name, rule in (("block_size", "an integer >= 1"), ("max_num_seqs", "an integer >= 1"),
@@ -58,6 +60,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "check_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True or False")
+        self.threads = resolve_threads(self.threads)
 
 
 def _check_kv_fits(cache_bytes: int, device: torch.device, asked) -> None:
@@ -103,6 +106,7 @@ class _Request:
 class Engine:
     def __init__(self, artifact: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
+        apply_threads(config.threads)
         art = read_artifact(artifact)
         # first: running a GPU artifact on the CPU must choose Triton's interpreter before triton loads
         self.device = resolve_device(art.manifest, config.device, artifact)

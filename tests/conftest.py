@@ -9,6 +9,9 @@ import pytest
 # Triton runs here only through its interpreter, and triton reads this when first imported
 # (transformers imports it early), so set it before any test module loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines apply the runtime's thread count to torch when built; keep the suite on one thread
+# (see one_torch_thread below).
+os.environ.setdefault("LLMC_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,134 @@
+"""The memory roofline of a benchmark run: the machine's read bandwidth and fp32 GEMM peak
+(measured once per CPU model and thread count, cached in $LLMC_CACHE/bandwidth.json) against
+the weight bytes a decode step reads and the GEMM FLOPs a run does."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+BANDWIDTH_BYTES = 512 << 20      # a buffer far beyond any last-level cache
+GEMM_SIZE = 1024
+
+
+def cache_file() -> Path:
+    return Path(os.environ.get("LLMC_CACHE") or "~/.cache/llmc").expanduser() / "bandwidth.json"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()   # warm-up: page faults and thread-pool start-up are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
+    """GB/s of an fp32 GEMV over `nbytes` of matrix (what a batch-1 decode step does), best of
+    `repeats`, in torch's current thread count."""
+    cols = 4096
+    w = torch.empty(max(1, nbytes // (4 * cols)), cols).fill_(1.0)
+    x = torch.ones(cols)
+    seconds = _best_seconds(lambda: torch.mv(w, x), repeats)
+    return w.numel() * 4 / seconds / 1e9
+
+
+def measure_gemm_peak(size: int = GEMM_SIZE, repeats: int = 5) -> float:
+    """GFLOP/s of an fp32 square torch.mm, best of `repeats`, in torch's current thread count."""
+    a, b = torch.rand(size, size), torch.rand(size, size)
+    seconds = _best_seconds(lambda: torch.mm(a, b), repeats)
+    return 2 * size ** 3 / seconds / 1e9
+
+
+def machine_figure(name: str, threads: int, measure) -> float:
+    """`name` ("bandwidth_gbps" or "gemm_peak_gflops") for this CPU at `threads` threads: from
+    the cache, else measured by `measure()` and cached."""
+    path = cache_file()
+    key = f"{cpu_model()} / {threads} threads"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    entry = cache.get(key) if isinstance(cache.get(key), dict) else {}
+    if isinstance(entry.get(name), (int, float)) and entry[name] > 0:
+        return float(entry[name])
+    cache[key] = {**entry, name: measure()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache, indent=2, sort_keys=True))
+    tmp.replace(path)
+    return cache[key][name]
+
+
+def weight_bytes(manifest: dict) -> int:
+    """Bytes of weights a decode step reads: all of them, as the manifest's report counts them."""
+    return int(sum(manifest["report"]["weight_bytes"].values()))
+
+
+def gemm_weights(plan) -> tuple[int, int]:
+    """Weights multiplied per token run and per sampled row (the LM head after select_rows), from
+    the plan's linear steps: in_features x out_features each."""
+    per_token = per_row = 0
+    for step in plan.steps:
+        if not step.kernel.endswith("linear"):
+            continue
+        out = plan.type_of(step.outputs[0]).shape
+        n = (step.attrs.get("in_features") or plan.type_of(step.inputs[0]).shape[-1]) * out[-1]
+        if out[0] == "rows":
+            per_row += n
+        else:
+            per_token += n
+    return per_token, per_row
+
+
+def bench_roofline(engine, result, threads: int, bandwidth_gbps: float | None = None,
+                   gemm_peak_gflops: float | None = None) -> dict:
+    """The roofline block of `llmc bench --json` for `result` (a run_engine BenchResult): decode
+    weight-read GB/s against the memory bandwidth, and the run's GEMM GFLOP/s (2 per weight per
+    token) against the fp32 GEMM peak; peaks not given are measured once and cached."""
+    bandwidth_gbps = bandwidth_gbps or machine_figure("bandwidth_gbps", threads, measure_bandwidth)
+    gemm_peak_gflops = gemm_peak_gflops or machine_figure("gemm_peak_gflops", threads, measure_gemm_peak)
+    wbytes, st, m = weight_bytes(engine.manifest), result.steps, engine.metrics
+    steps_per_s = st.decode_steps / st.decode_seconds if st.decode_steps and st.decode_seconds > 0 else None
+    achieved = wbytes * steps_per_s / 1e9 if steps_per_s else None
+    per_token, per_row = gemm_weights(engine.executor.plan)
+    flops = 2 * (per_token * m.computed_tokens + per_row * m.generation_tokens) / st.seconds / 1e9
+    return {"weight_bytes": wbytes, "bandwidth_gbps": bandwidth_gbps, "achieved_gbps": achieved,
+            "fraction": achieved / bandwidth_gbps if achieved is not None else None,
+            "decode_steps_per_s": steps_per_s, "decode_tokens_per_step":
+                st.decode_tokens / st.decode_steps if st.decode_steps else None,
+            "gemm_peak_gflops": gemm_peak_gflops, "achieved_gflops": flops,
+            "gemm_fraction": flops / gemm_peak_gflops, "threads": threads}
+
+
+def format_roofline(r: dict) -> list[str]:
+    """One or two text lines: the decode bandwidth figure; the GEMM one for batched (or
+    prefill-only) runs."""
+    lines = []
+    batched = (r["decode_tokens_per_step"] or 2) > 1
+    if r["achieved_gbps"] is not None:
+        lines.append(f"roofline          weights {r['weight_bytes'] / 2**20:.1f} MiB/token · decode "
+                     f"{r['achieved_gbps']:.2f} GB/s = {r['fraction']:.0%} of {r['bandwidth_gbps']:.1f} GB/s")
+    if batched or not lines:
+        lines.append(f"GEMM              {r['achieved_gflops']:.2f} GFLOP/s = {r['gemm_fraction']:.0%} of "
+                     f"{r['gemm_peak_gflops']:.1f} GFLOP/s fp32 peak")
+    return lines
