@@ -298,7 +298,9 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
     requests = workload.build(engine.model["vocab_size"])
     ours = run_engine(engine, requests, progress=not as_json)
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
-              "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak)}
+              # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
+              "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak)
+              if engine.device.type == "cpu" else None}
     base = None
     if baseline == "hf":
         model = hf_model_from_artifact(engine)
@@ -334,7 +336,7 @@ def _bench_table(r: dict) -> str:
              f"ITL ms            {pct(r['itl_ms'])}",
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
-             f"threads           {r['threads']}", *format_roofline(r["roofline"])]
+             f"threads           {r['threads']}", *(format_roofline(r["roofline"]) if r["roofline"] else [])]
     if "baseline" in r:
         b = r["baseline"]
         name = "HF" if b["name"] == "hf" else b["name"]

@@ -102,9 +102,9 @@ def test_bench_roofline_arithmetic(artifact, tmp_path):
     assert r["achieved_gbps"] == pytest.approx(r["weight_bytes"] * r["decode_steps_per_s"] / 1e9)
     assert r["fraction"] == pytest.approx(r["achieved_gbps"] / 10)
     assert r["gemm_fraction"] == pytest.approx(r["achieved_gflops"] / 50)
-    # a decode step's wall time is most of a token's: steps/s lies between 1/TPOT and a little above
+    # a decode step's wall time is most of a token's: steps/s is at least 1/TPOT, and not far above
     per_token_steps = 1000 / out["tpot_ms"]["p50"]
-    assert per_token_steps * 0.99 <= r["decode_steps_per_s"] <= per_token_steps * 1.5
+    assert per_token_steps * 0.99 <= r["decode_steps_per_s"] <= per_token_steps * 3
     # GEMM FLOPs: every projection weight per token run, the LM head per sampled token
     shapes = {n: t["shape"] for n, t in json.loads((artifact / "plan.json").read_text())["types"].items()}
     per_token = sum(s[0] * s[1] for n, s in shapes.items() if n.endswith("_proj.weight"))
