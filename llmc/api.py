@@ -32,6 +32,17 @@ def evaluate(path: str | Path, text: str, ref: str | Path | None = None, max_tok
     return evaluate_text(path, text, ref=ref, max_tokens=max_tokens, progress=progress, device=device)
 
 
+def export(path: str | Path, format: str = "onnx", output: str | Path | None = None, force: bool = False) -> Path:
+    """Export the artifact at `path` as a standalone model in `format` ("onnx": DIR/model.onnx that
+    plain onnxruntime runs, with DIR/tokenizer/ and DIR/llmc_onnx.json) into the directory `output`."""
+    from llmc.codegen.onnx_export import ExportError, export_onnx
+
+    if format != "onnx":
+        raise ExportError(f"export format {format!r} is not supported; use format='onnx'")
+    output = output or f"{Path(str(path)).name.removesuffix('.llmc')}.onnx"
+    return export_onnx(path, output, force=force)
+
+
 def load(path: str | Path, device: str | None = None, **engine_options) -> "LLM":
     """Load an artifact (every file's hash is checked) into an LLM ready to generate. `device`:
     None runs it where its target does (a GPU target on CUDA); "cpu" runs a GPU artifact's Triton

@@ -1,4 +1,4 @@
-"""The `llmc` command line: compile, inspect, targets, run, chat, bench, eval.
+"""The `llmc` command line: compile, inspect, targets, run, chat, bench, eval, export.
 User errors print one line and exit 2; bugs keep their traceback and exit 1."""
 
 from __future__ import annotations
@@ -344,6 +344,21 @@ def _bench_table(r: dict) -> str:
                   f"{b['requests_per_s']:.2f} req/s, TPOT ms {pct(b['tpot_ms'])}",
                   f"ratio             {r['ratio']:.2f}x output tokens/s (ours / baseline)"]
     return "\n".join(lines)
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--format", "format_", type=click.Choice(["onnx"]), default="onnx", show_default=True,
+              help="Export format.")
+@click.option("--output", "-o", required=True, help="Directory to write (model.onnx, tokenizer/, llmc_onnx.json).")
+@click.option("--force", is_flag=True, help="Replace a previous export at --output.")
+def export(artifact, format_, output, force):
+    """Export ARTIFACT as a standalone model: ONNX that plain onnxruntime runs, with past/present KV."""
+    from llmc.api import export as export_api
+
+    with _sigterm_exits():
+        path = export_api(artifact, format=format_, output=output, force=force)
+    click.echo(f"wrote {path}/model.onnx")
 
 
 @cli.command("eval")
