@@ -150,3 +150,26 @@ def test_cli_refuses_what_it_does_not_export(tmp_path, capfd, options, words):
 def test_exporter_module_does_not_import_onnx():
     code = "import sys, llmc.codegen.onnx_export; print(sorted({'onnx', 'onnxruntime'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_sliding_window_with_a_past_matches_the_reference(artifacts):
+    """A `window` on the attention nodes masks keys older than the window, across the past too."""
+    from llmc.codegen.onnx_export import build_model
+
+    a = read_artifact(artifacts["fp32"][0])
+    graph = Graph.from_json(a.graph_json)
+    window = int(torch.randint(2, 6, ()))
+    for n in graph.nodes:
+        if n.op in ("attention", "flash_attention"):
+            n.attrs["window"] = window
+    t, split = 14, int(torch.randint(1, 13, ()))
+    ids = torch.randint(0, 512, (t,))
+    ref = interpret(graph, {"input_ids": ids, "positions": torch.arange(t), "logits_indices": torch.arange(t)},
+                    weights=a.weights)[graph.outputs[0]].numpy()
+    session = ort.InferenceSession(build_model(graph, a.weights)[0].SerializeToString())
+    names = [o.name for o in session.get_outputs()]
+    past = {i.name: np.zeros((0, *i.shape[1:]), np.float32) for i in session.get_inputs()[2:]}
+    first, *present = session.run(None, {"input_ids": ids[:split].numpy(), "positions": np.arange(split)} | past)
+    past = {n.replace("present_", "past_"): v for n, v in zip(names[1:], present)}
+    rest = session.run(["logits"], {"input_ids": ids[split:].numpy(), "positions": np.arange(split, t)} | past)[0]
+    np.testing.assert_allclose(np.concatenate([first, rest]), ref, atol=1e-4, rtol=0)
