@@ -16,7 +16,6 @@ from llmc.codegen.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear
 from llmc.compiler.ops import (
     OPS,
     TORCH_DTYPES,
-    apply_rope,
     decode_arg,
     qlinear_inputs,
     qlinear_ref,
@@ -60,6 +59,39 @@ class RopeCache:
         self._tables[key] = (positions, inv_freq, cos, sin)
         return cos, sin
 
+    def cos_signed_sin(self, positions, inv_freq, scaling: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin with the rotate-half sign folded into sin's first half (see `rotate`)."""
+        cos, sin = self.cos_sin(positions, inv_freq, scaling, dtype)
+        entry = self._tables[(id(positions), id(inv_freq), scaling, dtype)]
+        if len(entry) == 4:
+            entry = self._tables[(id(positions), id(inv_freq), scaling, dtype)] = (*entry, signed_sin(sin))
+        return cos, entry[4]
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """compiler.ops.apply_rope in three ops: x * cos + [x2, x1] * [-sin1, sin2] per head."""
+    shape = x.shape
+    xh = x.reshape(*shape[:-1], -1, head_dim)
+    half = head_dim // 2
+    swapped = torch.cat([xh[..., half:], xh[..., :half]], dim=-1)
+    return torch.addcmul(xh * cos[:, None, :], swapped, sin_signed[:, None, :]).reshape(shape)
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The view covering a then b when b's columns follow a's in the same rows of one buffer
+    (q and k split from one fused projection); None otherwise."""
+    if (a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.shape[0] != b.shape[0]
+            or a.stride() != b.stride() or a.stride(-1) != 1
+            or b.data_ptr() != a.data_ptr() + a.shape[1] * a.element_size()
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()):
+        return None
+    return a.as_strided((a.shape[0], a.shape[1] + b.shape[1]), a.stride())
+
 
 @kernel("embedding")
 def embedding(ids, weight, **attrs):
@@ -82,6 +114,8 @@ def qembedding(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **att
 
 @kernel("rms_norm")
 def rms_norm(x, weight, *, eps, **attrs):
+    if x.dtype == weight.dtype == torch.float32:   # one fused op; bitwise the same as below
+        return [F.rms_norm(x, (x.shape[-1],), weight, eps=eps)]
     # Normalise in fp32 and cast back before the weight, as the reference (and HF Llama) do.
     h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return [weight * h.to(x.dtype)]
@@ -168,15 +202,17 @@ def select_rows(x, indices, **attrs):
 
 
 def rope_tables(rope_cache: RopeCache | None, positions, inv_freq, scaling: float, dtype):
+    """cos and signed sin for `rotate`, from the forward's cache when there is one."""
     if rope_cache is None:
-        return rope_cos_sin(positions.reshape(-1), inv_freq, scaling, dtype)
-    return rope_cache.cos_sin(positions, inv_freq, scaling, dtype)
+        cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, scaling, dtype)
+        return cos, signed_sin(sin)
+    return rope_cache.cos_signed_sin(positions, inv_freq, scaling, dtype)
 
 
 @kernel("rope", context=("rope_cache",))
 def rope(x, positions, inv_freq, *, head_dim, scaling=1.0, rope_cache: RopeCache | None = None, **attrs):
     cos, sin = rope_tables(rope_cache, positions, inv_freq, scaling, x.dtype)
-    return [apply_rope(x, cos, sin, head_dim)]
+    return [rotate(x, cos, sin, head_dim)]
 
 
 @kernel("attention", context=("backend",))
@@ -203,9 +239,17 @@ def flash_attention(*inputs, backend, head_dim, rope=None, rope_cache: RopeCache
     inputs, kv_scales = split_kv_scales(inputs, attrs)
     q, k, v = inputs[:3]
     if rope is not None:
-        cos, sin = rope_tables(rope_cache, inputs[3], inputs[4], rope["scaling"], q.dtype)
-        q, k = apply_rope(q, cos, sin, head_dim), apply_rope(k, cos, sin, head_dim)
+        q, k = _rotate_q_k(q, k, inputs[3], inputs[4], rope["scaling"], head_dim, rope_cache)
     return attention(q, k, v, kv_scales, backend=backend, head_dim=head_dim, **attrs)
+
+
+def _rotate_q_k(q, k, positions, inv_freq, scaling: float, head_dim: int, rope_cache: RopeCache | None):
+    """Rotary on q and k; in one pass over both when they lie side by side in one buffer."""
+    cos, sin = rope_tables(rope_cache, positions, inv_freq, scaling, q.dtype)
+    qk = _adjacent(q, k)
+    if qk is None:
+        return rotate(q, cos, sin, head_dim), rotate(k, cos, sin, head_dim)
+    return rotate(qk, cos, sin, head_dim).split([q.shape[-1], k.shape[-1]], dim=-1)
 
 
 # Resolving (and allow-list checking) torch.ops.aten.<op>.<overload> walks attributes and schemas;

@@ -5,7 +5,7 @@ with `kv_scales` stores int8/fp8 codes, quantised on write and dequantised on re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,10 @@ class PagedKVCache:
     def read(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `blocks` (any index shape) as [*blocks.shape, block_size, kv_heads,
         head_dim]; a quantised cache dequantises them to `dtype`."""
-        keys, values = self.k_cache[layer][blocks], self.v_cache[layer][blocks]
+        # index_select on the flat block ids: several times faster than advanced indexing on CPU
+        flat, shape = blocks.reshape(-1), (*blocks.shape, *self.k_cache[layer].shape[1:])
+        keys = self.k_cache[layer].index_select(0, flat).view(shape)
+        values = self.v_cache[layer].index_select(0, flat).view(shape)
         if not self.quantized:
             return keys, values
         scales = self.kv_scales[layer]
@@ -88,6 +91,20 @@ class StepMetadata:
     decode_lens: torch.Tensor | None = None           # int32 [decodes] keys each decode row sees (its own too)
     max_query_len: int = 0                  # longest prefill chunk
     max_context_len: int = 0                # longest context any query sees
+    _decode_biases: dict = field(default_factory=dict, repr=False)  # by (window, dtype)
+
+    def decode_bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """decode_mask as an additive 0/-inf mask of `dtype`, narrowed to a sliding `window` (a
+        decode at position p sees keys p - window + 1 .. p): built once per step, not per layer."""
+        bias = self._decode_biases.get((window, dtype))
+        if bias is None:
+            mask = self.decode_mask
+            if window is not None:
+                mask = mask & (torch.arange(mask.shape[-1], device=mask.device)
+                               >= self.decode_lens[:, None] - window)[:, None, None, :]
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._decode_biases[(window, dtype)] = bias
+        return bias
 
     @classmethod
     def build(cls, seqs: list[tuple[list[int], int, int]], block_size: int, device="cpu") -> "StepMetadata":
@@ -149,6 +166,8 @@ class PagedAttention(AttentionBackend):
         meta, cache = self.metadata, self.cache
         cache.write(layer, meta.slot_mapping, k.reshape(-1, num_kv_heads, head_dim),
                     v.reshape(-1, num_kv_heads, head_dim))
+        if not meta.prefills and meta.decode_rows is not None:   # decodes only: row i is decode i
+            return self._decode(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window)
         out = q.new_empty(q.shape[0], num_heads * head_dim)
         for c in meta.prefills:
             ctx = c.start + c.q_len
@@ -165,11 +184,7 @@ class PagedAttention(AttentionBackend):
 
     def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window):
         b = q.shape[0]
-        mask = meta.decode_mask
-        if window is not None:
-            # a decode at position p sees keys p - window + 1 .. p
-            mask = mask & (torch.arange(mask.shape[-1], device=mask.device)
-                           >= meta.decode_lens[:, None] - window)[:, None, None, :]
+        mask = meta.decode_bias(window, q.dtype)
         keys, values = self.cache.read(layer, meta.decode_blocks, q.dtype)
         # gathered: [decodes, max_blocks * block_size, kv_heads, head_dim] -> heads first
         keys = keys.reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)

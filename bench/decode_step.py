@@ -1,0 +1,96 @@
+"""Where one decode step's wall time goes: runs batch-B decode on an artifact and prints the
+per-step split (scheduler / metadata / plan walk / sample / rest) and, with --by-kernel, the
+plan walk's time per kernel. Usage: python bench/decode_step.py ART [-b 1] [--steps 64]."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.sampling_params import SamplingParams
+
+
+def _timed(obj, name: str, bucket: str, totals: dict) -> None:
+    """Wrap obj.name so its wall time adds up in totals[bucket]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[bucket] += time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
+def _time_kernels(executor, totals: dict) -> None:
+    """Replace each launch's kernel with a timed one (its attributes kept: context, prepare)."""
+    def timed(fn, key):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            totals[key] += time.perf_counter() - t0
+            return out
+        run.context = getattr(fn, "context", ())
+        return run
+    executor._program = [launch._replace(fn=timed(launch.fn, executor.plan.steps[i].kernel))
+                         for i, launch in enumerate(executor._program)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("artifact")
+    ap.add_argument("-b", "--batch", type=int, default=1, help="sequences decoding together")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
+    ap.add_argument("--by-kernel", action="store_true", help="also split the plan walk per kernel")
+    args = ap.parse_args()
+    engine = Engine(args.artifact, EngineConfig(kv_memory="256MiB", seed=0))
+    if args.threads:   # after the engine, which applies its own thread count
+        torch.set_num_threads(args.threads)
+    vocab = engine.model["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.steps + 2, ignore_eos=True, temperature=0.0)
+    for _ in range(args.batch):
+        ids = torch.randint(0, vocab, (args.input_len,), generator=gen).tolist()
+        engine.add_request(prompt_token_ids=ids, params=params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(
+            engine.scheduler.waiting)):
+        engine.step()  # prefill (untimed)
+    totals: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
+    _timed(engine.scheduler, "schedule", "scheduler", totals)
+    _timed(engine.scheduler, "postprocess", "scheduler", totals)
+    _timed(engine.runner, "execute", "runner", totals)
+    _timed(engine.executor, "run_values", "plan", totals)
+    _timed(engine.sampler, "sample", "sample", totals)
+    if args.by_kernel:
+        _time_kernels(engine.executor, kernels)
+    engine.step()  # warm-up decode
+    totals.clear()
+    kernels.clear()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = time.perf_counter() - t0
+    split = {"scheduler": totals["scheduler"], "metadata": totals["runner"] - totals["plan"],
+             "plan": totals["plan"], "sample": totals["sample"]}
+    split["rest"] = wall - sum(split.values())
+    per = 1e3 / args.steps
+    print(f"batch {args.batch}, {args.steps} decode steps, {torch.get_num_threads()} threads: "
+          f"{wall * per:.2f} ms/step, {args.batch * args.steps / wall:.1f} tok/s")
+    for name, s in split.items():
+        print(f"  {name:<10} {s * per:8.3f} ms/step  {100 * s / wall:5.1f}%")
+    if args.by_kernel:
+        print("plan walk by kernel (timing wrappers add a little):")
+        for name, s in sorted(kernels.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<24} {s * per:8.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
