@@ -1,17 +1,28 @@
-"""Load a GGUF file through transformers' GGUF support (quantised tensors are dequantised to
-float32), after checking the file parses, holds a supported architecture, and declares exactly the
-tensors its metadata's model needs, in types gguf can dequantize: checked before any allocation."""
+"""Load a GGUF file: config and tokenizer through transformers' GGUF support, weights dequantised
+to float32 here (vectorised, bit-identical to transformers' own GGUF loader) into the model built
+from that config, after checking the file parses, holds a supported architecture, and declares
+exactly the tensors its metadata's model needs, in types gguf can dequantize: checked before any
+allocation. The file is parsed once; transformers' metadata readers reuse that parse."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
+from unittest import mock
 
+import gguf
+import numpy as np
 import torch
+from accelerate import init_empty_weights
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, ReaderTensor, get_tensor_name_map
 from gguf.quants import _type_traits as DEQUANTIZERS  # the types gguf.dequantize handles besides F32/F16
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from llmc.compiler.frontends.config_check import check_config_values
+from llmc.compiler.frontends.gguf_dequant import dequantize
 from llmc.compiler.frontends.model import (
     SUPPORTED_GGUF_ARCHITECTURES,
     LoadedModel,
@@ -37,19 +48,35 @@ def load_gguf_file(path: Path, source: str | None = None) -> LoadedModel:
     reader, architecture = check_gguf(path)
     where = f"GGUF file '{path}'"
     kwargs = dict(gguf_file=path.name, local_files_only=True)
-    config = call_transformers(path, AutoConfig.from_pretrained, path.parent, **kwargs)
-    check_config_values(config, where)
-    module = meta_model(config, where)
-    check_tensor_table(module, tensor_table(reader, architecture, module, where), where)
-    del reader  # its memory map of the file; transformers opens its own
-    tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path.parent, **kwargs)
-    module, info = call_transformers(path, AutoModelForCausalLM.from_pretrained, path.parent,
-                                     dtype=torch.float32, attn_implementation="sdpa",
-                                     output_loading_info=True, **kwargs)
-    check_loading_info(info, where)
+    with parsed_once(path, reader):
+        config = call_transformers(path, AutoConfig.from_pretrained, path.parent, **kwargs)
+        check_config_values(config, where)
+        meta = meta_model(config, where)
+        names = hf_names(architecture, meta, where)
+        check_tensor_table(meta, tensor_table(reader, names), where)
+        tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path.parent, **kwargs)
+    module = empty_model(config, where)
+    load_weights(module, dequantized_state_dict(reader, names, q_k_heads(reader, architecture, config)), where)
+    record_gguf_source(module.config, path)
     return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
                        name=path.stem, source_hash=sha256_file(path), source=source or str(path),
                        kind="gguf")
+
+
+@contextlib.contextmanager
+def parsed_once(path: Path, reader: GGUFReader):
+    """transformers' GGUF metadata readers (config, tokenizer) get `reader` for `path` instead of
+    parsing the file again: parsing a 49k-token vocabulary takes seconds each time. Should
+    transformers stop calling gguf.GGUFReader, it parses the file itself: slower, same result."""
+    parse, target = gguf.GGUFReader, path.resolve()
+
+    def reader_for(file, *args, **kwargs):
+        if not args and not kwargs and Path(file).resolve() == target:
+            return reader
+        return parse(file, *args, **kwargs)
+
+    with mock.patch.object(gguf, "GGUFReader", reader_for):
+        yield
 
 
 def check_gguf(path: Path) -> tuple[GGUFReader, str]:
@@ -72,10 +99,26 @@ def check_gguf(path: Path) -> tuple[GGUFReader, str]:
 def read_gguf(path: Path) -> GGUFReader:
     """The parsed file; the reader maps every tensor's extent, so one past the end fails here."""
     try:
-        return GGUFReader(path)
+        return PlainArrayReader(path)
     except Exception as e:  # the reader fails on truncation with ValueError, IndexError, struct errors
         raise ModelLoadError(f"GGUF file '{path}' is truncated or corrupt ({first_line(e)}); "
                              f"re-download it") from e
+
+
+class PlainArrayReader(GGUFReader):
+    """gguf's reader, slicing a plain ndarray view of its memory map rather than the np.memmap
+    itself: the same values (tensor data still maps the file, uncopied), parsed about 3x faster,
+    since every memmap slice costs a Python-level __array_finalize__ and the vocabulary alone is
+    ~100k slices."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        dtype, count = np.dtype(dtype), int(count)
+        array = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return array if order == "I" else array.view(array.dtype.newbyteorder(order))
 
 
 def read_architecture(reader: GGUFReader, path: Path) -> str:
@@ -100,25 +143,105 @@ def check_contents(reader: GGUFReader, path: Path) -> None:
                                  f"float or Q*/IQ* weights")
 
 
-def tensor_table(reader: GGUFReader, architecture: str, module: torch.nn.Module,
-                 where: str) -> dict[str, StoredTensor]:
-    """The file's tensors under the names transformers loads them as (via gguf's name map); a tensor
-    the map does not know keeps its GGUF name, so it is reported as extra."""
+def hf_names(architecture: str, module: torch.nn.Module, where: str) -> dict[str, str]:
+    """GGUF tensor name -> the name transformers loads it as (via gguf's name map, as transformers'
+    get_gguf_hf_weights_map does), for every tensor of `module` (a meta model) the map knows."""
     arch = next((key for key, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
     if arch is None:  # transformers maps names through the same table, so it could not load it either
         raise UnsupportedModelError(f"{where}: the gguf package has no tensor names for architecture "
                                     f"{architecture!r}; convert the model with general.architecture 'llama'")
     name_map = get_tensor_name_map(arch, module.config.num_hidden_layers)
-    hf_names = {}
+    names = {}
     for hf_name in module.state_dict():
         stem, _, suffix = hf_name.rpartition(".")
         gguf_name = name_map.get_name(stem)
         if gguf_name is not None:
-            hf_names[f"{gguf_name}.{suffix}"] = hf_name
-    return {hf_names.get(t.name, t.name): stored_tensor(t) for t in reader.tensors}
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    return names
+
+
+def tensor_table(reader: GGUFReader, names: dict[str, str]) -> dict[str, StoredTensor]:
+    """The file's tensors under the names transformers loads them as; a tensor the name map does
+    not know keeps its GGUF name, so it is reported as extra."""
+    return {names.get(t.name, t.name): stored_tensor(t) for t in reader.tensors}
 
 
 def stored_tensor(tensor: ReaderTensor) -> StoredTensor:
     # GGUF lists dimensions innermost first; torch outermost first.
     return StoredTensor(shape=tuple(int(d) for d in reversed(tensor.shape.tolist())),
                         dtype=tensor.tensor_type.name, is_float=True)
+
+
+def q_k_heads(reader: GGUFReader, architecture: str, config) -> tuple[int, int] | None:
+    """(query heads, key/value heads) when q_proj/k_proj rows need llama.cpp's rope permutation
+    undone: as transformers' LlamaTensorProcessor, for general.architecture 'llama' files whose
+    metadata gives both head counts; None otherwise."""
+    declared = all(f"{architecture}.attention.{key}" in reader.fields for key in ("head_count", "head_count_kv"))
+    if architecture != "llama" or not declared:
+        return None
+    return config.num_attention_heads, config.num_key_value_heads
+
+
+def unpermute_rows(weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert_hf_to_gguf permute of q/k rows (transformers' _reverse_permute_weights)."""
+    half = weights.shape[0] // heads // 2
+    return weights.reshape(heads, half, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape).contiguous()
+
+
+def dequantized_state_dict(reader: GGUFReader, names: dict[str, str],
+                           heads: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """Every tensor of the file as float32 under its transformers name, with a progress bar."""
+    show = hf_logging.is_progress_bar_enabled() and sys.stderr.isatty()
+    state = {}
+    with one_thread():
+        for tensor in tqdm(reader.tensors, desc="dequantising GGUF weights", unit="tensor", leave=False,
+                           file=sys.stderr, disable=not show):
+            weights = dequantize(tensor)
+            if heads is not None and ".attn_q." in tensor.name:
+                weights = unpermute_rows(weights, heads[0])
+            elif heads is not None and ".attn_k." in tensor.name:
+                weights = unpermute_rows(weights, heads[1])
+            state[names[tensor.name]] = weights
+    return state
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Dequantising runs many small memory-bound ops, where torch's intra-op threads cost more than
+    they give (up to 10x more when the cores are shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def empty_model(config, where: str) -> torch.nn.Module:
+    """The config's causal-LM module with its parameters on the meta device (to be assigned the
+    file's tensors) and its computed buffers (rotary frequencies) built as from_pretrained does."""
+    try:
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    except (ValueError, TypeError, RuntimeError, AttributeError, KeyError) as e:
+        raise ModelLoadError(f"{where}: the config does not describe a model transformers can build "
+                             f"({first_line(e)}); fix or re-download the config") from e
+
+
+def load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Assign `state` to `module`'s parameters and tie what the config ties; any tensor still
+    without weights (on the meta device) is refused, as from_pretrained's missing keys are."""
+    module.load_state_dict(state, strict=False, assign=True)
+    module.tie_weights()
+    empty = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    check_loading_info({"missing_keys": empty}, where)
+
+
+def record_gguf_source(config, path: Path) -> None:
+    """Note the source file in the config as from_pretrained(gguf_file=...) does, on transformers
+    versions that note it (a GgufConfig), so the artifact's hf_config is what it always was."""
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:
+        return
+    config.quantization_config = GgufConfig(gguf_file=path.name)
