@@ -56,6 +56,15 @@ class PagedKVCache:
         scales = self.kv_scales[layer]
         return dequantize_kv(keys, scales[0], dtype), dequantize_kv(values, scales[1], dtype)
 
+    def read_span(self, layer: int, first: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `read` for the consecutive blocks first .. first + count - 1: views, no gather (a
+        quantised cache still dequantises them)."""
+        keys, values = self.k_cache[layer][first:first + count], self.v_cache[layer][first:first + count]
+        if not self.quantized:
+            return keys, values
+        scales = self.kv_scales[layer]
+        return dequantize_kv(keys, scales[0], dtype), dequantize_kv(values, scales[1], dtype)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets src's keys and values in every layer."""
         if not pairs:
@@ -91,6 +100,8 @@ class StepMetadata:
     decode_lens: torch.Tensor | None = None           # int32 [decodes] keys each decode row sees (its own too)
     max_query_len: int = 0                  # longest prefill chunk
     max_context_len: int = 0                # longest context any query sees
+    # one decode whose blocks are consecutive in the cache: (first block, blocks, keys it sees)
+    decode_span: tuple[int, int, int] | None = None
     _decode_biases: dict = field(default_factory=dict, repr=False)  # by (window, dtype)
 
     def decode_bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -133,6 +144,9 @@ class StepMetadata:
             meta.decode_lens = lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
             meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :]
                                 < lens[:, None])[:, None, None, :]
+            table = dec_tables[0]
+            if len(dec_tables) == 1 and table == list(range(table[0], table[0] + len(table))):
+                meta.decode_span = (table[0], len(table), dec_lens[0])
         return meta
 
     def _pack_prefills(self, tables: list[list[int]], has_decodes: bool, device) -> None:
@@ -184,6 +198,8 @@ class PagedAttention(AttentionBackend):
 
     def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window):
         b = q.shape[0]
+        if meta.decode_span is not None:   # one sequence, consecutive blocks: its keys as they lie
+            return self._decode_span(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window)
         mask = meta.decode_bias(window, q.dtype)
         keys, values = self.cache.read(layer, meta.decode_blocks, q.dtype)
         # gathered: [decodes, max_blocks * block_size, kv_heads, head_dim] -> heads first
@@ -193,3 +209,14 @@ class PagedAttention(AttentionBackend):
         o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)
         return o.reshape(b, num_heads * head_dim)
+
+    def _decode_span(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window):
+        first_block, num_blocks, ctx = meta.decode_span
+        # a decode at position ctx - 1 sees keys 0 .. ctx - 1, with a sliding window only the last `window`
+        first_key = 0 if window is None else max(0, ctx - window)
+        keys, values = self.cache.read_span(layer, first_block, num_blocks, q.dtype)
+        keys = keys.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
+        values = values.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q.reshape(1, num_heads, 1, head_dim), keys, values, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        return o.reshape(1, num_heads * head_dim)
