@@ -190,11 +190,14 @@ def unpermute_rows(weights: torch.Tensor, heads: int) -> torch.Tensor:
 
 def dequantized_state_dict(reader: GGUFReader, names: dict[str, str],
                            heads: tuple[int, int] | None) -> dict[str, torch.Tensor]:
-    """Every tensor of the file as float32 under its transformers name, with a progress bar."""
+    """The file's tensors as float32 under their transformers names, with a progress bar; those
+    with no such name (ones the table check lets pass, named after computed buffers) are skipped,
+    as transformers skips them."""
     show = hf_logging.is_progress_bar_enabled() and sys.stderr.isatty()
+    tensors = [tensor for tensor in reader.tensors if tensor.name in names]
     state = {}
     with one_thread():
-        for tensor in tqdm(reader.tensors, desc="dequantising GGUF weights", unit="tensor", leave=False,
+        for tensor in tqdm(tensors, desc="dequantising GGUF weights", unit="tensor", leave=False,
                            file=sys.stderr, disable=not show):
             weights = dequantize(tensor)
             if heads is not None and ".attn_q." in tensor.name:
