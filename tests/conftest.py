@@ -43,6 +43,6 @@ def smollm2_gguf():
 
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_gguf):
-    """Loaded once per session (about 20 s): read it, do not modify it."""
+    """Loaded once per session (a few seconds): read it, do not modify it."""
     from llmc.compiler.frontends import load_model
     return load_model(str(smollm2_gguf))
