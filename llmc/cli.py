@@ -1,4 +1,4 @@
-"""The `llmc` command line: compile, inspect, targets, run, chat, bench, eval, export.
+"""The `llmc` command line: compile, inspect, targets, passes, run, chat, bench, eval, export.
 User errors print one line and exit 2; bugs keep their traceback and exit 1."""
 
 from __future__ import annotations
