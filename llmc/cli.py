@@ -262,8 +262,8 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @click.option("--max-num-batched-tokens", type=POSITIVE, default=None)
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--baseline", default="none", show_default=True,
-              help="none, hf (HF transformers on the artifact's own fp32 weights), or another artifact's "
-                   "path (e.g. the fp32 build of a quantised one) run on the same workload.")
+              help="none, hf (HF transformers in fp32 on the artifact's own weights, quantised ones dequantised), "
+                   "or another artifact's path (e.g. the fp32 build of a quantised one) run on the same workload.")
 @click.option("--baseline-batch-size", type=POSITIVE, default=None, help="HF batch size (default: all requests).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write latency CDFs and throughput to this PNG.")
@@ -301,9 +301,10 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
               "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak)
               if engine.device.type == "cpu" else None}
-    base = None
+    base, base_name = None, baseline
     if baseline == "hf":
-        model = hf_model_from_artifact(engine)
+        from llmc.runtime.hf_baseline import baseline_name
+        model, base_name = hf_model_from_artifact(engine), baseline_name(engine.executor.plan)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
         base = run_hf_baseline(model, requests, pad, baseline_batch_size, progress=not as_json)
     elif baseline != "none":
@@ -314,14 +315,14 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
                                               threads=threads))
         base = run_engine(other, requests, progress=not as_json)
     if base is not None:
-        result["baseline"] = {**base.to_dict(), "name": baseline}
+        result["baseline"] = {**base.to_dict(), "name": base_name}
         result["ratio"] = ours.output_tokens_per_s / base.output_tokens_per_s
     # the results first: a plot that fails to save must not lose the run
     click.echo(json.dumps(result, indent=2, sort_keys=True, default=str) if as_json else _bench_table(result))
     if plot:
         from llmc.runtime.bench_plot import plot_bench
         plot_bench(ours, plot, base, title=f"llmc bench: {artifact}",
-                   baseline_name="HF" if baseline == "hf" else baseline)
+                   baseline_name="HF" if base_name == "hf" else base_name)
 
 
 def _bench_table(r: dict) -> str:

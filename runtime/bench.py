@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from llmc.errors import RuntimeLlmcError
+from llmc.runtime.hf_baseline import dequantised_weights
 from llmc.runtime.metrics import percentiles
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -191,24 +192,24 @@ def pruned_shapes(meta: dict, weights: dict[str, torch.Tensor]) -> dict:
 
 def hf_model_from_artifact(engine) -> torch.nn.Module:
     """Rebuild the HF model from the artifact's own config and weights (same numbers, no
-    download), so the baseline runs exactly what we compiled."""
+    download), so the baseline runs exactly what we compiled; quantised weights are dequantised
+    to fp32 (runtime/hf_baseline.py), so HF does the fp32 work the source model would."""
     import transformers
 
-    weights = renumbered_layers({name: engine.executor.weight(name) for name in engine.executor.plan.params})
+    plan, weight = engine.executor.plan, engine.executor.weight
+    dequantised, replaced = dequantised_weights(plan, weight)
+    weights = renumbered_layers({name: weight(name) for name in plan.params if name not in replaced} | dequantised)
     cfg_dict = {**engine.manifest["model"]["hf_config"], **pruned_shapes(engine.model, weights)}
     arch = engine.model["architecture"]
     config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     config._attn_implementation = "sdpa"
     model = getattr(transformers, arch)(config).eval()
     weights = unfused_weights(weights, model.state_dict())
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, _ = model.load_state_dict(weights, strict=False)
     tied = "model.embed_tokens.weight" if config.tie_word_embeddings else None
     missing = [m for m in missing if "rotary_emb" not in m and m != tied]
     if missing:
-        hint = ("; the artifact's linears are quantised, so HF cannot run its weights: pass the fp32 "
-                "build of the same model as --baseline PATH instead" if any(".qweight" in u for u in unexpected)
-                else "")
-        raise RuntimeLlmcError(f"artifact weights do not cover HF {arch}: missing {missing[:4]}{hint}")
+        raise RuntimeLlmcError(f"artifact weights do not cover HF {arch}: missing {missing[:4]}")
     if config.tie_word_embeddings:
         model.tie_weights()
     return model

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from llmc.cli import cli, main
+from llmc.cli import cli
 from llmc.compiler.frontends import load_model
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.bench import Workload, hf_model_from_artifact, run_engine, run_hf_baseline
@@ -146,9 +146,9 @@ def test_percentiles_are_ordered_on_skewed_samples():
     assert percentiles([])["p50"] is None
 
 
-def test_cli_bench_against_another_artifact_and_hf_refuses_quantised_weights(artifact, tmp_path, capsys):
+def test_cli_bench_a_quantised_build_against_its_fp32_build_and_hf(artifact, tmp_path):
     """A quantised build is benchmarked against its fp32 build on the same workload, in one run;
-    HF cannot run quantised weights and says which baseline to use instead."""
+    against HF, the baseline runs its weights dequantised to fp32 and says so."""
     import llmc
     int8 = llmc.compile("tiny-llama", output=tmp_path / "int8.llmc", quant="int8")
     args = ["bench", str(int8), "-n", "3", "--input-len", "8", "--output-len", "4", "--kv-memory", "4MiB"]
@@ -160,9 +160,8 @@ def test_cli_bench_against_another_artifact_and_hf_refuses_quantised_weights(art
         report["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
     res = CliRunner().invoke(cli, args + ["--baseline", str(artifact)])
     assert res.exit_code == 0 and "ours / baseline" in res.stdout
-    with pytest.raises(SystemExit) as exit_info:
-        main(args + ["--baseline", "hf"])
-    assert exit_info.value.code == 2 and "--baseline PATH" in capsys.readouterr().err
+    res = CliRunner().invoke(cli, args + ["--baseline", "hf"])
+    assert res.exit_code == 0 and "baseline          hf (fp32, dequantised int8 weights)" in res.stdout
 
 
 def test_hf_baseline_rebuilds_a_pruned_and_fused_artifact(tmp_path):
