@@ -5,16 +5,13 @@ it without llmc. onnx is imported inside the functions (the runtime imports code
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from llmc.errors import ArtifactError, LlmcError
+from llmc.compiler.artifact import OutputKind, read_artifact, staged_output
+from llmc.errors import LlmcError
 
 OPSET = 17
 MARKER = "llmc_onnx.json"           # what a previous export holds; --force replaces only such a directory
@@ -31,72 +28,33 @@ def export_onnx(artifact_path, output, force: bool = False) -> Path:
     via a staging sibling renamed into place (nothing is left behind on failure)."""
     import onnx
 
-    from llmc.compiler.artifact import read_artifact
     from llmc.compiler.ir import Graph
 
     artifact = read_artifact(artifact_path)
     graph = Graph.from_json(artifact.graph_json)
-    model, config = build_model(graph, artifact.weights)
-    output = Path(output)
-    _check_output(output, force)
-    with _staged(output, force) as staging:
+    with staged_output(Path(output), force, EXPORT) as staging:
+        model, config = build_model(graph, artifact.weights)
         large = not _fits_protobuf(model)
         onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=large,
                         all_tensors_to_one_file=True, location="model.onnx.data")
         onnx.checker.check_model(str(staging / "model.onnx"), full_check=True)
         shutil.copytree(artifact.tokenizer_dir, staging / "tokenizer")
         (staging / MARKER).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
-    return output
+    return Path(output)
 
 
 def _fits_protobuf(model) -> bool:
     return sum(t.ByteSize() for t in model.graph.initializer) < EXTERNAL_DATA_BYTES
 
 
-def _check_output(path: Path, force: bool) -> None:
-    if not os.path.lexists(path):
-        return
-    if not force:
-        raise ExportError(f"output '{path}' exists; pass --force to overwrite a previous export")
+def export_problem(path: Path) -> str | None:
+    """Why `path` is not a previous ONNX export (for --force), or None when it is."""
     if path.is_symlink() or not path.is_dir() or not (path / MARKER).is_file():
-        raise ExportError(f"output '{path}' is not a previous ONNX export (no {MARKER}); --force replaces only "
-                          f"one: move it away or choose another -o")
+        return f"is not a previous ONNX export (no {MARKER})"
+    return None
 
 
-@contextmanager
-def _staged(path: Path, force: bool) -> Iterator[Path]:
-    """A staging sibling of `path` to fill, renamed onto it on success (a previous export set aside
-    first, then removed); on any exception the staging directory goes and `path` stays as it was."""
-    from llmc.compiler.artifact import make_parents, remove_empty, set_modes
-
-    made = make_parents(path)
-    try:
-        staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    except OSError as e:
-        remove_empty(made)
-        raise ArtifactError(f"cannot write output '{path}': its directory does not take new entries "
-                            f"({e.strerror}); choose another -o") from None
-    old = None
-    try:
-        yield staging
-        set_modes(staging)
-        if force and os.path.lexists(path):
-            _check_output(path, True)
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
-            os.rename(path, old / "export")
-        try:
-            os.rename(staging, path)
-        except OSError as e:
-            if old is not None:
-                os.rename(old / "export", path)
-            raise ArtifactError(f"cannot move the export to '{path}' ({e.strerror}); retry") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        remove_empty(made)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+EXPORT = OutputKind("ONNX export", "export", export_problem)
 
 
 # -- IR -> ONNX --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError
@@ -37,6 +37,15 @@ WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 KERNELS_DIR = "kernels"
 KERNEL_INDEX = "kernels.json"  # what each file under kernels/ is and which plan steps launch it
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """What a staged output directory is, for --force: `problem(path)` says why an existing path
+    is not a previous output of this kind (None: it is, and may be replaced)."""
+    name: str                                   # "llmc artifact", "ONNX export"
+    writer: str                                 # "compile", "export": who races for the path
+    problem: Callable[[Path], str | None]
 
 
 @dataclass
@@ -63,12 +72,14 @@ def write_artifact(path, *, graph_json: str, plan_json: str, weights: dict[str, 
 
 
 @contextmanager
-def staged_output(path: Path, force: bool) -> Iterator[Path]:
-    """Check that `path` may be written (absent, or with force a previous llmc artifact) and that
-    its parent takes a directory, then yield an empty staging sibling to fill. On a normal exit
-    the staging directory, its modes made 0644/0755, replaces `path`; on any exception (SIGINT,
-    a SIGTERM the CLI turns into SystemExit) it goes, with any parent directories made for it."""
-    check_output(path, force)
+def staged_output(path: Path, force: bool, kind: OutputKind | None = None) -> Iterator[Path]:
+    """Check that `path` may be written (absent, or with force a previous output of `kind`, by
+    default an llmc artifact) and that its parent takes a directory, then yield an empty staging
+    sibling to fill. On a normal exit the staging directory, its modes made 0644/0755, replaces
+    `path`; on any exception (SIGINT, a SIGTERM the CLI turns into SystemExit) it goes, with any
+    parent directories made for it."""
+    kind = kind or ARTIFACT
+    check_output(path, force, kind)
     made = make_parents(path)
     try:
         staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
@@ -79,25 +90,26 @@ def staged_output(path: Path, force: bool) -> Iterator[Path]:
     try:
         yield staging
         set_modes(staging)
-        move_into_place(staging, path, force)
+        move_into_place(staging, path, force, kind)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty(made)
         raise
 
 
-def check_output(path: Path, force: bool) -> None:
-    """Refuse an existing `path` without force, and with it anything but a previous llmc artifact."""
+def check_output(path: Path, force: bool, kind: OutputKind | None = None) -> None:
+    """Refuse an existing `path` without force, and with it anything but a previous output of
+    `kind` (default: an llmc artifact)."""
     if os.path.lexists(path):
         if not force:
             raise ArtifactError(f"output '{path}' exists; pass --force to overwrite")
-        check_replaceable(path)
+        check_replaceable(path, kind or ARTIFACT)
 
 
-def check_replaceable(path: Path) -> None:
-    problem = artifact_problem(path)
+def check_replaceable(path: Path, kind: OutputKind) -> None:
+    problem = kind.problem(path)
     if problem is not None:
-        raise ArtifactError(f"output '{path}' {problem}; --force replaces only a previous llmc artifact: "
+        raise ArtifactError(f"output '{path}' {problem}; --force replaces only a previous {kind.name}: "
                             f"move it away or choose another -o")
 
 
@@ -128,6 +140,9 @@ def artifact_problem(path: Path) -> str | None:
         if not entry.is_dir() and name not in listed:
             return f"holds {name}, which its {MANIFEST} does not list"
     return None
+
+
+ARTIFACT = OutputKind("llmc artifact", "compile", artifact_problem)
 
 
 def make_parents(path: Path) -> list[Path]:
@@ -215,11 +230,11 @@ def view_key(name: str, tensor: torch.Tensor) -> tuple:
     return (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
 
-def move_into_place(staging: Path, path: Path, force: bool) -> None:
-    """Rename the finished staging directory to `path`. With force, a previous artifact there is
+def move_into_place(staging: Path, path: Path, force: bool, kind: OutputKind) -> None:
+    """Rename the finished staging directory to `path`. With force, a previous output there is
     set aside first and removed after. If another writer put something at `path` meanwhile, that
     stays as it is and this write fails."""
-    old = set_aside(path) if force else None
+    old = set_aside(path, kind) if force else None
     try:
         os.rename(staging, path)  # fails onto anything but an absent path or an empty directory
     except OSError as e:
@@ -227,26 +242,26 @@ def move_into_place(staging: Path, path: Path, force: bool) -> None:
             os.rename(old, path)
             old = None
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise ArtifactError(f"another compile wrote '{path}' at the same time; it is left as it is, "
+            raise ArtifactError(f"another {kind.writer} wrote '{path}' at the same time; it is left as it is, "
                                 f"retry") from None
-        raise ArtifactError(f"cannot move the finished artifact to '{path}' ({e.strerror}); retry") from None
+        raise ArtifactError(f"cannot move the finished {kind.name} to '{path}' ({e.strerror}); retry") from None
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def set_aside(path: Path) -> Path | None:
-    """Move the previous artifact at `path` to a hidden sibling and return it (None: nothing is
-    there). What was moved is checked again: it may have changed since the compile began."""
+def set_aside(path: Path, kind: OutputKind) -> Path | None:
+    """Move the previous output at `path` to a hidden sibling and return it (None: nothing is
+    there). What was moved is checked again: it may have changed since the write began."""
     if not os.path.lexists(path):
         return None
-    check_replaceable(path)
+    check_replaceable(path, kind)
     old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
     try:
         os.rename(path, old)
     except FileNotFoundError:
         return None  # another writer set it aside first
-    problem = artifact_problem(old)
+    problem = kind.problem(old)
     if problem is not None:
         try:
             os.rename(old, path)

@@ -200,8 +200,8 @@ def test_a_forced_write_racing_another_keeps_the_winners_artifact(compiled, tmp_
     out = Path(shutil.copytree(compiled, tmp_path / "out.llmc"))
     real_set_aside = artifact_module.set_aside
 
-    def other_writer_lands_between(path):
-        old = real_set_aside(path)       # ours moved the previous artifact away...
+    def other_writer_lands_between(path, kind):
+        old = real_set_aside(path, kind)  # ours moved the previous artifact away...
         shutil.copytree(compiled, path)  # ...and another compile renamed its own into place
         return old
 
