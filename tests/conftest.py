@@ -46,3 +46,18 @@ def smollm2_model(smollm2_gguf):
     """Loaded once per session (a few seconds): read it, do not modify it."""
     from llmc.compiler.frontends import load_model
     return load_model(str(smollm2_gguf))
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """tiny-llama compiled for cpu once per session; read-only: copy it (fixture `art`) to change it."""
+    import llmc
+    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("tiny-cpu") / "tiny.llmc")
+
+
+@pytest.fixture
+def art(compiled, tmp_path):
+    """A fresh copy of the session's tiny-llama artifact, free to change."""
+    import shutil
+    from pathlib import Path
+    return Path(shutil.copytree(compiled, tmp_path / "art.llmc"))

@@ -17,15 +17,9 @@ from pathlib import Path
 import pytest
 from llmc_cli import error_line, llmc_in_process
 
-import llmc
 from llmc.compiler.artifact import read_artifact
 
 LLMC = Path(sys.executable).parent / "llmc"
-
-
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> Path:
-    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("force") / "tiny.llmc")
 
 
 @pytest.fixture

@@ -4,28 +4,15 @@ edited to a wrong type is refused by the schema; either way one line naming the 
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 from llmc_cli import error_line, llmc_in_process
 
-import llmc
-
 MODEL_FIELDS = ["num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
                 "max_position_embeddings", "kv_bytes_per_token", "eos_token_ids", "bos_token_id", "kv_dtype",
                 "kv_cache", "architecture", "hf_config"]
 COMMANDS = [("run", "--prompt", "hello", "--max-tokens", "2"), ("inspect",)]
-
-
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> Path:
-    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("tampered") / "tiny.llmc")
-
-
-@pytest.fixture
-def art(compiled, tmp_path) -> Path:
-    return Path(shutil.copytree(compiled, tmp_path / "art.llmc"))
 
 
 def set_model_field(art: Path, field: str, value) -> None:

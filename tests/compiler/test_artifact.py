@@ -9,14 +9,8 @@ import pickle
 import pytest
 import torch
 
-import llmc
 from llmc.compiler.artifact import Artifact, load_tokenizer, read_artifact, write_artifact
 from llmc.errors import ArtifactError
-
-
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("compiled") / "tiny.llmc")
 
 
 @pytest.fixture

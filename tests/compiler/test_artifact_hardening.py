@@ -20,17 +20,6 @@ from llmc.compiler.inspect import kernel_report, report
 from llmc.errors import ArtifactError, LlmcError
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> Path:
-    """tiny-llama compiled once: copy it before changing it."""
-    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("hardening") / "tiny.llmc")
-
-
-@pytest.fixture
-def art(compiled, tmp_path) -> Path:
-    return Path(shutil.copytree(compiled, tmp_path / "art.llmc"))
-
-
 def files_of(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 

@@ -6,12 +6,9 @@ import llmc
 
 
 @pytest.fixture(scope="session")
-def artifact(tmp_path_factory):
-    """tiny-llama compiled for cpu once per session; tests must treat it as read-only."""
-    path = tmp_path_factory.getbasetemp() / "runtime-tiny-llama-cpu.llmc"
-    if not path.exists():
-        llmc.compile("tiny-llama", target="cpu", output=path)
-    return path
+def artifact(compiled):
+    """tiny-llama compiled for cpu once per session (tests/conftest.py); read-only."""
+    return compiled
 
 
 @pytest.fixture(scope="session")
