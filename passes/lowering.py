@@ -14,6 +14,11 @@ class LoweringStep(Pass):
     required = True
 
 
+def done_once(done: bool, key: str) -> PassResult:
+    """The result of a step that rewrites the graph once or not at all."""
+    return PassResult(int(done), done, {key: done})
+
+
 @register_pass
 class RaiseToLLMOps(LoweringStep):
     name = "lower"
@@ -30,8 +35,7 @@ class DropBatchDim(LoweringStep):
     description = "drop the unit batch dim the tracing wrapper adds, making activations token-major"
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        dropped = drop_batch_dim(graph)
-        return PassResult(int(dropped), dropped, {"batch_dim_dropped": dropped})
+        return done_once(drop_batch_dim(graph), "batch_dim_dropped")
 
 
 @register_pass
@@ -40,8 +44,7 @@ class SelectLogitRows(LoweringStep):
     description = "compute the LM head only on the rows that are sampled (input logits_indices)"
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        selected = select_logit_rows(graph)
-        return PassResult(int(selected), selected, {"logit_rows_selected": selected})
+        return done_once(select_logit_rows(graph), "logit_rows_selected")
 
 
 @register_pass
