@@ -101,20 +101,26 @@ class Sampler:
 
     def _draw(self, probs, states):
         # probs: [rows, vocab], each row summing to 1 over the tokens it keeps
-        q = torch.empty_like(probs)
-        shared = [i for i, s in enumerate(states) if s.generator is None]
-        if len(shared) == len(states):
-            q.exponential_(generator=self._shared_generator(probs.device))
-        elif shared:
-            rows = torch.tensor(shared, device=probs.device)
-            q[rows] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-                generator=self._shared_generator(probs.device))
-        for i, s in enumerate(states):
-            if s.generator is not None:
-                gen = s.generator
-                q[i] = torch.empty(probs.shape[1], device=gen.device).exponential_(generator=gen)
+        q = self.noise(states, probs.shape[1], probs.device, "exponential")
         # exponential_ can return exactly 0 on some devices; keep the division finite
         return (probs / q.clamp_min_(1e-10)).argmax(dim=-1)
+
+    def noise(self, states, width: int, device, kind: str) -> torch.Tensor:
+        """[rows, width] draws ("exponential": Exp(1), "uniform": U[0, 1)), each row from its
+        request's own generator when it has a seed, else from the shared one."""
+        fill = {"exponential": torch.Tensor.exponential_, "uniform": torch.Tensor.uniform_}[kind]
+        out = torch.empty(len(states), width, device=device)
+        shared = [i for i, s in enumerate(states) if s.generator is None]
+        if len(shared) == len(states):
+            fill(out, generator=self._shared_generator(device))
+        elif shared:
+            rows = torch.tensor(shared, device=device)
+            out[rows] = fill(torch.empty(len(shared), width, device=device),
+                             generator=self._shared_generator(device))
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                out[i] = fill(torch.empty(width, device=s.generator.device), generator=s.generator)
+        return out
 
     def _shared_generator(self, device):
         if self.seed is None:
