@@ -28,7 +28,7 @@ def __getattr__(name):
     if name in ("compile",):
         from llmc.api import compile
         return compile
-    if name in ("load", "LLM", "evaluate", "export"):
+    if name in ("load", "LLM", "evaluate", "export", "serve"):
         from llmc import api
         return getattr(api, name)
     if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
@@ -37,6 +37,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'llmc' has no attribute {name!r}")
 
 
-__all__ = ["compile", "load", "LLM", "evaluate", "export", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "LlmcError", "ModelLoadError", "UnsupportedModelError", "IRError", "PassError",
+__all__ = ["compile", "load", "LLM", "evaluate", "export", "serve", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "LlmcError", "ModelLoadError", "UnsupportedModelError", "IRError", "PassError",
            "TargetError", "ArtifactError", "RuntimeLlmcError", "__version__"]

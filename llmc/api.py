@@ -50,6 +50,15 @@ def load(path: str | Path, device: str | None = None, **engine_options) -> "LLM"
     return LLM(path, device=device, **engine_options)
 
 
+def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
+    """Serve the artifact at `path` over an OpenAI-compatible HTTP API until SIGTERM (as `llmc serve`).
+    `options`: api_key, max_queue, ttft_slo_ms, served_model_name, shutdown_timeout, and `load`'s
+    engine options. To mount the app yourself: `llmc.runtime.server.build_app(llmc.load(path))`."""
+    from llmc.runtime.server.launch import serve as serve_artifact
+
+    serve_artifact(path, host, port, **options)
+
+
 class LLM:
     """An artifact on the llmc engine. `engine_options` are EngineConfig fields (kv_memory,
     block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, device, threads: CPU

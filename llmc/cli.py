@@ -1,4 +1,4 @@
-"""The `llmc` command line: compile, inspect, targets, passes, run, chat, bench, eval, export.
+"""The `llmc` command line: compile, inspect, targets, passes, run, chat, bench, serve, eval, export.
 User errors print one line and exit 2; bugs keep their traceback and exit 1."""
 
 from __future__ import annotations
@@ -168,6 +168,39 @@ def threads_option(f):
                              "machine's physical cores).")(f)
 
 
+def speculative_options(f):
+    f = click.option("--num-speculative-tokens", type=POSITIVE, default=None, metavar="K",
+                     help="With --speculative: the most drafts verified per step (default 4).")(f)
+    return click.option("--speculative", metavar="METHOD", default=None,
+                        help="Speculative decoding: ngram (prompt lookup) or draft:PATH (a draft artifact, "
+                             "see `llmc compile --draft-of`).")(f)
+
+
+def _whole_file_prompt(file) -> str:
+    data, source = file.read(), f"--prompt-file '{file.name}'"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlmcError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start}); pass a text file") from None
+    if "\0" in text or not text.strip():
+        raise LlmcError(f"{source} {'holds a NUL byte' if text.strip() else 'is empty'}; pass a text file "
+                        "holding the prompt")
+    return text
+
+
+def _speculative(method, num_tokens) -> dict | None:
+    """EngineConfig.speculative from --speculative and --num-speculative-tokens."""
+    if method is None:
+        if num_tokens is not None:
+            raise LlmcError("--num-speculative-tokens needs --speculative ngram or --speculative draft:PATH")
+        return None
+    from llmc.runtime.speculative_config import speculative_config
+    config = speculative_config(method)
+    if num_tokens is not None:
+        config.num_speculative_tokens = num_tokens
+    return vars(config)
+
+
 def _threads(value) -> int:
     """The checked thread count, before anything loads."""
     from llmc.runtime.threads import resolve_threads
@@ -184,25 +217,30 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", "-p", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompts-file", type=click.File("rb"), help="One prompt per line ('-' for stdin).")
+@click.option("--prompt-file", type=click.File("rb"), multiple=True,
+              help="A file whose whole text is one prompt, e.g. an article and a question (repeatable).")
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--no-stream", is_flag=True, help="Print whole outputs at the end.")
 @sampling_options
 @device_option
 @threads_option
-def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
-        kv_memory, device, threads):
+@speculative_options
+def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
+        kv_memory, device, threads, speculative, num_speculative_tokens):
     """Generate from one prompt (streamed) or many (batched together)."""
     import llmc
 
     threads = _threads(threads)
+    speculative = _speculative(speculative, num_speculative_tokens)
     prompts = [checked_text(p, f"--prompt {i}") for i, p in enumerate(prompt, 1)]
     if prompts_file:
         prompts += prompt_lines(prompts_file.read(), f"--prompts-file '{prompts_file.name}'")
+    prompts += [_whole_file_prompt(f) for f in prompt_file]
     if not prompts and not sys.stdin.isatty():
         prompts = stdin_prompts()
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
-    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads)
+    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative)
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -360,6 +398,40 @@ def export(artifact, format_, output, force):
     with _sigterm_exits():
         path = export_api(artifact, format=format_, output=output, force=force)
     click.echo(f"wrote {path}/model.onnx")
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="LLMC_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1 routes (default: $LLMC_API_KEY, else no key).")
+@click.option("--served-model-name", default=None, help="The model's name in the API (default: the artifact's "
+              "directory name without .llmc).")
+@click.option("--max-queue", type=POSITIVE, default=256, show_default=True,
+              help="Requests waiting for the engine before more are refused with 429 and Retry-After.")
+@click.option("--ttft-slo-ms", type=FiniteFloat(min=0.0, min_open=True), default=None,
+              help="Time-to-first-token SLO: a request predicted to miss it (from the prompt tokens queued "
+                   "ahead and the measured prefill speed) is refused at once with 429 and Retry-After, "
+                   "rather than queued by deadline.")
+@click.option("--max-num-seqs", type=POSITIVE, default=64, show_default=True,
+              help="Requests in the engine at once; the rest wait in the server's fair queue.")
+@click.option("--shutdown-timeout", type=FiniteFloat(min=0.0), default=30.0, show_default=True,
+              help="On SIGTERM, seconds running requests may finish before they are aborted.")
+@click.option("--kv-memory", default="1GiB", show_default=True, help="KV cache budget.")
+@device_option
+@threads_option
+def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_ms, max_num_seqs, shutdown_timeout,
+          kv_memory, device, threads):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions),
+    with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
+    `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
+    --shutdown-timeout seconds, the rest end with finish_reason "abort"."""
+    from llmc.runtime.server.launch import serve as serve_artifact
+
+    serve_artifact(artifact, host, port, api_key=api_key, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms,
+                   served_model_name=served_model_name, shutdown_timeout=shutdown_timeout, kv_memory=kv_memory,
+                   device=device, threads=_threads(threads), max_num_seqs=max_num_seqs)
 
 
 @cli.command("eval")

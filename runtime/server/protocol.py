@@ -1,0 +1,150 @@
+"""The OpenAI request bodies the server takes (`/v1/completions`, `/v1/chat/completions`) with
+vLLM's extra sampling fields, and their translation into `SamplingParams`. Unknown fields are
+refused, not ignored: a field the server would silently drop changes what the user gets."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.sampling_params import SamplingParams
+
+# vLLM's default --max-logprobs: the most top logprobs one token may ask for.
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error the server answers in OpenAI's envelope: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind, self.headers = kind, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    priority: int = 0   # as llmc's engine: higher runs first
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_fields(self) -> dict:
+        """The SamplingParams fields this request sets (the rest keep their defaults)."""
+        given = {name: getattr(self, name) for name in (
+            "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
+            "min_p", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids",
+            "include_stop_str_in_output", "skip_special_tokens")}
+        return {k: v for k, v in given.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def one_prompt(self) -> tuple[str | None, list[int] | None]:
+        """(text, token ids) of the request's single prompt."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt holds {len(prompt)} prompts; this server takes one prompt per "
+                                    "request: send one request per prompt", param="prompt")
+            prompt = prompt[0]
+        return (prompt, None) if isinstance(prompt, str) else (None, prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        return _checked_params(self.sampling_fields() | {"max_tokens": self.max_tokens, "logprobs": self.logprobs},
+                               {})
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: str
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: str = Field(pattern="^text$")
+    text: str
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def sampling_params(self) -> SamplingParams:
+        """Without a length limit the reply may run to the end of the context (as vLLM)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return _checked_params(self.sampling_fields() | {"max_tokens": limit, "logprobs": logprobs},
+                               {"max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None
+                                else "max_tokens", "logprobs": "top_logprobs"})
+
+
+def _checked_params(fields: dict, api_names: dict) -> SamplingParams:
+    """SamplingParams from a request's fields; its refusal becomes a 400 naming the request's field."""
+    try:
+        return SamplingParams(**fields)
+    except RuntimeLlmcError as e:
+        found = re.search(r"SamplingParams\.(\w+)", str(e))
+        name = found.group(1) if found else None
+        message = str(e).replace("SamplingParams.", "")
+        if name in api_names:
+            message = message.replace(name, api_names[name])
+            name = api_names[name]
+        raise ApiError(400, message, param=name) from None
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatMessage.model_rebuild()
+ChatCompletionRequest.model_rebuild()

@@ -1,0 +1,87 @@
+"""OpenAI response bodies and stream chunks (`text_completion`, `chat.completion`,
+`chat.completion.chunk`) built from the engine's results and per-step deltas, with vLLM's extra
+`stop_reason` on each choice and `usage` counted from the tokens themselves."""
+
+from __future__ import annotations
+
+import time
+
+from llmc.runtime.outputs import RequestOutput
+
+
+class ResponseBuilder:
+    """One request's bodies: `chat` picks the chat shapes; `top_logprobs` is None without logprobs."""
+
+    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, top_logprobs: int | None):
+        self.request_id, self.model, self.tokenizer = request_id, model, tokenizer
+        self.chat, self.top_logprobs = chat, top_logprobs
+        self.created = int(time.time())
+        self.text_offsets: dict[int, int] = {}   # completions' logprobs.text_offset, by choice
+
+    def _envelope(self, kind: str, **fields) -> dict:
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, **fields}
+
+    def body(self, out: RequestOutput) -> dict:
+        """The whole (not streamed) response."""
+        choices = [self._choice(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason, False)
+                   for o in out.outputs]
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices=choices,
+                              usage=usage(out))
+
+    def chunk(self, delta, first: bool) -> dict:
+        """One stream event for one choice's delta; `first`: the choice's first event (chat: the role)."""
+        choice = self._choice(delta.index, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason,
+                              delta.stop_reason, True, first)
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices=[choice])
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices=[],
+                              usage=usage(out))
+
+    def _choice(self, index, text, token_ids, logprobs, finish_reason, stop_reason, streamed, first=False) -> dict:
+        choice = {"index": index, "logprobs": self._logprobs(index, token_ids, logprobs),
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if not self.chat:
+            return {"text": text, **choice}
+        if not streamed:
+            return {"message": {"role": "assistant", "content": text}, **choice}
+        return {"delta": ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {}),
+                **choice}
+
+    def _logprobs(self, index: int, token_ids: list[int], steps) -> dict | None:
+        if self.top_logprobs is None or steps is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(t, step) for t, step in zip(token_ids, steps)]}
+        return self._completion_logprobs(index, token_ids, steps)
+
+    def _top(self, step: dict) -> list[tuple[int, float]]:
+        """(token, logprob) of the step's top `top_logprobs` tokens, most likely first."""
+        ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in step.items()
+                        if lp.rank is not None and lp.rank <= self.top_logprobs)
+        return [(tid, logprob) for _, tid, logprob in ranked]
+
+    def _chat_entry(self, token_id: int, step: dict) -> dict:
+        def entry(tid, logprob):
+            text = self._token_text(tid)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {**entry(token_id, step[token_id].logprob), "top_logprobs": [entry(*t) for t in self._top(step)]}
+
+    def _completion_logprobs(self, index: int, token_ids: list[int], steps) -> dict:
+        tokens = [self._token_text(t) for t in token_ids]
+        offsets, offset = [], self.text_offsets.get(index, 0)
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        self.text_offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": [step[t].logprob for t, step in zip(token_ids, steps)],
+                "top_logprobs": [{self._token_text(tid): lp for tid, lp in self._top(step)} for step in steps],
+                "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
