@@ -168,39 +168,6 @@ def threads_option(f):
                              "machine's physical cores).")(f)
 
 
-def speculative_options(f):
-    f = click.option("--num-speculative-tokens", type=POSITIVE, default=None, metavar="K",
-                     help="With --speculative: the most drafts verified per step (default 4).")(f)
-    return click.option("--speculative", metavar="METHOD", default=None,
-                        help="Speculative decoding: ngram (prompt lookup) or draft:PATH (a draft artifact, "
-                             "see `llmc compile --draft-of`).")(f)
-
-
-def _whole_file_prompt(file) -> str:
-    data, source = file.read(), f"--prompt-file '{file.name}'"
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LlmcError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start}); pass a text file") from None
-    if "\0" in text or not text.strip():
-        raise LlmcError(f"{source} {'holds a NUL byte' if text.strip() else 'is empty'}; pass a text file "
-                        "holding the prompt")
-    return text
-
-
-def _speculative(method, num_tokens) -> dict | None:
-    """EngineConfig.speculative from --speculative and --num-speculative-tokens."""
-    if method is None:
-        if num_tokens is not None:
-            raise LlmcError("--num-speculative-tokens needs --speculative ngram or --speculative draft:PATH")
-        return None
-    from llmc.runtime.speculative_config import speculative_config
-    config = speculative_config(method)
-    if num_tokens is not None:
-        config.num_speculative_tokens = num_tokens
-    return vars(config)
-
-
 def _threads(value) -> int:
     """The checked thread count, before anything loads."""
     from llmc.runtime.threads import resolve_threads
@@ -217,30 +184,25 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", "-p", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompts-file", type=click.File("rb"), help="One prompt per line ('-' for stdin).")
-@click.option("--prompt-file", type=click.File("rb"), multiple=True,
-              help="A file whose whole text is one prompt, e.g. an article and a question (repeatable).")
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--no-stream", is_flag=True, help="Print whole outputs at the end.")
 @sampling_options
 @device_option
 @threads_option
-@speculative_options
-def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
-        kv_memory, device, threads, speculative, num_speculative_tokens):
+def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
+        kv_memory, device, threads):
     """Generate from one prompt (streamed) or many (batched together)."""
     import llmc
 
     threads = _threads(threads)
-    speculative = _speculative(speculative, num_speculative_tokens)
     prompts = [checked_text(p, f"--prompt {i}") for i, p in enumerate(prompt, 1)]
     if prompts_file:
         prompts += prompt_lines(prompts_file.read(), f"--prompts-file '{prompts_file.name}'")
-    prompts += [_whole_file_prompt(f) for f in prompt_file]
     if not prompts and not sys.stdin.isatty():
         prompts = stdin_prompts()
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
-    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative)
+    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads)
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
