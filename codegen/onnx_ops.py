@@ -312,5 +312,12 @@ TRANSLATIONS = {
     "mul": _elementwise("Mul"), "add": _elementwise("Add"),
 }
 
-__all__ = ["OnnxBuilder", "TRANSLATIONS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin", "apply_rope",
-           "nbits_int8_block"]
+# (domain, op) of every node a segment's translations emit: what the runtime lets a segment run
+SEGMENT_OPS = {("", op) for op in (
+    "Abs", "Add", "Cast", "Clip", "Concat", "Cos", "Div", "Gather", "Gemm", "Greater", "Identity", "MatMul",
+    "MatMulInteger", "Mul", "Neg", "ReduceMax", "ReduceMean", "Reciprocal", "Reshape", "Round", "Sigmoid",
+    "SimplifiedLayerNormalization", "Sin", "Split", "Sqrt", "Sub", "Unsqueeze", "Where")} | {
+    (MS_DOMAIN, "MatMulNBits"), (MS_DOMAIN, "SkipSimplifiedLayerNormalization")}
+
+__all__ = ["OnnxBuilder", "TRANSLATIONS", "SEGMENT_OPS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin",
+           "apply_rope", "nbits_int8_block"]

@@ -4,6 +4,7 @@ the memory plan and every name and type the runtime needs to run it without the 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ RECOMPILE = "the artifact is corrupt or was not made by this llmc; recompile the
 # Which kernel family a target's plan launches: torch ops on the CPU, Triton kernels (and torch
 # calls for ops without one) on GPU targets.
 KERNEL_NAMESPACES = {name: "triton" if t.device == "cuda" else "cpu" for name, t in TARGETS.items()}
+ORT_SEGMENT = "ort.segment"   # a run of cpu steps as one ONNX Runtime session (codegen/ort_lowering.py)
 
 
 @dataclass
@@ -41,6 +43,10 @@ class PlanStep:
     def where(self, index: int) -> str:
         """How an error names this step: `plan.json step 12 (node 'l0.attn', kernel cpu.attention)`."""
         return f"plan.json step {index} (node {self.node!r}, kernel {self.kernel})"
+
+    def inner_steps(self) -> list["PlanStep"]:
+        """The cpu steps an ONNX Runtime segment stands for (codegen/ort_lowering.py); [] for others."""
+        return [PlanStep.from_dict(d) for d in self.attrs["steps"]] if self.kernel == ORT_SEGMENT else []
 
 
 @dataclass
@@ -162,6 +168,23 @@ _KERNEL_FIELDS = {"name": (lambda v: isinstance(v, str) and v.isidentifier(), "a
                                 "an object of identifier: bool, int or short string"),
                   "grid": (lambda v: isinstance(v, str), "a string")}
 
+_SEGMENT_FIELDS = {"file": (lambda v: isinstance(v, str) and re.fullmatch(r"ort/segment_\d{3,6}\.onnx", v) is not None,
+                            "a file name ort/segment_NNN.onnx"),
+                   "sha256": _KERNEL_FIELDS["sha256"],
+                   "initializers": (lambda v: isinstance(v, dict) and all(
+                       isinstance(x, list) and len(x) == 2 and all(isinstance(y, str) for y in x) for x in v.values()),
+                                    "an object of [param, transform] pairs"),
+                   "steps": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list of steps")}
+
+
+def _check_segment_json(step: dict, where: str) -> None:
+    """An ort.segment step's attrs: its ONNX file and the cpu steps it stands for."""
+    _fields(step["attrs"], f"{where}.attrs", _SEGMENT_FIELDS)
+    for j, inner in enumerate(step["attrs"]["steps"]):
+        _fields(inner, f"{where}.attrs.steps[{j}]", _STEP_FIELDS)
+        _expect(inner["kernel"].startswith("cpu."), f"{where}.attrs.steps[{j}].kernel", inner["kernel"],
+                "a cpu kernel")
+
 
 def check_plan_json(d: Any) -> None:
     """Raise ArtifactError naming the first field of plan.json that lacks its JSON form."""
@@ -172,6 +195,8 @@ def check_plan_json(d: Any) -> None:
     _fields(d, "", _PLAN_FIELDS)
     for i, step in enumerate(d["steps"]):
         _fields(step, f"steps[{i}]", _STEP_FIELDS)
+        if step["kernel"] == ORT_SEGMENT:
+            _check_segment_json(step, f"steps[{i}]")
         records = step["attrs"].get("kernels", [])
         _expect(isinstance(records, list), f"steps[{i}].attrs.kernels", records, "a list of kernel records")
         for j, record in enumerate(records):
@@ -244,5 +269,5 @@ def step_kernels(node: Node, types: dict, target_name: str, configs: dict | None
         raise TargetError(f"node {node.name}: {e}") from e
 
 
-__all__ = ["PLAN_FORMAT", "MAX_TOKENS", "KERNEL_NAMESPACES", "PlanStep", "Plan", "check_plan_json",
+__all__ = ["PLAN_FORMAT", "MAX_TOKENS", "KERNEL_NAMESPACES", "ORT_SEGMENT", "PlanStep", "Plan", "check_plan_json",
            "kernel_namespace", "build_plan"]

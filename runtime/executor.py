@@ -11,7 +11,7 @@ import torch
 
 from llmc.codegen import cpu_kernels
 from llmc.codegen.cpu_kernels import RopeCache
-from llmc.codegen.plan import RECOMPILE, Plan
+from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan
 from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime.attention import AttentionBackend, NoCacheAttention
@@ -19,7 +19,11 @@ from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
 from llmc.runtime.plan_check import check_plan
 
-KERNEL_FAMILIES = ("cpu", "triton")
+KERNEL_FAMILIES = ("cpu", "triton", "ort")
+# the kernel families one plan may name -> the family its attention backend is of: ONNX Runtime
+# segments run beside torch ("cpu") attention, which reads the paged KV cache
+FAMILY_MIXES = {frozenset({"cpu"}): "cpu", frozenset({"triton"}): "triton", frozenset({"cpu", "ort"}): "cpu",
+                frozenset({"ort"}): "cpu"}
 SERVING_INPUTS = ("input_ids", "positions", "logits_indices")
 
 
@@ -39,8 +43,9 @@ class PlanExecutor:
     (a debug check, for tests) fails a step that launches a Triton kernel it does not record."""
 
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                 check_kernels: bool = False):
+                 check_kernels: bool = False, data: dict[str, bytes] | None = None):
         self.plan = plan
+        self._data = data or {}   # the artifact's data files by path (ONNX segments)
         self.device = torch.device(device)
         self.family = kernel_family(plan)
         self.check_kernels = check_kernels
@@ -161,20 +166,38 @@ class PlanExecutor:
 
     def _launch(self, index: int, step) -> Launch:
         where = step.where(index)
+        if step.kernel == ORT_SEGMENT:
+            return self._segment_launch(index, step, where)
         try:
             fn = resolve_kernel(step.kernel)
         except ArtifactError as e:
             raise ArtifactError(f"{where}: {e}") from None
-        outputs = set(self.plan.outputs)
-        dying = [v for v in step.outputs + step.inputs
-                 if v in self.plan.memory.lifetimes and self.plan.memory.lifetimes[v][1] == index
-                 and v not in outputs]
         args = [self._register(i, where) for i in step.inputs]
         attrs = {k: v for k, v in step.attrs.items() if k != "kernels"}
         recorded = frozenset(k["sha256"] for k in step.attrs.get("kernels", ()))
         return Launch(fn, args, [self._register(o, where) for o in step.outputs],
                       self._prepared_attrs(fn, args, attrs),
-                      getattr(fn, "context", ()), sorted({self._registers[v] for v in dying}), recorded, where)
+                      getattr(fn, "context", ()), self._dying(index, step), recorded, where)
+
+    def _dying(self, index: int, step) -> list[int]:
+        """Registers whose value is last used at step `index`."""
+        lifetimes, outputs = self.plan.memory.lifetimes, set(self.plan.outputs)
+        dying = [v for v in step.outputs + step.inputs
+                 if v in lifetimes and lifetimes[v][1] == index and v not in outputs]
+        return sorted({self._registers[v] for v in dying})
+
+    def _segment_launch(self, index: int, step, where: str) -> Launch:
+        """An ONNX Runtime session over the step's ONNX file, its weights taken from the params."""
+        from llmc.runtime.ort_segment import load_segment
+
+        if self.device.type != "cpu":
+            raise ArtifactError(f"{where}: ONNX Runtime segments run on the CPU, not {self.device}; load the "
+                                f"artifact on the CPU or compile it for this device's target")
+        weights = {name: self._params[self._registers[name]] for name in self.plan.params}
+        segment = load_segment(step, self._data, weights, self.plan.type_of, where)
+        return Launch(segment, [self._register(i, where) for i in step.inputs],
+                      [self._register(o, where) for o in step.outputs], {}, (), self._dying(index, step),
+                      frozenset(), where)
 
     @torch.inference_mode()
     def _prepared_attrs(self, fn, args: list[int], attrs: dict) -> dict:
@@ -250,13 +273,14 @@ class PlanExecutor:
 
 
 def kernel_family(plan: Plan) -> str:
-    """The one kernel family ("cpu" or "triton") every step of the plan names."""
-    families = {s.kernel.partition(".")[0] for s in plan.steps}
-    if len(families) > 1 or not families <= set(KERNEL_FAMILIES):
+    """The family of the plan's attention kernels ("cpu" or "triton"): a plan names one family, or
+    ONNX Runtime segments beside cpu kernels."""
+    families = frozenset(s.kernel.partition(".")[0] for s in plan.steps)
+    if families and families not in FAMILY_MIXES:
+        mixes = "; ".join(" + ".join(sorted(m)) for m in FAMILY_MIXES)
         raise ArtifactError(f"plan for {plan.target} names kernels of families {sorted(families)}; this llmc "
-                            f"runs plans of one family among {', '.join(KERNEL_FAMILIES)}; recompile the model "
-                            f"with this llmc")
-    return families.pop() if families else "cpu"
+                            f"runs plans of {mixes}; recompile the model with this llmc")
+    return FAMILY_MIXES.get(families, "cpu")
 
 
 def plan_launch_configs(plan: Plan) -> dict:

@@ -11,9 +11,17 @@ from typing import Any
 
 import torch
 
-from llmc.codegen.plan import RECOMPILE, Plan, PlanStep
+from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan, PlanStep
 from llmc.compiler.ir import DTYPE_BYTES, TensorType, eval_dim
-from llmc.compiler.ops import DTYPE_NAMES, OPS, TORCH_DTYPES, decode_arg, resolve_allowed_aten, runtime_refusal
+from llmc.compiler.ops import (
+    ATTENTION_OPS,
+    DTYPE_NAMES,
+    OPS,
+    TORCH_DTYPES,
+    decode_arg,
+    resolve_allowed_aten,
+    runtime_refusal,
+)
 from llmc.errors import ArtifactError, IRError
 
 MAX_VALUE_BYTES = 1 << 40     # one activation at max_tokens; far above any model's, far below a runaway shape
@@ -26,7 +34,10 @@ def check_plan(plan: Plan, weights: dict[str, torch.Tensor]) -> None:
     types = declared_types(plan)
     _check_params(plan, types, weights)
     for index, step in enumerate(plan.steps):
-        _check_step(index, step, types)
+        if step.kernel == ORT_SEGMENT:
+            _check_segment(index, step, plan)
+        for inner in step.inner_steps() or [step]:
+            _check_step(index, inner, types)
     _check_sizes(plan, types)
     for binding in _bindings(types):
         _check_types(plan, types, binding)
@@ -58,9 +69,10 @@ def declared_types(plan: Plan) -> dict[str, TensorType]:
         if name not in types:
             raise _fail("plan.json", f"value {name!r} has no declared type")
     for index, step in enumerate(plan.steps):
-        missing = [v for v in step.inputs + step.outputs if v not in types]
-        if missing:
-            raise _fail(step.where(index), f"value {missing[0]!r} has no declared type")
+        for s in [step, *step.inner_steps()]:
+            missing = [v for v in s.inputs + s.outputs if v not in types]
+            if missing:
+                raise _fail(step.where(index), f"value {missing[0]!r} has no declared type")
     return types
 
 
@@ -72,6 +84,28 @@ def _check_params(plan: Plan, types: dict[str, TensorType], weights: dict[str, t
         actual = TensorType(tuple(w.shape), DTYPE_NAMES.get(w.dtype, "symint"))
         if actual != types[name]:
             raise _fail(f"plan.json param {name!r}", f"declared {types[name]}, the weights file holds {actual}")
+
+
+def _check_segment(index: int, step: PlanStep, plan: Plan) -> None:
+    """An ONNX Runtime segment reads and gives exactly what the cpu steps it stands for read from
+    and give to the rest of the plan, holds no attention, and makes its initializers from params
+    those steps read by transforms this llmc has."""
+    from llmc.codegen.onnx_weights import TRANSFORMS
+
+    where, inner = step.where(index), step.inner_steps()
+    defined = [o for s in inner for o in s.outputs]
+    reads = list(dict.fromkeys(i for s in inner for i in s.inputs if i not in defined and i not in plan.params))
+    if reads != step.inputs or not set(step.outputs) <= set(defined) or len(set(defined)) != len(defined):
+        raise _fail(where, f"reads {step.inputs} and gives {step.outputs}, but its steps read {reads} and "
+                           f"define {defined}")
+    attention = [s.node for s in inner if s.kernel.partition(".")[2] in ATTENTION_OPS]
+    if attention:
+        raise _fail(where, f"holds attention step {attention[0]!r}, which runs in torch over the KV cache")
+    params = {i for s in inner for i in s.inputs if i in plan.params}
+    for name, (param, transform) in step.attrs["initializers"].items():
+        if param not in params or transform not in TRANSFORMS:
+            raise _fail(where, f"initializer {name!r} is made from {param!r} by {transform!r}: not a param its "
+                               f"steps read, or no transform of this llmc ({', '.join(TRANSFORMS)})")
 
 
 def _check_step(index: int, step: PlanStep, types: dict[str, TensorType]) -> None:
@@ -110,24 +144,31 @@ def _check_types(plan: Plan, types: dict[str, TensorType], binding: dict[str, in
     known = {n: concrete(types[n], binding, f"plan.json value {n!r}") for n in [*plan.params, *plan.inputs]}
     sizes: dict[str, int] = {}     # symbolic ints the aten fallbacks compute (sym_size), by value name
     for index, step in enumerate(plan.steps):
-        where = step.where(index)
-        undefined = [i for i in step.inputs if i not in known]
-        if undefined:
-            raise _fail(where, f"reads {undefined[0]!r} before any step defines it")
-        ins = [known[i] for i in step.inputs]
-        op = step.kernel.partition(".")[2]
-        got = _meta_outputs(step, ins, sizes, where) if op == "aten" else _inferred(op, step, ins, where)
-        declared = [concrete(types[o], binding, where) for o in step.outputs]
-        if got != declared:
-            raise _fail(where, f"declares outputs {[str(t) for t in declared]}, its inputs give "
-                               f"{[str(t) for t in got]} (at batch sizes {binding})")
-        for name, t in zip(step.outputs, declared):
-            if name in known:
-                raise _fail(where, f"defines {name!r} a second time")
-            known[name] = t
+        for inner in step.inner_steps() or [step]:   # a segment's values are its steps'
+            _walk_step(inner, step.where(index), types, binding, known, sizes)
     undefined = [o for o in plan.outputs if o not in known]
     if undefined:
         raise _fail("plan.json outputs", f"{undefined[0]!r} is defined by no step")
+
+
+def _walk_step(step: PlanStep, where: str, types: dict[str, TensorType], binding: dict[str, int],
+               known: dict[str, TensorType], sizes: dict[str, int]) -> None:
+    """Infer one step's output types from the known types of its inputs, check them against the
+    declared ones and make them known."""
+    undefined = [i for i in step.inputs if i not in known]
+    if undefined:
+        raise _fail(where, f"reads {undefined[0]!r} before any step defines it")
+    ins = [known[i] for i in step.inputs]
+    op = step.kernel.partition(".")[2]
+    got = _meta_outputs(step, ins, sizes, where) if op == "aten" else _inferred(op, step, ins, where)
+    declared = [concrete(types[o], binding, where) for o in step.outputs]
+    if got != declared:
+        raise _fail(where, f"declares outputs {[str(t) for t in declared]}, its inputs give "
+                           f"{[str(t) for t in got]} (at batch sizes {binding})")
+    for name, t in zip(step.outputs, declared):
+        if name in known:
+            raise _fail(where, f"defines {name!r} a second time")
+        known[name] = t
 
 
 def _inferred(op: str, step: PlanStep, ins: list[TensorType], where: str) -> list[TensorType]:

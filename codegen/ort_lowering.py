@@ -1,0 +1,253 @@
+"""The "ort" kernel family at compile time: a cpu plan's runs of steps that ONNX Runtime can run
+(all but attention, which reads the paged KV cache in torch, and the split feeding it, a free view)
+become ONNX graphs, one `ort.segment` step each, stored in the artifact as ort/segment_NNN.onnx.
+`--kernels ort` lowers every segment; `--kernels auto` keeps a segment in ORT only where it measured
+faster than the torch kernels on this machine (codegen/ort_timing.py), recording the choice and the
+measured alternatives in plan.meta["kernel_choice"]."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from llmc.codegen.memory_plan import MemoryPlan, assign_slots, value_lifetimes
+from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, nbits_int8_block
+from llmc.codegen.plan import Plan, PlanStep
+from llmc.compiler.ir import Graph, Node
+from llmc.compiler.ops import ATTENTION_OPS
+from llmc.errors import TargetError
+
+KERNEL_MODES = ("cpu", "ort", "auto")
+DEFAULT_MODE = "cpu"
+SEGMENT_DIR = "ort"
+ORT_SCHEMES = ("int8", "int4", "w8a8")
+ACTIVATION_DTYPES = ("float32", "int64", "int32")
+FIX = "compile with --kernels auto (keeps such ops in torch, recorded) or --kernels cpu"
+
+
+@dataclass
+class Segment:
+    nodes: list[Node]
+    first: int                      # the plan step index of its first node
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    @property
+    def span(self) -> str:
+        return f"{self.nodes[0].name} .. {self.nodes[-1].name}" if len(self.nodes) > 1 else self.nodes[0].name
+
+
+def ort_refusal(node: Node, graph: Graph) -> str | None:
+    """Why `node` cannot run in an ORT segment (None: it can)."""
+    if node.op not in TRANSLATIONS:
+        return f"op {node.op}{' ' + node.attrs.get('target', '') if node.op == 'aten' else ''} has no ONNX translation"
+    if any(graph.type_of(i).dtype not in ACTIVATION_DTYPES for i in node.inputs if i not in graph.params) or any(
+            v.type.dtype not in ACTIVATION_DTYPES for v in node.outputs):
+        return "only float32 activations run in ONNX Runtime segments"
+    if node.op == "linear" and graph.type_of(node.inputs[1]).dtype != "float32":
+        return f"{graph.type_of(node.inputs[1]).dtype} linear weights have no ORT lowering"
+    if node.op in ("qlinear", "qembedding"):
+        return _quant_refusal(node)
+    return None
+
+
+def _quant_refusal(node: Node) -> str | None:
+    scheme, k = node.attrs["scheme"], node.attrs.get("in_features", 0)
+    schemes = ORT_SCHEMES if node.op == "qlinear" else ("int8", "int4")
+    if scheme not in schemes or node.attrs.get("has_act_scale"):
+        return f"quantisation scheme {scheme} has no ORT lowering (it has: {', '.join(schemes)})"
+    if node.op == "qlinear" and scheme == "int8" and nbits_int8_block(k) is None:
+        return f"int8 weights with {k} inputs (not a multiple of 16) have no MatMulNBits layout"
+    group = node.attrs.get("group_size", -1)
+    if node.op == "qlinear" and scheme == "int4" and (group < 16 or group & (group - 1)):
+        return f"int4 group size {group} is no MatMulNBits block size (a power of two >= 16)"
+    return None
+
+
+def kept_in_torch(graph: Graph) -> dict[str, str]:
+    """Node -> why it runs in torch: attention, the split feeding it (views, no copy), and ops ORT
+    segments cannot run."""
+    users = graph.users()
+    kept = {}
+    for node in graph.nodes:
+        if node.op in ATTENTION_OPS:
+            kept[node.name] = "attention reads the paged KV cache in torch"
+        elif node.op == "split" and any(u.op in ATTENTION_OPS for v in node.outputs for u in users.get(v.name, [])):
+            kept[node.name] = "splits q, k, v as views for attention"
+        else:
+            why = ort_refusal(node, graph)
+            if why:
+                kept[node.name] = why
+    return kept
+
+
+def find_segments(graph: Graph, kept: dict[str, str], outputs: list[str]) -> list[Segment]:
+    """Maximal runs of nodes not kept in torch, with the values each reads from and gives to the rest."""
+    segments: list[Segment] = []
+    for index, node in enumerate(graph.nodes):
+        if node.name in kept:
+            continue
+        if segments and segments[-1].first + len(segments[-1].nodes) == index:
+            segments[-1].nodes.append(node)
+        else:
+            segments.append(Segment([node], index))
+    for seg in segments:
+        _boundary(graph, seg, outputs)
+    return segments
+
+
+def _boundary(graph: Graph, seg: Segment, outputs: list[str]) -> None:
+    inside = {v.name for n in seg.nodes for v in n.outputs}
+    for n in seg.nodes:
+        for i in n.inputs:
+            if i not in inside and i not in graph.params and i not in seg.inputs:
+                seg.inputs.append(i)
+    end = seg.first + len(seg.nodes)
+    read_later = {i for n in graph.nodes[end:] for i in n.inputs} | set(outputs)
+    seg.outputs = [v.name for n in seg.nodes for v in n.outputs if v.name in read_later]
+
+
+def build_segment(graph: Graph, seg: Segment) -> tuple[bytes, OnnxBuilder]:
+    """The segment as ONNX bytes (weights as external initializers) and the builder that made it
+    (its `sources` and `values` say what the initializers hold)."""
+    from onnx import helper
+
+    b = OnnxBuilder(graph, graph.weights, segment=True)
+    b.env = {i: i for i in seg.inputs}
+    for node in seg.nodes:
+        TRANSLATIONS[node.op](b, node)
+    _name_outputs(b, seg)
+    info = lambda name: helper.make_tensor_value_info(name, _elem_type(graph.type_of(name).dtype),
+                                                      list(graph.type_of(name).shape))
+    onnx_graph = helper.make_graph(b.nodes, seg.nodes[0].name, [info(i) for i in seg.inputs],
+                                   [info(o) for o in seg.outputs], b.initializers)
+    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if b.uses_ms else [])
+    model = helper.make_model(onnx_graph, opset_imports=opsets, producer_name="llmc")
+    model.ir_version = 8
+    return model.SerializeToString(), b
+
+
+def _elem_type(dtype: str) -> int:
+    from onnx import TensorProto
+    return {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32}[dtype]
+
+
+def _name_outputs(b: OnnxBuilder, seg: Segment) -> None:
+    """Give each segment output its plan value's name: rename the ONNX value that holds it, or
+    (for a value that is an input or another output too) copy it with Identity."""
+    renames: dict[str, str] = {}
+    for out in seg.outputs:
+        held = b.env[out]
+        if held in seg.inputs or held in renames or held in b.sources:
+            b.add("Identity", [held], [out])
+        else:
+            renames[held] = out
+    for node in b.nodes:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+        node.output[:] = [renames.get(o, o) for o in node.output]
+
+
+def segment_ops(model: bytes) -> set[tuple[str, str]]:
+    import onnx
+    return {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in onnx.load_from_string(model).graph.node}
+
+
+def segment_step(seg: Segment, number: int, model: bytes, b: OnnxBuilder, plan: Plan) -> PlanStep:
+    inner = [plan.steps[seg.first + i].to_dict() for i in range(len(seg.nodes))]
+    attrs = {"file": f"{SEGMENT_DIR}/segment_{number:03d}.onnx", "sha256": hashlib.sha256(model).hexdigest(),
+             "initializers": {name: list(source) for name, source in sorted(b.sources.items())}, "steps": inner}
+    return PlanStep("ort.segment", list(seg.inputs), list(seg.outputs), attrs, f"segment_{number:03d}")
+
+
+def restep(plan: Plan, steps: list[PlanStep]) -> Plan:
+    """`plan` with `steps` instead of its own, its memory planned again over them."""
+    from llmc.compiler.ir import TensorType
+
+    lifetimes = value_lifetimes([(s.inputs, s.outputs) for s in steps], plan.outputs)
+    symbols = {s for t in plan.types.values() for d in t["shape"] if isinstance(d, str)
+               for s in re.findall(r"[A-Za-z_]\w*", d)}
+    binding = {s: plan.max_tokens for s in symbols} | {"tokens": plan.max_tokens}
+    sizes = {v: TensorType(tuple(plan.types[v]["shape"]), plan.types[v]["dtype"]).nbytes(binding) for v in lifetimes}
+    slot_of, slot_bytes = assign_slots(lifetimes, sizes)
+    return Plan(steps=steps, inputs=plan.inputs, outputs=plan.outputs, target=plan.target,
+                memory=MemoryPlan(slot_of, slot_bytes, lifetimes, sizes), max_tokens=plan.max_tokens,
+                params=plan.params, types=plan.types, meta=plan.meta)
+
+
+def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None,
+                echo=None) -> tuple[list[Plan], dict[str, bytes]]:
+    """lower_kernels for the compile driver: one plan per tensor-parallel rank (the ORT family runs
+    single-rank plans); returns the plans and the ONNX files to store."""
+    if len(plans) > 1 and mode not in (None, "cpu"):
+        raise TargetError(f"--kernels {mode} lowers single-rank plans; this compile makes {len(plans)} "
+                          f"tensor-parallel ranks: drop --kernels or compile without sharding")
+    if len(plans) > 1:
+        return plans, {}
+    plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo)
+    return [plan], files
+
+
+def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=None) -> tuple[Plan, dict[str, bytes]]:
+    """The plan with its segments lowered to ORT as `mode` says (None: the target's default), and
+    the ONNX files to store ({path in the artifact: bytes})."""
+    if device != "cpu":
+        if mode is not None:
+            raise TargetError(f"--kernels {mode} chooses among CPU kernel families; target {plan.target} launches "
+                              f"Triton kernels on a GPU: drop --kernels or compile for target cpu")
+        return plan, {}
+    mode = mode or DEFAULT_MODE
+    if mode not in KERNEL_MODES:
+        raise TargetError(f"--kernels {mode!r} is unknown; choose one of {', '.join(KERNEL_MODES)}")
+    if mode == "cpu":
+        return plan, {}
+    kept = kept_in_torch(graph)
+    if mode == "ort":
+        _refuse_torch_ops(graph, kept)
+    segments = find_segments(graph, kept, plan.outputs)
+    built = [build_segment(graph, seg) for seg in segments]
+    choice = {"mode": mode, "kept_in_torch": _unforced(graph, kept)}
+    if mode == "ort":
+        _require_segment_ops(built)
+        chosen = [True] * len(segments)
+    else:
+        from llmc.codegen.ort_timing import choose_segments
+        chosen, choice["measured"] = choose_segments(graph, segments, built, echo)
+    steps, files = _lowered_steps(plan, segments, built, chosen)
+    lowered = restep(plan, steps)
+    lowered.meta = {**plan.meta, "kernel_choice": choice}
+    return lowered, files
+
+
+def _lowered_steps(plan: Plan, segments: list[Segment], built: list, chosen: list[bool]):
+    starts = {seg.first: (seg, b, keep) for seg, b, keep in zip(segments, built, chosen)}
+    steps, files, index = [], {}, 0
+    while index < len(plan.steps):
+        seg, (model, builder), keep = starts.get(index, (None, (None, None), False))
+        if not keep:
+            steps.append(plan.steps[index])
+            index += 1
+            continue
+        step = segment_step(seg, len(files), model, builder, plan)
+        files[step.attrs["file"]] = model
+        steps.append(step)
+        index += len(seg.nodes)
+    return steps, files
+
+
+def _unforced(graph: Graph, kept: dict[str, str]) -> dict[str, str]:
+    """The nodes kept in torch for want of an ORT lowering (attention and its split always are)."""
+    return {name: why for name, why in kept.items()
+            if why != "attention reads the paged KV cache in torch" and why != "splits q, k, v as views for attention"}
+
+
+def _refuse_torch_ops(graph: Graph, kept: dict[str, str]) -> None:
+    for name, why in _unforced(graph, kept).items():
+        node = next(n for n in graph.nodes if n.name == name)
+        raise TargetError(f"--kernels ort: node {name} ({node.op}) cannot run in ONNX Runtime: {why}; {FIX}")
+
+
+def _require_segment_ops(built: list) -> None:
+    from llmc.runtime.ort_segment import require_ops
+
+    require_ops(set().union(*(segment_ops(model) for model, _ in built)) if built else set(), "--kernels ort")

@@ -1,0 +1,167 @@
+"""One plan segment of the "ort" kernel family run as an ONNX Runtime session: built once at load
+from the artifact's ONNX bytes with its weights supplied from the artifact's tensors (external
+initializers, no copy), computing with the runtime's thread count; each call binds the input and
+output tensors' memory to the session (IOBinding), so nothing is copied in or out."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from llmc.codegen.plan import RECOMPILE
+from llmc.compiler.ir import TensorType, eval_dim
+from llmc.errors import ArtifactError, RuntimeLlmcError
+
+NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32,
+                torch.uint8: np.uint8, torch.int8: np.int8, torch.float16: np.float16}
+NUMPY_TORCH = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}
+TORCH_OF = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32}
+ORT_FIX = ("install an onnxruntime with its contrib ops (pip install -U 'onnxruntime>=1.22') or recompile "
+           "with --kernels cpu")
+
+
+def cpu_kernel_ops() -> set[tuple[str, str]]:
+    """(domain, op) of every kernel this onnxruntime build has for its CPU execution provider."""
+    from onnxruntime.capi import _pybind_state
+
+    return {(k.domain, k.op_name) for k in _pybind_state.get_all_opkernel_def()
+            if k.provider == "CPUExecutionProvider"}
+
+
+def require_ops(ops: set[tuple[str, str]], where: str) -> None:
+    """Raise naming the first of `ops` ((domain, op_type)) this onnxruntime cannot run on the CPU."""
+    import onnxruntime
+
+    missing = sorted(ops - cpu_kernel_ops())
+    if missing:
+        domain, op = missing[0]
+        raise RuntimeLlmcError(f"{where}: onnxruntime {onnxruntime.__version__} has no CPU kernel for "
+                               f"{domain + '.' if domain else ''}{op}; {ORT_FIX}")
+
+
+def check_segment_model(model: bytes, inputs: list[str], outputs: list[str], sources: dict,
+                        where: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Refuse ONNX bytes that are not a segment as codegen/ort_lowering.py makes them: other ops or
+    domains, functions or subgraphs, other inputs or outputs, or external data other than the
+    initializers the step supplies (ORT would read such data from a file the bytes name). Returns
+    each supplied initializer's dims and dtype."""
+    import onnx
+    from onnx import helper
+
+    from llmc.codegen.onnx_ops import EXTERNAL_LOCATION, SEGMENT_OPS
+
+    try:
+        proto = onnx.load_from_string(model)
+    except Exception as e:  # noqa: BLE001 - any parse failure of untrusted bytes refuses them
+        raise ArtifactError(f"{where}: the ONNX file does not parse ({type(e).__name__}); {RECOMPILE}") from None
+    g = proto.graph
+    odd = [f"{n.domain}.{n.op_type}".lstrip(".") for n in g.node
+           if (n.domain if n.domain != "ai.onnx" else "", n.op_type) not in SEGMENT_OPS
+           or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)]
+    if odd or proto.functions:
+        raise ArtifactError(f"{where}: the ONNX file runs {odd[0] if odd else 'model-local functions'}, which no "
+                            f"segment of this llmc does; {RECOMPILE}")
+    require_ops({(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in g.node}, where)
+    if [i.name for i in g.input] != inputs or [o.name for o in g.output] != outputs:
+        raise ArtifactError(f"{where}: the ONNX graph's inputs/outputs differ from the step's; {RECOMPILE}")
+    external = {t.name: t for t in g.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    if set(external) != set(sources) or any(
+            {e.key: e.value for e in t.external_data}.get("location") != EXTERNAL_LOCATION for t in external.values()):
+        raise ArtifactError(f"{where}: the ONNX file's external initializers are not the ones the step supplies; "
+                            f"{RECOMPILE}")
+    return {name: (tuple(t.dims), NUMPY_TORCH[helper.tensor_dtype_to_np_dtype(t.data_type)])
+            for name, t in external.items()}
+
+
+def session_options(threads: int):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    return options
+
+
+class OrtSegment:
+    """Callable like a CPU kernel: the segment's input tensors in, its output tensors out. `inputs`
+    and `outputs` name the ONNX graph's values with their plan types."""
+
+    def __init__(self, model: bytes, initializers: dict[str, torch.Tensor], inputs: list[tuple[str, TensorType]],
+                 outputs: list[tuple[str, TensorType]], threads: int, where: str):
+        import onnxruntime
+
+        options = session_options(threads)
+        self._initializers = initializers   # ORT reads their memory for the session's lifetime
+        names = sorted(initializers)
+        options.add_external_initializers(names, [onnxruntime.OrtValue.ortvalue_from_numpy(initializers[n].numpy())
+                                                  for n in names])
+        try:
+            self.session = onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001 - ORT raises its own types for any graph it refuses
+            message = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise ArtifactError(f"{where}: onnxruntime refuses the segment ({message}); recompile the "
+                                f"model with this llmc, or with --kernels cpu") from None
+        self.binding = self.session.io_binding()
+        self.inputs = [(name, t, NUMPY_DTYPES[TORCH_OF[t.dtype]]) for name, t in inputs]
+        self.outputs = [(name, t, TORCH_OF[t.dtype]) for name, t in outputs]
+        self.where = where
+
+    def _binding(self, values) -> dict[str, int]:
+        """The sizes of the symbolic dims, read off the inputs' shapes."""
+        sizes: dict[str, int] = {}
+        for (name, t, _), value in zip(self.inputs, values):
+            for dim, size in zip(t.shape, value.shape):
+                if isinstance(dim, str) and dim.isidentifier():
+                    sizes[dim] = size
+        return sizes
+
+    def __call__(self, *values: torch.Tensor, **attrs) -> list[torch.Tensor]:
+        values = [v.contiguous() for v in values]   # kept alive until the run returns
+        for (name, _, np_dtype), value in zip(self.inputs, values):
+            self.binding.bind_input(name, "cpu", 0, np_dtype, list(value.shape), value.data_ptr())
+        sizes = self._binding(values)
+        results = []
+        for name, t, dtype in self.outputs:
+            out = torch.empty([d if isinstance(d, int) else eval_dim(d, sizes) for d in t.shape], dtype=dtype)
+            self.binding.bind_output(name, "cpu", 0, NUMPY_DTYPES[dtype], list(out.shape), out.data_ptr())
+            results.append(out)
+        self.session.run_with_iobinding(self.binding)
+        return results
+
+
+def load_segment(step, data: dict[str, bytes], weights: dict[str, torch.Tensor], type_of, where: str) -> OrtSegment:
+    """The session of an `ort.segment` plan step: its ONNX file from `data` (checked against the
+    step's sha256 and by check_segment_model), its initializers made from `weights`."""
+    from llmc.codegen.onnx_weights import initializer
+    from llmc.runtime.threads import current_threads
+
+    attrs = step.attrs
+    model = data.get(attrs["file"])
+    if model is None:
+        raise ArtifactError(f"{where}: its ONNX file {attrs['file']} was not given; load the artifact with "
+                            f"llmc.load, which reads its data files")
+    if hashlib.sha256(model).hexdigest() != attrs["sha256"]:
+        raise ArtifactError(f"{where}: {attrs['file']} differs from the file the plan records (edited after "
+                            f"compiling?); {RECOMPILE}")
+    declared = check_segment_model(model, step.inputs, step.outputs, attrs["initializers"], where)
+    initializers = {}
+    for name, (param, transform) in sorted(attrs["initializers"].items()):
+        dims, dtype = declared[name]
+        try:
+            value = initializer(weights[param], transform, dims)
+        except (ValueError, RuntimeError) as e:
+            raise ArtifactError(f"{where}: initializer {name!r} from param {param!r}: {e}; {RECOMPILE}") from None
+        if value.dtype != dtype:
+            raise ArtifactError(f"{where}: initializer {name!r} is declared {dtype}, param {param!r} under "
+                                f"{transform} gives {value.dtype}; {RECOMPILE}")
+        initializers[name] = value
+    io = lambda names: [(n, type_of(n)) for n in names]
+    return OrtSegment(model, initializers, io(step.inputs), io(step.outputs), current_threads(), where)
+
+
+__all__ = ["load_segment", "OrtSegment", "check_segment_model", "require_ops", "cpu_kernel_ops", "session_options",
+           "ORT_FIX"]
