@@ -17,6 +17,8 @@ import torch
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS, OPS, infer_types
+from llmc.compiler.trace import ATTENTION_WINDOWS, TOKENS
+from llmc.errors import IRError
 
 LAYOUT_NOOPS = {"aten.alias.default", "aten.clone.default", "aten.contiguous.default"}
 # Unary elementwise aten ops: shape-polymorphic, so they survive dropping the batch dim.
@@ -299,13 +301,15 @@ HIDDEN_SCORE = -1e4
 
 def raise_attention(g: Graph) -> int:
     """SDPA nodes, and attention written out as matmul -> scale -> mask -> softmax -> matmul, whose
-    mask is causal -> rope + attention ops. Layers are numbered in graph order."""
+    mask is causal or a causal sliding window -> rope + attention ops. Layers are numbered in graph
+    order, and each layer's window is checked against the model config's (graph meta)."""
     m = Matcher(g)
     cores = [c for c in (_sdpa_core(m, n) or _unfused_core(m, n) for n in g.nodes) if c is not None]
-    causal = causal_mask_values(g, {c.mask for c in cores if c.mask is not None})
+    configured = g.meta.get(ATTENTION_WINDOWS)
+    windows = mask_windows(g, {c.mask for c in cores if c.mask is not None}, configured or ())
     count = 0
     for core in cores:
-        built = _build_attention(m, core) if core.mask is None or core.mask in causal else None
+        built = _build_attention(m, core, windows.get(core.mask)) if core.mask is None or core.mask in windows else None
         if built is None:
             continue
         merged, nodes = built
@@ -315,7 +319,21 @@ def raise_attention(g: Graph) -> int:
         count += 1
     if count:
         number_layers(g)
+        check_windows(g, configured)
     return count
+
+
+def check_windows(g: Graph, configured: list[int | None] | None) -> None:
+    """Refuse a graph whose attention windows (read off the traced masks) differ from the config's."""
+    attns = [n for n in g.nodes if n.op in ATTENTION_OPS]
+    if configured is None or len(configured) != len(attns):
+        return  # no config, or attention lowering could not raise: refuse_unlowered names that node
+    for n, want in zip(attns, configured):
+        got = n.attrs.get("window")
+        if got != want:
+            raise IRError(f"attention layer {n.attrs['layer']}: the config gives sliding_window={want} for it, "
+                          f"but the traced mask {'has a window of ' + str(got) if got else 'is plain causal'}; "
+                          f"the model's code and config disagree, so llmc cannot tell what it computes")
 
 
 def number_layers(g: Graph) -> None:
@@ -405,7 +423,7 @@ def _flat_source(m: Matcher, value: str, head_dim: int) -> tuple[str | None, _Ro
     return _head_split_source(m, rope.source if rope else value, head_dim), rope
 
 
-def _build_attention(m: Matcher, core: _Core) -> tuple[Node, list[Node]] | None:
+def _build_attention(m: Matcher, core: _Core, window: int | None) -> tuple[Node, list[Node]] | None:
     """(the node merging heads back, the rope and attention nodes that replace the pattern)."""
     qt = m.types[core.q]
     if qt.rank != 4 or not isinstance(qt.shape[1], int) or not isinstance(qt.shape[3], int):
@@ -427,39 +445,70 @@ def _build_attention(m: Matcher, core: _Core) -> tuple[Node, list[Node]] | None:
         rotated.append(nodes[-1].out.name if rope is not None else flat)
     attrs = {"num_heads": heads, "num_kv_heads": kv_features // hd, "head_dim": hd,
              "scale": float(core.scale) if core.scale is not None else 1.0 / math.sqrt(hd),
-             "causal": True, "layer": 0}
+             "causal": True, "layer": 0, **({"window": window} if window is not None else {})}
     nodes.append(g.make_node("attention", rotated + [v], [TensorType(m.types[q].shape, m.types[q].dtype)], attrs,
                              name=g.fresh("attention")))
     return merged, nodes
 
 
-def causal_mask_values(g: Graph, masks: set[tuple[str, str]], probe_lengths=(5, 7)) -> set[tuple[str, str]]:
-    """The (mask value, how it applies) pairs that hide exactly the future (the causal mask) at
-    every probe length. Evaluated, not pattern-matched: HF builds masks many ways."""
+def mask_windows(g: Graph, masks: set[tuple[str, str]], configured=()) -> dict[tuple[str, str], int | None]:
+    """Of the (mask value, how it applies) pairs, those that hide exactly the future, or the future
+    and all but the last `window` keys, at every probe length -> their window (None: plain causal).
+    Evaluated, not pattern-matched: HF builds masks many ways. Lengths past each configured window
+    are probed, so a window longer than the short probes is seen."""
     if not masks:
-        return set()
-    causal, values = set(masks), sorted({v for v, _ in masks})
-    for t in probe_lengths:
-        gen = torch.Generator().manual_seed(t)
-        vocab = next((p.type.shape[0] for n, p in g.params.items() if "embed" in n), 2)
-        ids = torch.randint(0, vocab, (t,), generator=gen)
+        return {}
+    longest = [w for w in configured if w is not None]
+    lengths = sorted({5, 7, 67, *(w + 1 for w in longest), *(w + 3 for w in longest)})
+    observed: dict[tuple[str, str], set] = {mask: set() for mask in masks}
+    values = sorted({v for v, _ in masks})
+    vocab = next((p.type.shape[0] for n, p in g.params.items() if "embed" in n), 2)
+    for t in lengths:
+        ids = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(t))
         vals = interpret(_mask_subgraph(g, set(values)), {"input_ids": ids, "positions": torch.arange(t)},
                          want=values)
-        causal = {(v, how) for v, how in causal if _hides_the_future(vals[v], how, t)}
-    return causal
+        for v, how in masks:
+            observed[(v, how)].add((t, _band_width(vals[v], how, t)))
+    return {mask: window for mask, seen in observed.items() if (window := _one_window(seen)) is not False}
 
 
-def _hides_the_future(mask: torch.Tensor, how: str, t: int) -> bool:
+def _one_window(seen: set[tuple[int, int | None]]):
+    """The window all probes agree on (None: causal at every length), or False: not a causal band.
+    A probe no longer than the window sees a causal mask, so only longer ones disagree."""
+    if any(width is None for _, width in seen):
+        return False
+    windows = {width for t, width in seen if width < t}
+    if len(windows) > 1:
+        return False
+    window = windows.pop() if windows else None
+    return False if window is not None and any(width == t > window for t, width in seen) else window
+
+
+def _band_width(mask: torch.Tensor, how: str, t: int) -> int | None:
+    """w when every [t, t] slice of the mask shows query i seeing exactly keys i - w + 1 .. i
+    (w = t for plain causal); None when it is no such band."""
+    visible = _visible(mask, how, t)
+    if visible is None:
+        return None
+    width = int(visible.sum(-1).max())
+    rows = torch.arange(t)
+    band = (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - width)
+    return width if width >= 1 and bool((visible == band).all()) else None
+
+
+def _visible(mask: torch.Tensor, how: str, t: int) -> torch.Tensor | None:
+    """[slices, t, t] True where a query sees a key, from the mask as it applies; None when the mask
+    is no visible/hidden mask (a soft bias, a score not low enough to hide)."""
     try:  # every [t, t] slice of the mask (it may carry batch and head dims)
         rows = torch.broadcast_to(mask, (*mask.shape[:-2], t, t)).reshape(-1, t, t)
     except RuntimeError:
-        return False
-    visible = torch.ones(t, t, dtype=torch.bool).tril()
+        return None
     if mask.dtype == torch.bool:
-        return how != "add" and bool((rows == (visible if how == "keep" else ~visible)).all())
+        return None if how == "add" else rows if how == "keep" else ~rows
     if how == "fill" or not mask.is_floating_point():
-        return False
-    return bool(((rows == 0) == visible).all() and (rows[:, ~visible] <= HIDDEN_SCORE).all())
+        return None
+    visible = rows == 0
+    return visible if bool((visible | (rows <= HIDDEN_SCORE)).all()) else None
 
 
 def _mask_subgraph(g: Graph, masks: set[str]) -> Graph:
@@ -475,6 +524,64 @@ def _mask_subgraph(g: Graph, masks: set[str]) -> Graph:
     sub.inputs, sub.params, sub.weights = g.inputs, g.params, g.weights
     sub.nodes = [n for n in g.nodes if n.name in needed]
     return sub
+
+
+# -- what lowering leaves must act on each token alone ------------------------------------
+# Reductions and scans that mix tokens when a dim they act along is the token axis: where their
+# dims argument sits (position, keyword); without one they act along every dim.
+DIM_OPS = {**dict.fromkeys(("softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax", "cumsum",
+                            "cumprod", "logsumexp", "sum", "mean", "amax", "amin", "max", "min", "prod", "var",
+                            "std", "argmax", "argmin"), (1, "dim")),
+           "flip": (1, "dims"), "roll": (2, "dims"), "linalg_vector_norm": (2, "dim")}
+
+
+def refuse_unlowered(g: Graph) -> None:
+    """Raise IRError naming the first fallback node the KV-cache runtime cannot serve: an op from
+    another namespace than aten (a model's custom op), SDPA that lowering did not raise, or one that
+    mixes tokens across the sequence (attention over a mask that is neither causal nor a sliding
+    window, soft-capped scores, a scan). The runtime feeds each step only its new tokens, so such a
+    node would silently see only those."""
+    types = g.types()
+    fallbacks = [n for n in g.nodes if n.op == "aten"]
+    # name the attention itself before the mask arithmetic that feeds it
+    attention_first = sorted(fallbacks, key=lambda n: not any(k in n.attrs["target"] for k in ATTENTION_HINTS))
+    for n in attention_first:
+        target = n.attrs["target"]
+        why = _namespace_refusal(target) or _token_mixing(n, target, types)
+        if why:
+            raise IRError(f"node {n.name} ({target}) {why}; llmc cannot compile this model (lowering raises "
+                          f"softmax attention over heads split from projections, under a causal or "
+                          f"sliding-window mask)")
+
+
+ATTENTION_HINTS = ("scaled_dot_product", "softmax")
+
+
+def _namespace_refusal(target: str) -> str | None:
+    namespace = target.split(".")[0]
+    return None if namespace in ("aten", "operator") else f"is an op of namespace {namespace!r}, not aten"
+
+
+def _token_mixing(n: Node, target: str, types: dict[str, TensorType]) -> str | None:
+    if "scaled_dot_product" in target:
+        return "is attention that lowering did not raise to the attention op"
+    for v in n.outputs:
+        if sum(_is_token_dim(d) for d in v.type.shape) > 1:
+            return f"pairs tokens with tokens (its result is {v.type}): attention that lowering did not raise"
+    op = target.split(".")[1]
+    x = n.inputs[0] if n.inputs else None
+    if op not in DIM_OPS or x is None or types[x].dtype == "symint":
+        return None
+    shape = types[x].shape
+    dims = Matcher.arg(n, *DIM_OPS[op])
+    dims = range(len(shape)) if dims is None else dims if isinstance(dims, list) else [dims]
+    if any(isinstance(d, int) and -len(shape) <= d < len(shape) and _is_token_dim(shape[d]) for d in dims):
+        return f"reduces or scans along the token axis of its {types[x]} input"
+    return None
+
+
+def _is_token_dim(d) -> bool:
+    return isinstance(d, str) and TOKENS in d
 
 
 # -- batch dim ------------------------------------------------------------------------

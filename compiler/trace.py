@@ -11,11 +11,13 @@ import torch
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from llmc.compiler.frontends.config_check import attention_windows
 from llmc.compiler.ir import Graph, TensorType
 from llmc.compiler.ops import DTYPE_NAMES
 from llmc.errors import IRError
 
 TOKENS = "tokens"
+ATTENTION_WINDOWS = "attention_windows"  # graph meta: each layer's sliding window per the model config
 
 
 class TokenMajorLM(torch.nn.Module):
@@ -35,12 +37,15 @@ def export_lm(model: torch.nn.Module, max_tokens: int = 4096, example_tokens: in
     """Export without decompositions so SDPA stays whole for the attention matcher."""
     wrapper = TokenMajorLM(model).eval()
     tokens = Dim(TOKENS, min=2, max=max_tokens)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", 2)
     ids = torch.randint(0, vocab, (example_tokens,), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(example_tokens)
     with torch.no_grad(), no_stack_traces():
-        return torch.export.export(wrapper, (ids, pos), dynamic_shapes=({0: tokens}, {0: tokens}),
-                                   strict=False)
+        ep = torch.export.export(wrapper, (ids, pos), dynamic_shapes=({0: tokens}, {0: tokens}), strict=False)
+    if config is not None:  # lowering checks the traced masks against the config's windows
+        ep.graph_module.meta[ATTENTION_WINDOWS] = attention_windows(config)
+    return ep
 
 
 @contextlib.contextmanager
@@ -74,6 +79,8 @@ class _Translator:
         self.symbols: dict[sympy.Symbol, str] = {}
 
     def run(self) -> Graph:
+        if ATTENTION_WINDOWS in self.ep.graph_module.meta:
+            self.g.meta[ATTENTION_WINDOWS] = self.ep.graph_module.meta[ATTENTION_WINDOWS]
         self._placeholders()
         for node in self.ep.graph.nodes:
             if node.op == "call_function":

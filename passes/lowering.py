@@ -5,7 +5,14 @@ on sampled rows, and give values stable names. The pattern matching lives in com
 from __future__ import annotations
 
 from llmc.compiler.ir import Graph
-from llmc.compiler.lower import canonical_names, drop_batch_dim, lower, rename_output, select_logit_rows
+from llmc.compiler.lower import (
+    canonical_names,
+    drop_batch_dim,
+    lower,
+    refuse_unlowered,
+    rename_output,
+    select_logit_rows,
+)
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 
 
@@ -27,6 +34,17 @@ class RaiseToLLMOps(LoweringStep):
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         stats = lower(graph)
         return PassResult(sum(stats.values()), any(stats.values()), stats)
+
+
+@register_pass
+class RefuseUnlowered(LoweringStep):
+    """After cleanup, so the mask arithmetic of raised attention is gone and what remains runs."""
+    name = "refuse_unlowered"
+    description = "fail the compile on a fallback the KV-cache runtime cannot serve (token-mixing or non-aten op)"
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        refuse_unlowered(graph)
+        return PassResult(0, False, {})
 
 
 @register_pass
@@ -59,7 +77,8 @@ class NameValues(LoweringStep):
 
 
 # The lowering stage, in order: cleanup between raising and the batch-dim drop, which needs
-# the wrapper's aliases and asserts gone.
-LOWERING = ["lower", "remove_noops", "dce", "drop_batch_dim", "select_logit_rows", "canonical_names"]
+# the wrapper's aliases and asserts gone; the refusal looks at what cleanup leaves alive.
+LOWERING = ["lower", "remove_noops", "dce", "refuse_unlowered", "drop_batch_dim", "select_logit_rows",
+            "canonical_names"]
 
-__all__ = ["LOWERING", "RaiseToLLMOps", "DropBatchDim", "SelectLogitRows", "NameValues"]
+__all__ = ["LOWERING", "RaiseToLLMOps", "RefuseUnlowered", "DropBatchDim", "SelectLogitRows", "NameValues"]

@@ -7,12 +7,11 @@ from pathlib import Path
 
 from llmc.compiler.frontends.gguf import load_gguf_file
 from llmc.compiler.frontends.hf import load_hf_dir
-from llmc.compiler.frontends.model import SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, LoadedModel
+from llmc.compiler.frontends.model import SUPPORTED_GGUF_ARCHITECTURES, LoadedModel
 from llmc.compiler.frontends.samples import SAMPLES, load_sample
 from llmc.errors import ModelLoadError
 
-__all__ = ["load_model", "LoadedModel", "SAMPLES", "SUPPORTED_ARCHITECTURES",
-           "SUPPORTED_GGUF_ARCHITECTURES"]
+__all__ = ["load_model", "LoadedModel", "SAMPLES", "SUPPORTED_GGUF_ARCHITECTURES"]
 
 ACCEPTED = "a sample name, a .gguf file, or a Hugging Face model directory with config.json"
 

@@ -1,5 +1,7 @@
 """Check a model config's sizes and constants (positive, bounded integers; finite positive floats)
-before any model is built from it, so a hostile value is named instead of crashing a constructor."""
+before any model is built from it, so a hostile value is named instead of crashing a constructor;
+and read the fields that change what attention computes: a sliding window is carried into the IR
+(per layer), the others are refused, since lowering has no op for them."""
 
 from __future__ import annotations
 
@@ -60,3 +62,44 @@ def check_token_ids(get, where: str) -> None:
                 vocabulary = f"the {vocab_size}-token vocabulary" if isinstance(vocab_size, int) else "any vocabulary"
                 raise ModelLoadError(f"{where}: {field} {value!r} is not a token id of {vocabulary}; "
                                      f"restore the original config")
+
+
+# Config fields that change what attention computes and that llmc does not carry, with what they do.
+UNCARRIED_ATTENTION_FIELDS = {
+    "attn_logit_softcapping": "soft-caps attention scores (tanh)",
+    "alibi": "adds ALiBi position biases to attention scores",
+    "attention_chunk_size": "restricts attention to fixed chunks",
+    "use_bidirectional_attention": "makes attention bidirectional",
+}
+# Rotary variants whose frequencies depend on the sequence length: a trace fixes one length's.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_attention_fields(config, where: str) -> None:
+    """Refuse a transformers config that sets an attention field llmc does not carry, naming it."""
+    text = getattr(config, "text_config", config)
+    for field, effect in UNCARRIED_ATTENTION_FIELDS.items():
+        value = getattr(text, field, None)
+        if value not in (None, False, 0):
+            raise ModelLoadError(f"{where}: {field}={value!r} {effect}, which llmc does not compile; "
+                                 f"pass a model without it")
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise ModelLoadError(f"{where}: rope type {rope_type!r} changes the rotary frequencies with the "
+                             f"sequence length, which llmc does not compile; pass a model with another rope")
+
+
+def attention_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: full causal attention) as the config gives it: Mistral's
+    `sliding_window` on every layer, or on the layers `layer_types` marks "sliding_attention"
+    (Qwen2's max_window_layers, Gemma 2's alternation); Qwen2's use_sliding_window=false turns it off."""
+    text = getattr(config, "text_config", config)
+    layers = getattr(text, "num_hidden_layers", 0)
+    window = getattr(text, "sliding_window", None)
+    if window is None or getattr(text, "use_sliding_window", True) is False:
+        return [None] * layers
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in types]

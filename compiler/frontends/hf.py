@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from llmc.compiler.frontends.config_check import check_config_values
+from llmc.compiler.frontends.config_check import check_attention_fields, check_config_values
 from llmc.compiler.frontends.model import (
-    ARCHITECTURE_BY_MODEL_TYPE,
-    SUPPORTED_ARCHITECTURES,
     LoadedModel,
     call_transformers,
     first_line,
@@ -40,12 +40,14 @@ def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     check_tokenizer_files(path)
     check_json_files(path)
     config = call_transformers(path, AutoConfig.from_pretrained, path, local_files_only=True)
+    check_attention_fields(config, f"'{config_path}'")
     where, stored = read_safetensors_table(path)
     check_tensor_table(meta_model(config, f"'{config_path}'"), stored, where)
     tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path, local_files_only=True)
     check_tokenizer(tokenizer, path)
     module, info = call_transformers(path, AutoModelForCausalLM.from_pretrained, path, config=config,
-                                     dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True,
+                                     dtype=torch.float32, attn_implementation=attention_implementation(config),
+                                     use_safetensors=True,
                                      local_files_only=True, output_loading_info=True)
     check_loading_info(info, where)
     return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
@@ -65,23 +67,10 @@ def find_config(path: Path) -> Path:
 
 
 def read_config(config_path: Path) -> dict:
-    """config.json's object, once its causal-LM class is one llmc supports, its model_type agrees,
-    and it is not pre-quantised."""
+    """config.json's object, once transformers has a causal-LM class for its model_type, its
+    architecture is that class, and it is not pre-quantised."""
     config = read_json_object(config_path)
-    model_type = config.get("model_type")
-    architectures = config.get("architectures") or [
-        ARCHITECTURE_BY_MODEL_TYPE.get(model_type, f"model_type={model_type!r}")]
-    if not isinstance(architectures, list):
-        raise ModelLoadError(f"'{config_path}': architectures is {architectures!r}, not a list of class names; "
-                             f"restore the original config")
-    architecture = architectures[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"'{config_path}': architecture {architecture} is not supported; "
-            f"llmc compiles {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if ARCHITECTURE_BY_MODEL_TYPE.get(model_type) != architecture:
-        raise ModelLoadError(f"'{config_path}': model_type {model_type!r} does not match architecture "
-                             f"{architecture}; restore the original config")
+    check_causal_lm_class(config, config_path)
     quantization = config.get("quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
@@ -89,6 +78,33 @@ def read_config(config_path: Path) -> dict:
                                     f"{method!r}); pass its float checkpoint and quantise with "
                                     f"`llmc compile --quant`")
     return config
+
+
+def check_causal_lm_class(config: dict, config_path: Path) -> None:
+    """Any decoder transformers builds as a causal LM may go on to tracing, where lowering decides
+    whether llmc computes it; a model_type without such a class, or an architecture naming another
+    class (a classifier head, another model's class), is refused here."""
+    model_type = config.get("model_type")
+    expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+    if expected is None:
+        raise UnsupportedModelError(f"'{config_path}': model_type {model_type!r} has no causal-LM class in "
+                                    f"transformers {transformers.__version__}; llmc compiles decoder-only causal "
+                                    f"LMs (model types such as llama, qwen3, gemma, gpt_neox, gpt2)")
+    architectures = config.get("architectures") or [expected]
+    if not isinstance(architectures, list):
+        raise ModelLoadError(f"'{config_path}': architectures is {architectures!r}, not a list of class names; "
+                             f"restore the original config")
+    if architectures[0] != expected:
+        raise UnsupportedModelError(f"'{config_path}': architecture {architectures[0]} is not supported: llmc "
+                                    f"compiles the causal LM of model_type {model_type!r}, {expected}; pass "
+                                    f"a causal-LM checkpoint or restore the original config")
+
+
+def attention_implementation(config) -> str:
+    """SDPA where the model class has it (lowering raises whole SDPA calls), else eager attention
+    (lowering raises its matmul-softmax-matmul, or refuses it)."""
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def find_safetensors(path: Path) -> list[Path]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 
@@ -18,10 +18,9 @@ try:
 except ImportError:
     StrictDataclassError = ValueError
 
-# Causal-LM classes llmc compiles (SmolLM is a LlamaForCausalLM), and their GGUF names.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# GGUF architectures the GGUF frontend reads (transformers builds them as Llama, Mistral and Qwen2).
+# Hugging Face checkpoints have no such list: what compiles is what lowering understands.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
-ARCHITECTURE_BY_MODEL_TYPE = dict(zip(SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES))
 
 SourceKind = Literal["hf", "gguf", "sample"]
 
@@ -35,6 +34,9 @@ class LoadedModel:
     source_hash: str               # sha256 hex over the source's bytes
     source: str                    # what the user passed: a sample name or a path
     kind: SourceKind
+    # param name -> the quantised form the source stores it in (a GGUF block format's codes,
+    # scales and minimums), for `--quant gguf` to keep; float-stored weights are absent
+    stored_quant: dict[str, Any] = field(default_factory=dict)
 
 
 def sha256_file(path: Path) -> str:

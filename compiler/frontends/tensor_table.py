@@ -4,6 +4,7 @@ non-float tensor is refused in one line before any weight is allocated."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,8 @@ def check_tensor_table(module: torch.nn.Module, stored: dict[str, StoredTensor],
     after a computed buffer (the rotary `inv_freq` older checkpoints saved) are ignored, as
     transformers ignores them."""
     expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    renames = weight_renames(module)
+    stored = {loaded_name(name, renames): tensor for name, tensor in stored.items()}
     aliases = tied_aliases(module)
     missing = [name for name in expected
                if name not in stored and not any(alias in stored for alias in aliases.get(name, ()))]
@@ -64,6 +67,23 @@ def check_tensor_table(module: torch.nn.Module, stored: dict[str, StoredTensor],
         if not tensor.is_float:
             raise ModelLoadError(f"{where}: tensor '{name}' is stored as {tensor.dtype}, not a floating-point "
                                  f"type; re-save the checkpoint with float weights")
+
+
+def weight_renames(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """(pattern, replacement) pairs transformers applies to checkpoint names as it loads them into
+    `module` (transformers 5 renames, e.g. GPT-NeoX's embed_out to lm_head); none before it."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+    except ImportError:
+        return []
+    return [(source, rule.target_patterns[0]) for rule in get_model_conversion_mapping(module)
+            if isinstance(rule, WeightRenaming) for source in rule.source_patterns]
+
+
+def loaded_name(name: str, renames: list[tuple[str, str]]) -> str:
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def check_loading_info(info: dict, where: str) -> None:

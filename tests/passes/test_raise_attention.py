@@ -1,7 +1,7 @@
 """Unfused attention (matmul -> scale -> mask -> softmax -> matmul, with or without repeat_kv) is
 raised to the `attention` op: HF Llama with eager attention and hand-written modules lower with
-no aten fallback left and keep their logits; masks that are not causal stay fallbacks (and still
-compute the model); lowering's `lower` pass is what raises them."""
+no aten fallback left and keep their logits; a sliding-window mask is raised with its window; a
+mask that is neither fails the compile naming the node; lowering's `lower` pass is what raises them."""
 
 import math
 from types import SimpleNamespace
@@ -17,6 +17,7 @@ from llmc.compiler.interpreter import interpret
 from llmc.compiler.pipeline import trace_and_lower
 from llmc.compiler.targets import get_target
 from llmc.compiler.trace import export_lm, translate
+from llmc.errors import IRError
 from llmc.passes.base import PassContext, PassManager, Stage
 from llmc.passes.registry import get_pass
 from llmc.runtime.executor import PlanExecutor
@@ -190,13 +191,17 @@ def test_plain_matmul_softmax_attention_is_raised_with_same_logits(mask, kv_head
     assert_same_logits(graph, model)
 
 
-@pytest.mark.parametrize("mask", ["window", "soft"])
-def test_attention_without_a_causal_mask_stays_a_fallback_and_still_computes_the_model(mask):
-    model = plain_decoder(mask=mask)
+def test_a_sliding_window_mask_is_raised_with_its_window_and_same_logits():
+    model = plain_decoder(mask="window")
     graph = lower(model)
-    assert "attention" not in graph.op_counts()
-    assert {"aten.matmul.default", "aten.softmax.int"} <= aten_targets(graph)
+    assert "aten" not in graph.op_counts(), aten_targets(graph)
+    assert [n.attrs["window"] for n in graph.nodes if n.op == "attention"] == [3, 3]
     assert_same_logits(graph, model, lengths=(3, 11))
+
+
+def test_attention_under_a_soft_penalty_is_refused_naming_the_node():
+    with pytest.raises(IRError, match=r"^node softmax\S* \(aten\.softmax\.int\) pairs tokens with tokens"):
+        lower(plain_decoder(mask="soft"))
 
 
 # -- the lowering pass ----------------------------------------------------------------------------
