@@ -2,13 +2,14 @@
 equal offline generation, usage counts are exact, every error has its status and envelope, a
 client that leaves frees its request, and the Prometheus counters add up to what was served."""
 
-import subprocess
-import sys
+import signal
+import time
 
 import httpx
 import openai
 import pytest
 from conftest import API_KEY, start_serve, stop_serve
+from llmc_cli import error_line, llmc_in_process
 
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -141,9 +142,23 @@ def test_after_n_requests_the_counters_equal_what_was_served(served):
     assert grew("llmc:prefix_cache_queries_total") >= sum(r.usage.prompt_tokens for r in replies)
 
 
-def test_serve_refuses_a_taken_port_in_one_line(compiled, served):
+def test_serve_refuses_a_taken_port_in_one_line(compiled, served, capsys):
     port = served.url.rsplit(":", 1)[1]
-    done = subprocess.run([sys.executable, "-c", "from llmc.cli import main; main()", "serve", str(compiled),
-                           "--port", port], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.startswith("llmc: error: cannot listen on 127.0.0.1:") and done.stderr.count("\n") == 1
+    code, _, err = llmc_in_process(capsys, "serve", compiled, "--port", port)
+    assert code == 2
+    assert error_line(err).startswith(f"cannot listen on 127.0.0.1:{port} (")
+
+
+# Last: it stops the module's server.
+def test_sigterm_lets_running_requests_finish_and_refuses_new_ones(served):
+    stream = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100, stream=True,
+                                              extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    served.proc.send_signal(signal.SIGTERM)
+    while httpx.get(f"{served.url}/health").status_code != 503:
+        time.sleep(0.01)
+    status, error = status_and_error(lambda: served.client.completions.create(model="tiny", prompt=PROMPT))
+    chunks = [first, *stream]
+    assert status == 503 and "shutting down" in error["message"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert served.proc.wait(timeout=60) == 0
