@@ -37,6 +37,11 @@ def _unsigned_int8(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return t.view(torch.uint8) ^ NBITS_INT8_ZERO
 
 
+def _transposed_unsigned_int8(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """int8 codes [N, K] -> uint8 q + 128 as [K, N], the B of an unsigned MatMulInteger."""
+    return _unsigned_int8(t.t(), dims)
+
+
 def _scales_per_block(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """Per-row scales [N] repeated for each of a row's K/block MatMulNBits blocks: [N * K/block]."""
     rows = t.numel()
@@ -54,6 +59,7 @@ def _nibble_zeros(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 TRANSFORMS: dict[str, Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]] = {
     "same": _same, "T": _transposed, "f32": _float32, "int4_codes": _int4_codes, "u8": _unsigned_int8,
+    "T_u8": _transposed_unsigned_int8,
     "scales_per_block": _scales_per_block, "nibble_zeros": _nibble_zeros,
 }
 

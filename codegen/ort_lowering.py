@@ -175,6 +175,15 @@ def restep(plan: Plan, steps: list[PlanStep]) -> Plan:
                 params=plan.params, types=plan.types, meta=plan.meta)
 
 
+def check_kernels_option(mode: str | None, target: str, device: str) -> None:
+    """Refuse a --kernels value the target cannot take (checked before any work)."""
+    if mode is not None and mode not in KERNEL_MODES:
+        raise TargetError(f"--kernels {mode!r} is unknown; choose one of {', '.join(KERNEL_MODES)}")
+    if mode is not None and device != "cpu":
+        raise TargetError(f"--kernels {mode} chooses among CPU kernel families; target {target} launches "
+                          f"Triton kernels on a GPU: drop --kernels or compile for target cpu")
+
+
 def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None,
                 echo=None) -> tuple[list[Plan], dict[str, bytes]]:
     """lower_kernels for the compile driver: one plan per tensor-parallel rank (the ORT family runs
@@ -191,15 +200,9 @@ def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None
 def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=None) -> tuple[Plan, dict[str, bytes]]:
     """The plan with its segments lowered to ORT as `mode` says (None: the target's default), and
     the ONNX files to store ({path in the artifact: bytes})."""
-    if device != "cpu":
-        if mode is not None:
-            raise TargetError(f"--kernels {mode} chooses among CPU kernel families; target {plan.target} launches "
-                              f"Triton kernels on a GPU: drop --kernels or compile for target cpu")
-        return plan, {}
+    check_kernels_option(mode, plan.target, device)
     mode = mode or DEFAULT_MODE
-    if mode not in KERNEL_MODES:
-        raise TargetError(f"--kernels {mode!r} is unknown; choose one of {', '.join(KERNEL_MODES)}")
-    if mode == "cpu":
+    if device != "cpu" or mode == "cpu":
         return plan, {}
     kept = kept_in_torch(graph)
     if mode == "ort":
