@@ -15,7 +15,7 @@ EXTRA=()
 
 for q in fp32 int8 int4-awq; do
   if [ ! -d "$DIR/$q.llmc" ]; then
-    flags=(); [ "$q" = fp32 ] || flags=(--quant "$q")
+    flags=(--quant "$q"); [ "$q" = fp32 ] && flags=(--quant none)
     "$LLMC" compile smollm2-135m --target cpu "${flags[@]}" -o "$DIR/$q.llmc" -q
   fi
 done

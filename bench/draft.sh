@@ -11,7 +11,7 @@ OUT=bench/out/draft
 mkdir -p "$OUT"
 FP32=${FP32:-bench/out/smol.llmc}
 LAYERS=${LAYERS:-"10 15"}
-[ -d "$FP32" ] || "$LLMC" compile smollm2-135m -o "$FP32" -q
+[ -d "$FP32" ] || "$LLMC" compile smollm2-135m --quant none -o "$FP32" -q
 for k in $LAYERS; do
   [ -d "$OUT/draft-$k.llmc" ] || "$LLMC" compile smollm2-135m --draft-of "$FP32" --draft-layers "$k" -o "$OUT/draft-$k.llmc" -q
 done

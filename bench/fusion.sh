@@ -12,8 +12,8 @@ mkdir -p "$OUT"
 OFF=()
 for p in $FUSIONS; do OFF+=(--disable-pass "$p"); done
 
-"$LLMC" compile smollm2-135m --target cpu -o "$OUT/unfused.llmc" --force -q "${OFF[@]}"
-"$LLMC" compile smollm2-135m --target cpu -o "$OUT/fused.llmc" --force -q
+"$LLMC" compile smollm2-135m --target cpu --quant none -o "$OUT/unfused.llmc" --force -q "${OFF[@]}"
+"$LLMC" compile smollm2-135m --target cpu --quant none -o "$OUT/fused.llmc" --force -q
 for r in $(seq 1 "$ROUNDS"); do
   for v in unfused fused; do
     "$LLMC" bench "$OUT/$v.llmc" -n 1 --input-len 64 --output-len 64 --json > "$OUT/$v.$r.json"

@@ -11,9 +11,9 @@ OUT=bench/out/kv_heads
 mkdir -p "$OUT"
 FP32=${FP32:-bench/out/smol.llmc}
 GROUPINGS=${GROUPINGS:-"index similarity"}
-[ -d "$FP32" ] || "$LLMC" compile smollm2-135m -o "$FP32" -q
+[ -d "$FP32" ] || "$LLMC" compile smollm2-135m --quant none -o "$FP32" -q
 for g in $GROUPINGS; do
-  [ -d "$OUT/mqa-$g.llmc" ] || "$LLMC" compile smollm2-135m --kv-heads 1 --kv-grouping "$g" -o "$OUT/mqa-$g.llmc" -q
+  [ -d "$OUT/mqa-$g.llmc" ] || "$LLMC" compile smollm2-135m --quant none --kv-heads 1 --kv-grouping "$g" -o "$OUT/mqa-$g.llmc" -q
 done
 for v in fp32 $GROUPINGS; do
   art=$([ "$v" = fp32 ] && echo "$FP32" || echo "$OUT/mqa-$v.llmc")

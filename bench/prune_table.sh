@@ -26,7 +26,7 @@ REPEAT=${REPEAT:-3}
 for row in $ROWS; do
   [ "${REUSE:-0}" = 1 ] && [ -d "$OUT/$row.llmc" ] && continue
   # shellcheck disable=SC2086  # the flags are meant to split into words
-  "$LLMC" compile smollm2-135m ${FLAGS[$row]} -o "$OUT/$row.llmc" --force -q
+  "$LLMC" compile smollm2-135m --quant none ${FLAGS[$row]} -o "$OUT/$row.llmc" --force -q
 done
 for row in $ROWS; do
   "$LLMC" eval "$OUT/$row.llmc" --text samples/eval.txt --ref "$OUT/fp32.llmc" --json > "$OUT/$row.eval.json"

@@ -8,8 +8,8 @@ LLMC=${LLMC:-.venv/bin/llmc}
 OUT=bench/out/quant
 mkdir -p "$OUT"
 FP32=${FP32:-bench/out/smol.llmc}
-[ -d "$FP32" ] || "$LLMC" compile smollm2-135m -o "$FP32" -q
-SCHEMES=${SCHEMES:-"int8 int4-rtn int4-gptq int4-awq fp8 w8a8"}
+[ -d "$FP32" ] || "$LLMC" compile smollm2-135m --quant none -o "$FP32" -q
+SCHEMES=${SCHEMES:-"gguf int8 int4-rtn int4-gptq int4-awq fp8 w8a8"}
 for q in $SCHEMES; do
   [ -d "$OUT/$q.llmc" ] || "$LLMC" compile smollm2-135m --quant "$q" -o "$OUT/$q.llmc" -q
 done

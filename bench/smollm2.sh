@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 ART=${ART:-$OUT/smol.llmc}
 
 /usr/bin/time -f "compile wall %e s, peak RSS %M KiB" \
-  "$LLMC" compile smollm2-135m --target cpu -o "$ART" --force
+  "$LLMC" compile smollm2-135m --target cpu --quant none -o "$ART" --force
 "$LLMC" inspect "$ART" --json > "$OUT/inspect.json"
 du -sb "$ART" | awk '{printf "artifact size %.1f MiB\n", $1 / 1048576}'
 

@@ -24,7 +24,7 @@ from llmc.compiler.ops import (
     split_kv_scales,
     through_kv_cache,
 )
-from llmc.compiler.quant import unpack_int4
+from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine, unpack_int4
 from llmc.errors import ArtifactError
 
 CPU_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -103,7 +103,9 @@ def qembedding(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **att
     """Gather the selected rows of codes first, so only those rows are dequantised (fp32 out)."""
     rows = ids.reshape(-1)
     codes, s = qweight.index_select(0, rows), scales.index_select(0, rows).float()
-    if scheme == "int8":
+    if scheme in AFFINE_SCHEMES:
+        out = dequantize_affine(scheme, codes, s, None if zeros is None else zeros.index_select(0, rows))
+    elif scheme == "int8":
         out = codes.float() * s[:, None]
     else:
         # codes [T, K/g, g] against scales and zeros [T, K/g, 1]

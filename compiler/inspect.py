@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 
 from llmc.compiler.artifact import GRAPH, KERNEL_INDEX, PLAN, parse_json, read_manifest, verify_file
@@ -77,6 +78,8 @@ def quant_summary(pipeline: list[dict]) -> dict:
             entry["passes"].append(record["name"])
             for key in ("linears", "kept_linears", "bytes_before", "bytes_after"):
                 entry[key] += fig.get(key, 0)
+            if "formats" in fig:  # kept GGUF weights: each one's source block format
+                entry.setdefault("formats", {}).update(fig["formats"])
     for entry in out.values():
         entry["ratio"] = round(entry["bytes_after"] / entry["bytes_before"], 4) if entry["bytes_before"] else None
     return dict(sorted(out.items()))
@@ -90,6 +93,9 @@ def _quant_lines(quant: dict) -> list[str]:
         lines.append(f"  quant {scheme} ({q['method']}{group}): {q['linears']} linears, "
                      f"{_mib(q['bytes_before'])} -> {_mib(q['bytes_after'])}{ratio}; "
                      f"{q['kept_linears']} kept in float")
+        if q.get("formats"):
+            counts = Counter(q["formats"].values())
+            lines.append("    source formats: " + ", ".join(f"{n} x {f}" for f, n in sorted(counts.items())))
     return lines
 
 

@@ -248,8 +248,13 @@ def linear_ref(x, weight, bias=None, **attrs):
 
 # -- qlinear: a linear over quantised weights (layouts in docs/quantization.md) --------------
 # qweight's dtype and how many K columns one stored element holds, per scheme.
+# affine4/affine8 (GGUF block formats kept as they are): w = q * s + m in groups of group_size
+# along K, `zeros` holding the float minimum m; without it (has_zeros=false) w = q * s, and affine4
+# codes are centred: w = (q - 8) * s. scales and zeros are float16 or float32 [N, K/g]
+# (compiler/quant.py).
 QLINEAR_STORAGE = {"int8": ("int8", 1), "w8a8": ("int8", 1), "int4": ("uint8", 2),
-                   "fp8": ("float8_e4m3fn", 1)}
+                   "fp8": ("float8_e4m3fn", 1), "affine4": ("uint8", 2), "affine8": ("int8", 1)}
+GROUPED_SCHEMES = ("int4", "affine4", "affine8")
 
 
 class QLinearInputs(NamedTuple):
@@ -296,11 +301,12 @@ def _quant_params(ts, attrs, what: str, scheme: str, rows: int, k: int, group_si
     channels over `k` inputs: one scale a row, or one a group of `group_size` along k for int4."""
     _, _, scales, zeros, act_scale, bias = qlinear_inputs(ts, attrs) if what == "qlinear" else (
         ts + [None] * (6 - len(ts)))
-    if scheme == "int4":
+    if scheme in GROUPED_SCHEMES:
         if type(group_size) is not int or group_size <= 0 or k % group_size:
-            raise IRError(f"{what} (int4): group_size {group_size!r} must be a positive divisor of {k}")
+            raise IRError(f"{what} ({scheme}): group_size {group_size!r} must be a positive divisor of {k}")
         for name, t in (("scales", scales), ("zeros", zeros)):
-            _want(t, f"{what} (int4) {name}", shape=(rows, k // group_size))
+            if t is not None or scheme == "int4":
+                _want(t, f"{what} ({scheme}) {name}", shape=(rows, k // group_size))
     elif scheme == "fp8" and scales.shape == (1,):
         _want(scales, f"{what} (fp8) scales", shape=(1,))
     else:
@@ -329,14 +335,14 @@ def qlinear_ref(*inputs, scheme, **attrs):
 
 # -- qembedding: a lookup in a quantised table, stored as qlinear stores its weight (rows are
 # the output channels): int8 per-row scales, int4 packed nibbles with groups along the hidden dim.
-QEMBEDDING_SCHEMES = ("int8", "int4")
+QEMBEDDING_SCHEMES = ("int8", "int4", "affine4", "affine8")
 
 
 def _qembedding_type(ts, attrs):
     scheme, dim = attrs.get("scheme"), attrs["embedding_dim"]
     if scheme not in QEMBEDDING_SCHEMES:
         raise IRError(f"qembedding: unknown scheme {scheme!r}; known: {', '.join(QEMBEDDING_SCHEMES)}")
-    want_inputs = 4 if scheme == "int4" else 3
+    want_inputs = 4 if scheme == "int4" or attrs.get("has_zeros") else 3
     if len(ts) != want_inputs:
         raise IRError(f"qembedding ({scheme}): {len(ts)} inputs, expected {want_inputs} "
                       f"(ids, qweight, scales{', zeros' if scheme == 'int4' else ''})")
@@ -350,7 +356,7 @@ def _qembedding_type(ts, attrs):
 
 
 @op("qembedding", _qembedding_type, inputs=(3, 4), attrs=AttrSpec(
-    {"scheme": one_of(*QEMBEDDING_SCHEMES), "embedding_dim": COUNT}, {"group_size": INT}))
+    {"scheme": one_of(*QEMBEDDING_SCHEMES), "embedding_dim": COUNT}, {"group_size": INT, "has_zeros": BOOL}))
 def qembedding_ref(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **attrs):
     """Gather the rows of the codes, scales and zeros the ids select, then dequantise them (fp32)."""
     rows = ids.reshape(-1)

@@ -17,6 +17,7 @@ import llmc
 from llmc.codegen.autotune import autotune
 from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.plan import build_plan
+from llmc.compiler import recipes
 from llmc.compiler.artifact import staged_output, write_contents
 from llmc.compiler.calibration import calibration_sequences, calibration_source
 from llmc.compiler.compile_report import check_report_path, timing_line, write_report
@@ -127,14 +128,15 @@ def trace_and_lower(module: torch.nn.Module, max_tokens: int, log: Callable[[str
     return graph
 
 
-def pass_configs(tgt: Target, opts: CompileOptions) -> list[PassConfig]:
+def pass_configs(tgt: Target, opts: CompileOptions, source_quantised: bool = False) -> list[PassConfig]:
     """The whole pipeline: lowering, then --passes (in the user's order) or the target's
     pipeline, with the passes the compile flags ask for (--prune/--sparsity, --kv-heads, --quant
-    or the target's default quantisation, --kv-cache, --add-pass) placed by their stage."""
+    or the default quantisation: a quantised source's own, else the target's; --kv-cache,
+    --add-pass) placed by their stage."""
     explicit = opts.passes is not None
     base = (parse_pass_list(e for e in opts.passes.split(",") if e.strip()) if explicit
             else tgt.pass_configs())
-    quant = opts.quant or (None if explicit else tgt.default_quant)
+    quant = opts.quant or recipes.default_quant(explicit, source_quantised, tgt.default_quant)
     kv_cache = opts.kv_cache or (None if explicit else tgt.default_kv_cache)
     added = (prune_passes(opts.prune, opts.sparsity, opts.sparsity_method)
              + kv_heads_passes(opts.kv_heads, opts.kv_grouping)
@@ -234,11 +236,16 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     log("load", time.perf_counter() - t, {"kind": loaded.kind, "name": loaded.name})
     if draft_target is not None:  # how many layers to cut depends on the loaded model
         opts = draft_options(opts, loaded, draft_target)
-        configs = pass_configs(tgt, opts)
+    if draft_target is not None or loaded.stored_quant:  # a GGUF file keeps its quantisation by default
+        configs = pass_configs(tgt, opts, source_quantised=bool(loaded.stored_quant))
+        note = recipes.requantise_note(opts.quant, loaded.stored_quant)
+        if note and not opts.quiet:
+            (echo or echo_stderr)(note)
     pipeline = instantiate(configs)
     graph = trace(loaded.module, opts.max_num_batched_tokens, log)
     calibration = calibrate(loaded, pipeline, opts, log)
     ctx = PassContext(target=tgt, options=budget_options(opts), calibration=calibration,
+                      source_weights=loaded.stored_quant,
                       print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
     records = PassManager(pipeline, ctx, [c.stage for c in configs]).run(graph)

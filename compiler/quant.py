@@ -1,6 +1,7 @@
 """Quantisation arithmetic of the storage formats in docs/quantization.md: quantise and
-dequantise weights (int8 per channel, int4 in groups with zero points, fp8 e4m3), pack int4
-codes two to a byte, and fake-quantise activations (fp8 static, int8 per token). Pure torch."""
+dequantise weights (int8 per channel, int4 in groups with zero points, fp8 e4m3, and the
+grouped-affine codes GGUF block formats import as), pack int4 codes two to a byte, and
+fake-quantise activations (fp8 static, int8 per token). Pure torch."""
 
 from __future__ import annotations
 
@@ -96,6 +97,39 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+# -- grouped affine, as GGUF blocks store weights, in groups of g along K ------------------------
+# affine4: codes 0..15 packed as int4, w = q * s + m, or w = (q - 8) * s without minimums (Q4_0);
+# affine8: codes -128..127 as int8, w = q * s (+ m). s and m are float16 or float32 [N, K/g].
+# The fp32 product q * s is exact for every GGUF format llmc imports (fp16, or fp16 times a 6-bit
+# scale, times a code of at most 6 bits) or rounds once as GGUF's own Q6_K does, and + m rounds
+# once, as gguf.quants.dequantize does: the weights are bit-identical to the file's.
+AFFINE_SCHEMES = {"affine4": 4, "affine8": 8}
+AFFINE4_CENTRE = 8
+
+
+def dequantize_affine(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored codes (uint8 [N, K/2] for affine4, int8 [N, K] for affine8), scales/mins [N, K/g]
+    -> w [N, K] in `dtype`."""
+    if scheme == "affine4":
+        centre = AFFINE4_CENTRE if mins is None else 0
+        return dequantize_affine_codes(unpack_int4(qweight), scales, mins, centre, dtype)
+    return dequantize_affine_codes(qweight, scales, mins, 0, dtype)
+
+
+def dequantize_affine_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                            centre: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpacked codes [N, K], scales/mins [N, K/g] -> w = (q - centre) * s (+ m) [N, K] in `dtype`."""
+    q = codes.to(dtype)
+    if centre:
+        q = q - centre
+    n, k = q.shape
+    groups = q.reshape(n, scales.shape[1], -1) * scales.to(dtype)[..., None]
+    if mins is not None:
+        groups = groups + mins.to(dtype)[..., None]
+    return groups.reshape(n, k)
+
+
 # -- fp8 e4m3: w = q * s, activations through a static per-tensor scale ------------------------
 def quantize_fp8(weight: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (q float8_e4m3fn [N, K], scales fp32 [N] per channel, else [1])."""
@@ -137,7 +171,7 @@ def fake_quant_kv(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.T
     return (y * scale[:, None]).to(x.dtype)
 
 
-SCHEMES = ("int8", "int4", "fp8", "w8a8")
+SCHEMES = ("int8", "int4", "fp8", "w8a8", *AFFINE_SCHEMES)
 
 
 def dequantize_weight(scheme: str, qweight: torch.Tensor, scales: torch.Tensor,
@@ -149,10 +183,13 @@ def dequantize_weight(scheme: str, qweight: torch.Tensor, scales: torch.Tensor,
         return dequantize_int4(qweight, scales, zeros, dtype)
     if scheme == "fp8":
         return dequantize_fp8(qweight, scales, dtype)
+    if scheme in AFFINE_SCHEMES:
+        return dequantize_affine(scheme, qweight, scales, zeros, dtype)
     raise ValueError(f"unknown quantisation scheme {scheme!r}; known: {', '.join(SCHEMES)}")
 
 
 __all__ = ["INT8_MAX", "INT4_MAX", "FP8_E4M3_MAX", "SCHEMES", "compute_dtype", "quantize_int8",
            "dequantize_int8", "int4_grid", "quantize_to_grid", "quantize_int4", "dequantize_int4",
            "dequantize_int4_codes", "pack_int4", "unpack_int4", "quantize_fp8", "dequantize_fp8",
-           "fake_quant_fp8", "fake_quant_int8_per_token", "dequantize_weight"]
+           "fake_quant_fp8", "fake_quant_int8_per_token", "dequantize_weight", "AFFINE_SCHEMES",
+           "AFFINE4_CENTRE", "dequantize_affine", "dequantize_affine_codes"]

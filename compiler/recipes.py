@@ -4,6 +4,7 @@ Flag syntax is checked here; option values are checked by the passes' own option
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from llmc.errors import PassError
@@ -21,8 +22,12 @@ QUANT_RECIPES: dict[str, list[tuple[str, dict]]] = {
     "int4-awq": [("quantize_int4", {"method": "awq"})],
     "fp8": [("quantize_fp8", {})],
     "w8a8": [("smoothquant", {}), ("quantize_w8a8", {"all_linears": True})],  # o_proj/down_proj unsmoothed
+    # a GGUF file's own block formats, kept (the default for GGUF sources); none: float weights
+    "gguf": [("keep_gguf_quant", {})],
+    "none": [],
 }
 QUANT_CHOICES = tuple(QUANT_RECIPES)
+SOURCE_QUANT = "gguf"
 KV_CACHE_CHOICES = ("int8", "fp8")
 KV_GROUPING_CHOICES = ("auto", "index", "similarity")
 SPARSITY_METHODS = ("wanda", "magnitude")
@@ -58,6 +63,25 @@ def quant_passes(quant: str | None, group_size: int | None = None) -> list[PassC
     entries = [(name, {**opts, "group_size": g} if name == "quantize_int4" else opts)
                for name, opts in QUANT_RECIPES[quant]]
     return configs("--quant", entries)
+
+
+def default_quant(explicit_passes: bool, source_quantised: bool, target_quant: str | None) -> str | None:
+    """The --quant recipe a compile without one gets: none under --passes, the source's own
+    quantisation when it stores quantised weights (a GGUF file), else the target's."""
+    if explicit_passes:
+        return None
+    return SOURCE_QUANT if source_quantised else target_quant
+
+
+def requantise_note(quant: str | None, stored: dict) -> str | None:
+    """What to tell the user when --quant re-quantises the weights a source stores quantised
+    (`stored`: param name -> its stored form, which names its format)."""
+    if not stored or quant in (None, SOURCE_QUANT, "none"):
+        return None
+    counts = Counter(weight.format for weight in stored.values())
+    formats = ", ".join(f"{count} {name}" for name, count in sorted(counts.items()))
+    return (f"llmc: the source stores quantised weights ({formats}); --quant {quant} re-quantises them from "
+            f"their dequantised values (--quant {SOURCE_QUANT} keeps the file's own)")
 
 
 def kv_cache_passes(kv_cache: str | None) -> list[PassConfig]:
@@ -163,5 +187,6 @@ def added_passes(add: list[str]) -> list[PassConfig]:
 
 
 __all__ = ["QUANT_RECIPES", "QUANT_CHOICES", "KV_CACHE_CHOICES", "KV_GROUPING_CHOICES", "SPARSITY_METHODS",
-           "PRUNE_KINDS", "DEFAULT_GROUP_SIZE", "quant_passes", "kv_cache_passes", "kv_heads_passes",
+           "PRUNE_KINDS", "DEFAULT_GROUP_SIZE", "SOURCE_QUANT", "default_quant", "requantise_note",
+           "quant_passes", "kv_cache_passes", "kv_heads_passes",
            "parse_prune", "prune_passes", "added_passes"]

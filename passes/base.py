@@ -62,7 +62,8 @@ class Stage(enum.IntEnum):
 
 # What a pass may declare it needs; the driver provides each before the pipeline runs.
 NEEDS = {"calibration": "calibration sequences (--calib text, or text the model generates)",
-         "target": "the compile target's facts (its activation dtype)"}
+         "target": "the compile target's facts (its activation dtype)",
+         "source_weights": "the quantised forms a source stores weights in (a GGUF file's blocks)"}
 
 
 class Pass(abc.ABC):
@@ -114,6 +115,7 @@ class PassContext:
     target: Any = None                  # a compiler.targets.Target or its name
     options: dict = field(default_factory=dict)
     calibration: Any = None
+    source_weights: dict = field(default_factory=dict)       # param name -> its stored quantised form
     print_ir_after: set[str] = field(default_factory=set)   # pass names, or "all"
     dump_ir: str | Path | None = None
     disabled: set[str] = field(default_factory=set)

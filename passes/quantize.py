@@ -118,7 +118,9 @@ def add_quant_params(graph: Graph, weight: str, fmt: WeightFormat, codes: torch.
     if DTYPE_NAMES[stored.dtype] != want:
         raise PassError(f"quantising {weight}: the {fmt.method} method gave {stored.dtype} codes, "
                         f"the {fmt.scheme} format stores {want}")
-    tensors = {"qweight": stored, "scales": scales.float(), "zeros": zeros, "act_scale": act_scale}
+    # float16 scales stay so (GGUF's own, kept exactly); every other scale is stored as float32
+    scales = scales if scales.dtype == torch.float16 else scales.float()
+    tensors = {"qweight": stored, "scales": scales, "zeros": zeros, "act_scale": act_scale}
     tensors = {k: t.contiguous() for k, t in tensors.items() if t is not None}
     scheme = QuantScheme(fmt.method, fmt.bits, fmt.group_size, fmt.symmetric, names["scales"],
                          names["zeros"] if zeros is not None else "", graph.params[weight].type.dtype)

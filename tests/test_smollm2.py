@@ -16,7 +16,7 @@ PROMPTS = ["What is the capital of France?", "def fibonacci(n):",
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory, smollm2_model):
     path = tmp_path_factory.mktemp("art") / "smol.llmc"
-    llmc.compile("smollm2-135m", target="cpu", output=path)
+    llmc.compile("smollm2-135m", target="cpu", output=path, quant="none")  # the GGUF dequantised
     return llmc.load(path, kv_memory="256MiB"), path
 
 
@@ -93,7 +93,7 @@ def test_triton_plan_matches_the_cpu_plan_at_full_scale(smol, tmp_path):
     of rounding them, so a bf16 comparison here would measure the interpreter.)"""
     llm, _ = smol
     path = llmc.compile("smollm2-135m", target="h100-bf16", output=tmp_path / "smol-h100-f32.llmc",
-                        disable=["cast_bf16"], max_num_batched_tokens=64)
+                        disable=["cast_bf16"], max_num_batched_tokens=64, quant="none")
     triton_plan = llmc.load(path, device="cpu", kv_memory="64MiB").engine.executor
     ids = llm.engine.tokenizer(PROMPTS[0])["input_ids"]
     rows = torch.arange(len(ids))

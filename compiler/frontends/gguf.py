@@ -2,7 +2,9 @@
 to float32 here (vectorised, bit-identical to transformers' own GGUF loader) into the model built
 from that config, after checking the file parses, holds a supported architecture, and declares
 exactly the tensors its metadata's model needs, in types gguf can dequantize: checked before any
-allocation. The file is parsed once; transformers' metadata readers reuse that parse."""
+allocation. Weights stored in a block format llmc imports also come as their codes, scales and
+minimums (LoadedModel.stored_quant), which the compile keeps by default (--quant gguf). The file
+is parsed once; transformers' metadata readers reuse that parse."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from llmc.compiler.frontends.config_check import check_config_values
-from llmc.compiler.frontends.gguf_dequant import dequantize
+from llmc.compiler.frontends.gguf_dequant import AffineWeight, decode
 from llmc.compiler.frontends.model import (
     SUPPORTED_GGUF_ARCHITECTURES,
     LoadedModel,
@@ -56,11 +58,13 @@ def load_gguf_file(path: Path, source: str | None = None) -> LoadedModel:
         check_tensor_table(meta, tensor_table(reader, names), where)
         tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path.parent, **kwargs)
     module = empty_model(config, where)
-    load_weights(module, dequantized_state_dict(reader, names, q_k_heads(reader, architecture, config)), where)
+    state, stored = decoded_state_dict(reader, names, q_k_heads(reader, architecture, config))
+    load_weights(module, state, where)
+    stored = with_tied_names(module, stored)
     record_gguf_source(module.config, path)
     return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
                        name=path.stem, source_hash=sha256_file(path), source=source or str(path),
-                       kind="gguf")
+                       kind="gguf", stored_quant=stored)
 
 
 @contextlib.contextmanager
@@ -188,24 +192,43 @@ def unpermute_rows(weights: torch.Tensor, heads: int) -> torch.Tensor:
     return weights.reshape(heads, half, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape).contiguous()
 
 
-def dequantized_state_dict(reader: GGUFReader, names: dict[str, str],
-                           heads: tuple[int, int] | None) -> dict[str, torch.Tensor]:
-    """The file's tensors as float32 under their transformers names, with a progress bar; those
-    with no such name (ones the table check lets pass, named after computed buffers) are skipped,
-    as transformers skips them."""
+def decoded_state_dict(reader: GGUFReader, names: dict[str, str], heads: tuple[int, int] | None
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, AffineWeight]]:
+    """The file's tensors as float32 under their transformers names, and those in a block format
+    llmc imports as affine params, with a progress bar; tensors with no such name (ones the table
+    check lets pass, named after computed buffers) are skipped, as transformers skips them."""
     show = hf_logging.is_progress_bar_enabled() and sys.stderr.isatty()
     tensors = [tensor for tensor in reader.tensors if tensor.name in names]
-    state = {}
+    state, stored = {}, {}
     with one_thread():
         for tensor in tqdm(tensors, desc="dequantising GGUF weights", unit="tensor", leave=False,
                            file=sys.stderr, disable=not show):
-            weights = dequantize(tensor)
-            if heads is not None and ".attn_q." in tensor.name:
-                weights = unpermute_rows(weights, heads[0])
-            elif heads is not None and ".attn_k." in tensor.name:
-                weights = unpermute_rows(weights, heads[1])
+            weights, affine = decode(tensor)
+            rope_heads = permuted_heads(tensor.name, heads)
+            if rope_heads is not None:
+                weights = unpermute_rows(weights, rope_heads)
+                affine = affine and affine.rows(unpermute_rows(torch.arange(weights.shape[0]), rope_heads))
             state[names[tensor.name]] = weights
-    return state
+            if affine is not None:
+                stored[names[tensor.name]] = affine
+    return state, stored
+
+
+def with_tied_names(module: torch.nn.Module, stored: dict[str, AffineWeight]) -> dict[str, AffineWeight]:
+    """`stored` under every name its weights go by once the config's ties are made: a tied LM
+    head is the embedding's tensor, and tracing may name it either way."""
+    params = list(module.named_parameters(remove_duplicate=False))
+    source = {id(tensor): name for name, tensor in params if name in stored}
+    return stored | {name: stored[source[id(tensor)]] for name, tensor in params if id(tensor) in source}
+
+
+def permuted_heads(gguf_name: str, heads: tuple[int, int] | None) -> int | None:
+    """The head count whose rope permutation the rows of tensor `gguf_name` carry, if any."""
+    if heads is not None and ".attn_q." in gguf_name:
+        return heads[0]
+    if heads is not None and ".attn_k." in gguf_name:
+        return heads[1]
+    return None
 
 
 @contextlib.contextmanager

@@ -1,33 +1,101 @@
-"""Dequantise one GGUF tensor to float32 with whole-tensor torch ops: the formulas and the float32
-operation order of gguf.quants.dequantize (the reference), so the result is bit-identical to it;
-types without a torch version here go through the reference itself."""
+"""GGUF block formats decoded with whole-tensor torch ops into what they store: integer codes
+with a float scale (and minimum) per group of 16 or 32 weights. Those parts either become llmc's
+grouped-affine quantised params (affine4/affine8, compiler/quant.py; the compile keeps the file's
+quantisation) or are dequantised to float32 here. The scales and minimums are computed with the
+formulas and float32 operation order of gguf.quants.dequantize (the reference), and the affine
+dequantisation rounds as it does, so both results are bit-identical to it; types without a torch
+version here go through the reference itself."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize as reference_dequantize
 
+from llmc.compiler.quant import AFFINE4_CENTRE, dequantize_affine_codes, pack_int4
+
 Q = GGMLQuantizationType
 
 
+class BlockParts(NamedTuple):
+    """One GGUF tensor's blocks as codes and per-group scales (and minimums)."""
+    scheme: str                   # "affine4": codes 0..15; "affine8": codes -128..127
+    codes: torch.Tensor           # uint8 / int8 [blocks, block_size]
+    scales: torch.Tensor          # float32 [blocks, block_size / group_size]
+    mins: torch.Tensor | None     # float32 like scales, or None: w = q * s (affine4: (q - 8) * s)
+
+
+class AffineWeight(NamedTuple):
+    """A GGUF weight as llmc stores it: w = q * s (+ m) in groups of group_size along K."""
+    scheme: str                   # "affine4" | "affine8"
+    format: str                   # the GGUF type it came from, e.g. "Q4_1"
+    group_size: int
+    qweight: torch.Tensor         # affine4: uint8 [N, K/2] (packed); affine8: int8 [N, K]
+    scales: torch.Tensor          # float16 where that holds every value exactly, else float32 [N, K/g]
+    mins: torch.Tensor | None
+
+    def rows(self, index: torch.Tensor) -> AffineWeight:
+        """The weight with its output rows reordered by `index` (undoing llama.cpp's q/k permutation)."""
+        pick = (lambda t: None if t is None else t.index_select(0, index).contiguous())
+        return self._replace(qweight=pick(self.qweight), scales=pick(self.scales), mins=pick(self.mins))
+
+
+def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    """The tensor's shape in torch order (GGUF lists dimensions innermost first)."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
 def dequantize(tensor: ReaderTensor) -> torch.Tensor:
-    """`tensor` as float32, in torch dimension order (GGUF lists dimensions innermost first)."""
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    block_fn = BLOCK_DEQUANTIZERS.get(tensor.tensor_type)
-    if block_fn is None and tensor.tensor_type not in (Q.F32, Q.F16):
+    """`tensor` as float32, in torch dimension order."""
+    return decode(tensor)[0]
+
+
+def decode(tensor: ReaderTensor) -> tuple[torch.Tensor, AffineWeight | None]:
+    """`tensor` as float32 in torch dimension order and, for a 2-D tensor in a block format
+    decoded here, as llmc's affine params, from one parse of its blocks. Float tensors and
+    other block types (dequantised by the reference) have no affine form."""
+    shape = torch_shape(tensor)
+    if tensor.tensor_type in FLOAT_DECODERS:
+        return FLOAT_DECODERS[tensor.tensor_type](raw_bytes(tensor)).reshape(shape), None
+    parts = block_parts(tensor)
+    if parts is None:
         values = np.array(reference_dequantize(tensor.data, tensor.tensor_type))
-        return torch.from_numpy(values).reshape(shape)
-    raw = torch.from_numpy(np.array(tensor.data).reshape(-1).view(np.uint8))  # a copy: the map is read-only
-    if tensor.tensor_type == Q.F32:
-        return raw.view(torch.float32).reshape(shape)
-    if tensor.tensor_type == Q.F16:
-        return raw.view(torch.float16).float().reshape(shape)
+        return torch.from_numpy(values).reshape(shape), None
+    centre = AFFINE4_CENTRE if parts.scheme == "affine4" and parts.mins is None else 0
+    values = dequantize_affine_codes(parts.codes, parts.scales, parts.mins, centre).reshape(shape)
+    return values, (affine_weight(parts, tensor.tensor_type.name, shape) if len(shape) == 2 else None)
+
+
+def affine_weight(parts: BlockParts, source_format: str, shape: tuple[int, int]) -> AffineWeight:
+    """A [rows, K] tensor's block parts as llmc's affine params (scales and minimums per group)."""
+    rows, k = shape
+    group_size = parts.codes.shape[1] // parts.scales.shape[1]
+    codes = parts.codes.reshape(rows, k)
+    store = (lambda t: None if t is None else narrowest_float(t.reshape(rows, k // group_size)))
+    return AffineWeight(parts.scheme, source_format, group_size,
+                        pack_int4(codes) if parts.scheme == "affine4" else codes,
+                        store(parts.scales), store(parts.mins))
+
+
+def narrowest_float(values: torch.Tensor) -> torch.Tensor:
+    """float16 when it holds every value exactly (GGUF's own fp16 scales), else float32."""
+    half = values.to(torch.float16)
+    return half if torch.equal(half.float(), values) else values.contiguous()
+
+
+def raw_bytes(tensor: ReaderTensor) -> torch.Tensor:
+    return torch.from_numpy(np.array(tensor.data).reshape(-1).view(np.uint8))  # a copy: the map is read-only
+
+
+def block_parts(tensor: ReaderTensor) -> BlockParts | None:
+    decoder = BLOCK_DECODERS.get(tensor.tensor_type)
+    if decoder is None:
+        return None
     _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    return block_fn(raw.reshape(-1, type_size)).reshape(shape)
+    return decoder(raw_bytes(tensor).reshape(-1, type_size))
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -47,65 +115,78 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
     return ((word >> torch.arange(32)) & 1).to(torch.uint8)
 
 
-def _bf16(blocks: torch.Tensor) -> torch.Tensor:
-    return (blocks.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+def _flat(codes: torch.Tensor) -> torch.Tensor:
+    return codes.reshape(codes.shape[0], -1)
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(blocks[:, 2:], 16).reshape(blocks.shape[0], -1).to(torch.int8) - 8
-    return _half(blocks, 0) * q.float()
+def _q4_0(blocks: torch.Tensor) -> BlockParts:
+    return BlockParts("affine4", _flat(_nibbles(blocks[:, 2:], 16)), _half(blocks, 0), None)
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(blocks[:, 4:], 16).reshape(blocks.shape[0], -1).float()
-    return (_half(blocks, 0) * q) + _half(blocks, 2)
+def _q4_1(blocks: torch.Tensor) -> BlockParts:
+    return BlockParts("affine4", _flat(_nibbles(blocks[:, 4:], 16)), _half(blocks, 0), _half(blocks, 2))
 
 
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    low = _nibbles(blocks[:, 6:], 16).reshape(blocks.shape[0], -1)
-    q = (low | (_high_bits(blocks[:, 2:6]) << 4)).to(torch.int8) - 16
-    return _half(blocks, 0) * q.float()
+def _q5_0(blocks: torch.Tensor) -> BlockParts:
+    low = _flat(_nibbles(blocks[:, 6:], 16))
+    codes = (low | (_high_bits(blocks[:, 2:6]) << 4)).to(torch.int8) - 16
+    return BlockParts("affine8", codes, _half(blocks, 0), None)
 
 
-def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    low = _nibbles(blocks[:, 8:], 16).reshape(blocks.shape[0], -1)
-    q = (low | (_high_bits(blocks[:, 4:8]) << 4)).float()
-    return (_half(blocks, 0) * q) + _half(blocks, 2)
+def _q5_1(blocks: torch.Tensor) -> BlockParts:
+    low = _flat(_nibbles(blocks[:, 8:], 16))
+    codes = (low | (_high_bits(blocks[:, 4:8]) << 4)).to(torch.int8)
+    return BlockParts("affine8", codes, _half(blocks, 0), _half(blocks, 2))
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks[:, 2:].contiguous().view(torch.int8).float() * _half(blocks, 0)
+def _q8_0(blocks: torch.Tensor) -> BlockParts:
+    return BlockParts("affine8", blocks[:, 2:].contiguous().view(torch.int8), _half(blocks, 0), None)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's eight 6-bit scales and mins per block, packed in 12 bytes (gguf's Q4_K.get_scale_min)."""
+    """Q4_K/Q5_K's eight 6-bit scales and mins per block, packed in 12 bytes (gguf's Q4_K.get_scale_min)."""
     d, m, m_d = scales.reshape(-1, 3, 4).unbind(1)
     scale = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     minimum = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
     return scale, minimum
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    n = blocks.shape[0]
+def _k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's eight sub-block scales d·sc and minimums -(dmin·m), float32 (blocks, 8)."""
     scale, minimum = _k_scale_min(blocks[:, 4:16])
-    d = (_half(blocks, 0) * scale.float()).reshape(n, -1, 1)
-    dm = (_half(blocks, 2) * minimum.float()).reshape(n, -1, 1)
-    q = _nibbles(blocks[:, 16:], 32).float()
-    return (d * q - dm).reshape(n, 256)
+    return _half(blocks, 0) * scale.float(), -(_half(blocks, 2) * minimum.float())
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_k(blocks: torch.Tensor) -> BlockParts:
+    return BlockParts("affine4", _flat(_nibbles(blocks[:, 16:], 32)), *_k_groups(blocks))
+
+
+def _q5_k(blocks: torch.Tensor) -> BlockParts:
     n = blocks.shape[0]
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    d = (_half(blocks, 208) * scales).reshape(n, 16, 1)
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    high = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 0x01       # bit j of byte i: sub-block j
+    codes = _nibbles(blocks[:, 48:], 32) | (high << 4)
+    return BlockParts("affine8", _flat(codes).to(torch.int8), *_k_groups(blocks))
+
+
+def _q6_k(blocks: torch.Tensor) -> BlockParts:
+    n = blocks.shape[0]
+    scales = _half(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
     low = _nibbles(blocks[:, :128], 64).reshape(n, -1, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
     high = ((blocks[:, 128:192].reshape(n, -1, 1, 32) >> shifts) & 0x03).reshape(n, -1, 32)
-    q = (low | (high << 4)).to(torch.int8) - 32
-    return (d * q.reshape(n, 16, -1).float()).reshape(n, 256)
+    return BlockParts("affine8", _flat((low | (high << 4)).to(torch.int8) - 32), scales, None)
 
 
-BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
-    Q.BF16: _bf16, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-    Q.Q4_K: _q4_k, Q.Q6_K: _q6_k,
+def _bf16(raw: torch.Tensor) -> torch.Tensor:
+    return (raw.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
+FLOAT_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.F32: lambda raw: raw.view(torch.float32), Q.F16: lambda raw: raw.view(torch.float16).float(),
+    Q.BF16: _bf16,
+}
+BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], BlockParts]] = {
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
+    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
 }

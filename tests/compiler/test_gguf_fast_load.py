@@ -2,7 +2,6 @@
 gguf.quants.dequantize bit for bit, the faster reader parses what gguf's reader parses, and the
 loaded model equals transformers' from_pretrained(gguf_file=...) tensor for tensor."""
 
-import json
 
 import gguf
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from gguf_files import finish, llama_writer, write_tensors
 from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -18,7 +18,7 @@ from llmc.compiler.frontends.gguf_dequant import dequantize
 
 QUANTISABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16]  # gguf-py can quantise these itself
 # byte offsets of each block's fp16 scale fields, made finite in random blocks
-SCALE_FIELDS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+SCALE_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def random_blocks(rng, kind: Q, rows: int, columns: int) -> np.ndarray:
@@ -33,18 +33,7 @@ def random_blocks(rng, kind: Q, rows: int, columns: int) -> np.ndarray:
     return data
 
 
-def write(path, tensors: dict) -> PlainArrayReader:
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, (values, kind) in tensors.items():
-        writer.add_tensor(name, values, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return PlainArrayReader(path)
-
-
-@pytest.mark.parametrize("kind", [Q.F32, Q.F16, *QUANTISABLE, Q.Q4_K, Q.Q6_K], ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [Q.F32, Q.F16, *QUANTISABLE, *SCALE_FIELDS], ids=lambda k: k.name)
 def test_dequantize_equals_gguf_reference_bit_for_bit(kind, tmp_path):
     rng = np.random.default_rng()
     rows, columns = 3, 512
@@ -52,7 +41,7 @@ def test_dequantize_equals_gguf_reference_bit_for_bit(kind, tmp_path):
         values = rng.standard_normal((rows, columns)).astype(np.float32 if kind == Q.F32 else np.float16)
     else:
         values = random_blocks(rng, kind, rows, columns)
-    (tensor,) = write(tmp_path / "t.gguf", {"w": (values, kind)}).tensors
+    (tensor,) = write_tensors(tmp_path / "t.gguf", {"w": (values, kind)}).tensors
     assert tensor.tensor_type == kind
     ours = dequantize(tensor)
     reference = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, kind)))
@@ -63,7 +52,7 @@ def test_dequantize_equals_gguf_reference_bit_for_bit(kind, tmp_path):
 def test_types_without_a_torch_version_go_through_the_reference(tmp_path):
     values = np.random.default_rng().integers(0, 256, (2, GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8)
     values[:, -4:] = np.array([0.5, 0.25], dtype=np.float16).view(np.uint8)  # the block's d and dmin
-    (tensor,) = write(tmp_path / "t.gguf", {"w": (values, Q.Q2_K)}).tensors
+    (tensor,) = write_tensors(tmp_path / "t.gguf", {"w": (values, Q.Q2_K)}).tensors
     reference = np.array(gguf.quants.dequantize(tensor.data, Q.Q2_K))
     assert torch.equal(dequantize(tensor), torch.from_numpy(reference).reshape(2, 256))
 
@@ -105,21 +94,7 @@ def test_unpermute_rows_matches_transformers(heads, kv_heads):
 
 def tiny_gguf(path, tiny) -> None:
     """tiny-llama as a llama.cpp-style GGUF: q/k rows permuted, weights in a mix of quant types."""
-    config, writer = tiny.config, gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    bpe = json.loads(tiny.tokenizer.backend_tokenizer.to_str())["model"]
-    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
-    writer.add_token_types([1] * len(tokens))
+    config, writer = tiny.config, llama_writer(path, tiny.config, tiny.tokenizer)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     kinds = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.BF16, Q.F16]
@@ -134,10 +109,7 @@ def tiny_gguf(path, tiny) -> None:
             values if kind == Q.F32 else gguf.quants.quantize(values, kind))
         writer.add_tensor(f"{name_map.get_name(stem)}.{suffix}", stored,
                           raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def assert_same_model(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:

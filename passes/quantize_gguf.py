@@ -1,0 +1,131 @@
+"""`keep_gguf_quant` (`--quant gguf`, the default for GGUF sources): each linear and embedding
+whose weight a GGUF file stores in a block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K) becomes a qlinear / qembedding over that format's own codes, scales and minimums, as the
+grouped-affine schemes affine4 / affine8 (compiler/quant.py, docs/quantization.md): no second
+rounding, and the stored weights dequantise to exactly the file's values.
+
+For other kernel families: an affine4 qlinear's params are `<w>.qweight` uint8 [N, K/2] (codes
+0..15, the low nibble holds the even k), `<w>.scales` float16/float32 [N, K/g] and, when
+`has_zeros`, `<w>.zeros` [N, K/g] holding the float minimum m: w = q·s + m; without zeros
+w = (q − 8)·s. affine8 stores int8 codes [N, K] with w = q·s (+ m). Attrs: scheme, group_size
+(16 for Q6_K, else 32), in_features, out_features, has_zeros, has_bias. The qweight's QuantScheme
+method names the source format ("gguf:Q4_1")."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from llmc.compiler.ir import Graph, Node
+from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine
+from llmc.errors import PassError
+from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
+from llmc.passes.quantize import (
+    FLOAT_DTYPES,
+    WeightFormat,
+    add_quant_params,
+    param_bytes,
+    quant_param_names,
+    quantize_linear_weights,
+)
+
+METHOD_PREFIX = "gguf:"
+CHANGED = "changed by an earlier pass (kept in float)"
+
+
+def weight_format(stored) -> WeightFormat:
+    """The format a GGUF weight (an AffineWeight) is stored in."""
+    return WeightFormat(stored.scheme, METHOD_PREFIX + stored.format, AFFINE_SCHEMES[stored.scheme],
+                        stored.group_size, symmetric=stored.mins is None)
+
+
+def keep_reason(graph: Graph, weight: str, stored) -> str | None:
+    """Why `weight` cannot take its stored form (None when it can): an earlier pass (pruning, KV
+    head conversion) changed its values, or it is no longer a float param."""
+    param = graph.params.get(weight)
+    if param is None or param.quant or weight not in graph.weights or param.type.dtype not in FLOAT_DTYPES:
+        return "weight is not a float param"
+    values = graph.weights[weight]
+    decoded = dequantize_affine(stored.scheme, stored.qweight, stored.scales, stored.mins)
+    if tuple(values.shape) != tuple(decoded.shape) or not torch.equal(values.float(), decoded):
+        return CHANGED
+    return None
+
+
+def keep_embedding(graph: Graph, node: Node, stored) -> tuple[int, int]:
+    """Rewrite the embedding `node` into a qembedding over the stored params (added once).
+    Returns (bytes of the float table, bytes of the params added); (0, 0) when already stored."""
+    ids, weight = node.inputs
+    names = quant_param_names(weight)
+    before = after = 0
+    if names["qweight"] not in graph.params:
+        before = graph.params[weight].type.nbytes()
+        after = add_quant_params(graph, weight, weight_format(stored), stored.qweight, stored.scales,
+                                 stored.mins, None)
+    has_mins = stored.mins is not None
+    node.op = "qembedding"
+    node.inputs = [ids, names["qweight"], names["scales"]] + ([names["zeros"]] if has_mins else [])
+    node.attrs = {"scheme": stored.scheme, "group_size": stored.group_size,
+                  "embedding_dim": graph.params[weight].type.shape[1], "has_zeros": has_mins}
+    return before, after
+
+
+def keep_stored(graph: Graph, node: Node, stored, ctx: PassContext) -> tuple[int, int]:
+    """Rewrite the linear or embedding `node` over its stored form; (float bytes, stored bytes)."""
+    if node.op == "embedding":
+        return keep_embedding(graph, node, stored)
+    return quantize_linear_weights(graph, node, lambda w, c, n: (stored.qweight, stored.scales, stored.mins),
+                                   ctx, weight_format(stored))
+
+
+@register_pass
+class KeepGgufQuant(Pass):
+    name = "keep_gguf_quant"
+    description = ("keep a GGUF file's block-quantised weights as they are (affine4/affine8 codes, "
+                   "scales and minimums; bit-identical to the file)")
+    stage = Stage.QUANTIZE
+    needs = ("source_weights",)
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        stored = ctx.source_weights
+        if not stored:
+            raise PassError("keep_gguf_quant (--quant gguf) keeps the quantised weights of a GGUF file, but "
+                            "this source stores none; compile a GGUF file with Q4/Q5/Q8/K-quant tensors, or "
+                            "choose another --quant")
+        total = param_bytes(graph)
+        kept, skipped, before, after = Counter(), {}, 0, 0
+        for node in [n for n in graph.nodes if n.op in ("linear", "embedding")]:
+            weight = node.inputs[1]
+            if weight not in stored:
+                continue
+            reason = keep_reason(graph, weight, stored[weight])
+            if reason is not None:
+                skipped.setdefault(reason, []).append(weight)
+                continue
+            kept[node.op] += 1
+            b, a = keep_stored(graph, node, stored[weight], ctx)
+            before, after = before + b, after + a
+        graph.prune_params()
+        self.note_skipped(ctx, skipped)
+        figures = {"method": "gguf", "group_size": None, "linears": kept["linear"], "embeddings": kept["embedding"],
+                   "kept_linears": sum(len(w) for w in skipped.values()), "bytes_before": before,
+                   "bytes_after": after, "formats": source_formats(graph)}
+        return PassResult(sum(kept.values()), bool(kept), {"quant": {"gguf": figures}, "skipped": skipped},
+                          bytes_saved=total - param_bytes(graph))
+
+    def note_skipped(self, ctx: PassContext, skipped: dict[str, list[str]]) -> None:
+        for reason, weights in skipped.items():
+            if not ctx.quiet:
+                ctx.echo(f"{self.name}: {len(weights)} GGUF-quantised weight(s) {reason}: {', '.join(weights[:3])}"
+                         + (f" and {len(weights) - 3} more" if len(weights) > 3 else ""))
+
+
+def source_formats(graph: Graph) -> dict[str, str]:
+    """Each stored param's source format, by weight name (from its QuantScheme's method)."""
+    return {name.removesuffix(".qweight"): p.quant.method.removeprefix(METHOD_PREFIX)
+            for name, p in sorted(graph.params.items())
+            if p.quant is not None and p.quant.method.startswith(METHOD_PREFIX)}
+
+
+__all__ = ["KeepGgufQuant", "METHOD_PREFIX", "weight_format", "source_formats"]
