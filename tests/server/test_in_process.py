@@ -2,6 +2,7 @@
 fails answers 500 and frees its request, a client that leaves has its KV blocks freed before the
 engine's next step, and a request predicted to miss --ttft-slo-ms is refused at once."""
 
+import asyncio
 import threading
 import time
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import API_KEY, KV_MEMORY, InProcessServer
 
 import llmc
+from llmc.runtime.sampling_params import SamplingParams
 
 BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
@@ -82,3 +84,27 @@ def test_a_request_predicted_to_miss_the_ttft_slo_is_a_429_at_once(llm):
         assert caught.value.status_code == 429
         assert int(caught.value.response.headers["Retry-After"]) >= 1
         assert "--ttft-slo-ms 0.001" in caught.value.body["message"]
+
+
+def test_200_concurrent_streams_each_get_their_offline_greedy_text_and_free_every_block(llm, offline):
+    prompts = [f"Request {i}: once upon a time" for i in range(200)]
+    lengths = [4 + i % 9 for i in range(200)]
+    expected = [out.outputs[0].text for out in
+                offline.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])]
+
+    async def stream(client, prompt, max_tokens):
+        chunks = [c async for c in await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)]
+        assert len({c.id for c in chunks}) == 1
+        assert [c.choices[0].finish_reason for c in chunks].count("length") == 1
+        return "".join(c.choices[0].text for c in chunks)
+
+    async def all_streams(url):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        return await asyncio.gather(*(stream(client, p, n) for p, n in zip(prompts, lengths)))
+
+    with InProcessServer(llm) as served:
+        texts = asyncio.run(all_streams(served.url))
+        assert texts == expected
+        assert all_blocks_free(llm.engine)
+        assert served.metric("llmc:request_success_total", finished_reason="length") == 200
