@@ -37,6 +37,7 @@ WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 KERNELS_DIR = "kernels"
 KERNEL_INDEX = "kernels.json"  # what each file under kernels/ is and which plan steps launch it
+DATA_DIR = "ort"  # ONNX files of the plan's ONNX Runtime segments, read by the runtime (hashed as all files)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Artifact:
     weights: dict[str, torch.Tensor]
     tokenizer_dir: Path
     kernels: dict[str, str] = field(default_factory=dict)  # name under kernels/ -> source text
+    data: dict[str, bytes] = field(default_factory=dict)   # path under DATA_DIR/ (with it) -> bytes
 
 
 def write_artifact(path, *, graph_json: str, plan_json: str, weights: dict[str, torch.Tensor], tokenizer,
@@ -181,7 +183,8 @@ def set_modes(root: Path) -> None:
 
 
 def write_contents(root: Path, graph_json: str, plan_json: str, weights: dict, tokenizer,
-                   manifest: dict, kernels: dict[str, str], kernel_index: list[dict] | None = None) -> None:
+                   manifest: dict, kernels: dict[str, str], kernel_index: list[dict] | None = None,
+                   data: dict[str, bytes] | None = None) -> None:
     """Fill the staging directory `root`; the manifest, written last, hashes every other file."""
     (root / GRAPH).write_bytes(graph_json.encode())
     (root / PLAN).write_bytes(plan_json.encode())
@@ -192,11 +195,22 @@ def write_contents(root: Path, graph_json: str, plan_json: str, weights: dict, t
         kernel_path.write_bytes(source.encode())
     if kernel_index is not None:
         (root / KERNEL_INDEX).write_bytes(dump_json(kernel_index).encode())
+    write_data(root, data or {})
     stored, aliases = dedupe_weights(weights)
     save_file(stored, root / WEIGHTS, metadata=None)
     manifest = dict(manifest, format_version=FORMAT_VERSION, weight_aliases=aliases,
                     files={name: sha256_file(root / name) for name in list_files(root)})
     (root / MANIFEST).write_bytes(dump_json(manifest).encode())
+
+
+def write_data(root: Path, data: dict[str, bytes]) -> None:
+    """Files under DATA_DIR/ by path (the plan's ONNX Runtime segments)."""
+    for name, content in sorted(data.items()):
+        relative = checked_relative(name, f"data file {name!r}")
+        if relative.parts[0] != DATA_DIR:
+            raise ValueError(f"data file {name!r} is not under {DATA_DIR}/")
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_bytes(content)
 
 
 def dedupe_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -287,7 +301,7 @@ def read_artifact(path, verify: bool = True) -> Artifact:
                        f"artifact '{path}'")
     return Artifact(path=path, manifest=manifest, graph_json=graph_json, plan_json=plan_json,
                     weights=read_weights(path, manifest), tokenizer_dir=path / TOKENIZER_DIR,
-                    kernels=read_kernels(path))
+                    kernels=read_kernels(path), data=read_data(path))
 
 
 def read_manifest(path: Path) -> dict:
@@ -384,6 +398,13 @@ def read_kernels(path: Path) -> dict[str, str]:
     if not kernels_dir.is_dir():
         return {}
     return {name: (kernels_dir / name).read_text() for name in list_files(kernels_dir)}
+
+
+def read_data(path: Path) -> dict[str, bytes]:
+    data_dir = path / DATA_DIR
+    if not data_dir.is_dir():
+        return {}
+    return {f"{DATA_DIR}/{name}": (data_dir / name).read_bytes() for name in list_files(data_dir)}
 
 
 def read_text(path: Path, name: str) -> str:

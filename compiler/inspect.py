@@ -63,6 +63,7 @@ def report(artifact: str | Path) -> dict:
         "llmc_version": manifest["llmc_version"],
         "torch_version": manifest["torch_version"],
         "draft_of": manifest.get("draft_of"),   # the target artifact a speculative-decoding draft serves
+        "kernel_choice": _read_json(path, manifest, PLAN)["meta"].get("kernel_choice"),  # cpu: --kernels
     }
 
 
@@ -138,6 +139,8 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
         lines.append(f"  draft of: {d['model']} ({d['num_layers']} layers; this draft has {m['num_layers']}), "
                      f"target manifest sha256 {d['manifest_sha256'][:16]}")
     lines += _quant_lines(r["quant"])
+    if r["target"] == "cpu":
+        lines += kernel_choice_lines(r["kernel_choice"])
     if brief:
         return "\n".join(lines)
     lines.append("  passes:")
@@ -153,6 +156,27 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
         path = Path(artifact)
         lines.append(str(Graph.from_json(_read_listed(path, read_manifest(path), GRAPH))))
     return "\n".join(lines)
+
+
+def kernel_choice_lines(choice: dict | None) -> list[str]:
+    """What --kernels chose for a cpu artifact: ORT segments or torch, and for auto what was measured
+    (microseconds per call at decode and prefill shapes, each kind of segment once)."""
+    if not choice:
+        return ["  kernels: cpu (torch)"]
+    lines = [f"  kernels: {choice['mode']} (ONNX Runtime segments where chosen, torch attention)"]
+    measured = choice.get("measured")
+    if measured:
+        tokens = measured["tokens"]
+        lines.append(f"    measured with {measured['threads']} threads at {tokens['decode']} and {tokens['prefill']} "
+                     f"tokens (us, decode/prefill; chosen by {measured['cost']}):")
+        for kind in measured["kinds"]:
+            us = kind.get("us") or {}
+            figures = ", ".join(f"{family} {t['decode']:.0f}/{t['prefill']:.0f}" for family, t in us.items())
+            why = figures or kind.get("why", "")
+            lines.append(f"    {kind['chosen']:<4} x{kind['segments']:<3} {kind['ops']}: {why}")
+    for node, why in (choice.get("kept_in_torch") or {}).items():
+        lines.append(f"    torch: {node}: {why}")
+    return lines
 
 
 # -- Triton kernels (`llmc inspect ART --kernels [--source NAME]`) ---------------------------------

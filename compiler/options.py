@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmc.codegen.ort_lowering import KERNEL_MODES
 from llmc.compiler.recipes import KV_CACHE_CHOICES, KV_GROUPING_CHOICES, QUANT_CHOICES, SPARSITY_METHODS
 from llmc.errors import PassError
 
@@ -69,6 +70,10 @@ class CompileOptions:
                                                 "perplexity by more than PCT%.", kind=float)
     autotune: bool = flag(False, "GPU targets: time each Triton kernel family's candidate configs (needs a "
                                  "CUDA GPU).", is_flag=True)
+    kernels: str | None = flag(None, "cpu target's kernel family: cpu (torch), ort (ONNX Runtime sessions over the "
+                                     "plan's runs of non-attention ops), auto (time both here at the plan's shapes, "
+                                     "keep the faster per segment; recorded in the plan). Default: cpu.",
+                               choices=KERNEL_MODES)
     quiet: bool = flag(False, "No progress or notes on stderr.", short="-q", is_flag=True)
 
     def __post_init__(self):

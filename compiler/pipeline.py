@@ -16,6 +16,7 @@ import torch
 import llmc
 from llmc.codegen.autotune import autotune
 from llmc.codegen.kernel_sources import kernel_sources
+from llmc.codegen.ort_lowering import check_kernels_option, lower_plans
 from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
 from llmc.compiler.artifact import staged_output, write_contents
@@ -223,6 +224,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     """Compile `source` into the empty directory `staging`; return the compile report (timings)."""
     tgt = get_target(target)
     tgt.check_ready()
+    check_kernels_option(opts.kernels, tgt.name, tgt.device)
     draft_target = read_draft_target(opts.draft_of, opts.draft_layers)  # checked before the slow load
     configs = pass_configs(tgt, opts)
     stages: list[dict] = []
@@ -256,6 +258,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens, overrides)
     if tuning is not None:
         plan.meta["autotune"] = tuning
+    [plan], ort_files = lower_plans([graph], [plan], tgt, opts.kernels, echo)
     kernels, kernel_index = kernel_sources(plan)
     log("plan", time.perf_counter() - t, {"steps": len(plan.steps), **({"kernels": len(kernels)} if kernels else {})})
     manifest = {
@@ -277,7 +280,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
         manifest["draft_of"] = draft_target.record()
     t = time.perf_counter()
     write_contents(staging, graph.to_json(), plan.to_json(), graph.weights, loaded.tokenizer, manifest, kernels,
-                   kernel_index or None)
+                   kernel_index or None, ort_files)
     log("write", time.perf_counter() - t, {})
     return {"stages": stages, "passes": [{"name": r.name, "stage": r.stage, "seconds": round(r.seconds, 4)}
                                          for r in records], "host": platform.machine()}

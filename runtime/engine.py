@@ -114,7 +114,8 @@ class Engine:
         self.model = art.manifest["model"]
         self.tokenizer = load_tokenizer(art)
         plan = verified_plan(art)
-        self.executor = PlanExecutor(plan, art.weights, self.device, check_kernels=config.check_kernels)
+        self.executor = PlanExecutor(plan, art.weights, self.device, check_kernels=config.check_kernels,
+                                     data=art.data)
         self.max_model_len = self.model["max_position_embeddings"]
         num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
                                            config.block_size)

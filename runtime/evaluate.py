@@ -64,7 +64,7 @@ class ArtifactScorer:
         self.model = art.manifest["model"]
         self.tokenizer = load_tokenizer(art)
         self.plan = verified_plan(art)
-        self.executor = PlanExecutor(self.plan, art.weights, device)
+        self.executor = PlanExecutor(self.plan, art.weights, device, data=art.data)
 
     def check_context(self, context: int) -> None:
         max_positions = self.model.get("max_position_embeddings", context)

@@ -1,0 +1,133 @@
+"""The ONNX Runtime kernel family (`--kernels ort|auto`): a cpu plan's runs of non-attention steps run
+as ONNX Runtime sessions beside torch attention over the paged KV cache. On tiny-llama (fp32, int8,
+int4, w8a8) the segment plan's logits equal those of the torch kernels of the same plan (the cpu steps
+each segment records) on fresh random tokens, and greedy tokens through llmc.load equal a greedy
+loop over the torch plan; a tampered ONNX file is refused at load, --kernels on a GPU target and an
+onnxruntime without a needed op are refused with one line, and auto records what it measured."""
+
+import json
+import shutil
+
+import onnx
+import pytest
+import torch
+from llmc_cli import error_line, llmc_in_process
+
+import llmc
+from llmc.codegen.ort_lowering import restep
+from llmc.codegen.plan import Plan
+from llmc.compiler.artifact import read_artifact
+from llmc.errors import ArtifactError, RuntimeLlmcError
+from llmc.runtime.executor import PlanExecutor
+from llmc.runtime.ort_segment import require_ops
+from llmc.runtime.sampling_params import SamplingParams
+
+QUANTS = {"fp32": {}, "int8": {"quant": "int8"}, "int4": {"quant": "int4-rtn", "group_size": 32},
+          "w8a8": {"quant": "w8a8"}}
+# fp32 and w8a8 multiply the same exact values as the torch kernels (w8a8: the same int8 codes per
+# token); int8/int4 MatMulNBits (accuracy level 4) rounds activations to int8 per block of 32 where
+# torch's packed kernels round them to bf16: both are about 0.5% off the fp32 product.
+ATOL = {"fp32": 1e-4, "w8a8": 1e-4, "int8": 0.15, "int4": 0.15}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ort_family")
+    return {name: llmc.compile("tiny-llama", output=root / f"{name}.llmc", kernels="ort", quiet=True, **options)
+            for name, options in QUANTS.items()}
+
+
+def _executors(path) -> tuple[PlanExecutor, PlanExecutor]:
+    """(the artifact's plan with its ORT segments, the same plan with each segment's cpu steps)."""
+    a = read_artifact(path)
+    plan = Plan.from_json(a.plan_json)
+    torch_plan = restep(plan, [s for step in plan.steps for s in (step.inner_steps() or [step])])
+    return PlanExecutor(plan, a.weights, data=a.data), PlanExecutor(torch_plan, a.weights)
+
+
+def _greedy(executor: PlanExecutor, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding recomputing the whole sequence each step (no KV cache): (tokens, last logits)."""
+    ids, logits = list(prompt), []
+    for _ in range(n):
+        t = torch.tensor(ids)
+        last = executor.run_values({"input_ids": t, "positions": torch.arange(len(ids)),
+                                    "logits_indices": torch.tensor([len(ids) - 1])})["logits"][0]
+        logits.append(last)
+        ids.append(int(last.argmax()))
+    return ids[len(prompt):], logits
+
+
+def test_plan_runs_ort_segments_beside_torch_attention(artifacts):
+    a = read_artifact(artifacts["int4"])
+    plan = Plan.from_json(a.plan_json)
+    kernels = [s.kernel for s in plan.steps]
+    assert kernels.count("ort.segment") == 3 and kernels.count("cpu.flash_attention") == 2
+    assert set(kernels) == {"ort.segment", "cpu.split", "cpu.flash_attention"}
+    assert sorted(a.data) == [f"ort/segment_00{i}.onnx" for i in range(3)]
+    assert set(a.data) <= set(a.manifest["files"])
+    model = onnx.load_from_string(a.data["ort/segment_001.onnx"])
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 4 and all(onnx.helper.get_attribute_value(
+        next(x for x in n.attribute if x.name == "accuracy_level")) == 4 for n in nbits)
+    # weights live once, in weights.safetensors: the segment declares them external
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer if len(t.dims) > 1)
+    assert len(a.data["ort/segment_001.onnx"]) < 20_000
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+def test_segment_logits_equal_the_torch_plans(artifacts, quant):
+    ort_plan, torch_plan = _executors(artifacts[quant])
+    t = int(torch.randint(2, 40, ()))
+    inputs = {"input_ids": torch.randint(0, 512, (t,)), "positions": torch.arange(t), "logits_indices": torch.arange(t)}
+    ours, want = ort_plan.run_values(inputs)["logits"], torch_plan.run_values(inputs)["logits"]
+    torch.testing.assert_close(ours, want, atol=ATOL[quant], rtol=0)
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+def test_greedy_tokens_through_load_equal_the_torch_plans(artifacts, quant):
+    """Through the engine (paged KV cache, one token a step) against a cache-free loop over the torch
+    plan; int8/int4 may part only at a near tie of the torch plan's top two logits."""
+    prompt = torch.randint(3, 512, (7,)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ours = list(llmc.load(artifacts[quant]).generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids)
+    want, logits = _greedy(_executors(artifacts[quant])[1], prompt, 16)
+    if ours != want:
+        first = next(i for i, (a, b) in enumerate(zip(ours, want)) if a != b)
+        top2 = logits[first].sort().values[-2:]
+        assert quant in ("int8", "int4") and top2[1] - top2[0] < 2 * ATOL[quant], \
+            f"{quant}: token {first} differs ({ours[first]} vs {want[first]}) at no near tie"
+
+
+def test_tampered_onnx_file_is_refused_at_load(artifacts, tmp_path):
+    path = shutil.copytree(artifacts["fp32"], tmp_path / "tampered.llmc")
+    segment = path / "ort" / "segment_001.onnx"
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    segment.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="ort/segment_001.onnx fails its sha256 check"):
+        llmc.load(path)
+
+
+def test_kernels_on_a_gpu_target_is_refused_in_one_line(capsys, tmp_path):
+    out = tmp_path / "gpu.llmc"
+    code, _, err = llmc_in_process(capsys, "compile", "tiny-llama", "--target", "h100-bf16", "--kernels", "ort",
+                                   "-o", out)
+    assert code == 2 and "--kernels ort" in error_line(err) and "target cpu" in error_line(err)
+    assert not out.exists()
+
+
+def test_onnxruntime_without_a_needed_op_names_it_and_the_fix():
+    with pytest.raises(RuntimeLlmcError, match=r"has no CPU kernel for com\.microsoft\.NoSuchOp; install"):
+        require_ops({("com.microsoft", "NoSuchOp"), ("", "MatMul")}, "segment_000")
+
+
+def test_auto_records_what_it_measured_and_inspect_shows_it(capsys, tmp_path):
+    path = llmc.compile("tiny-llama", output=tmp_path / "auto.llmc", kernels="auto", quiet=True)
+    choice = json.loads((path / "plan.json").read_text())["meta"]["kernel_choice"]
+    kinds = choice["measured"]["kinds"]
+    assert choice["mode"] == "auto" and sum(k["segments"] for k in kinds) == 3
+    for kind in kinds:
+        assert kind["chosen"] in ("cpu", "ort")
+        assert all(kind["us"][family][shape] > 0 for family in ("cpu", "ort") for shape in ("decode", "prefill"))
+    code, out, _ = llmc_in_process(capsys, "inspect", path)
+    assert code == 0 and "kernels: auto" in out and f"{kinds[0]['chosen']:<4} x{kinds[0]['segments']}" in out
