@@ -168,6 +168,39 @@ def threads_option(f):
                              "machine's physical cores).")(f)
 
 
+def speculative_options(f):
+    f = click.option("--num-speculative-tokens", type=POSITIVE, default=None, metavar="K",
+                     help="With --speculative: the most drafts verified per step (default 4).")(f)
+    return click.option("--speculative", metavar="METHOD", default=None,
+                        help="Speculative decoding: ngram (prompt lookup) or draft:PATH (a draft artifact, "
+                             "see `llmc compile --draft-of`).")(f)
+
+
+def _whole_file_prompt(file) -> str:
+    data, source = file.read(), f"--prompt-file '{file.name}'"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlmcError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start}); pass a text file") from None
+    if "\0" in text or not text.strip():
+        raise LlmcError(f"{source} {'holds a NUL byte' if text.strip() else 'is empty'}; pass a text file "
+                        "holding the prompt")
+    return text
+
+
+def _speculative(method, num_tokens) -> dict | None:
+    """EngineConfig.speculative from --speculative and --num-speculative-tokens."""
+    if method is None:
+        if num_tokens is not None:
+            raise LlmcError("--num-speculative-tokens needs --speculative ngram or --speculative draft:PATH")
+        return None
+    from llmc.runtime.speculative_config import speculative_config
+    config = speculative_config(method)
+    if num_tokens is not None:
+        config.num_speculative_tokens = num_tokens
+    return vars(config)
+
+
 def _threads(value) -> int:
     """The checked thread count, before anything loads."""
     from llmc.runtime.threads import resolve_threads
@@ -184,25 +217,30 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", "-p", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompts-file", type=click.File("rb"), help="One prompt per line ('-' for stdin).")
+@click.option("--prompt-file", type=click.File("rb"), multiple=True,
+              help="A file whose whole text is one prompt, e.g. an article and a question (repeatable).")
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--no-stream", is_flag=True, help="Print whole outputs at the end.")
 @sampling_options
 @device_option
 @threads_option
-def run(artifact, prompt, prompts_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
-        kv_memory, device, threads):
+@speculative_options
+def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
+        kv_memory, device, threads, speculative, num_speculative_tokens):
     """Generate from one prompt (streamed) or many (batched together)."""
     import llmc
 
     threads = _threads(threads)
+    speculative = _speculative(speculative, num_speculative_tokens)
     prompts = [checked_text(p, f"--prompt {i}") for i, p in enumerate(prompt, 1)]
     if prompts_file:
         prompts += prompt_lines(prompts_file.read(), f"--prompts-file '{prompts_file.name}'")
+    prompts += [_whole_file_prompt(f) for f in prompt_file]
     if not prompts and not sys.stdin.isatty():
         prompts = stdin_prompts()
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
-    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads)
+    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative)
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -257,6 +295,9 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @click.option("--prefix-len", type=NON_NEGATIVE, default=0, show_default=True, help="Tokens every prompt shares.")
 @click.option("--qps", default="inf", show_default=True, help="Poisson arrival rate; inf = all at once.")
 @click.option("--seed", type=NON_NEGATIVE, default=0, show_default=True)
+@click.option("--workload", "workload_kind", type=click.Choice(["random", "grounded", "open"]), default="random",
+              show_default=True, help="random token ids of --input-len; grounded: answers that quote their prompt "
+              "(code to copy, docstrings, passages); open: story continuations. Text prompts keep their own length.")
 @click.option("--kv-memory", default="1GiB", show_default=True)
 @click.option("--max-num-seqs", type=POSITIVE, default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=POSITIVE, default=None)
@@ -273,11 +314,22 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
               help="fp32 GEMM peak for the roofline (default: measured once per machine and cached).")
 @device_option
 @threads_option
+@speculative_options
 def bench(artifact, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps, seed,
-          kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline, baseline_batch_size,
-          as_json, plot, bandwidth, gemm_peak, device, threads):
-    """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers."""
-    from llmc.runtime.bench import Workload, hf_model_from_artifact, run_engine, run_hf_baseline
+          workload_kind, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
+          baseline_batch_size, as_json, plot, bandwidth, gemm_peak, device, threads, speculative,
+          num_speculative_tokens):
+    """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
+    --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
+    acceptance figures and the speedup."""
+    from llmc.runtime.bench import (
+        Workload,
+        hf_model_from_artifact,
+        run_engine,
+        run_hf_baseline,
+        speculative_summary,
+        warm_up,
+    )
     from llmc.runtime.engine import Engine, EngineConfig
     from llmc.runtime.roofline import bench_roofline
 
@@ -289,15 +341,26 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
     if plot:
         from llmc.runtime.bench_plot import check_plot_path
         check_plot_path(plot)
+    speculative = _speculative(speculative, num_speculative_tokens)
     workload = Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
-                        qps_value, seed)
+                        qps_value, seed, workload_kind)
     engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            enable_prefix_caching=not no_prefix_caching, device=device,
                                            threads=threads))
-    requests = workload.build(engine.model["vocab_size"])
+    requests = workload.build(engine.model["vocab_size"], engine.tokenizer)
+    plain = None
+    if speculative is not None:
+        warm_up(engine)
+        plain, engine = run_engine(engine, requests, progress=not as_json), None   # one model in memory at a time
+        engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
+                                               max_num_batched_tokens=max_num_batched_tokens,
+                                               enable_prefix_caching=not no_prefix_caching, device=device,
+                                               threads=threads, speculative=speculative))
+        warm_up(engine)
     ours = run_engine(engine, requests, progress=not as_json)
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
+              "speculative": speculative_summary(engine, ours, plain) if plain else None,
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
               "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak)
               if engine.device.type == "cpu" else None}
@@ -338,6 +401,11 @@ def _bench_table(r: dict) -> str:
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
              f"threads           {r['threads']}", *(format_roofline(r["roofline"]) if r["roofline"] else [])]
+    if r["speculative"]:
+        sp = r["speculative"]
+        lines += [f"speculative       {sp['method']}: {sp['speedup']:.2f}x output tokens/s over plain decoding "
+                  f"({sp['plain_output_tokens_per_s']:.1f}), acceptance {sp['acceptance_rate'] or 0:.1%}, "
+                  f"mean accepted length {sp['mean_accepted_length'] or 0:.2f}"]
     if "baseline" in r:
         b = r["baseline"]
         name = "HF" if b["name"] == "hf" else b["name"]

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from llmc.errors import RuntimeLlmcError
+from llmc.runtime.bench_workloads import text_prompts
 from llmc.runtime.hf_baseline import dequantised_weights
-from llmc.runtime.metrics import percentiles
+from llmc.runtime.metrics import EngineMetrics, SpeculativeMetrics, percentiles
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class Workload:
     prefix_len: int = 0              # tokens every prompt shares (prefix-cache workloads)
     qps: float = math.inf            # inf: all requests arrive at once; else Poisson arrivals
     seed: int = 0
+    kind: str = "random"             # random token ids, or a text workload (runtime/bench_workloads.py)
 
     def __post_init__(self):
         for name in ("num_requests", "input_len", "output_len"):
@@ -40,16 +42,19 @@ class Workload:
         if not self.qps > 0:  # also nan: no request would ever arrive
             raise RuntimeLlmcError(f"bench: --qps is {self.qps}; it must be positive (or inf for all at once)")
 
-    def build(self, vocab_size: int) -> list[dict]:
+    def build(self, vocab_size: int, tokenizer=None) -> list[dict]:
+        """The requests; a text workload's prompts (their own lengths) need the tokenizer."""
         rng = np.random.default_rng(self.seed)
         prefix = rng.integers(0, vocab_size, self.prefix_len).tolist()
         gaps = np.zeros(self.num_requests) if math.isinf(self.qps) else rng.exponential(1 / self.qps, self.num_requests)
         arrivals = np.cumsum(gaps) - gaps[0]
+        texts = None if self.kind == "random" else text_prompts(self.kind, self.num_requests, self.seed)
         reqs = []
         for i in range(self.num_requests):
             n_in = _spread(rng, self.input_len, self.input_spread)
             n_out = _spread(rng, self.output_len, self.output_spread)
-            ids = prefix + rng.integers(0, vocab_size, max(1, n_in - self.prefix_len)).tolist()
+            ids = prefix + (rng.integers(0, vocab_size, max(1, n_in - self.prefix_len)).tolist() if texts is None
+                            else tokenizer(texts[i])["input_ids"])
             reqs.append({"prompt_token_ids": ids, "max_tokens": n_out, "arrival": float(arrivals[i])})
         return reqs
 
@@ -145,6 +150,27 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
     return BenchResult(len(requests) / total, total_tokens / total, total, percentiles(ttft, 1e3),
                        percentiles(tpot, 1e3), percentiles(itl, 1e3), m.kv_waste, m.prefix_hit_rate,
                        m.preemptions, m.peak_kv_usage, timeline, ttft, itl, tpot, totals)
+
+
+def warm_up(engine) -> None:
+    """One short request through every code path a timed run takes (first calls into torch cost
+    more), so two engines compared in one run both start warm."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("warm-up", prompt_token_ids=[engine.eos_token_ids[0] ^ 1] * 16, params=params)
+    while engine.has_unfinished():
+        engine.step()
+    engine.metrics = EngineMetrics(speculative=SpeculativeMetrics() if engine.speculator else None)
+    if engine.speculator:
+        engine.speculator.metrics = engine.metrics.speculative
+
+
+def speculative_summary(engine, ours: BenchResult, plain: BenchResult) -> dict:
+    """A speculative run against the plain run of the same workload: acceptance and speedup."""
+    config = engine.config.speculative
+    return {**engine.metrics.speculative.to_dict(), "method": config.method,
+            "num_speculative_tokens": config.num_speculative_tokens, "draft": config.model,
+            "plain_output_tokens_per_s": plain.output_tokens_per_s, "plain_tpot_ms": plain.tpot_ms,
+            "speedup": ours.output_tokens_per_s / plain.output_tokens_per_s}
 
 
 # fused projection (passes/fuse_projections.py names it <prefix>.<kind>_proj) -> its parts, in order

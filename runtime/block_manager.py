@@ -131,13 +131,14 @@ class BlockManager:
 
     # --- growth -----------------------------------------------------------------------
 
-    def can_append(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= self._blocks_to_append(seq)
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        return self.num_free_blocks >= self._blocks_to_append(seq, lookahead)
 
-    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make slots for the uncomputed tokens: a new block when the last one is full, or a
-        private copy of a shared partial block (copy-on-write). Returns the (src, dst) block
-        pair whose KV the runner must copy before this step writes, or None."""
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> tuple[int, int] | None:
+        """Make slots for the uncomputed tokens and `lookahead` more (speculative drafts): a new
+        block when the last one is full, or a private copy of a shared partial block
+        (copy-on-write). Returns the (src, dst) block pair whose KV the runner must copy before
+        this step writes, or None."""
         self._tick += 1
         copy = None
         if self._write_block_is_shared(seq):
@@ -146,13 +147,25 @@ class BlockManager:
             self._release(src)
             seq.block_table[i] = dst
             copy = (src, dst)
-        while len(seq.block_table) < seq.num_blocks(self.block_size):
+        while len(seq.block_table) < self._num_blocks_with(seq, lookahead):
             seq.block_table.append(self._allocate_block())
         return copy
 
-    def _blocks_to_append(self, seq: Sequence) -> int:
-        missing = seq.num_blocks(self.block_size) - len(seq.block_table)
-        return missing + int(self._write_block_is_shared(seq))
+    def trim(self, seq: Sequence) -> None:
+        """Roll back slots made for rejected drafts: blocks past the ones `seq`'s tokens need go
+        back to the pools. They were never full of computed tokens, so they carry no hash."""
+        self._tick += 1
+        while len(seq.block_table) > seq.num_blocks(self.block_size):
+            block_id = seq.block_table.pop()
+            assert self.blocks[block_id].hash == NO_HASH, f"trimming hashed block {block_id}"
+            self._release(block_id)
+
+    def _num_blocks_with(self, seq: Sequence, lookahead: int) -> int:
+        return -(-(seq.num_tokens + lookahead) // self.block_size)
+
+    def _blocks_to_append(self, seq: Sequence, lookahead: int = 0) -> int:
+        missing = self._num_blocks_with(seq, lookahead) - len(seq.block_table)
+        return max(missing, 0) + int(self._write_block_is_shared(seq))
 
     def _write_block_is_shared(self, seq: Sequence) -> bool:
         # Only the block holding the first uncomputed position can be shared: blocks

@@ -28,6 +28,7 @@ from llmc.runtime.sampler import Sampler, SamplingState
 from llmc.runtime.sampling_params import MAX_SEED, SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
+from llmc.runtime.speculative_config import SpeculativeConfig, speculative_config
 from llmc.runtime.stop import StopChecker
 from llmc.runtime.threads import apply_threads, resolve_threads
 
@@ -47,6 +48,8 @@ class EngineConfig:
     device: str | None = None               # "cpu" | "cuda"; None: the artifact target's device
     check_kernels: bool = False             # debug: fail a step that launches a kernel it does not record
     threads: int | None = None              # CPU threads; None: LLMC_NUM_THREADS, else the physical cores
+    # speculative decoding: {"method": "ngram" | "draft", "num_speculative_tokens": k, "model": PATH, ...}
+    speculative: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
         for name, rule in (("block_size", "an integer >= 1"), ("max_num_seqs", "an integer >= 1"),
@@ -61,6 +64,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True or False")
         self.threads = resolve_threads(self.threads)
+        self.speculative = speculative_config(self.speculative)
 
 
 def _check_kv_fits(cache_bytes: int, device: torch.device, asked) -> None:
@@ -75,6 +79,18 @@ def _check_kv_fits(cache_bytes: int, device: torch.device, asked) -> None:
         raise RuntimeLlmcError(f"--kv-memory {asked}: the KV cache needs {cache_bytes / 2**30:.2f} GiB "
                                f"({cache_bytes} bytes) but {where} {free / 2**30:.2f} GiB ({free} bytes) "
                                "available; give a smaller --kv-memory")
+
+
+def paged_kv_cache(model: dict, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int,
+                   device: torch.device) -> PagedKVCache:
+    """The paged cache in the artifact's KV dtype (`model`: its manifest's model section); an
+    int8/fp8 one with its static scales."""
+    kv_cache = model.get("kv_cache") or {"dtype": model["kv_dtype"]}
+    dtype = TORCH_DTYPES[kv_cache["dtype"]]
+    scales = (load_kv_scales(weights, kv_cache, model["num_layers"], model["num_kv_heads"])
+              if is_quantized_kv(dtype) else None)
+    return PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"],
+                        model["head_dim"], dtype, device=device, kv_scales=scales)
 
 
 @dataclass
@@ -132,16 +148,14 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.metrics = EngineMetrics()
         self._next_id = 0
+        self.speculator = None
+        if config.speculative is not None:
+            from llmc.runtime.speculative import Speculator
+            self.speculator = Speculator(config.speculative, self)
+            self.metrics.speculative = self.speculator.metrics
 
     def _make_cache(self, weights: dict[str, torch.Tensor], num_blocks: int) -> PagedKVCache:
-        """The paged cache in the artifact's KV dtype; an int8/fp8 one with its static scales."""
-        m = self.model
-        kv_cache = m.get("kv_cache") or {"dtype": m["kv_dtype"]}
-        dtype = TORCH_DTYPES[kv_cache["dtype"]]
-        scales = (load_kv_scales(weights, kv_cache, m["num_layers"], m["num_kv_heads"])
-                  if is_quantized_kv(dtype) else None)
-        return PagedKVCache(m["num_layers"], num_blocks, self.config.block_size, m["num_kv_heads"],
-                            m["head_dim"], dtype, device=self.device, kv_scales=scales)
+        return paged_kv_cache(self.model, weights, num_blocks, self.config.block_size, self.device)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
@@ -198,7 +212,7 @@ class Engine:
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns an output for every request that moved or finished."""
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._propose() if self.speculator else None)
         touched: dict[str, _Request] = {}
         for seq in out.rejected:
             req = self.requests.get(seq.request_id)
@@ -207,9 +221,14 @@ class Engine:
                 touched[req.request_id] = req
         if not out.is_empty:
             t0 = time.perf_counter()
-            logits = self.runner.execute(out.scheduled, out.sampled, out.blocks_to_copy)
-            self._sample_and_stop(out, logits, touched)
+            logits = (self.runner.execute(out.scheduled, out.sampled, out.blocks_to_copy, drafts=out.drafts)
+                      if out.drafts else self.runner.execute(out.scheduled, out.sampled, out.blocks_to_copy))
+            self._sample_and_stop(out, logits[:len(out.sampled)], touched)
+            if out.drafts:
+                self._accept_verified(out, logits[len(out.sampled):], touched)
             self.metrics.on_step(out, time.perf_counter() - t0, self.scheduler, self.block_manager)
+        if self.speculator:
+            self.speculator.forget_finished()
         results = [self._output(req) for req in touched.values()]
         for req in touched.values():
             if req.finished:
@@ -242,6 +261,30 @@ class Engine:
             s.cumulative_logprob = (s.cumulative_logprob or 0.0) + result.logprobs[i]
         if s.stop.check_new_token():
             self.scheduler.finish(s.seq, s.stop.finish_reason)
+
+    def _propose(self) -> dict[int, list[int]]:
+        """Speculative decoding: drafts for the running sequences that decode one token next."""
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        return self.speculator.propose(seqs, [self._find(s).state for s in seqs])
+
+    def _accept_verified(self, out, logits: torch.Tensor, touched: dict) -> None:
+        """Append the tokens each speculating sequence kept, checking stops after each one as
+        plain decoding would, then roll its KV back to them."""
+        samples = [self._find(seq) for seq in out.speculated]
+        kept = self.speculator.verify(out.speculated, logits, [s.state for s in samples], out.drafts)
+        for s, tokens in zip(samples, kept):
+            req = self.requests[s.seq.request_id]
+            touched[req.request_id] = req
+            finished = False
+            for token in tokens:
+                s.seq.append_token(token)
+                self.metrics.generation_tokens += 1
+                if s.stop.check_new_token():
+                    finished = True
+                    break
+            self.scheduler.settle_verified(s.seq)
+            if finished:
+                self.scheduler.finish(s.seq, s.stop.finish_reason)
 
     def _fork(self, req: _Request, parent: _Sample, logits: torch.Tensor) -> None:
         """n > 1: the other samples share the prompt's KV blocks (copy-on-write) and draw

@@ -1,5 +1,6 @@
 """Engine metrics for benchmarks and serving: queue and batch sizes, KV block usage,
-prefix-cache hits, preemptions, token counters and latency samples."""
+prefix-cache hits, preemptions, token counters, latency samples and speculative decoding's
+acceptance."""
 
 from __future__ import annotations
 
@@ -14,6 +15,36 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | No
     a = np.asarray(values, dtype=np.float64) * scale
     return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
             "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+@dataclass
+class SpeculativeMetrics:
+    """Speculative decoding: a draft is one sequence's drafts verified in one step."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)   # drafts at position j
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def on_verified(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        grow = num_drafts - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for j in range(num_drafts):
+            self.proposed_per_position[j] += 1
+            self.accepted_per_position[j] += j < num_accepted
+
+    def to_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
+                "acceptance_rate_per_position": [a / p for a, p in zip(self.accepted_per_position,
+                                                                       self.proposed_per_position)],
+                "mean_accepted_length": self.num_accepted_tokens / self.num_drafts if self.num_drafts else None}
 
 
 @dataclass
@@ -36,6 +67,7 @@ class EngineMetrics:
     tpot: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     finished_requests: int = 0
+    speculative: SpeculativeMetrics | None = None   # set when the engine speculates
 
     def on_step(self, out, seconds: float, scheduler, block_manager) -> None:
         self.steps += 1
@@ -76,4 +108,5 @@ class EngineMetrics:
                 "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_hit_rate": self.prefix_hit_rate,
                 "preemptions": self.preemptions, "finished_requests": self.finished_requests,
                 "ttft_ms": percentiles(self.ttft, 1e3), "tpot_ms": percentiles(self.tpot, 1e3),
-                "e2e_ms": percentiles(self.e2e, 1e3)}
+                "e2e_ms": percentiles(self.e2e, 1e3),
+                "speculative": self.speculative.to_dict() if self.speculative else None}

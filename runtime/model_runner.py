@@ -19,19 +19,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], sampled: list[Sequence],
-                blocks_to_copy: list[tuple[int, int]]) -> torch.Tensor:
-        """logits [len(sampled), vocab], rows in `sampled` order."""
+                blocks_to_copy: list[tuple[int, int]], drafts: dict[int, list[int]] | None = None) -> torch.Tensor:
+        """logits [rows, vocab]: one row per `sampled` sequence, in order, then for each sequence
+        with `drafts` (speculative decoding; its drafts are fed after its known tokens) 1 + k rows:
+        the logits after its last known token and after each of its k drafts."""
+        drafts = drafts or {}
         self.cache.copy_blocks(blocks_to_copy)
         ids, positions, last_row, layout = [], [], {}, []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
+            known = seq.token_ids[start:start + n]
+            ids += known + drafts.get(seq.seq_id, [])[:n - len(known)]
             positions += range(start, start + n)
             last_row[seq.seq_id] = len(ids) - 1
             layout.append((seq.block_table, start, n))
         device = self.executor.device
         self.attention.metadata = StepMetadata.build(layout, self.cache.block_size, device)
-        rows = torch.tensor([last_row[s.seq_id] for s in sampled], dtype=torch.long, device=device)
+        wanted = [last_row[s.seq_id] for s in sampled]
+        for seq_id, tokens in drafts.items():
+            wanted += range(last_row[seq_id] - len(tokens), last_row[seq_id] + 1)
+        rows = torch.tensor(wanted, dtype=torch.long, device=device)
         inputs = {"input_ids": torch.tensor(ids), "positions": torch.tensor(positions), "logits_indices": rows}
         if "logits_indices" not in self.executor.plan.inputs:  # plans whose LM head could not be split
             return self.executor.run(inputs["input_ids"], inputs["positions"], self.attention)[rows]

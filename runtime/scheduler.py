@@ -46,6 +46,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the step
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)  # finished with seq.error set
+    # speculative decoding: seq_id -> the draft tokens scored after its last token this step;
+    # such sequences are in `speculated`, not in `sampled`
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    speculated: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -55,9 +59,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        self.scheduled.append((seq, num_new_tokens))
-        if seq.num_computed_tokens + num_new_tokens == seq.num_tokens:
+    def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
+        self.scheduled.append((seq, num_new_tokens + len(drafts or ())))
+        if drafts:
+            self.drafts[seq.seq_id] = drafts
+            self.speculated.append(seq)
+        elif seq.num_computed_tokens + num_new_tokens == seq.num_tokens:
             self.sampled.append(seq)
 
 
@@ -162,15 +169,17 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """`drafts`: seq_id -> draft tokens to verify after a running sequence's next token
+        (speculative decoding); dropped where the token budget or the free blocks fall short."""
         out = SchedulerOutput(rejected=self._rejected)
         self._rejected = []
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, drafts or {})
         if not out.preempted:  # admitting now would only evict what we just preempted for
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, drafts: dict[int, list[int]]) -> int:
         # Decodes (one uncomputed token) before unfinished chunked prefills; each group by
         # priority, then arrival, so any preemption victim is still unscheduled.
         order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, -s.priority,
@@ -181,21 +190,29 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if n <= 0:
                 continue
-            if self._reserve_slots(seq, out):
-                out.add(seq, n)
-                budget -= n
+            fitting = self._fitting_drafts(seq, drafts.get(seq.seq_id, []), budget - n)
+            if self._reserve_slots(seq, out, len(fitting)):
+                out.add(seq, n, fitting)
+                budget -= n + len(fitting)
         return budget
 
-    def _reserve_slots(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Make room for `seq`'s new tokens, preempting the newest running sequences if
-        blocks run out; False if `seq` itself had to go."""
-        while not self.block_manager.can_append(seq):
+    def _fitting_drafts(self, seq: Sequence, drafts: list[int], budget: int) -> list[int]:
+        """The drafts `seq` can verify this step: all, if it is decoding one token and the budget
+        and the free blocks hold them; nothing is preempted for a draft."""
+        if seq.num_uncomputed_tokens != 1 or not drafts or len(drafts) > budget:
+            return []
+        return drafts if self.block_manager.can_append(seq, len(drafts)) else []
+
+    def _reserve_slots(self, seq: Sequence, out: SchedulerOutput, lookahead: int = 0) -> bool:
+        """Make room for `seq`'s new tokens (and `lookahead` drafts), preempting the newest
+        running sequences if blocks run out; False if `seq` itself had to go."""
+        while not self.block_manager.can_append(seq, lookahead):
             victim = min(self.running, key=_victim_key)
             assert all(victim is not s for s, _ in out.scheduled), "preempting a scheduled sequence"
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        copy = self.block_manager.append_slot(seq)
+        copy = self.block_manager.append_slot(seq, lookahead)
         if copy is not None:
             out.blocks_to_copy.append(copy)
         return True
@@ -249,10 +266,20 @@ class Scheduler:
         """Record a step: `token_ids[i]` is the token sampled for `out.sampled[i]`. Returns
         the sequences that grew; the caller decides which of them finish."""
         assert len(token_ids) == len(out.sampled), (len(token_ids), len(out.sampled))
-        self.update_computed(out.scheduled)
+        self.update_computed([(seq, n) for seq, n in out.scheduled if seq.seq_id not in out.drafts])
         grown = []
         for seq, token_id in zip(out.sampled, token_ids):
             if seq.status is SequenceStatus.RUNNING:
                 seq.append_token(token_id)
                 grown.append(seq)
         return grown
+
+    def settle_verified(self, seq: Sequence) -> None:
+        """After a step verified `seq`'s drafts and appended the tokens it kept: every token but
+        the newest has its KV in the cache (the rejected drafts' KV is left to be overwritten);
+        the blocks made for rejected drafts are freed, and newly full blocks hashed."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return  # aborted while the step ran
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.trim(seq)
+        self.block_manager.mark_full_blocks(seq)

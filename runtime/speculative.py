@@ -1,0 +1,181 @@
+"""Speculative decoding in the engine: before a step, a proposer (n-gram prompt lookup or a draft
+artifact) drafts up to k tokens for each running request that may speculate; the step scores them
+in the same target forward as everything else; afterwards the rejection sampler keeps a prefix of
+them plus one token. Each request's k follows its own acceptance rate and the measured cost of a
+draft (the weights it makes the device read), and drops to 0 (plain decoding) where drafting would
+not pay."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmc.runtime.metrics import SpeculativeMetrics
+from llmc.runtime.ngram_proposer import NgramProposer
+from llmc.runtime.rejection_sampler import rejection_sample
+from llmc.runtime.sampler import Sampler, SamplingState, filtered_probs
+from llmc.runtime.sequence import Sequence
+from llmc.runtime.speculative_config import SpeculativeConfig
+
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 2.0   # optimistic, so a request tries drafting first
+# What one more token in a decode step costs, over the step: decode reads every weight once, and a
+# few more tokens ride along nearly free. Fixed rather than timed, so that k, and with it which
+# random draws a seeded request makes, does not depend on the machine's load.
+VERIFIED_TOKEN_COST = 0.1
+DECAY = 0.9              # per verified step: acceptance follows what the request writes now
+PROBE_AFTER = 32         # steps a request decodes plainly before it drafts again, to re-measure
+
+
+@dataclass
+class _Acceptance:
+    """One sequence's recent acceptance: kept drafts over drafts tested (a draft after a rejected
+    one is never tested), decayed."""
+    seq: Sequence
+    kept: float = 0.0
+    tested: float = 0.0
+    steps_off: int = 0
+
+    @property
+    def rate(self) -> float:
+        return (self.kept + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.tested + PRIOR_WEIGHT)
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        self.kept = DECAY * self.kept + num_accepted
+        self.tested = DECAY * self.tested + num_accepted + (num_accepted < num_drafts)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, engine):
+        self.config = config
+        self.sampler: Sampler = engine.sampler
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            from llmc.runtime.draft_proposer import DraftProposer
+            self.proposer = DraftProposer(config.model, engine)
+        self.max_model_len = engine.max_model_len
+        self.acceptance: dict[int, _Acceptance] = {}
+        # a draft pays when the chance it is kept beats what it costs, in plain decode steps
+        self.draft_cost = VERIFIED_TOKEN_COST + (0.0 if config.method == "ngram" else
+                                                 _weight_bytes(self.proposer.runner.executor) /
+                                                 _weight_bytes(engine.executor))
+        self.metrics = SpeculativeMetrics()
+
+    # -- before the step -----------------------------------------------------------------
+    def propose(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
+        """Drafts for the decoding sequences that speculate now: seq_id -> tokens; the draft
+        distributions they came from are kept for verify."""
+        ks = [self._k(seq, state) for seq, state in zip(seqs, states)]
+        chosen = [i for i, k in enumerate(ks) if k > 0]
+        if isinstance(self.proposer, NgramProposer):
+            drafts, probs = self.proposer.propose([seqs[i] for i in chosen], [ks[i] for i in chosen]), None
+        else:
+            drafts, probs = self.proposer.propose([seqs[i] for i in chosen], [ks[i] for i in chosen],
+                                                  [states[i] for i in chosen])
+        self._draft_probs = {seqs[i].seq_id: q for i, q in zip(chosen, probs or [None] * len(chosen))}
+        return {seqs[i].seq_id: d for i, d in zip(chosen, drafts) if d}
+
+    def _k(self, seq: Sequence, state: SamplingState) -> int:
+        """How many drafts `seq` gets now: none if its request cannot speculate exactly
+        (penalties, logprobs, min_tokens still pending); else the most whose chance of all being
+        kept (its acceptance rate ** j) beats a draft's cost, within its token limits."""
+        p = state.params
+        if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0 or seq.num_output_tokens < p.min_tokens):
+            return 0
+        room = self.max_model_len - seq.num_tokens - 1
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+        k = min(self.config.num_speculative_tokens, room)
+        if not self.config.adaptive or k <= 0:
+            return max(k, 0)
+        acc = self.acceptance.setdefault(seq.seq_id, _Acceptance(seq))
+        worth = _drafts_worth(acc.rate, self.draft_cost, k)
+        if worth == 0:
+            acc.steps_off += 1
+            if acc.steps_off < PROBE_AFTER:
+                return 0
+            acc.kept, acc.tested, acc.steps_off = 0.0, 0.0, 0  # forget, and measure again
+            return 1
+        acc.steps_off = 0
+        return worth
+
+    # -- after the step ------------------------------------------------------------------
+    def verify(self, seqs: list[Sequence], logits: torch.Tensor, states: list[SamplingState],
+               drafts: dict[int, list[int]]) -> list[list[int]]:
+        """The tokens each sequence keeps: its accepted drafts and one more. `logits` holds
+        1 + k rows per sequence, in order (ModelRunner.execute's layout)."""
+        ks = [len(drafts[s.seq_id]) for s in seqs]
+        width, device = max(ks), logits.device
+        starts = np.cumsum([0] + [k + 1 for k in ks[:-1]])
+        index = torch.tensor([[s + min(j, k) for j in range(width + 1)] for s, k in zip(starts, ks)], device=device)
+        target = self._target_probs(logits.float(), index, states)
+        tokens = torch.tensor([drafts[s.seq_id] + [0] * (width - k) for s, k in zip(seqs, ks)], device=device)
+        uniform, noise = self._randomness(states, width, logits.shape[1], device)
+        out, emitted = rejection_sample(target, self._stacked_draft_probs(seqs, tokens, ks, logits.shape[1]),
+                                        tokens, torch.tensor(ks, device=device), uniform, noise)
+        kept = [row[:n] for row, n in zip(out.tolist(), emitted.tolist())]
+        for seq, k, row in zip(seqs, ks, kept):
+            self.metrics.on_verified(k, len(row) - 1)
+            self.acceptance.setdefault(seq.seq_id, _Acceptance(seq)).update(k, len(row) - 1)
+        return kept
+
+    def _target_probs(self, logits: torch.Tensor, index: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """[seqs, k + 1, vocab]: each request's filtered distribution; one-hot at the argmax for
+        greedy requests, which then keep exactly the drafts that agree with plain decoding."""
+        rows = logits[index.flatten()]
+        per_row = [s.params for s in states for _ in range(index.shape[1])]
+        greedy = torch.tensor([p.greedy for p in per_row], device=logits.device)
+        probs = torch.nn.functional.one_hot(rows.argmax(dim=-1), rows.shape[1]).float()
+        if not greedy.all():
+            sampled = (~greedy).nonzero().squeeze(1)
+            probs[sampled] = filtered_probs(rows[sampled], [per_row[i] for i in sampled.tolist()])
+        return probs.view(*index.shape, -1)
+
+    def _randomness(self, states: list[SamplingState], width: int, vocab: int, device):
+        """Uniforms for the acceptance tests and Exp(1) noise for the last token; greedy rows get
+        constants (u = 0 keeps a draft exactly where p has it; noise 1 takes the argmax) and draw
+        nothing, so they leave every generator where plain decoding would."""
+        uniform, noise = torch.zeros(len(states), width, device=device), torch.ones(len(states), vocab, device=device)
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if random_rows:
+            rows, sub = torch.tensor(random_rows, device=device), [states[i] for i in random_rows]
+            uniform[rows] = self.sampler.noise(sub, width, device, "uniform")
+            noise[rows] = self.sampler.noise(sub, vocab, device, "exponential")
+        return uniform, noise
+
+    def _stacked_draft_probs(self, seqs, tokens: torch.Tensor, ks: list[int], vocab: int) -> torch.Tensor | None:
+        """[seqs, width, vocab] draft distributions (one-hot rows for greedy drafts), or None
+        when every draft is one-hot (n-gram, all greedy)."""
+        probs = [self._draft_probs.get(s.seq_id) for s in seqs]
+        if all(q is None for q in probs):
+            return None
+        out = torch.nn.functional.one_hot(tokens, vocab).float()
+        for i, (k, q) in enumerate(zip(ks, probs)):
+            if q is not None:
+                out[i, :k] = q[:k].to(out.device)
+        return out
+
+    def forget_finished(self) -> None:
+        """Drop what finished sequences held: acceptance records, histories, draft KV blocks."""
+        for seq_id in [i for i, acc in self.acceptance.items() if acc.seq.is_finished]:
+            del self.acceptance[seq_id]
+        self.proposer.forget_finished()
+
+
+def _drafts_worth(rate: float, threshold: float, k: int) -> int:
+    """The largest j <= k with rate ** j > threshold: the j-th draft is kept only if all before it
+    are, so its expected gain is rate ** j, and it costs `threshold` tokens' worth of time."""
+    if rate <= threshold or rate <= 0.0:
+        return 0
+    if rate >= 1.0:
+        return k
+    return min(k, int(math.log(max(threshold, 1e-9)) / math.log(rate)))
+
+
+def _weight_bytes(executor) -> int:
+    """Bytes of weights a forward reads: what a decode step costs on a bandwidth-bound device."""
+    return sum(executor.weight(name).nbytes for name in executor.plan.params)

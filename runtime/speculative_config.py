@@ -1,0 +1,69 @@
+"""What speculative decoding a user asked for (`--speculative ngram|draft:PATH`, or
+`speculative={"method": ..., ...}` in Python), checked when the engine is configured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from llmc.errors import RuntimeLlmcError
+
+METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str                          # "ngram": prompt lookup; "draft": a draft artifact
+    num_speculative_tokens: int = 4      # the most drafts verified per step (adaptive k stays below)
+    model: str | None = None             # the draft artifact (method "draft")
+    prompt_lookup_min: int = 1           # n-gram sizes the lookup matches (method "ngram")
+    prompt_lookup_max: int = 4
+    adaptive: bool = True                # lower k, or stop drafting, for requests where it does not pay
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise RuntimeLlmcError(f"speculative method {self.method!r} is unknown; use 'ngram' or "
+                                   "'draft' (with model=PATH of a draft artifact)")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RuntimeLlmcError(f"speculative {name}={value!r} must be an integer >= 1")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise RuntimeLlmcError(f"speculative prompt_lookup_max={self.prompt_lookup_max} is below "
+                                   f"prompt_lookup_min={self.prompt_lookup_min}; raise it")
+        if not isinstance(self.adaptive, bool):
+            raise RuntimeLlmcError(f"speculative adaptive={self.adaptive!r} must be True or False")
+        self._check_model()
+
+    def _check_model(self) -> None:
+        if self.method == "ngram":
+            if self.model is not None:
+                raise RuntimeLlmcError("speculative method 'ngram' takes no model; drop it, or use "
+                                       "method 'draft' to run a draft artifact")
+            return
+        if not isinstance(self.model, (str, Path)) or not str(self.model):
+            raise RuntimeLlmcError("speculative method 'draft' needs model=PATH of a draft artifact "
+                                   "(`llmc compile MODEL --draft-of TARGET -o PATH` builds one)")
+        if not Path(self.model).is_dir():
+            raise RuntimeLlmcError(f"speculative draft model '{self.model}' is no artifact directory; "
+                                   "give the path of a draft artifact")
+        self.model = str(self.model)
+
+
+def speculative_config(value) -> SpeculativeConfig | None:
+    """None, a SpeculativeConfig, a dict of its fields, or the CLI's 'ngram' / 'draft:PATH'."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        method, _, model = value.partition(":")
+        return SpeculativeConfig(method, model=model or None)
+    if not isinstance(value, dict):
+        raise RuntimeLlmcError(f"speculative={value!r:.80} must be a dict such as {{'method': 'ngram', "
+                               "'num_speculative_tokens': 5}, 'ngram' or 'draft:PATH'")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown or "method" not in value:
+        problem = f"unknown key(s) {', '.join(map(str, unknown))}" if unknown else "no method"
+        raise RuntimeLlmcError(f"speculative: {problem}; the keys are {', '.join(sorted(known))} "
+                               "(method is required)")
+    return SpeculativeConfig(**value)
