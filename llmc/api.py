@@ -62,7 +62,9 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, **options
 class LLM:
     """An artifact on the llmc engine. `engine_options` are EngineConfig fields (kv_memory,
     block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, device, threads: CPU
-    threads, default $LLMC_NUM_THREADS or the physical cores)."""
+    threads, default $LLMC_NUM_THREADS or the physical cores; speculative: {"method": "ngram",
+    "num_speculative_tokens": 5} or {"method": "draft", "model": DRAFT_ARTIFACT}, see
+    runtime/speculative_config.py)."""
 
     def __init__(self, path: str | Path, **engine_options):
         from dataclasses import fields
