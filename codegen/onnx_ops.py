@@ -16,6 +16,7 @@ MS_DOMAIN = "com.microsoft"
 # MatMulNBits: quantise the activations to int8 per block and multiply codes (the fast CPU path;
 # levels 0-3 dequantise the weights to float and run several times slower)
 INT8_COMPUTE = 4
+AFFINE_BITS = {"affine4": 4, "affine8": 8}   # GGUF-derived grouped affine schemes (compiler/quant.py)
 NBITS_INT8_BLOCKS = (32, 16)    # the block size an int8 row's K is cut into (the first that divides K)
 
 
@@ -131,6 +132,8 @@ def _qembedding(b: OnnxBuilder, n) -> None:
     if n.attrs["scheme"] == "int8":
         codes = b.one("Cast", rows(b.weight(qweight)), to=1)
         out = b.one("Mul", codes, b.one("Unsqueeze", rows(b.weight(scales, "f32")), b.ints(-1)))
+    elif n.attrs["scheme"] in AFFINE_BITS:
+        out = _affine_rows(b, n, rows)
     else:
         groups = b.graph.type_of(scales).shape[1]
         codes = b.one("Reshape", b.one("Cast", rows(b.weight(qweight, "int4_codes")), to=1),
@@ -138,6 +141,22 @@ def _qembedding(b: OnnxBuilder, n) -> None:
         z, s = (b.one("Unsqueeze", rows(b.weight(t, "f32")), b.ints(-1)) for t in (n.inputs[3], scales))
         out = b.one("Reshape", b.one("Mul", b.one("Sub", codes, z), s), b.ints(0, dim))
     b.bind(n, out)
+
+
+def _affine_rows(b: OnnxBuilder, n, rows) -> str:
+    """The selected rows of a grouped affine table, dequantised as compiler.quant.dequantize_affine."""
+    dim, qweight, scales = n.attrs["embedding_dim"], n.inputs[1], n.inputs[2]
+    mins = n.inputs[3] if n.attrs.get("has_zeros") else None
+    groups = b.graph.type_of(scales).shape[1]
+    four = n.attrs["scheme"] == "affine4"
+    codes = b.one("Cast", rows(b.weight(qweight, "int4_codes" if four else "same")), to=1)
+    codes = b.one("Reshape", codes, b.ints(0, groups, dim // groups))
+    if four and mins is None:
+        codes = b.one("Sub", codes, b.scalar(8.0))
+    out = b.one("Mul", codes, b.one("Unsqueeze", rows(b.weight(scales, "f32")), b.ints(-1)))
+    if mins is not None:
+        out = b.one("Add", out, b.one("Unsqueeze", rows(b.weight(mins, "f32")), b.ints(-1)))
+    return b.one("Reshape", out, b.ints(0, dim))
 
 
 def _rms(b: OnnxBuilder, x: str, weight: str, eps: float) -> str:
@@ -185,6 +204,8 @@ def _qlinear(b: OnnxBuilder, n) -> None:
         y = _matmul_nbits4(b, b.value(x), qweight, scales, zeros, k, out, n.attrs["group_size"])
     elif scheme == "w8a8":
         y = _w8a8_matmul(b, b.value(x), qweight, scales)
+    elif scheme in AFFINE_BITS:
+        y = _affine_matmul(b, b.value(x), n.attrs, qweight, scales, zeros)
     elif b.segment:
         y = _matmul_nbits8(b, b.value(x), qweight, scales, k, out)
     else:
@@ -229,6 +250,26 @@ def _matmul_nbits8(b: OnnxBuilder, x: str, qweight: str, scales: str, k: int, n:
     sc = b.weight(scales, "scales_per_block", (n * blocks,))
     return b.add("MatMulNBits", [x, qb, sc], domain=MS_DOMAIN, K=k, N=n, bits=8, block_size=block,
                  **_nbits_level(b))[0]
+
+
+def _affine_matmul(b: OnnxBuilder, x: str, attrs: dict, qweight: str, scales: str, mins: str | None) -> str:
+    """GGUF's grouped affine codes (compiler/quant.py), w = q * s + m per group of g along K, without
+    widening them: MatMulNBits over the codes with zero point 0 (affine4 with minimums), 8 (affine4
+    without: w = (q - 8) * s) or 128 (affine8, carried as uint8 q + 128), plus, with minimums,
+    sum_g m_g * (the sum of x over group g): a [tokens, K/g] x [K/g, N] product. (Float zero points
+    -m/s would be exact too, but ORT runs them about 200x slower.)"""
+    k, n, group, bits = attrs["in_features"], attrs["out_features"], attrs["group_size"], AFFINE_BITS[attrs["scheme"]]
+    blocks = k // group
+    codes = (b.weight(qweight, "same", (n, blocks, group // 2)) if bits == 4
+             else b.weight(qweight, "u8", (n, blocks, group)))
+    inputs = [x, codes, b.weight(scales, "f32", (n * blocks,))]
+    if bits == 4 and mins is not None:
+        inputs.append(b.const(f"const/u8/zeros/{n}x{blocks}", np.zeros(n * ((blocks + 1) // 2), np.uint8)))
+    y = b.add("MatMulNBits", inputs, domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=group, **_nbits_level(b))[0]
+    if mins is None:
+        return y
+    group_sums = b.one("ReduceSum", b.one("Reshape", x, b.ints(0, blocks, group)), b.ints(-1), keepdims=0)
+    return b.one("Add", y, b.one("Gemm", group_sums, b.weight(mins, "f32"), transB=1))
 
 
 def _w8a8_matmul(b: OnnxBuilder, x: str, qweight: str, scales: str) -> str:
@@ -317,7 +358,7 @@ TRANSLATIONS = {
 # (domain, op) of every node a segment's translations emit: what the runtime lets a segment run
 SEGMENT_OPS = {("", op) for op in (
     "Abs", "Add", "Cast", "Clip", "Concat", "Cos", "Div", "Gather", "Gemm", "Greater", "Identity", "MatMul",
-    "MatMulInteger", "Mul", "Neg", "ReduceMax", "ReduceMean", "Reciprocal", "Reshape", "Round", "Sigmoid",
+    "MatMulInteger", "Mul", "Neg", "ReduceMax", "ReduceMean", "ReduceSum", "Reciprocal", "Reshape", "Round", "Sigmoid",
     "SimplifiedLayerNormalization", "Sin", "Split", "Sqrt", "Sub", "Unsqueeze", "Where")} | {
     (MS_DOMAIN, "MatMulNBits"), (MS_DOMAIN, "SkipSimplifiedLayerNormalization")}
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from llmc.codegen.memory_plan import MemoryPlan, assign_slots, value_lifetimes
-from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, nbits_int8_block
+from llmc.codegen.onnx_ops import AFFINE_BITS, MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, nbits_int8_block
 from llmc.codegen.plan import Plan, PlanStep
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.ops import ATTENTION_OPS
@@ -21,8 +21,11 @@ from llmc.errors import TargetError
 KERNEL_MODES = ("cpu", "ort", "auto")
 DEFAULT_MODE = "cpu"
 SEGMENT_DIR = "ort"
-ORT_SCHEMES = ("int8", "int4", "w8a8")
+ORT_SCHEMES = ("int8", "int4", "w8a8", "affine4", "affine8")
+EMBEDDING_SCHEMES = ("int8", "int4", "affine4", "affine8")
 ACTIVATION_DTYPES = ("float32", "int64", "int32")
+ATTENTION = "attention reads the paged KV cache in torch"
+ATTENTION_SPLIT = "splits q, k, v as views for attention"
 FIX = "compile with --kernels auto (keeps such ops in torch, recorded) or --kernels cpu"
 
 
@@ -48,20 +51,22 @@ def ort_refusal(node: Node, graph: Graph) -> str | None:
     if node.op == "linear" and graph.type_of(node.inputs[1]).dtype != "float32":
         return f"{graph.type_of(node.inputs[1]).dtype} linear weights have no ORT lowering"
     if node.op in ("qlinear", "qembedding"):
-        return _quant_refusal(node)
+        return _quant_refusal(node, graph)
     return None
 
 
-def _quant_refusal(node: Node) -> str | None:
+def _quant_refusal(node: Node, graph: Graph) -> str | None:
     scheme, k = node.attrs["scheme"], node.attrs.get("in_features", 0)
-    schemes = ORT_SCHEMES if node.op == "qlinear" else ("int8", "int4")
+    schemes = ORT_SCHEMES if node.op == "qlinear" else EMBEDDING_SCHEMES
     if scheme not in schemes or node.attrs.get("has_act_scale"):
         return f"quantisation scheme {scheme} has no ORT lowering (it has: {', '.join(schemes)})"
     if node.op == "qlinear" and scheme == "int8" and nbits_int8_block(k) is None:
         return f"int8 weights with {k} inputs (not a multiple of 16) have no MatMulNBits layout"
     group = node.attrs.get("group_size", -1)
-    if node.op == "qlinear" and scheme == "int4" and (group < 16 or group & (group - 1)):
-        return f"int4 group size {group} is no MatMulNBits block size (a power of two >= 16)"
+    if node.op == "qlinear" and scheme in ("int4", *AFFINE_BITS) and (group < 16 or group & (group - 1)):
+        return f"{scheme} group size {group} is no MatMulNBits block size (a power of two >= 16)"
+    if node.op == "qlinear" and scheme in AFFINE_BITS and len(graph.type_of(node.inputs[0]).shape) != 2:
+        return f"{scheme} weights are lowered for [tokens, features] inputs only"
     return None
 
 
@@ -72,9 +77,9 @@ def kept_in_torch(graph: Graph) -> dict[str, str]:
     kept = {}
     for node in graph.nodes:
         if node.op in ATTENTION_OPS:
-            kept[node.name] = "attention reads the paged KV cache in torch"
+            kept[node.name] = ATTENTION
         elif node.op == "split" and any(u.op in ATTENTION_OPS for v in node.outputs for u in users.get(v.name, [])):
-            kept[node.name] = "splits q, k, v as views for attention"
+            kept[node.name] = ATTENTION_SPLIT
         else:
             why = ort_refusal(node, graph)
             if why:
@@ -209,7 +214,7 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
         _refuse_torch_ops(graph, kept)
     segments = find_segments(graph, kept, plan.outputs)
     built = [build_segment(graph, seg) for seg in segments]
-    choice = {"mode": mode, "kept_in_torch": _unforced(graph, kept)}
+    choice = {"mode": mode, "kept_in_torch": _unforced(kept)}
     if mode == "ort":
         _require_segment_ops(built)
         chosen = [True] * len(segments)
@@ -223,14 +228,17 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
 
 
 def _lowered_steps(plan: Plan, segments: list[Segment], built: list, chosen: list[bool]):
-    starts = {seg.first: (seg, b, keep) for seg, b, keep in zip(segments, built, chosen)}
+    """The plan's steps with each chosen segment's run replaced by its ort.segment step, and the
+    ONNX files those steps read."""
+    starts = {seg.first: (seg, model, builder) for seg, (model, builder), keep in zip(segments, built, chosen)
+              if keep}
     steps, files, index = [], {}, 0
     while index < len(plan.steps):
-        seg, (model, builder), keep = starts.get(index, (None, (None, None), False))
-        if not keep:
+        if index not in starts:
             steps.append(plan.steps[index])
             index += 1
             continue
+        seg, model, builder = starts[index]
         step = segment_step(seg, len(files), model, builder, plan)
         files[step.attrs["file"]] = model
         steps.append(step)
@@ -238,14 +246,13 @@ def _lowered_steps(plan: Plan, segments: list[Segment], built: list, chosen: lis
     return steps, files
 
 
-def _unforced(graph: Graph, kept: dict[str, str]) -> dict[str, str]:
+def _unforced(kept: dict[str, str]) -> dict[str, str]:
     """The nodes kept in torch for want of an ORT lowering (attention and its split always are)."""
-    return {name: why for name, why in kept.items()
-            if why != "attention reads the paged KV cache in torch" and why != "splits q, k, v as views for attention"}
+    return {name: why for name, why in kept.items() if why not in (ATTENTION, ATTENTION_SPLIT)}
 
 
 def _refuse_torch_ops(graph: Graph, kept: dict[str, str]) -> None:
-    for name, why in _unforced(graph, kept).items():
+    for name, why in _unforced(kept).items():
         node = next(n for n in graph.nodes if n.name == name)
         raise TargetError(f"--kernels ort: node {name} ({node.op}) cannot run in ONNX Runtime: {why}; {FIX}")
 
