@@ -62,11 +62,11 @@ class Served:
             time.sleep(0.05)
 
 
-def start_serve(artifact, *options) -> Served:
-    """`llmc serve ARTIFACT --port <free> ...options` as a subprocess, once healthy."""
+def start_serve(artifact, *options, name: str = "tiny") -> Served:
+    """`llmc serve ARTIFACT --port <free> ...options` as a subprocess serving `name`, once healthy."""
     port = free_port()
     cmd = [sys.executable, "-c", "from llmc.cli import main; main()", "serve", str(artifact), "--port", str(port),
-           "--api-key", API_KEY, "--kv-memory", KV_MEMORY, "--served-model-name", "tiny", *map(str, options)]
+           "--api-key", API_KEY, "--kv-memory", KV_MEMORY, "--served-model-name", name, *map(str, options)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "LLMC_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -75,7 +75,7 @@ def start_serve(artifact, *options) -> Served:
     except BaseException:
         proc.kill()
         raise
-    return Served(url, "tiny", proc)
+    return Served(url, name, proc)
 
 
 def stop_serve(served: Served) -> None:
