@@ -291,3 +291,6 @@ def resolve_kernel(name: str) -> Callable[..., list[torch.Tensor]]:
 
 
 __all__ = ["CPU_KERNELS", "RopeCache", "kernel", "resolve_kernel"]
+
+# the collectives register themselves as cpu.all_reduce / cpu.all_gather (they need `kernel` above)
+from llmc.codegen import cpu_collectives  # noqa: E402,F401

@@ -1,6 +1,7 @@
 """Write and read compiled artifacts: a directory of manifest.json (format version, sha256 of
 every file), graph.json, plan.json, weights.safetensors, tokenizer/ and, for Triton plans, kernels/
-with its index kernels.json.
+with its index kernels.json. A tensor-parallel artifact holds graph, plan and weights once per rank,
+under rank0/, rank1/, ...; its manifest's `parallel` section says what each rank holds.
 Writes are atomic and byte-deterministic, and --force replaces nothing but a previous artifact.
 An artifact is untrusted input: reads refuse symlinks, check every hash and the manifest's schema,
 read no unhashed file but the manifest, and never unpickle."""
@@ -24,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from llmc.compiler.manifest_schema import check_manifest, check_model_agrees
+from llmc.compiler.manifest_schema import RECOMPILE, check_manifest, check_model_agrees
 from llmc.errors import ArtifactError
 
 FORMAT_VERSION = 1
@@ -49,6 +50,14 @@ class OutputKind:
     problem: Callable[[Path], str | None]
 
 
+@dataclass(frozen=True)
+class RankFiles:
+    """What one rank runs: its graph, plan and weights (an unsharded model is one rank)."""
+    graph_json: str
+    plan_json: str
+    weights: dict[str, torch.Tensor]
+
+
 @dataclass
 class Artifact:
     path: Path
@@ -69,7 +78,8 @@ def write_artifact(path, *, graph_json: str, plan_json: str, weights: dict[str, 
     files."""
     path = Path(path)
     with staged_output(path, force) as staging:
-        write_contents(staging, graph_json, plan_json, weights, tokenizer, manifest, kernels or {}, kernel_index)
+        write_contents(staging, [RankFiles(graph_json, plan_json, weights)], tokenizer, manifest, kernels or {},
+                       kernel_index)
     return path
 
 
@@ -182,12 +192,17 @@ def set_modes(root: Path) -> None:
         entry.chmod(0o755 if entry.is_dir() else 0o644)
 
 
-def write_contents(root: Path, graph_json: str, plan_json: str, weights: dict, tokenizer,
-                   manifest: dict, kernels: dict[str, str], kernel_index: list[dict] | None = None,
-                   data: dict[str, bytes] | None = None) -> None:
-    """Fill the staging directory `root`; the manifest, written last, hashes every other file."""
-    (root / GRAPH).write_bytes(graph_json.encode())
-    (root / PLAN).write_bytes(plan_json.encode())
+def write_contents(root: Path, ranks: list[RankFiles], tokenizer, manifest: dict, kernels: dict[str, str],
+                   kernel_index: list[dict] | None = None, data: dict[str, bytes] | None = None) -> None:
+    """Fill the staging directory `root` (with one rank, its files at the top; with several, each
+    in its rank's directory, whose weight aliases join its entry of manifest["parallel"]); the
+    manifest, written last, hashes every other file."""
+    if len(ranks) == 1:
+        manifest = dict(manifest, weight_aliases=write_rank_files(root, ranks[0]))
+    else:
+        entries = [dict(entry, weight_aliases=write_rank_files(root / entry["dir"], files))
+                   for entry, files in zip(manifest["parallel"]["ranks"], ranks)]
+        manifest = dict(manifest, weight_aliases={}, parallel=dict(manifest["parallel"], ranks=entries))
     tokenizer.save_pretrained(root / TOKENIZER_DIR)
     for name, source in sorted(kernels.items()):
         kernel_path = root / KERNELS_DIR / checked_relative(name, f"kernel name {name!r}")
@@ -196,9 +211,7 @@ def write_contents(root: Path, graph_json: str, plan_json: str, weights: dict, t
     if kernel_index is not None:
         (root / KERNEL_INDEX).write_bytes(dump_json(kernel_index).encode())
     write_data(root, data or {})
-    stored, aliases = dedupe_weights(weights)
-    save_file(stored, root / WEIGHTS, metadata=None)
-    manifest = dict(manifest, format_version=FORMAT_VERSION, weight_aliases=aliases,
+    manifest = dict(manifest, format_version=FORMAT_VERSION,
                     files={name: sha256_file(root / name) for name in list_files(root)})
     (root / MANIFEST).write_bytes(dump_json(manifest).encode())
 
@@ -211,6 +224,16 @@ def write_data(root: Path, data: dict[str, bytes]) -> None:
             raise ValueError(f"data file {name!r} is not under {DATA_DIR}/")
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         (root / relative).write_bytes(content)
+
+
+def write_rank_files(folder: Path, files: RankFiles) -> dict[str, str]:
+    """Write one rank's graph, plan and weights into `folder`; returns its weight aliases."""
+    folder.mkdir(exist_ok=True)
+    (folder / GRAPH).write_bytes(files.graph_json.encode())
+    (folder / PLAN).write_bytes(files.plan_json.encode())
+    stored, aliases = dedupe_weights(files.weights)
+    save_file(stored, folder / WEIGHTS, metadata=None)
+    return aliases
 
 
 def dedupe_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -286,22 +309,54 @@ def set_aside(path: Path, kind: OutputKind) -> Path | None:
     return old
 
 
-def read_artifact(path, verify: bool = True) -> Artifact:
-    """Read the artifact at `path`; with verify, first check every file against the manifest.
-    Either way the manifest must fit its schema and agree with graph.json and plan.json."""
+def read_artifact(path, verify: bool = True, rank: int = 0) -> Artifact:
+    """Read the artifact at `path` as rank `rank` runs it (its own graph, plan and weights, and the
+    manifest as rank_view gives it); with verify, first check every file against the manifest but
+    other ranks' files. Either way the manifest must fit its schema and agree with graph.json and
+    plan.json."""
     path = Path(path)
     if not path.is_dir():
         raise ArtifactError(f"artifact '{path}' not found (no such directory); "
                             f"compile one with `llmc compile`")
-    manifest = read_manifest(path)
+    manifest = rank_view(read_manifest(path), rank, f"artifact '{path}'")
     if verify:
         verify_files(path, manifest)
-    graph_json, plan_json = read_text(path, GRAPH), read_text(path, PLAN)
+    folder = path / manifest["rank_dir"] if "rank_dir" in manifest else path
+    graph_json, plan_json = read_text(folder, GRAPH), read_text(folder, PLAN)
     check_model_agrees(manifest, parse_json(path, GRAPH, graph_json), parse_json(path, PLAN, plan_json),
-                       f"artifact '{path}'")
+                       f"artifact '{path}'" + (f" ({manifest['rank_dir']})" if "rank_dir" in manifest else ""))
     return Artifact(path=path, manifest=manifest, graph_json=graph_json, plan_json=plan_json,
-                    weights=read_weights(path, manifest), tokenizer_dir=path / TOKENIZER_DIR,
+                    weights=read_weights(folder, manifest), tokenizer_dir=path / TOKENIZER_DIR,
                     kernels=read_kernels(path), data=read_data(path))
+
+
+def rank_file(view: dict, name: str) -> str:
+    """Where the file `name` (graph.json, plan.json, weights) of the rank a rank_view shows lies."""
+    return f"{view['rank_dir']}/{name}" if "rank_dir" in view else name
+
+
+def rank_count(manifest: dict) -> int:
+    return (manifest.get("parallel") or {}).get("tp", 1)
+
+
+def rank_view(manifest: dict, rank: int, where: str) -> dict:
+    """The manifest as rank `rank` sees it: for a tensor-parallel artifact, `model` and `report`
+    with the rank's own heads and KV bytes, its weight aliases, and `rank_dir`, its folder."""
+    parallel = manifest.get("parallel")
+    if parallel is None:
+        if rank != 0:
+            raise ArtifactError(f"{where} is not sharded; it has no rank {rank}")
+        return manifest
+    ranks = parallel["ranks"]
+    if len(ranks) != parallel["tp"] or [e["dir"] for e in ranks] != [f"rank{r}" for r in range(len(ranks))]:
+        raise ArtifactError(f"{where}: manifest.json parallel.ranks does not list rank0 .. rank{parallel['tp'] - 1} "
+                            f"in order; {RECOMPILE}")
+    if not 0 <= rank < len(ranks):
+        raise ArtifactError(f"{where} has ranks 0 to {len(ranks) - 1}, not {rank}")
+    own = {k: ranks[rank][k] for k in ("num_heads", "num_kv_heads", "kv_bytes_per_token")}
+    return {**manifest, "model": {**manifest["model"], **own}, "weight_aliases": ranks[rank]["weight_aliases"],
+            "report": {**manifest["report"], "kv_bytes_per_token": own["kv_bytes_per_token"]},
+            "rank": rank, "rank_dir": ranks[rank]["dir"]}
 
 
 def read_manifest(path: Path) -> dict:
@@ -360,13 +415,18 @@ def walk_entries(root: Path) -> Iterator[Path]:
 
 
 def verify_files(path: Path, manifest: dict) -> None:
+    """Check every listed file's hash (but other ranks' files, which this rank never reads), and
+    refuse files the manifest does not list."""
     listed = manifest["files"]
     unlisted = sorted(set(list_files(path)) - set(listed) - {MANIFEST, TIMINGS})
     if unlisted:
         raise ArtifactError(f"artifact '{path}': file {unlisted[0]} is not listed in {MANIFEST} "
                             f"(added after compiling?); remove it or recompile")
+    others = {e["dir"] + "/" for e in (manifest.get("parallel") or {}).get("ranks", [])} - {
+        f"{manifest.get('rank_dir')}/"}
     for name, digest in sorted(listed.items()):
-        verify_file(path, name, digest)
+        if not any(name.startswith(d) for d in others):
+            verify_file(path, name, digest)
 
 
 def verify_file(path: Path, name: str, digest: str) -> Path:

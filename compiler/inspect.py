@@ -10,20 +10,32 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from llmc.compiler.artifact import GRAPH, KERNEL_INDEX, PLAN, parse_json, read_manifest, verify_file
+from llmc.compiler.artifact import (
+    GRAPH,
+    KERNEL_INDEX,
+    PLAN,
+    parse_json,
+    rank_count,
+    rank_file,
+    rank_view,
+    read_manifest,
+    verify_file,
+)
 from llmc.compiler.manifest_schema import check_kernel_records, check_model_agrees
 from llmc.errors import ArtifactError
 
 
 def _read_manifest(path: Path) -> dict:
-    """The artifact's manifest, after checking its schema and that graph.json and plan.json say
-    the same of the model."""
+    """The artifact's manifest, after checking its schema and that graph.json and plan.json (every
+    rank's) say the same of the model."""
     if not path.is_dir():
         raise ArtifactError(f"artifact '{path}' not found (no such directory); "
                             f"compile one with `llmc compile MODEL -o DIR`")
     manifest = read_manifest(path)
-    check_model_agrees(manifest, _read_json(path, manifest, GRAPH), _read_json(path, manifest, PLAN),
-                       f"artifact '{path}'")
+    for rank in range(rank_count(manifest)):
+        view = rank_view(manifest, rank, f"artifact '{path}'")
+        check_model_agrees(view, _read_json(path, manifest, rank_file(view, GRAPH)),
+                           _read_json(path, manifest, rank_file(view, PLAN)), f"artifact '{path}'")
     return manifest
 
 
@@ -39,6 +51,11 @@ def _read_listed(path: Path, manifest: dict, name: str) -> str:
 
 def _read_json(path: Path, manifest: dict, name: str):
     return parse_json(path, name, _read_listed(path, manifest, name))
+
+
+def _rank0_plan(path: Path, manifest: dict) -> dict:
+    """plan.json (rank 0's of a tensor-parallel artifact)."""
+    return _read_json(path, manifest, rank_file(rank_view(manifest, 0, f"artifact '{path}'"), PLAN))
 
 
 def report(artifact: str | Path) -> dict:
@@ -63,7 +80,8 @@ def report(artifact: str | Path) -> dict:
         "llmc_version": manifest["llmc_version"],
         "torch_version": manifest["torch_version"],
         "draft_of": manifest.get("draft_of"),   # the target artifact a speculative-decoding draft serves
-        "kernel_choice": _read_json(path, manifest, PLAN)["meta"].get("kernel_choice"),  # cpu: --kernels
+        "kernel_choice": _rank0_plan(path, manifest)["meta"].get("kernel_choice"),  # cpu: --kernels
+        "parallel": manifest.get("parallel"),   # tensor parallel: what each rank holds and runs per step
     }
 
 
@@ -119,6 +137,19 @@ def _size_line(d: dict) -> str:
     return ", ".join(parts)
 
 
+def _parallel_lines(parallel: dict | None) -> list[str]:
+    """Per tensor-parallel rank: its weights, its KV cache per token, its collectives per step."""
+    if not parallel:
+        return []
+    lines = [f"  tensor parallel: {parallel['tp']} ranks (each loads only its own folder's weights)"]
+    for r in parallel["ranks"]:
+        collectives = ", ".join(f"{op} {n}" for op, n in sorted(r["collectives"].items()) if n) or "none"
+        lines.append(f"    {r['dir']}: weights {_mib(sum(r['weight_bytes'].values()))}, KV {r['kv_bytes_per_token']:,} "
+                     f"bytes/token ({r['num_kv_heads']} KV heads, {r['num_heads']} query heads), collectives per "
+                     f"step: {collectives}")
+    return lines
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -138,7 +169,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
         d = r["draft_of"]
         lines.append(f"  draft of: {d['model']} ({d['num_layers']} layers; this draft has {m['num_layers']}), "
                      f"target manifest sha256 {d['manifest_sha256'][:16]}")
-    lines += _quant_lines(r["quant"])
+    lines += _quant_lines(r["quant"]) + _parallel_lines(r["parallel"])
     if r["target"] == "cpu":
         lines += kernel_choice_lines(r["kernel_choice"])
     if brief:
@@ -154,7 +185,8 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
     if show_ir:
         from llmc.compiler.ir import Graph
         path = Path(artifact)
-        lines.append(str(Graph.from_json(_read_listed(path, read_manifest(path), GRAPH))))
+        view = rank_view(read_manifest(path), 0, f"artifact '{path}'")
+        lines.append(str(Graph.from_json(_read_listed(path, view, rank_file(view, GRAPH)))))
     return "\n".join(lines)
 
 
@@ -185,7 +217,7 @@ def kernel_report(artifact: str | Path) -> dict:
     that launch it), which ops run as torch calls, and the launch configs from autotuning."""
     path = Path(artifact)
     manifest = _read_manifest(path)
-    meta = _read_json(path, manifest, PLAN)["meta"]
+    meta = _rank0_plan(path, manifest)["meta"]
     index = _read_json(path, manifest, KERNEL_INDEX) if KERNEL_INDEX in manifest["files"] else []
     check_kernel_records(index, meta, f"artifact '{path}'")
     return {"target": manifest["target"]["name"],

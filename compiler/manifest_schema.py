@@ -143,6 +143,23 @@ class DraftOf(Record):
     vocab_size: PosInt
 
 
+class RankEntry(Record):
+    """One tensor-parallel rank: its folder, its own attention heads and KV bytes per token."""
+    dir: Annotated[StrictStr, Field(pattern=r"^rank[0-9]{1,4}$")]
+    num_heads: PosInt
+    num_kv_heads: PosInt
+    kv_bytes_per_token: PosInt
+    weight_bytes: dict[str, Count]
+    weight_aliases: dict[str, StrictStr] = {}
+    collectives: dict[str, Count]
+    activation_peak_bytes: Count
+
+
+class Parallel(Record):
+    tp: Annotated[StrictInt, Field(gt=1, le=4096)]
+    ranks: list[RankEntry]
+
+
 class Manifest(Record):
     format_version: StrictInt
     llmc_version: StrictStr
@@ -154,6 +171,7 @@ class Manifest(Record):
     pipeline: list[PassEntry]
     report: Report
     draft_of: DraftOf | None = None
+    parallel: Parallel | None = None
 
 
 class KernelEntry(Record):

@@ -558,6 +558,39 @@ def flash_attention_ref(*inputs, **attrs):
     return attention_ref(*attention_prologue(list(inputs), attrs), kv_scales, **attrs)
 
 
+# -- collectives across tensor-parallel ranks (passes/shard_tensor_parallel.py puts them in) -----
+# Their meaning spans the ranks of one process group: all_reduce sums x over the ranks, all_gather
+# joins the ranks' x along the last dim in rank order. One process holds one rank's x only, so the
+# reference evaluates a world of one; the CPU kernels (codegen/cpu_collectives.py) communicate.
+COLLECTIVE_OPS = ("all_reduce", "all_gather")
+
+
+def _all_gather_type(ts, attrs):
+    x = ts[0]
+    _want(x, "all_gather input", min_rank=1)
+    if not isinstance(x.shape[-1], int):
+        raise IRError(f"all_gather: the gathered last dim of {x} must be a whole number")
+    return [TensorType(x.shape[:-1] + (x.shape[-1] * attrs["world_size"],), x.dtype)]
+
+
+def _single_rank(op: str, world_size: int) -> None:
+    if world_size != 1:
+        raise IRError(f"{op} over {world_size} ranks needs their process group: a single process cannot "
+                      f"evaluate a sharded graph (run its artifact, whose ranks the runtime starts)")
+
+
+@op("all_reduce", _float_same, attrs=AttrSpec({"world_size": COUNT}))
+def all_reduce_ref(x, *, world_size, **attrs):
+    _single_rank("all_reduce", world_size)
+    return [x]
+
+
+@op("all_gather", _all_gather_type, attrs=AttrSpec({"world_size": COUNT}))
+def all_gather_ref(x, *, world_size, **attrs):
+    _single_rank("all_gather", world_size)
+    return [x]
+
+
 # -- aten fallback ----------------------------------------------------------------------
 _VIEWS_AS_RESHAPE = {"aten.view.default": "aten.reshape.default",
                      "aten._unsafe_view.default": "aten.reshape.default"}

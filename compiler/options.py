@@ -68,6 +68,8 @@ class CompileOptions:
     calib_seed: int = flag(0, "Seed of the self-generated calibration text.", kind=int)
     max_ppl_increase: float | None = flag(None, "Accuracy budget: fail if a lossy pass raises calibration "
                                                 "perplexity by more than PCT%.", kind=float)
+    tp: int = flag(1, "Tensor-parallel ranks: split attention heads, MLP channels and the LM head's vocabulary "
+                      "over N ranks, one plan and weights file each (llmc run starts them).", kind=int)
     autotune: bool = flag(False, "GPU targets: time each Triton kernel family's candidate configs (needs a "
                                  "CUDA GPU).", is_flag=True)
     kernels: str | None = flag(None, "cpu target's kernel family: cpu (torch), ort (ONNX Runtime sessions over the "
@@ -80,7 +82,7 @@ class CompileOptions:
         self.disable, self.add = list(self.disable), list(self.add)
         self.print_ir_after = set(self.print_ir_after)
         self.pass_options = dict(self.pass_options)
-        for name in ("max_num_batched_tokens", "calib_samples", "calib_seq_len"):
+        for name in ("max_num_batched_tokens", "calib_samples", "calib_seq_len", "tp"):
             check_positive_int(name, getattr(self, name))
         for name in ("group_size", "kv_heads", "draft_layers", "calib_seed"):
             value = getattr(self, name)

@@ -19,7 +19,7 @@ from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.ort_lowering import check_kernels_option, lower_plans
 from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
-from llmc.compiler.artifact import staged_output, write_contents
+from llmc.compiler.artifact import RankFiles, staged_output, write_contents
 from llmc.compiler.calibration import calibration_sequences, calibration_source
 from llmc.compiler.compile_report import check_report_path, timing_line, write_report
 from llmc.compiler.draft import draft_options, read_draft_target
@@ -27,7 +27,15 @@ from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.compiler.options import CompileOptions
-from llmc.compiler.recipes import added_passes, kv_cache_passes, kv_heads_passes, prune_passes, quant_passes
+from llmc.compiler.parallel_build import parallel_section, run_passes, shard_record, whole_model_meta
+from llmc.compiler.recipes import (
+    added_passes,
+    kv_cache_passes,
+    kv_heads_passes,
+    prune_passes,
+    quant_passes,
+    shard_passes,
+)
 from llmc.compiler.targets import Target, get_target
 from llmc.compiler.trace import export_lm, translate
 from llmc.errors import PassError
@@ -109,6 +117,36 @@ def weight_bytes_by_dtype(graph: Graph) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def total_weight_bytes(graphs: list[Graph]) -> dict[str, int]:
+    """Weight bytes by dtype over every rank's weights file."""
+    out: dict[str, int] = {}
+    for g in graphs:
+        for dtype, n in weight_bytes_by_dtype(g).items():
+            out[dtype] = out.get(dtype, 0) + n
+    return dict(sorted(out.items()))
+
+
+def set_model_meta(graphs: list[Graph], records: list, loaded) -> dict:
+    """Give each rank's graph its meta and return the manifest's `model` facts: the graph's own,
+    or for a sharded model the whole model's (each rank's graph keeps its own heads and KV bytes)."""
+    for g in graphs:
+        g.meta = model_meta(loaded.config, g, loaded.module)
+    if len(graphs) == 1:
+        return graphs[0].meta
+    model = whole_model_meta(graphs[0].meta, shard_record(records), loaded.config)
+    for g in graphs:
+        g.meta["hf_config"] = model["hf_config"]
+    return model
+
+
+def rank_plan(graph: Graph, tgt: Target, opts: CompileOptions, echo):
+    overrides, tuning = launch_configs(graph, tgt, opts, echo or echo_stderr)
+    plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens, overrides)
+    if tuning is not None:
+        plan.meta["autotune"] = tuning
+    return plan
+
+
 def trace(module: torch.nn.Module, max_tokens: int, log: Callable[[str, float, dict], None]) -> Graph:
     """The model as a graph of aten nodes (torch.export, then translated into the IR)."""
     t = time.perf_counter()
@@ -141,7 +179,8 @@ def pass_configs(tgt: Target, opts: CompileOptions, source_quantised: bool = Fal
     kv_cache = opts.kv_cache or (None if explicit else tgt.default_kv_cache)
     added = (prune_passes(opts.prune, opts.sparsity, opts.sparsity_method)
              + kv_heads_passes(opts.kv_heads, opts.kv_grouping)
-             + quant_passes(quant, opts.group_size) + kv_cache_passes(kv_cache) + added_passes(opts.add))
+             + quant_passes(quant, opts.group_size) + shard_passes(opts.tp) + kv_cache_passes(kv_cache)
+             + added_passes(opts.add))
     configs = schedule(lowering_configs() + base, added)
     return apply_options(drop_disabled(configs, opts.disable), opts.pass_options)
 
@@ -250,37 +289,37 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
                       source_weights=loaded.stored_quant,
                       print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
-    records = PassManager(pipeline, ctx, [c.stage for c in configs]).run(graph)
+    graphs, records = run_passes(graph, configs, ctx)  # one graph per tensor-parallel rank
+    graph = graphs[0]
     note_calibration(records, calibration, opts)
-    graph.meta = model_meta(loaded.config, graph, loaded.module)
+    model = set_model_meta(graphs, records, loaded)
     t = time.perf_counter()
-    overrides, tuning = launch_configs(graph, tgt, opts, echo or echo_stderr)
-    plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens, overrides)
-    if tuning is not None:
-        plan.meta["autotune"] = tuning
-    [plan], ort_files = lower_plans([graph], [plan], tgt, opts.kernels, echo)
+    plans, ort_files = lower_plans(graphs, [rank_plan(g, tgt, opts, echo) for g in graphs], tgt, opts.kernels, echo)
+    plan = plans[0]
     kernels, kernel_index = kernel_sources(plan)
     log("plan", time.perf_counter() - t, {"steps": len(plan.steps), **({"kernels": len(kernels)} if kernels else {})})
     manifest = {
         "llmc_version": llmc.__version__, "torch_version": torch.__version__.split("+")[0],
         "target": tgt.to_dict(), "model": {"name": loaded.name, "source_kind": loaded.kind,
-                                           "source_sha256": loaded.source_hash, **graph.meta},
+                                           "source_sha256": loaded.source_hash, **model},
         # lowering's records apart, so "pipeline" lists the passes a target or the flags chose
         "lowering": [r.to_dict(include_timing=False) for r in records if r.stage == Stage.LOWER.label],
         "pipeline": [r.to_dict(include_timing=False) for r in records if r.stage != Stage.LOWER.label],
         "report": {
-            "op_counts": graph.op_counts(), "weight_bytes": weight_bytes_by_dtype(graph),
-            "kv_bytes_per_token": graph.meta["kv_bytes_per_token"],
-            "kv_bytes_full_context": graph.meta["kv_bytes_per_token"] * graph.meta["max_position_embeddings"],
+            "op_counts": graph.op_counts(), "weight_bytes": total_weight_bytes(graphs),
+            "kv_bytes_per_token": model["kv_bytes_per_token"],
+            "kv_bytes_full_context": model["kv_bytes_per_token"] * model["max_position_embeddings"],
             "activation_peak_bytes": plan.memory.peak_bytes, "activation_naive_bytes": plan.memory.naive_bytes,
             "max_num_batched_tokens": opts.max_num_batched_tokens,
         },
     }
     if draft_target is not None:
         manifest["draft_of"] = draft_target.record()
+    if len(graphs) > 1:
+        manifest["parallel"] = parallel_section(graphs, plans)
     t = time.perf_counter()
-    write_contents(staging, graph.to_json(), plan.to_json(), graph.weights, loaded.tokenizer, manifest, kernels,
-                   kernel_index or None, ort_files)
+    write_contents(staging, [RankFiles(g.to_json(), p.to_json(), g.weights) for g, p in zip(graphs, plans)],
+                   loaded.tokenizer, manifest, kernels, kernel_index or None, ort_files)
     log("write", time.perf_counter() - t, {})
     return {"stages": stages, "passes": [{"name": r.name, "stage": r.stage, "seconds": round(r.seconds, 4)}
                                          for r in records], "host": platform.machine()}

@@ -179,6 +179,11 @@ def sparsity_options(sparsity: str | float) -> dict:
     return {"sparsity": value}
 
 
+def shard_passes(tp: int) -> list[PassConfig]:
+    """`--tp N`: tensor parallelism over N ranks (none for 1)."""
+    return [] if tp == 1 else configs("--tp", [("shard_tensor_parallel", {"tp": tp})])
+
+
 def added_passes(add: list[str]) -> list[PassConfig]:
     """`--add-pass name[:key=value...]`: a registered pass placed by its stage."""
     from llmc.passes.registry import parse_pass_list
@@ -189,4 +194,4 @@ def added_passes(add: list[str]) -> list[PassConfig]:
 __all__ = ["QUANT_RECIPES", "QUANT_CHOICES", "KV_CACHE_CHOICES", "KV_GROUPING_CHOICES", "SPARSITY_METHODS",
            "PRUNE_KINDS", "DEFAULT_GROUP_SIZE", "SOURCE_QUANT", "default_quant", "requantise_note",
            "quant_passes", "kv_cache_passes", "kv_heads_passes",
-           "parse_prune", "prune_passes", "added_passes"]
+           "parse_prune", "prune_passes", "shard_passes", "added_passes"]

@@ -111,6 +111,13 @@ class LLM:
             for i in ids:
                 self.engine.abort(i)
 
+    def close(self) -> None:
+        """Stop what the engine runs outside this process now (a tensor-parallel artifact's other
+        ranks) rather than when the LLM is collected or the process exits."""
+        close = getattr(self.engine.runner, "close", None)
+        if close is not None:
+            close()
+
     def chat(self, messages, sampling_params=None, **kw):
         """One conversation (list of {"role", "content"}) or a list of them."""
         return self.generate(messages=messages, sampling_params=sampling_params, **kw)

@@ -331,6 +331,7 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
         warm_up,
     )
     from llmc.runtime.engine import Engine, EngineConfig
+    from llmc.runtime.parallel.report import rank_report
     from llmc.runtime.roofline import bench_roofline
 
     threads = _threads(threads)
@@ -360,6 +361,7 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
         warm_up(engine)
     ours = run_engine(engine, requests, progress=not as_json)
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
+              "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives
               "speculative": speculative_summary(engine, ours, plain) if plain else None,
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
               "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak)
@@ -389,6 +391,7 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
 
 
 def _bench_table(r: dict) -> str:
+    from llmc.runtime.parallel.report import format_ranks
     from llmc.runtime.roofline import format_roofline
 
     def pct(d):
@@ -400,7 +403,8 @@ def _bench_table(r: dict) -> str:
              f"ITL ms            {pct(r['itl_ms'])}",
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
-             f"threads           {r['threads']}", *(format_roofline(r["roofline"]) if r["roofline"] else [])]
+             f"threads           {r['threads']}", *(format_roofline(r["roofline"]) if r["roofline"] else []),
+             *format_ranks(r["ranks"])]
     if r["speculative"]:
         sp = r["speculative"]
         lines += [f"speculative       {sp['method']}: {sp['speedup']:.2f}x output tokens/s over plain decoding "

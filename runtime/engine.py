@@ -143,6 +143,9 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(max_tokens, config.max_num_seqs, config.block_size,
                                                    config.enable_chunked_prefill), self.block_manager)
         self.runner = ModelRunner(self.executor, self.cache)
+        if "parallel" in self.manifest:  # tensor parallel: this process is rank 0, the others follow its steps
+            from llmc.runtime.parallel.launch import start_ranks
+            self.runner = start_ranks(artifact, self.manifest, self.executor, self.cache, config.threads, self.device)
         self.eos_token_ids = self.model["eos_token_ids"] or [self.tokenizer.eos_token_id]
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.requests: dict[str, _Request] = {}

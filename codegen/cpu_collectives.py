@@ -1,0 +1,59 @@
+"""CPU kernels of the collective ops (compiler/ops.py): torch.distributed calls on the default
+process group, which the runtime's parallel launcher (runtime/parallel/) sets up with a timeout,
+so a rank that died makes the others' collective fail instead of hang. Each call's wall time is
+added to COLLECTIVE_SECONDS, which `llmc bench` reports per rank."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from llmc.codegen.cpu_kernels import kernel
+from llmc.errors import RuntimeLlmcError
+
+COLLECTIVE_SECONDS = {"all_reduce": 0.0, "all_gather": 0.0}
+
+
+def _check_group(op: str, world_size: int) -> None:
+    if world_size == 1:
+        return
+    if not dist.is_initialized() or dist.get_world_size() != world_size:
+        have = dist.get_world_size() if dist.is_initialized() else "no"
+        raise RuntimeLlmcError(f"{op} over {world_size} ranks found {have} process group of that size; a "
+                               f"tensor-parallel plan runs through its artifact (llmc.load / llmc run), which "
+                               f"starts its ranks")
+
+
+@kernel("all_reduce")
+def all_reduce(x, *, world_size, **attrs):
+    return [_timed("all_reduce", world_size, x, _summed)]
+
+
+@kernel("all_gather")
+def all_gather(x, *, world_size, **attrs):
+    return [_timed("all_gather", world_size, x, _joined)]
+
+
+def _summed(x, world_size: int):
+    out = x.contiguous().clone()  # plan values are not written in place
+    dist.all_reduce(out)
+    return out
+
+
+def _joined(x, world_size: int):
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _timed(op: str, world_size: int, x, communicate):
+    """communicate(x) across the group (x itself in a world of one), its time added up."""
+    _check_group(op, world_size)
+    if world_size == 1:
+        return x
+    start = time.perf_counter()
+    out = communicate(x, world_size)
+    COLLECTIVE_SECONDS[op] += time.perf_counter() - start
+    return out

@@ -1,0 +1,98 @@
+"""The pass run of a compile, forked per tensor-parallel rank: the passes before the shard stage
+run once on the whole model; then, for each rank, a copy of that graph runs the shard pass (with
+its rank) and every later pass, giving one graph (and later one plan and weights file) per rank.
+Also the manifest's `parallel` section: each rank's heads, KV bytes, weight bytes and collectives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.compiler.ir import Graph
+from llmc.compiler.ops import COLLECTIVE_OPS
+from llmc.errors import PassError
+from llmc.passes.base import PassContext, PassManager, PassRecord, Stage
+from llmc.passes.registry import PassConfig
+
+SHARD_PASS = "shard_tensor_parallel"
+
+
+def tensor_parallel_size(configs: list[PassConfig]) -> int:
+    """The tp of the pipeline's shard pass (1 without one); a pipeline shards once."""
+    shards = [c for c in configs if c.name == SHARD_PASS]
+    if len(shards) > 1:
+        raise PassError(f"the pipeline holds {SHARD_PASS} {len(shards)} times; shard once (--tp N)")
+    return shards[0].options.tp if shards else 1
+
+
+def run_passes(graph: Graph, configs: list[PassConfig], ctx: PassContext) -> tuple[list[Graph], list[PassRecord]]:
+    """(one graph per rank, rank 0's pass records); the graph itself is rank 0's."""
+    tp = tensor_parallel_size(configs)
+    if tp == 1:
+        return [graph], _manager(configs, ctx).run(graph)
+    before = [c for c in configs if c.stage < Stage.SHARD]
+    after = configs[len(before):]
+    _refuse_calibrated_after_shard(after)
+    records = _manager(before, ctx).run(graph)
+    graphs, rank_records = [], []
+    for rank in range(tp):
+        g = graph if rank == tp - 1 else graph.copy()
+        rank_ctx = ctx if ctx.dump_ir is None else _with_dump(ctx, Path(ctx.dump_ir) / f"rank{rank}")
+        configured = [c.configure(rank=rank) if c.name == SHARD_PASS else c for c in after]
+        rank_records.append(_manager(configured, rank_ctx).run(g))
+        graphs.append(g)
+    return graphs, records + rank_records[0]
+
+
+def _manager(configs: list[PassConfig], ctx: PassContext) -> PassManager:
+    return PassManager([c.instantiate() for c in configs], ctx, [c.stage for c in configs])
+
+
+def _with_dump(ctx: PassContext, folder: Path) -> PassContext:
+    from dataclasses import replace
+    return replace(ctx, dump_ir=folder)
+
+
+def _refuse_calibrated_after_shard(after: list[PassConfig]) -> None:
+    """A pass that measures the model on calibration text cannot run on one rank's part of it."""
+    from llmc.passes.registry import pass_class
+
+    for c in after:
+        if "calibration" in pass_class(c.name).needs:
+            raise PassError(f"{c.name} ({c.stage.label}) runs after {SHARD_PASS} and measures the model on "
+                            f"calibration text, which one rank's shard cannot do; compile without it (e.g. "
+                            f"--kv-cache none) or without --tp")
+
+
+def shard_record(records: list[PassRecord]) -> dict:
+    return next(r.details for r in records if r.name == SHARD_PASS)
+
+
+def rank_entry(rank: int, graph: Graph, plan) -> dict:
+    """What the manifest says of one rank: its heads and KV bytes (the rank's own cache), its
+    weight bytes by dtype, its collectives per step and its planned activation peak."""
+    from llmc.compiler.pipeline import weight_bytes_by_dtype
+
+    meta = graph.meta
+    return {"dir": f"rank{rank}", "num_heads": meta["num_heads"], "num_kv_heads": meta["num_kv_heads"],
+            "kv_bytes_per_token": meta["kv_bytes_per_token"], "weight_bytes": weight_bytes_by_dtype(graph),
+            "collectives": {op: sum(n.op == op for n in graph.nodes) for op in COLLECTIVE_OPS},
+            "activation_peak_bytes": plan.memory.peak_bytes}
+
+
+def whole_model_meta(rank_meta: dict, details: dict, config) -> dict:
+    """The model as a whole (the manifest's `model`): rank 0's facts with the heads, KV bytes and HF
+    config of the unsharded model. Each rank's graph says the same but for its own heads and KV bytes."""
+    from llmc.compiler.pipeline import hf_config_dict
+
+    heads, kv_heads = details["num_heads"], details["num_kv_heads"]
+    per_head = rank_meta["kv_bytes_per_token"] // rank_meta["num_kv_heads"]
+    return {**rank_meta, "num_heads": heads, "num_kv_heads": kv_heads, "kv_bytes_per_token": per_head * kv_heads,
+            "hf_config": hf_config_dict(config, kv_heads)}
+
+
+def parallel_section(graphs: list[Graph], plans: list) -> dict:
+    return {"tp": len(graphs), "ranks": [rank_entry(r, g, p) for r, (g, p) in enumerate(zip(graphs, plans))]}
+
+
+__all__ = ["SHARD_PASS", "tensor_parallel_size", "run_passes", "shard_record", "whole_model_meta",
+           "parallel_section", "rank_entry"]

@@ -1,0 +1,179 @@
+"""Rank 0's side of a tensor-parallel engine: `ShardedModelRunner` starts the follower ranks (fresh
+interpreters running worker.py, which load only their own plan and weights), joins their group,
+and on each step broadcasts the batch and runs its own part of it; the logits it returns are whole
+(the plan's all_gather joins the vocabulary). A rank that dies or hangs stops the run with one
+error line, and every follower is gone when the runner is closed, collected, or the process ends."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.parallel.group import (
+    REPORT,
+    STEP,
+    STOP,
+    collective_timeout,
+    free_port,
+    gather_stats,
+    join_group,
+    leave_group,
+    send,
+)
+from llmc.runtime.parallel.step_batch import StepBatch
+from llmc.runtime.threads import apply_threads
+
+LOAD_TIMEOUT_S = 600.0   # a follower reads and hashes its weights before it says it loaded
+
+
+@dataclass
+class _Ranks:
+    """The followers (rank r is procs[r - 1]) and the control group, shut down once."""
+    procs: list[subprocess.Popen]
+    control: object = None
+    stopped: bool = False
+    failure: str | None = None
+    exit_codes: dict = field(default_factory=dict)
+
+    def stop(self, graceful: bool = True) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        if graceful and self.control is not None:
+            try:
+                send(self.control, STOP)
+            except RuntimeError:
+                pass
+        for p in self.procs:
+            if p.stdin:
+                p.stdin.close()  # the lifeline: a follower exits when it closes
+        for p in self.procs:
+            try:
+                p.wait(timeout=10 if graceful else 2)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+        if self.control is not None:
+            leave_group()
+
+
+class ShardedModelRunner:
+    """ModelRunner's `execute` for rank 0 of a tensor-parallel artifact."""
+
+    def __init__(self, path, manifest: dict, executor, cache, threads: int):
+        tp = manifest["parallel"]["tp"]
+        self.tp, self.executor, self.cache = tp, executor, cache
+        self.attention = executor.paged_backend(cache)
+        self.timeout = collective_timeout()
+        threads = max(1, threads // tp)  # --threads is the machine's: each rank computes with its share
+        apply_threads(threads)
+        port = free_port()
+        self._ranks = _Ranks([self._start(path, r, port, threads) for r in range(1, tp)])
+        self._finalizer = weakref.finalize(self, self._ranks.stop)
+        try:
+            self._wait_loaded()
+            self._ranks.control = join_group(0, tp, port, self.timeout)
+        except BaseException:
+            self._ranks.stop(graceful=False)
+            raise
+
+    def _start(self, path, rank: int, port: int, threads: int) -> subprocess.Popen:
+        args = {"rank": rank, "world": self.tp, "port": port, "blocks": self.cache.k_cache[0].shape[0],
+                "block-size": self.cache.block_size, "threads": threads, "timeout": self.timeout}
+        command = [sys.executable, "-m", "llmc.runtime.parallel.worker",
+                   *[f"--{k}={v}" for k, v in args.items()], str(path)]
+        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def _wait_loaded(self) -> None:
+        """Every follower's one status line: loaded, or the error that stopped it."""
+        waiting = {p.stdout: rank for rank, p in enumerate(self._ranks.procs, 1)}
+        selector = selectors.DefaultSelector()
+        for stream in waiting:
+            selector.register(stream, selectors.EVENT_READ)
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while waiting:
+            ready = selector.select(timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeLlmcError(f"tensor-parallel ranks {sorted(waiting.values())} did not load within "
+                                       f"{LOAD_TIMEOUT_S:.0f} s; the run stopped")
+            for key, _ in ready:
+                rank = waiting.pop(key.fileobj)
+                selector.unregister(key.fileobj)
+                self._check_loaded(rank, key.fileobj.readline())
+
+    def _check_loaded(self, rank: int, line: bytes) -> None:
+        try:
+            status = json.loads(line)
+        except ValueError:
+            status = {}
+        if not isinstance(status, dict) or status.get("loaded") is not True:
+            why = status.get("error") if isinstance(status, dict) else None
+            code = self._ranks.procs[rank - 1].wait()
+            raise RuntimeLlmcError(f"tensor-parallel rank {rank} failed to load: "
+                                   f"{why or f'it exited with code {code} before loading'}")
+
+    @torch.inference_mode()
+    def execute(self, scheduled, sampled, blocks_to_copy, drafts=None) -> torch.Tensor:
+        """logits [len(sampled), vocab], rows in `sampled` order, as ModelRunner.execute."""
+        if drafts:
+            raise RuntimeLlmcError("speculative decoding does not run on a tensor-parallel artifact yet; "
+                                   "load it without a speculative config")
+        batch = StepBatch.from_schedule(scheduled, sampled, blocks_to_copy)
+        return self._collective(lambda: (send(self._ranks.control, STEP, batch.encode()),
+                                         batch.run(self.executor, self.cache, self.attention))[1])
+
+    def rank_stats(self) -> list[dict]:
+        """Each rank's time in collectives and peak resident memory."""
+        return self._collective(lambda: (send(self._ranks.control, REPORT), gather_stats(self._ranks.control))[1])
+
+    def _collective(self, work):
+        if self._ranks.failure is not None:
+            raise RuntimeLlmcError(self._ranks.failure)
+        try:
+            return work()
+        except RuntimeError as e:
+            self._ranks.failure = self._why_failed(e)
+            self._ranks.stop(graceful=False)
+            raise RuntimeLlmcError(self._ranks.failure) from None
+
+    def _why_failed(self, error: RuntimeError) -> str:
+        for _ in range(20):  # a rank that died may take a moment to be reaped
+            dead = [(r, p.poll()) for r, p in enumerate(self._ranks.procs, 1) if p.poll() is not None]
+            if dead:
+                r, code = dead[0]
+                return (f"tensor-parallel rank {r} exited (code {code}) during a step; the run stopped "
+                        f"and the other ranks were shut down")
+            time.sleep(0.05)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return (f"a collective across the {self.tp} tensor-parallel ranks failed or timed out "
+                f"(limit {self.timeout:g} s, {first[:160]}); the run stopped")
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def start_ranks(path, manifest: dict, executor, cache, threads: int, device) -> ShardedModelRunner:
+    """The runner of a tensor-parallel artifact (manifest["parallel"]), its followers started."""
+    if device.type != "cpu":
+        raise RuntimeLlmcError(f"artifact '{path}' is tensor-parallel; this llmc runs its ranks on the CPU "
+                               f"(gloo) only, not on {device.type}; load it with device='cpu'")
+    if torch.distributed.is_initialized():
+        raise RuntimeLlmcError(f"cannot start the ranks of '{path}': this process already belongs to a "
+                               f"torch.distributed group (another tensor-parallel LLM still runs here); close "
+                               f"that one first (LLM.close())")
+    if "logits_indices" not in executor.plan.inputs:
+        raise RuntimeLlmcError(f"artifact '{path}': its plan takes no logits_indices; recompile it")
+    return ShardedModelRunner(path, manifest, executor, cache, threads)
+
+
+__all__ = ["ShardedModelRunner", "start_ranks"]

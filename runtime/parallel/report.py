@@ -1,0 +1,21 @@
+"""What `llmc bench` says of a tensor-parallel run, per rank: the weights it loaded, its resident
+memory, and the seconds it spent in all_reduce and all_gather (waiting for the others included)."""
+
+from __future__ import annotations
+
+from llmc.runtime.parallel.launch import ShardedModelRunner
+
+
+def rank_report(engine) -> list[dict] | None:
+    """One entry per rank for an engine serving a tensor-parallel artifact; None otherwise."""
+    if not isinstance(engine.runner, ShardedModelRunner):
+        return None
+    ranks = engine.manifest["parallel"]["ranks"]
+    return [{**stats, "weight_bytes": sum(ranks[stats["rank"]]["weight_bytes"].values())}
+            for stats in engine.runner.rank_stats()]
+
+
+def format_ranks(ranks: list[dict] | None) -> list[str]:
+    return [f"rank {r['rank']:<12} weights {r['weight_bytes'] / 2**20:.1f} MiB, resident {r['rss_bytes'] / 2**20:.0f} "
+            f"MiB, in all_reduce {r['all_reduce_s']:.2f} s, in all_gather {r['all_gather_s']:.2f} s"
+            for r in ranks or []]
