@@ -6,6 +6,7 @@ OpenAI's clients expect: 400 (not FastAPI's 422) naming the field, 401, 404, 429
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import uuid
@@ -17,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmc.errors import RuntimeLlmcError
+from llmc.runtime import request_values
 from llmc.runtime.server.engine_loop import AsyncEngine, Job, Update
 from llmc.runtime.server.metrics import ServerMetrics
 from llmc.runtime.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -35,6 +37,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         raise RuntimeLlmcError("build_app(engine) needs served_model_name=... (an Engine does not know its "
                                "artifact's path; an LLM from llmc.load does)")
     metrics = ServerMetrics(name)
+    # The handlers' own copy: a Rust tokenizer used from two threads at once can fail "Already borrowed".
+    tokenizer = copy.deepcopy(engine.tokenizer)
     core = AsyncEngine(engine, metrics, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms)
 
     @asynccontextmanager
@@ -65,17 +69,19 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, name)
         text, ids = body.one_prompt()
-        builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", name, engine.tokenizer, False, body.logprobs)
+        builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", name, tokenizer, False, body.logprobs)
+        ids = ids if ids is not None else _encoded(tokenizer, text, "prompt")
         return await _serve(core, body, _job(engine, body, builder.request_id, text, ids, body.sampling_params(),
                                              "prompt"), builder, request)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
-        text = _chat_prompt(engine.tokenizer, body.conversation())
+        text = _chat_prompt(tokenizer, body.conversation())
         top = (body.top_logprobs or 0) if body.logprobs else None
-        builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", name, engine.tokenizer, True, top)
-        return await _serve(core, body, _job(engine, body, builder.request_id, text, None, body.sampling_params(),
+        builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", name, tokenizer, True, top)
+        ids = _encoded(tokenizer, text, "messages")
+        return await _serve(core, body, _job(engine, body, builder.request_id, text, ids, body.sampling_params(),
                                              "messages"), builder, request)
 
     return app
@@ -98,10 +104,17 @@ def _chat_prompt(tokenizer, conversation: list[dict]) -> str:
     return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
 
-def _job(engine, body, request_id: str, text, ids, params, field: str) -> Job:
+def _encoded(tokenizer, text: str, field: str) -> list[int]:
+    try:
+        return tokenizer(request_values.prompt_text(text, field))["input_ids"]
+    except RuntimeLlmcError as e:
+        raise ApiError(400, str(e), param=field) from None
+
+
+def _job(engine, body, request_id: str, text, ids: list[int], params, field: str) -> Job:
     """The checked job of one request: a prompt longer than the context is a 400 with both lengths."""
     try:
-        prompt_ids = engine.prompt_ids(text, ids, field)
+        prompt_ids = engine.prompt_ids(None, ids, field)
     except RuntimeLlmcError as e:
         code = "context_length_exceeded" if "longer than the model's context" in str(e) else None
         raise ApiError(400, str(e), param=field, code=code) from None

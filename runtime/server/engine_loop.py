@@ -195,6 +195,11 @@ class AsyncEngine:
         except RuntimeLlmcError as e:
             job.deliver(Update([], error=ApiError(400, str(e))))
             return
+        except Exception as e:  # a bug: this request fails, the others go on
+            traceback.print_exc()
+            job.deliver(Update([], error=ApiError(500, f"the engine could not take this request "
+                                                  f"({type(e).__name__}: {e})", kind="internal_server_error")))
+            return
         job.request = self.engine.requests[job.request_id]
         self._jobs[job.request_id] = job
 
