@@ -16,6 +16,7 @@ import torch
 
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, Node, TensorType
+from llmc.compiler.lower_heads import flat_heads, raise_linear_forms, subgraph_for
 from llmc.compiler.ops import ATTENTION_OPS, OPS, infer_types
 from llmc.compiler.trace import ATTENTION_WINDOWS, TOKENS
 from llmc.errors import IRError
@@ -163,6 +164,33 @@ class _Rope:
     positions: str
     inv_freq: str
     scaling: float
+    rotary_dim: int | None = None   # partial rotary: only the first rotary_dim features of a head turn
+
+
+def _match_any_rope(m: Matcher, value: str) -> _Rope | None:
+    """Rotary on the whole head, or partial: cat([rope(x[..., :r]), x[..., r:]], -1) (GPT-NeoX, Phi)."""
+    rope = _match_rope(m, value)
+    if rope is not None:
+        return rope
+    cat = m.node(m.through_noops(value))
+    if not m.is_(cat, "aten.cat.default") or len(m.arg(cat, 0)) != 2 or m.arg(cat, 1) not in (-1, 3):
+        return None
+    rotated, passed = m.arg(cat, 0)
+    rope, rest = _match_rope(m, rotated), m.node(passed)
+    if rope is None or not m.is_(rest, "aten.slice.Tensor") or m.arg(rest, 1) not in (-1, 3):
+        return None
+    x, rotary_dim = m.arg(rest, 0), m.arg(rest, 2)
+    if not isinstance(rotary_dim, int) or not isinstance(m.arg(rest, 3), int):
+        return None
+    head_dim = m.types[x].shape[-1]
+    if m.through_noops(rope.source) == x and rotary_dim >= head_dim:  # nothing passes (Phi-3 at factor 1)
+        return _Rope(x, rope.positions, rope.inv_freq, rope.scaling)
+    first = m.node(rope.source)
+    if (not m.is_(first, "aten.slice.Tensor") or m.arg(first, 0) != x or m.arg(first, 1) not in (-1, 3)
+            or m.arg(first, 2) not in (0, None) or m.arg(first, 3) != rotary_dim or m.arg(rest, 3) < head_dim
+            or not 0 < rotary_dim < head_dim):
+        return None
+    return _Rope(x, rope.positions, rope.inv_freq, rope.scaling, rotary_dim)
 
 
 def _match_rope(m: Matcher, value: str) -> _Rope | None:
@@ -226,20 +254,6 @@ def _match_rope_table(m: Matcher, value: str, trig: str):
     if positions != ["positions"] or len(inv_freq) != 1:
         return None
     return "positions", inv_freq[0], scaling
-
-
-def _head_split_source(m: Matcher, value: str, head_dim: int) -> str | None:
-    """transpose(view(x, [1, T, heads, hd]), 1, 2) -> x  (x: [1, T, heads * hd])."""
-    tr = m.node(m.through_noops(value))
-    if not m.is_(tr, "aten.transpose.int") or sorted([m.arg(tr, 1), m.arg(tr, 2)]) != [1, 2]:
-        return None
-    view = m.node(m.through_noops(tr.inputs[0]))
-    if not m.is_(view, "aten.view.default", "aten.reshape.default"):
-        return None
-    src = view.inputs[0]
-    if m.types[src].rank != 3 or m.types[view.outputs[0].name].shape[-1] != head_dim:
-        return None
-    return src
 
 
 def _repeat_kv_source(m: Matcher, value: str) -> str:
@@ -417,38 +431,79 @@ def _probs_times_v(m: Matcher, softmax: Node) -> tuple[Node, str] | None:
         cur = u.outputs[0].name
 
 
-def _flat_source(m: Matcher, value: str, head_dim: int) -> tuple[str | None, _Rope | None]:
-    """A heads-first q or k -> (its [1, T, heads*hd] source, the rope rotating it if any)."""
-    rope = _match_rope(m, value)
-    return _head_split_source(m, rope.source if rope else value, head_dim), rope
+@dataclass
+class _Heads:
+    """q or k (or v) as lowering rebuilds it: a flat [1, T, heads*hd] projection, then a per-head
+    RMS norm (Qwen3's q_norm/k_norm) and rotary, in that order, as the model applies them."""
+    flat: str
+    type: TensorType     # flat's
+    nodes: list          # nodes to insert that compute `flat` (a column-picking linear), if any
+    norm: tuple[str, float] | None = None   # (weight [hd], eps)
+    rope: _Rope | None = None
+
+
+def _heads(m: Matcher, value: str, head_dim: int, role: str) -> _Heads | None:
+    """A heads-first q, k or v -> where its features come from, and what turns them on the way."""
+    rope = _match_any_rope(m, value) if role != "v" else None
+    x = rope.source if rope else value
+    norm = _head_norm(m, x, head_dim) if role != "v" else None
+    if norm is not None:
+        x, norm = norm
+    flat = flat_heads(m.g, m.prod, x, role)
+    return None if flat is None else _Heads(*flat, norm, rope)
+
+
+def _head_norm(m: Matcher, value: str, head_dim: int):
+    """transpose(rms_norm(y [1, T, heads, hd], w [hd]), 1, 2) -> (y, (w, eps))."""
+    tr = m.node(m.through_noops(value))
+    if not m.is_(tr, "aten.transpose.int") or sorted([m.arg(tr, 1), m.arg(tr, 2)]) != [1, 2]:
+        return None
+    norm = m.node(m.through_noops(tr.inputs[0]))
+    if norm is None or norm.op != "rms_norm" or m.types[norm.inputs[1]].shape != (head_dim,):
+        return None
+    return norm.inputs[0], (norm.inputs[1], norm.attrs["eps"])
 
 
 def _build_attention(m: Matcher, core: _Core, window: int | None) -> tuple[Node, list[Node]] | None:
-    """(the node merging heads back, the rope and attention nodes that replace the pattern)."""
+    """(the node merging heads back, the nodes that replace the pattern: column-picking linears,
+    per-head norms, rope, attention)."""
     qt = m.types[core.q]
     if qt.rank != 4 or not isinstance(qt.shape[1], int) or not isinstance(qt.shape[3], int):
         return None
     heads, hd = qt.shape[1], qt.shape[3]
     merged = _merge_heads_user(m, core.out)
-    (q, q_rope), (k, k_rope) = _flat_source(m, core.q, hd), _flat_source(m, _repeat_kv_source(m, core.k), hd)
-    v = _head_split_source(m, _repeat_kv_source(m, core.v), hd)
-    if merged is None or None in (q, k, v) or m.types[q].shape[-1] != heads * hd:
+    parts = [_heads(m, v, hd, role) for v, role in ((core.q, "q"), (_repeat_kv_source(m, core.k), "k"),
+                                                     (_repeat_kv_source(m, core.v), "v"))]
+    if merged is None or None in parts or parts[0].type.shape[-1] != heads * hd:
         return None
-    kv_features = m.types[k].shape[-1]
-    if m.types[v].shape[-1] != kv_features or heads % (kv_features // hd):
+    q, k, v = parts
+    kv_features = k.type.shape[-1]
+    if v.type.shape[-1] != kv_features or kv_features % hd or heads % (kv_features // hd):
         return None
-    g, nodes, rotated = m.g, [], []
-    for name, flat, rope in (("q", q, q_rope), ("k", k, k_rope)):
-        if rope is not None:
-            nodes.append(g.make_node("rope", [flat, rope.positions, rope.inv_freq], [m.types[flat]],
-                                     {"head_dim": hd, "scaling": rope.scaling}, name=g.fresh(f"rope_{name}")))
-        rotated.append(nodes[-1].out.name if rope is not None else flat)
+    g, nodes = m.g, [n for part in parts for n in part.nodes]
+    attention_inputs = [_turned(g, part, name, hd, nodes) for part, name in ((q, "q"), (k, "k"))] + [v.flat]
     attrs = {"num_heads": heads, "num_kv_heads": kv_features // hd, "head_dim": hd,
              "scale": float(core.scale) if core.scale is not None else 1.0 / math.sqrt(hd),
              "causal": True, "layer": 0, **({"window": window} if window is not None else {})}
-    nodes.append(g.make_node("attention", rotated + [v], [TensorType(m.types[q].shape, m.types[q].dtype)], attrs,
-                             name=g.fresh("attention")))
+    out_type = TensorType(q.type.shape, q.type.dtype)
+    nodes.append(g.make_node("attention", attention_inputs, [out_type], attrs, name=g.fresh("attention")))
     return merged, nodes
+
+
+def _turned(g: Graph, part: _Heads, name: str, head_dim: int, nodes: list) -> str:
+    """Append the per-head norm and rotary `part` goes through; returns the value attention reads."""
+    value, t = part.flat, part.type
+    if part.norm is not None:
+        nodes.append(g.make_node("qk_norm", [value, part.norm[0]], [t], {"head_dim": head_dim, "eps": part.norm[1]},
+                                 name=g.fresh(f"{name}_norm")))
+        value = nodes[-1].outputs[0].name
+    rope = part.rope
+    if rope is not None:
+        op, attrs = ("rope", {"head_dim": head_dim, "scaling": rope.scaling}) if rope.rotary_dim is None else (
+            "partial_rope", {"head_dim": head_dim, "rotary_dim": rope.rotary_dim, "scaling": rope.scaling})
+        nodes.append(g.make_node(op, [value, rope.positions, rope.inv_freq], [t], attrs, name=g.fresh(f"rope_{name}")))
+        value = nodes[-1].outputs[0].name
+    return value
 
 
 def mask_windows(g: Graph, masks: set[tuple[str, str]], configured=()) -> dict[tuple[str, str], int | None]:
@@ -465,7 +520,7 @@ def mask_windows(g: Graph, masks: set[tuple[str, str]], configured=()) -> dict[t
     vocab = next((p.type.shape[0] for n, p in g.params.items() if "embed" in n), 2)
     for t in lengths:
         ids = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(t))
-        vals = interpret(_mask_subgraph(g, set(values)), {"input_ids": ids, "positions": torch.arange(t)},
+        vals = interpret(subgraph_for(g, set(values)), {"input_ids": ids, "positions": torch.arange(t)},
                          want=values)
         for v, how in masks:
             observed[(v, how)].add((t, _band_width(vals[v], how, t)))
@@ -509,21 +564,6 @@ def _visible(mask: torch.Tensor, how: str, t: int) -> torch.Tensor | None:
         return None
     visible = rows == 0
     return visible if bool((visible | (rows <= HIDDEN_SCORE)).all()) else None
-
-
-def _mask_subgraph(g: Graph, masks: set[str]) -> Graph:
-    """The nodes the mask values depend on, so probing skips the model's real work."""
-    prod = g.producers()
-    needed, stack = set(), list(masks)
-    while stack:
-        n = prod.get(stack.pop())
-        if n is not None and n.name not in needed:
-            needed.add(n.name)
-            stack.extend(n.inputs)
-    sub = Graph(g.name)
-    sub.inputs, sub.params, sub.weights = g.inputs, g.params, g.weights
-    sub.nodes = [n for n in g.nodes if n.name in needed]
-    return sub
 
 
 # -- what lowering leaves must act on each token alone ------------------------------------
@@ -626,8 +666,8 @@ def rename_output(g: Graph, name: str = "logits") -> None:
 def lower(g: Graph) -> dict[str, int]:
     """Raise patterns in place (attention before anything that would take SDPA apart);
     returns how many of each were raised."""
-    stats = {"attention": raise_attention(g)}
-    stats["rms_norm"] = raise_rms_norm(g)
+    stats = {"linear": raise_linear_forms(g), "rms_norm": raise_rms_norm(g)}  # q/k norms are per head
+    stats["attention"] = raise_attention(g)
     stats["simple"] = raise_simple(g)
     return stats
 

@@ -479,6 +479,45 @@ def rope_ref(x, positions, inv_freq, *, head_dim, scaling=1.0, **attrs):
     return [apply_rope(x, cos, sin, head_dim)]
 
 
+def _qk_norm_type(ts, attrs):
+    x, weight = ts
+    _want(x, "qk_norm input", min_rank=1)
+    if not isinstance(x.shape[-1], int) or x.shape[-1] % attrs["head_dim"]:
+        raise IRError(f"qk_norm: head_dim {attrs['head_dim']} does not divide the input's last dim ({x})")
+    _want(weight, "qk_norm weight", shape=(attrs["head_dim"],))
+    return [x]
+
+
+@op("qk_norm", _qk_norm_type, attrs=AttrSpec({"head_dim": COUNT, "eps": FLOAT}), inputs=2)
+def qk_norm_ref(x, weight, *, head_dim, eps, **attrs):
+    """RMS norm of each head of x [..., heads * head_dim] by one weight [head_dim] (Qwen3's q_norm
+    and k_norm, applied after the head split and before rotary)."""
+    heads = x.reshape(*x.shape[:-1], -1, head_dim)
+    return [rms_norm_ref(heads, weight, eps=eps)[0].reshape(x.shape)]
+
+
+def _partial_rope_type(ts, attrs):
+    x, positions, inv_freq = ts
+    head_dim, rotary_dim = attrs["head_dim"], attrs["rotary_dim"]
+    if rotary_dim % 2 or not 0 < rotary_dim < head_dim:
+        raise IRError(f"partial_rope: rotary_dim {rotary_dim} must be even and below head_dim {head_dim}")
+    _rope_inputs(x, positions, TensorType((head_dim // 2,), inv_freq.dtype), head_dim, "partial_rope")
+    _want(inv_freq, "partial_rope inv_freq", shape=(rotary_dim // 2,))
+    return [x]
+
+
+@op("partial_rope", _partial_rope_type, attrs=AttrSpec({"head_dim": COUNT, "rotary_dim": COUNT}, {"scaling": FLOAT}),
+    inputs=3)
+def partial_rope_ref(x, positions, inv_freq, *, head_dim, rotary_dim, scaling=1.0, **attrs):
+    """Rotary on the first rotary_dim features of each head (inv_freq [rotary_dim / 2]); the rest
+    pass unchanged (GPT-NeoX's rotary_pct, Phi's partial_rotary_factor)."""
+    heads = x.reshape(*x.shape[:-1], -1, head_dim)
+    turned, kept = heads[..., :rotary_dim], heads[..., rotary_dim:]
+    cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, scaling, x.dtype)
+    turned = apply_rope(turned.reshape(*x.shape[:-1], -1), cos, sin, rotary_dim)
+    return [torch.cat([turned.reshape(turned.shape[:-1] + (-1, rotary_dim)), kept], dim=-1).reshape(x.shape)]
+
+
 # `kv_cache`: the dtype a quantised KV cache stores; the op then takes the layer's static scales
 # (fp32 [2, kv_heads]: keys, values) as its last input and reads keys and values through them.
 ATTENTION_ATTRS = AttrSpec({"layer": INDEX, "num_heads": COUNT, "num_kv_heads": COUNT, "head_dim": COUNT,
