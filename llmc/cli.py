@@ -285,7 +285,10 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 
 
 @cli.command()
-@click.argument("artifact", type=click.Path())
+@click.argument("artifact", type=click.Path(), required=False)
+@click.option("--url", default=None, help="Instead of ARTIFACT: drive the `llmc serve` at this URL with the workload "
+              "(streamed greedy completions, Poisson arrivals at --qps) and report client-side latencies.")
+@click.option("--api-key", envvar="LLMC_API_KEY", default=None, help="With --url: the server's API key.")
 @click.option("--num-requests", "-n", type=POSITIVE, default=64, show_default=True)
 @click.option("--input-len", type=POSITIVE, default=128, show_default=True)
 @click.option("--output-len", type=POSITIVE, default=128, show_default=True)
@@ -315,8 +318,8 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @device_option
 @threads_option
 @speculative_options
-def bench(artifact, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps, seed,
-          workload_kind, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
+def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
+          seed, workload_kind, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
           baseline_batch_size, as_json, plot, bandwidth, gemm_peak, device, threads, speculative,
           num_speculative_tokens):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
@@ -339,6 +342,10 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
         qps_value = float(qps)
     except ValueError:
         raise LlmcError(f"--qps {qps!r} is not a number; use e.g. 4 or inf") from None
+    if url is not None or artifact is None:
+        return _bench_url(url, artifact, api_key, workload_kind, as_json, qps,
+                          Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
+                                   qps_value, seed))
     if plot:
         from llmc.runtime.bench_plot import check_plot_path
         check_plot_path(plot)
@@ -388,6 +395,21 @@ def bench(artifact, num_requests, input_len, output_len, input_spread, output_sp
         from llmc.runtime.bench_plot import plot_bench
         plot_bench(ours, plot, base, title=f"llmc bench: {artifact}",
                    baseline_name="HF" if base_name == "hf" else base_name)
+
+
+def _bench_url(url, artifact, api_key, workload_kind, as_json, qps, workload) -> None:
+    """`llmc bench --url`: the workload against a running server; only the workload options apply."""
+    from llmc.runtime.bench_http import format_http_bench, run_http, served_model
+
+    if url is None:
+        raise LlmcError("bench needs ARTIFACT (run it here) or --url URL (drive a running `llmc serve`)")
+    if artifact is not None:
+        raise LlmcError(f"bench got both ARTIFACT {artifact!r} and --url {url}; give one of them")
+    if workload_kind != "random":
+        raise LlmcError("--url takes --workload random only: text workloads need the model's tokenizer here")
+    model, vocab_size = served_model(url, api_key)
+    result = run_http(url, model, workload.build(vocab_size), api_key) | {"workload": vars(workload) | {"qps": qps}}
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_http_bench(result))
 
 
 def _bench_table(r: dict) -> str:

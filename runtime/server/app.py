@@ -63,7 +63,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     @app.get("/v1/models", dependencies=auth)
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmc",
-                                            "root": name, "max_model_len": engine.max_model_len}]}
+                                            "root": name, "max_model_len": engine.max_model_len,
+                                            "vocab_size": engine.model["vocab_size"]}]}
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):

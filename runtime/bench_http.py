@@ -1,0 +1,88 @@
+"""`llmc bench --url`: the bench workload (random prompts of set lengths, Poisson arrivals) sent to
+a running OpenAI-compatible server as streamed completions (greedy, `ignore_eos`, so every request
+makes its full length), timed at the client: TTFT, TPOT and ITL percentiles and throughput, as the
+offline bench reports them. Each stream chunk counts as the arrival of its tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.metrics import percentiles
+
+
+def served_model(url: str, api_key: str | None) -> tuple[str, int]:
+    """The name and vocabulary size of the model the server at `url` serves (llmc's /v1/models)."""
+    try:
+        reply = httpx.get(f"{url}/v1/models", headers=_headers(api_key), timeout=30)
+    except httpx.HTTPError as e:
+        raise RuntimeLlmcError(f"bench --url {url}: cannot reach the server ({e}); start it with "
+                               "`llmc serve`") from None
+    if reply.status_code != 200:
+        raise RuntimeLlmcError(f"bench --url {url}: /v1/models answered {reply.status_code}: {reply.text[:200]}")
+    model = reply.json()["data"][0]
+    if "vocab_size" not in model:
+        raise RuntimeLlmcError(f"bench --url {url}: the server does not report its vocab_size; bench --url "
+                               "drives `llmc serve`, whose /v1/models does")
+    return model["id"], model["vocab_size"]
+
+
+def run_http(url: str, model: str, requests: list[dict], api_key: str | None = None) -> dict:
+    """Send `requests` (Workload.build's) to the server at their arrival times; the latency report."""
+    started = time.perf_counter()
+    timings = asyncio.run(_send_all(url, model, requests, api_key, started))
+    total = max(times[-1] for _, times, _ in timings) - started
+    ttft = [times[0] - sent for sent, times, _ in timings]
+    itl = [b - a for _, times, _ in timings for a, b in zip(times, times[1:])]
+    tpot = [(times[-1] - times[0]) / (n - 1) for _, times, n in timings if n > 1]
+    tokens = sum(n for _, _, n in timings)
+    return {"url": url, "model": model, "requests_per_s": len(requests) / total, "output_tokens_per_s": tokens / total,
+            "total_seconds": total, "output_tokens": tokens, "ttft_ms": percentiles(ttft, 1e3),
+            "tpot_ms": percentiles(tpot, 1e3), "itl_ms": percentiles(itl, 1e3)}
+
+
+async def _send_all(url, model, requests, api_key, started) -> list[tuple[float, list[float], int]]:
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    async with httpx.AsyncClient(base_url=url, headers=_headers(api_key), limits=limits, timeout=None) as client:
+        return await asyncio.gather(*(_send(client, model, r, started) for r in requests))
+
+
+async def _send(client, model: str, request: dict, started: float) -> tuple[float, list[float], int]:
+    """(sent time, arrival time of each chunk, completion tokens) of one streamed request."""
+    await asyncio.sleep(max(0.0, started + request["arrival"] - time.perf_counter()))
+    body = {"model": model, "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"],
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    sent, times, usage = time.perf_counter(), [], None
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            text = (await reply.aread()).decode(errors="replace")[:200]
+            raise RuntimeLlmcError(f"bench --url: the server answered {reply.status_code}: {text}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("choices"):
+                times.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+    if usage is None or not times:
+        raise RuntimeLlmcError("bench --url: a stream ended without tokens or usage; is the server OpenAI-compatible?")
+    return sent, times, usage["completion_tokens"]
+
+
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def format_http_bench(r: dict) -> str:
+    def pct(d):
+        return "  ".join(f"{k} {d[k]:8.1f}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
+    return "\n".join([f"server            {r['url']} ({r['model']})",
+                      f"requests/s        {r['requests_per_s']:.2f}",
+                      f"output tokens/s   {r['output_tokens_per_s']:.1f}",
+                      f"TTFT ms           {pct(r['ttft_ms'])}",
+                      f"TPOT ms           {pct(r['tpot_ms'])}",
+                      f"ITL ms            {pct(r['itl_ms'])}"])
