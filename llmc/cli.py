@@ -477,8 +477,9 @@ def export(artifact, format_, output, force):
 @click.option("--kv-memory", default="1GiB", show_default=True, help="KV cache budget.")
 @device_option
 @threads_option
+@speculative_options
 def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_ms, max_num_seqs, shutdown_timeout,
-          kv_memory, device, threads):
+          kv_memory, device, threads, speculative, num_speculative_tokens):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions),
     with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
     `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
@@ -487,7 +488,8 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
 
     serve_artifact(artifact, host, port, api_key=api_key, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms,
                    served_model_name=served_model_name, shutdown_timeout=shutdown_timeout, kv_memory=kv_memory,
-                   device=device, threads=_threads(threads), max_num_seqs=max_num_seqs)
+                   device=device, threads=_threads(threads), max_num_seqs=max_num_seqs,
+                   speculative=_speculative(speculative, num_speculative_tokens))
 
 
 @cli.command("eval")

@@ -92,7 +92,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._jobs: dict[str, Job] = {}      # engine thread only: jobs in the engine
         self._pending_tokens = 0             # prompt tokens the engine has still to prefill
-        self._counts = {"queries": 0, "hits": 0, "preemptions": 0, "steps": 0}
+        self._counts: dict = {"steps": 0}   # the engine's totals last read, by counter
         self._drain_deadline: float | None = None
         self._on_drained = None
         self._stopped = False
@@ -205,12 +205,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         started = time.monotonic()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            traceback.print_exc()
-            self._fail_all(e)
-            return
+        outputs = self.engine.step()   # raising, it fails the requests in flight (see _run)
         now = time.monotonic()
         self._observe_step()
         for out in outputs:
@@ -303,15 +298,23 @@ class AsyncEngine:
             self._counts["steps"] = e.steps
             self.metrics.step_tokens.observe(e.batch_tokens[-1])
             self.predictor.observe_step(e.step_seconds[-1], e.batch_tokens[-1])
-        for key, counter, value in (("queries", self.metrics.prefix_queries, s.num_admitted_tokens),
-                                    ("hits", self.metrics.prefix_hits, s.num_prefix_hit_tokens),
-                                    ("preemptions", self.metrics.preemptions, s.num_preemptions)):
-            counter.inc(value - self._counts[key])
-            self._counts[key] = value
+        for counter, value in self._engine_counts():
+            counter.inc(value - self._counts.get(counter, 0))
+            self._counts[counter] = value
         for samples in (e.step_seconds, e.batch_tokens, e.kv_waste_samples, e.ttft, e.tpot, e.e2e):
             samples.clear()
         self._pending_tokens = sum(seq.num_tokens - seq.num_computed_tokens for seq in s.waiting)
         self._update_gauges()
+
+    def _engine_counts(self) -> list[tuple]:
+        """(Prometheus counter, the engine's running total it follows)."""
+        m, s, spec = self.metrics, self.engine.scheduler, self.engine.metrics.speculative
+        counts = [(m.prefix_queries, s.num_admitted_tokens), (m.prefix_hits, s.num_prefix_hit_tokens),
+                  (m.preemptions, s.num_preemptions)]
+        if spec is not None:
+            counts += [(m.spec_drafts, spec.num_drafts), (m.spec_draft_tokens, spec.num_draft_tokens),
+                       (m.spec_accepted, spec.num_accepted_tokens)]
+        return counts
 
     def _update_gauges(self) -> None:
         s = self.engine.scheduler

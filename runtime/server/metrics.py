@@ -38,6 +38,10 @@ class ServerMetrics:
                                     buckets=_REQUEST_BUCKETS)
         self.step_tokens = histogram("iteration_tokens_total", "Tokens in one engine step (the batch size).",
                                      buckets=_STEP_TOKEN_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: drafts verified (one per "
+                                   "sequence and step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
         self._success = Counter("llmc:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
 

@@ -108,3 +108,17 @@ def test_200_concurrent_streams_each_get_their_offline_greedy_text_and_free_ever
         assert texts == expected
         assert all_blocks_free(llm.engine)
         assert served.metric("llmc:request_success_total", finished_reason="length") == 200
+
+
+def test_ngram_speculation_keeps_the_greedy_text_and_the_draft_counters_follow_the_engine(compiled, offline):
+    prompt = "one two three one two three one two three one two"
+    expected = offline.generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
+    speculating = llmc.load(compiled, kv_memory=KV_MEMORY, threads=1, speculative="ngram")
+    with InProcessServer(speculating) as served:
+        reply = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+        spec = speculating.engine.metrics.speculative
+        assert reply.choices[0].text == expected
+        assert spec.num_drafts > 0
+        assert served.metric("llmc:spec_decode_num_drafts_total") == spec.num_drafts
+        assert served.metric("llmc:spec_decode_num_draft_tokens_total") == spec.num_draft_tokens
+        assert served.metric("llmc:spec_decode_num_accepted_tokens_total") == spec.num_accepted_tokens
