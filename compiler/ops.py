@@ -630,6 +630,15 @@ def all_gather_ref(x, *, world_size, **attrs):
     return [x]
 
 
+@op("vocab_embedding", _embedding_type, attrs=AttrSpec({"vocab_start": INDEX}), inputs=2)
+def vocab_embedding_ref(ids, weight, *, vocab_start, **attrs):
+    """The rows of one rank's slice of a vocabulary-split table, which holds ids vocab_start ..
+    vocab_start + rows - 1; other ids give zeros (the all_reduce after it adds their rank's rows)."""
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= weight.shape[0])
+    return [F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0.0)]
+
+
 # -- aten fallback ----------------------------------------------------------------------
 _VIEWS_AS_RESHAPE = {"aten.view.default": "aten.reshape.default",
                      "aten._unsafe_view.default": "aten.reshape.default"}

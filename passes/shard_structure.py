@@ -94,10 +94,16 @@ def _channel_projections(row: Node, producers: dict, users: dict) -> list[Node]:
     return list(columns.values())
 
 
+def token_embedding(graph: Graph) -> Node | None:
+    """The float embedding lookup of the graph's input ids (None: none, or a quantised one)."""
+    return next((n for n in graph.nodes if n.op == "embedding" and n.inputs[0] == "input_ids"
+                 and n.inputs[1] in graph.weights), None)
+
+
 def lm_head(graph: Graph) -> Node | None:
     """The projection that makes the graph's (first) output, the logits."""
     node = graph.producers().get(graph.outputs[0]) if graph.outputs else None
     return node if node is not None and node.op in PROJECTIONS else None
 
 
-__all__ = ["PROJECTIONS", "ParallelPair", "attention_pairs", "mlp_pairs", "lm_head"]
+__all__ = ["PROJECTIONS", "ParallelPair", "attention_pairs", "mlp_pairs", "token_embedding", "lm_head"]

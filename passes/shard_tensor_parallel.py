@@ -3,8 +3,9 @@ of `tp` its part of the model. Column-parallel projections keep a slice of their
 q/k/v keep whole KV groups (a KV head with its query heads), gate/up a slice of the MLP channels;
 the row-parallel projection after them (o_proj, down_proj) keeps the matching input features, and
 an `all_reduce` sums the ranks' partial outputs. The LM head keeps a slice of the vocabulary and an
-`all_gather` joins the logits. The embedding stays whole on every rank: a lookup, which split would
-cost one more all_reduce per step for 1/tp of its bytes (and a tied head shares it anyway).
+`all_gather` joins the logits; the (float) embedding keeps the same slice of its table, looks up
+only the ids in it (`vocab_embedding`, zeros for the others) and an all_reduce adds the ranks'
+rows: one more collective a step, for the often largest weight (a tied head shares the slice).
 
 An attention whose KV heads do not divide by tp (SmolLM2's 3 at --tp 2) is replicated: every rank
 computes it whole, with every KV head in its cache, and only the MLP is split. MLP channels that do
@@ -22,8 +23,8 @@ from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.decoder_structure import param_count, retype
 from llmc.passes.options import PassOptions, option
 from llmc.passes.quantize import param_bytes
-from llmc.passes.shard_structure import ParallelPair, attention_pairs, lm_head, mlp_pairs
-from llmc.passes.shard_weights import cut_column, cut_row, in_features, out_features
+from llmc.passes.shard_structure import ParallelPair, attention_pairs, lm_head, mlp_pairs, token_embedding
+from llmc.passes.shard_weights import cut_column, cut_row, cut_table, in_features, out_features
 
 
 def rank_slice(size: int, rank: int, tp: int) -> tuple[int, int]:
@@ -67,19 +68,39 @@ class ShardTensorParallel(Pass):
             self._shard_attention(graph, pair)
         for pair in mlps:
             self._shard_mlp(graph, pair)
-        head_split = head is not None and out_features(graph, head) % tp == 0
-        if head_split:
-            start, stop = rank_slice(out_features(graph, head), rank, tp)
-            cut_column(graph, head, start, stop)
-            self._follow(graph, head, "all_gather")
+        head_split, embedding_split = self._shard_vocab(graph, head, token_embedding(graph))
+        graph.prune_params()
         retype(graph, self.name)
         details = {"tp": tp, "rank": rank, **heads, "attention_sharded": len(sharded),
                    "attention_replicated": len(attentions) - len(sharded), "mlp_sharded": len(mlps),
-                   "lm_head": "vocab" if head_split else "replicated", "embedding": "replicated",
+                   "lm_head": "vocab" if head_split else "replicated",
+                   "embedding": "vocab" if embedding_split else "replicated",
                    "collectives": {op: sum(n.op == op for n in graph.nodes) for op in COLLECTIVE_OPS},
                    "params_before": before["params"], "params_after": param_count(graph),
                    "bytes_before": before["bytes"], "bytes_after": param_bytes(graph)}
-        return PassResult(len(sharded) + len(mlps) + head_split, tp > 1, details)
+        return PassResult(len(sharded) + len(mlps) + head_split + embedding_split, tp > 1, details)
+
+    def _shard_vocab(self, graph: Graph, head: Node | None, embedding: Node | None) -> tuple[bool, bool]:
+        """Split the LM head's rows and the embedding's table on the vocabulary where it divides;
+        a head tied to the embedding shares its slice. Returns (head split, embedding split)."""
+        tp, rank = self.options.tp, self.options.rank
+        table = embedding.inputs[1] if embedding is not None else None
+        vocab = graph.type_of(table).shape[0] if embedding is not None else 0
+        head_split = head is not None and out_features(graph, head) % tp == 0
+        if head_split:
+            tied = head.inputs[1] == table
+            cut_column(graph, head, *rank_slice(out_features(graph, head), rank, tp))
+            self._follow(graph, head, "all_gather")
+            if tied:
+                embedding.inputs[1] = head.inputs[1]
+        if embedding is None or vocab % tp:
+            return head_split, False
+        start, stop = rank_slice(vocab, rank, tp)
+        if embedding.inputs[1] == table:  # not tied to the head: cut its own table
+            cut_table(graph, embedding, start, stop)
+        embedding.op, embedding.attrs = "vocab_embedding", {"vocab_start": start}
+        self._follow(graph, embedding, "all_reduce")
+        return head_split, True
 
     def _check_divides(self, graph: Graph, attentions: list[ParallelPair], mlps: list[ParallelPair]) -> None:
         tp = self.options.tp

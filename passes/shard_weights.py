@@ -47,6 +47,11 @@ def cut_column(graph: Graph, node: Node, start: int, stop: int) -> None:
     _set_features(node, "out_features", stop - start)
 
 
+def cut_table(graph: Graph, node: Node, start: int, stop: int) -> None:
+    """Keep rows (token ids) [start, stop) of an embedding's table."""
+    _store(graph, node, {1: graph.weights[node.inputs[1]][start:stop]})
+
+
 def cut_row(graph: Graph, node: Node, start: int, stop: int, rank: int, pass_name: str) -> None:
     """Keep input features [start, stop) of projection `node`; its output is a partial sum."""
     scheme = node.attrs.get("scheme")
@@ -104,4 +109,4 @@ def _store(graph: Graph, node: Node, cuts: dict[int, torch.Tensor]) -> None:
         node.inputs[index] = renames[old]
 
 
-__all__ = ["input_roles", "out_features", "in_features", "cut_column", "cut_row"]
+__all__ = ["input_roles", "out_features", "in_features", "cut_column", "cut_table", "cut_row"]

@@ -61,17 +61,19 @@ def test_tp2_splits_heads_channels_and_vocab():
     graph = build_tiny_llama(select_rows=True)
     ranks = shard(graph, 2)
     for g in ranks:
-        assert counts(g) == {"all_reduce": 2 * LAYERS, "all_gather": 1}
+        # per layer after o_proj and down_proj; after the embedding; the logits gathered
+        assert counts(g) == {"all_reduce": 2 * LAYERS + 1, "all_gather": 1}
+        assert [n.op for n in g.nodes if n.op.endswith("embedding")] == ["vocab_embedding"]
         attn = [n for n in g.nodes if n.op == "attention"]
         assert {(n.attrs["num_heads"], n.attrs["num_kv_heads"]) for n in attn} == {(HEADS // 2, KV_HEADS // 2)}
-    sharded = LAYERS * (2 * HIDDEN * (HEADS + KV_HEADS) * 8 + 3 * HIDDEN * FFN) + VOCAB * HIDDEN
+    sharded = LAYERS * (2 * HIDDEN * (HEADS + KV_HEADS) * 8 + 3 * HIDDEN * FFN) + 2 * VOCAB * HIDDEN
     assert param_count(ranks[0]) == param_count(graph) - sharded // 2
 
 
 def test_tp8_replicates_attention_whose_kv_heads_do_not_divide():
     graph = build_tiny_llama(select_rows=True)
     for g in shard(graph, 8):
-        # the MLP splits (64 channels), attention (2 KV heads) and the head (50 rows) stay whole
+        # the MLP splits (64 channels); attention (2 KV heads), the embedding and head (50 rows) stay whole
         assert counts(g) == {"all_reduce": LAYERS, "all_gather": 0}
         assert param_count(g) == param_count(graph) - LAYERS * 3 * HIDDEN * FFN * 7 // 8
 
@@ -99,6 +101,22 @@ def lowered_tiny_llama():
     from llmc.compiler.pipeline import trace_and_lower
 
     return trace_and_lower(load_model("tiny-llama").module, 16, lambda *a: None)
+
+
+def test_a_tied_head_and_embedding_share_one_slice():
+    graph = build_tiny_llama(seed=4, select_rows=True)
+    head = next(n for n in graph.nodes if n.name == "logits")
+    graph.replace_uses(head.inputs[1], "embed_tokens")
+    graph.prune_params()
+    x = inputs(6)
+    want = reference_outputs(graph, x)["logits"]
+    ranks = shard(graph, 2)
+    for g in ranks:
+        lookup = next(n for n in g.nodes if n.op == "vocab_embedding")
+        gather = next(n for n in g.nodes if n.op == "all_gather")
+        assert lookup.inputs[1] == g.producers()[gather.inputs[0]].inputs[1]
+        assert g.type_of(lookup.inputs[1]).shape == (VOCAB // 2, HIDDEN)
+    torch.testing.assert_close(run_ranks(ranks, x), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("quant, options", [("quantize_int8", {}),

@@ -72,7 +72,7 @@ def test_inspect_shows_each_ranks_weights_kv_and_collectives(tp2_artifact, capsy
     assert "tensor parallel: 2 ranks" in out
     for rank in (0, 1):
         assert f"rank{rank}: weights 0.3 MiB, KV 256 bytes/token (1 KV heads, 2 query heads), collectives per " \
-               f"step: all_gather 1, all_reduce 4" in out
+               f"step: all_gather 1, all_reduce 5" in out
 
 
 def test_a_second_sharded_llm_in_one_process_is_refused_while_the_first_runs(tp2, tp2_artifact):
