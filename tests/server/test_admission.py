@@ -79,3 +79,13 @@ def test_llmc_load_imports_no_server_module():
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_llmc_serve_refuses_bad_options_before_loading_anything(tmp_path):
+    import llmc
+    from llmc.errors import RuntimeLlmcError
+
+    for options, named in (({"max_queue": 0}, "max_queue"), ({"ttft_slo_ms": -5}, "ttft_slo_ms"),
+                           ({"shutdown_timeout": float("nan")}, "shutdown_timeout")):
+        with pytest.raises(RuntimeLlmcError, match=named):
+            llmc.serve(tmp_path / "no-such.llmc", port=0, **options)
