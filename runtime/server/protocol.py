@@ -28,6 +28,17 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: str = Field(pattern="^text$")
+    text: str
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -66,11 +77,6 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-
-
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -101,12 +107,6 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: str = Field(pattern="^text$")
-    text: str
 
 
 class ChatCompletionRequest(_Request):
@@ -142,9 +142,3 @@ def _checked_params(fields: dict, api_names: dict) -> SamplingParams:
             message = message.replace(name, api_names[name])
             name = api_names[name]
         raise ApiError(400, message, param=name) from None
-
-
-_Request.model_rebuild()
-CompletionRequest.model_rebuild()
-ChatMessage.model_rebuild()
-ChatCompletionRequest.model_rebuild()
