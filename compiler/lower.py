@@ -16,7 +16,7 @@ import torch
 
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, Node, TensorType
-from llmc.compiler.lower_heads import flat_heads, raise_linear_forms, subgraph_for
+from llmc.compiler.lower_heads import flat_heads, new_param, raise_column_splits, raise_linear_forms, subgraph_for
 from llmc.compiler.ops import ATTENTION_OPS, OPS, infer_types
 from llmc.compiler.trace import ATTENTION_WINDOWS, TOKENS
 from llmc.errors import IRError
@@ -25,6 +25,8 @@ LAYOUT_NOOPS = {"aten.alias.default", "aten.clone.default", "aten.contiguous.def
 # Unary elementwise aten ops: shape-polymorphic, so they survive dropping the batch dim.
 ELEMENTWISE_ATEN = {f"aten.{op}.default" for op in ("gelu", "relu", "tanh", "sigmoid", "exp", "neg", "abs",
                                                       "sqrt", "rsqrt", "erf", "log", "sin", "cos", "hardswish")}
+SCALAR_ARITHMETIC = {f"aten.{op}" for op in ("mul.Tensor", "add.Tensor", "sub.Tensor", "div.Tensor", "rsub.Scalar",
+                                               "pow.Tensor_Scalar", "mul.Scalar", "add.Scalar")}
 CASTS = {"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default"}
 
 
@@ -105,11 +107,24 @@ def _simple(m: Matcher, n: Node) -> Node | None:
         return Node(n.name, "linear", ins, [])
     if t == "aten.silu.default":
         return Node(n.name, "silu", [m.arg(n, 0)], [])
+    if t == "aten.gelu.default":
+        return Node(n.name, "gelu", [m.arg(n, 0)], [], {"approximate": m.arg(n, 1, "approximate", "none")})
+    if t == "aten.layer_norm.default":
+        return _layer_norm(m, n)
     if t in ("aten.mul.Tensor", "aten.add.Tensor") and not n.attrs["kwargs"]:
         x, y = m.arg(n, 0), m.arg(n, 1)
         if _tensor(m, x) and _tensor(m, y) and m.types[x].dtype == m.types[y].dtype:
             return Node(n.name, t.split(".")[1], [x, y], [])
     return None
+
+
+def _layer_norm(m: Matcher, n: Node) -> Node | None:
+    """layer_norm over the last dim, with a gain and bias, a gain alone, or neither."""
+    x, shape, weight, bias = (m.arg(n, i, kw) for i, kw in ((0, None), (1, None), (2, "weight"), (3, "bias")))
+    if shape != [m.types[x].shape[-1]] or (bias is not None and weight is None):
+        return None
+    return Node(n.name, "layer_norm", [v for v in (x, weight, bias) if v is not None], [],
+                {"eps": float(m.arg(n, 4, "eps", 1e-5))})
 
 
 # -- rms_norm --------------------------------------------------------------------------
@@ -151,10 +166,24 @@ def _match_rms(m: Matcher, rsqrt: Node):
     if not m.is_(user, "aten.mul.Tensor"):
         return None
     a, b = m.arg(user, 0), m.arg(user, 1)
-    weight = a if b == cur else b
-    if weight not in m.g.params or m.types[weight].rank != 1:
+    weight = _gain(m, a if b == cur else b)
+    if weight is None or m.g.params[weight].type.rank != 1:
         return None
     return user, x, weight, float(m.arg(add, 1))
+
+
+def _gain(m: Matcher, value: str) -> str | None:
+    """The norm's gain param: a param, or (Gemma) param + c, folded into a param of its own."""
+    value = m.through_noops(value)
+    if value in m.g.params:
+        return value
+    add = m.node(value)
+    if not m.is_(add, "aten.add.Tensor") or add.attrs["kwargs"]:
+        return None
+    param, offset = m.through_noops(m.arg(add, 0)), _scalar(m.arg(add, 1))
+    if param not in m.g.params or offset is None:
+        return None
+    return new_param(m.g, f"{param}.plus_{offset:g}", m.g.weights[param] + offset)
 
 
 # -- rope + attention --------------------------------------------------------------------
@@ -634,12 +663,16 @@ def drop_batch_dim(g: Graph) -> bool:
             and n.inputs[0] in ("input_ids", "positions")]
     sel = [n for n in edges if m.is_(n, "aten.select.int") and m.arg(n, 1) == 0 and m.arg(n, 2) == 0
            and n.outputs[0].name in g.outputs]
-    rest = [n for n in edges if n not in unsq and n not in sel and n.attrs["target"] not in ELEMENTWISE_ATEN]
+    dropped = unsq + sel + _batch_reshapes(m, edges)
+    dropped += [n for n in edges if m.is_(n, "aten.sym_size.int")
+                and all(u in dropped for u in m.users.get(n.outputs[0].name, []))]
+    rest = [n for n in edges if n not in dropped and not _shape_preserving(m, n)]
     if rest or not sel or any(OPS[n.op].infer is None for n in g.nodes if n.op != "aten"):
         return False
-    for n in unsq + sel:
-        g.replace_uses(n.outputs[0].name, n.inputs[0])
-    g.remove_nodes(unsq + sel)
+    for n in dropped:
+        if n.inputs:
+            g.replace_uses(n.outputs[0].name, n.inputs[0])
+    g.remove_nodes(dropped)
     types = g.types()
     for n in g.nodes:
         if n.op == "aten":  # an elementwise fallback keeps its input's shape
@@ -649,6 +682,25 @@ def drop_batch_dim(g: Graph) -> bool:
         n.outputs = [type(v)(v.name, t) for v, t in zip(n.outputs, new)]
         types.update({v.name: v.type for v in n.outputs})
     return True
+
+
+def _batch_reshapes(m: Matcher, edges: list[Node]) -> list[Node]:
+    """Reshapes that only add or remove the unit batch dim ([1, tokens, F] <-> [tokens, F], OPT's
+    MLP): without a batch dim they are identities."""
+    found = []
+    for n in edges:
+        if m.is_(n, "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"):
+            a, b = m.types[n.inputs[0]].shape, m.types[n.outputs[0].name].shape
+            if a == (1,) + b or b == (1,) + a:
+                found.append(n)
+    return found
+
+
+def _shape_preserving(m: Matcher, n: Node) -> bool:
+    """A unary elementwise fallback, or arithmetic of one tensor with numbers (x * 0.5, x ** 3)."""
+    if n.attrs["target"] in ELEMENTWISE_ATEN:
+        return True
+    return n.attrs["target"] in SCALAR_ARITHMETIC and len(n.inputs) == 1 and m.arg(n, 0) == n.inputs[0]
 
 
 def rename_output(g: Graph, name: str = "logits") -> None:
@@ -666,7 +718,8 @@ def rename_output(g: Graph, name: str = "logits") -> None:
 def lower(g: Graph) -> dict[str, int]:
     """Raise patterns in place (attention before anything that would take SDPA apart);
     returns how many of each were raised."""
-    stats = {"linear": raise_linear_forms(g), "rms_norm": raise_rms_norm(g)}  # q/k norms are per head
+    stats = {"linear": raise_linear_forms(g), "column_splits": raise_column_splits(g),
+             "rms_norm": raise_rms_norm(g)}  # q/k norms are per head
     stats["attention"] = raise_attention(g)
     stats["simple"] = raise_simple(g)
     return stats

@@ -18,6 +18,8 @@ SELECTIONS = {f"aten.{op}" for op in ("view.default", "reshape.default", "_unsaf
                                        "slice.Tensor", "chunk.default", "split.Tensor", "split_with_sizes.default",
                                        "index.Tensor", "alias.default", "clone.default", "contiguous.default",
                                        "narrow.default", "select.int")}
+# Column splits and where their dim argument sits.
+SPLITS = {"aten.chunk.default": 2, "aten.split.Tensor": 2, "aten.split_with_sizes.default": 2, "aten.slice.Tensor": 1}
 MATMUL_TRANSPOSES = {"aten.t.default", "aten.numpy_T.default", "aten.transpose.int", "aten.permute.default"}
 
 
@@ -64,13 +66,16 @@ def _conv1d_linear(g: Graph, prod: dict, n: Node) -> Node | None:
     if x_type.shape[:-1] != out_type.shape[:-1] or g.params[weight].type.shape != (x_type.shape[-1],
                                                                                    out_type.shape[-1]):
         return None
-    transposed = _new_param(g, weight.removesuffix(".weight") + ".linear.weight",
+    transposed = new_param(g, weight.removesuffix(".weight") + ".linear.weight",
                             g.weights[weight].t().contiguous())
     return Node(n.name, "linear", [x, transposed, bias], n.outputs)
 
 
-def _new_param(g: Graph, name: str, tensor: torch.Tensor) -> str:
-    """A param holding `tensor` (made once: the same name always holds the same tensor)."""
+def new_param(g: Graph, name: str, tensor: torch.Tensor) -> str:
+    """A param holding `tensor`, named `name` (or `name` numbered, if that holds another tensor)."""
+    stem, k = name, 1
+    while name in g.params and not (g.weights[name].shape == tensor.shape and torch.equal(g.weights[name], tensor)):
+        name, k = f"{stem}_{k}", k + 1
     if name not in g.params:
         g.add_param(name, TensorType(tuple(tensor.shape), DTYPE_NAMES[tensor.dtype]), tensor)
     return name
@@ -115,19 +120,18 @@ def _one_token_axis(t: TensorType) -> bool:
 
 
 def feature_columns(g: Graph, source: str, value: str) -> torch.Tensor | None:
-    """[heads * head_dim]: the column of `source` behind each feature of the head tensor `value`
-    ([1, heads, tokens, hd] or [1, tokens, heads, hd]), heads-major; found by running the selection
+    """The column of `source` behind each feature of `value` ([1, tokens, F], or a head tensor
+    [1, heads, tokens, hd] or [1, tokens, heads, hd], heads-major); found by running the selection
     ops on column numbers for one token."""
     shape = g.type_of(value).shape
-    if len(shape) != 4 or TOKENS not in shape[1:3] or not all(isinstance(d, int) for d in shape if d != TOKENS):
+    if shape[:1] != (1,) or not all(isinstance(d, int) for d in shape if d != TOKENS):
         return None
     features = g.type_of(source).shape[-1]
     numbers = torch.arange(features, dtype=torch.float64).reshape(1, 1, features)
     one = torch.zeros(1, dtype=torch.int64)
     inputs = {"input_ids": one, "positions": one, source: numbers}
     out = interpret(subgraph_for(g, {value}, frozenset({source})), inputs, want=[value])[value]
-    heads = out.squeeze(0).squeeze(shape.index(TOKENS) - 1)
-    return heads.reshape(-1).round().long()
+    return out.reshape(-1).round().long()  # one token, batch 1: memory order is heads-major
 
 
 def subgraph_for(g: Graph, values: set[str], given: frozenset[str] = frozenset()) -> Graph:
@@ -147,7 +151,26 @@ def subgraph_for(g: Graph, values: set[str], given: frozenset[str] = frozenset()
     return sub
 
 
-def flat_heads(g: Graph, prod: dict, value: str, role: str) -> tuple[str, TensorType, list[Node]] | None:
+def raise_column_splits(g: Graph) -> int:
+    """Each output of a last-dim chunk, split or slice of a projection (Phi-3's gate_up chunk,
+    GPT-2's qkv split) -> a linear projecting just its columns."""
+    prod, count = g.producers(), 0
+    for n in list(g.nodes):
+        if not _aten(n, *SPLITS) or projection(g, prod, n.inputs[0]) is None:
+            continue
+        args, position = n.attrs["args"], SPLITS[n.attrs["target"]]
+        if (args[position] if position < len(args) else n.attrs["kwargs"].get("dim", 0)) not in (-1, 2):
+            continue
+        for v in n.outputs:
+            flat = flat_heads(g, prod, v.name)
+            if flat is not None and flat[2]:
+                g.insert_before(n, flat[2][0])
+                g.replace_uses(v.name, flat[0])
+                count += 1
+    return count
+
+
+def flat_heads(g: Graph, prod: dict, value: str, role: str | None = None) -> tuple[str, TensorType, list[Node]] | None:
     """A [1, tokens, heads * hd] value holding the head tensor `value`'s features in head-major
     order, its type, and the nodes (a column-picking linear) to insert for it; None when its
     features cannot be traced to a projection's columns."""
@@ -162,10 +185,11 @@ def flat_heads(g: Graph, prod: dict, value: str, role: str) -> tuple[str, Tensor
     if proj is None or int(columns.min()) < 0 or int(columns.max()) >= features:
         return None
     x, weight, bias = proj
+    role = role or f"columns_{int(columns[0])}_{int(columns[-1]) + 1}"
     base = weight.removesuffix(".weight")
-    inputs = [x, _new_param(g, f"{base}.{role}.weight", g.weights[weight].index_select(0, columns))]
+    inputs = [x, new_param(g, f"{base}.{role}.weight", g.weights[weight].index_select(0, columns))]
     if bias is not None:
-        inputs.append(_new_param(g, f"{base}.{role}.bias", g.weights[bias].index_select(0, columns)))
+        inputs.append(new_param(g, f"{base}.{role}.bias", g.weights[bias].index_select(0, columns)))
     t = g.type_of(source)
     out = TensorType(t.shape[:-1] + (len(columns),), t.dtype)
     node = g.make_node("linear", inputs, [out], name=g.fresh(f"{role}_proj"))

@@ -479,6 +479,26 @@ def rope_ref(x, positions, inv_freq, *, head_dim, scaling=1.0, **attrs):
     return [apply_rope(x, cos, sin, head_dim)]
 
 
+def _layer_norm_type(ts, attrs):
+    x = ts[0]
+    _want(x, "layer_norm input", min_rank=1)
+    for name, t in zip(("weight", "bias"), ts[1:]):
+        _want(t, f"layer_norm {name}", (x.dtype,), shape=(x.shape[-1],))
+    return [x]
+
+
+@op("layer_norm", _layer_norm_type, attrs=AttrSpec({"eps": FLOAT}), inputs=(1, 3))
+def layer_norm_ref(x, weight=None, bias=None, *, eps, **attrs):
+    """LayerNorm over the last dim, with an optional gain and bias (GPT-2, GPT-NeoX, OPT, OLMo)."""
+    return [F.layer_norm(x, x.shape[-1:], weight, bias, eps)]
+
+
+@op("gelu", _float_same, elementwise=True, attrs=AttrSpec(optional={"approximate": one_of("none", "tanh")}))
+def gelu_ref(x, *, approximate="none", **attrs):
+    """GELU, exact (erf) or its tanh approximation (GPT-2's gelu_new, Gemma's gelu_pytorch_tanh)."""
+    return [F.gelu(x, approximate=approximate)]
+
+
 def _qk_norm_type(ts, attrs):
     x, weight = ts
     _want(x, "qk_norm input", min_rank=1)

@@ -122,7 +122,7 @@ NOOP_RULES: dict[str, Callable] = {
     **dict.fromkeys(["aten.alias.default", "aten.clone.default", "aten.contiguous.default",
                      "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
                      "aten._to_copy.default", "aten.view.default", "aten.reshape.default",
-                     "aten._unsafe_view.default", "aten.expand.default",
+                     "aten._unsafe_view.default", "aten.expand.default", "aten.type_as.default",
                      "aten.dropout.default"], _always),
     "aten.slice.Tensor": _full_slice,
     "aten.mul.Tensor": _scalar_identity(1.0, commutative=True),
