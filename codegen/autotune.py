@@ -23,7 +23,7 @@ from llmc.codegen.triton_configs import (
     row_config,
     tile_config,
 )
-from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
+from llmc.codegen.triton_gemm import GROUPED_SCHEMES, dequant_gemm, w8a8_gemm
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.ops import ATTENTION_OPS, TORCH_DTYPES, qlinear_inputs
 
@@ -138,6 +138,11 @@ def qlinear_operands(case: Case, tokens: int, device: str, generator: torch.Gene
         qweight = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8).to(device)
         groups = k // a["group_size"]
         scales, zeros = rand(n, groups) * 0.02 + 1e-3, torch.full((n, groups), 8.0, device=device)
+    elif scheme in ("affine4", "affine8"):  # GGUF blocks kept: codes, scales and optional minimums per group
+        shape, dtype = ((n, k // 2), torch.uint8) if scheme == "affine4" else ((n, k), torch.int8)
+        qweight = torch.randint(0, 16, shape, generator=generator, dtype=dtype).to(device)
+        groups = k // a["group_size"]
+        scales, zeros = rand(n, groups) * 0.02 + 1e-3, (rand(n, groups) - 0.5 if ins.zeros is not None else None)
     else:
         codes = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
         qweight = (codes if scheme != "fp8" else (codes.float() / 32).to(torch.float8_e4m3fn)).to(device)
@@ -156,7 +161,7 @@ def launch_gemm(case: Case, o: dict, config) -> torch.Tensor:
     if scheme == "w8a8":
         return w8a8_gemm(o["x"], o["qweight"], o["scales"], bias=o["bias"], config=config)
     return dequant_gemm(o["x"], o["qweight"], o["scales"], o["zeros"], scheme=scheme,
-                        group_size=case.node.attrs.get("group_size") if scheme == "int4" else None,
+                        group_size=case.node.attrs.get("group_size") if scheme in GROUPED_SCHEMES else None,
                         act_scale=o["act_scale"], bias=o["bias"], config=config)
 
 

@@ -15,7 +15,7 @@ from llmc.codegen.triton_attention import (
 )
 from llmc.codegen.triton_configs import attention_config, tile_config
 from llmc.codegen.triton_elementwise import render_rms_norm, render_rotary, render_swiglu
-from llmc.codegen.triton_gemm import render_dequant_gemm, render_w8a8_gemm
+from llmc.codegen.triton_gemm import GROUPED_SCHEMES, render_dequant_gemm, render_w8a8_gemm
 from llmc.codegen.triton_render import RenderedKernel
 from llmc.compiler.ir import TensorType
 from llmc.compiler.ops import qlinear_inputs
@@ -46,10 +46,11 @@ def qlinear_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cach
     scheme, config = attrs["scheme"], configs.get("gemm") or tile_config(target)
     if scheme == "w8a8":
         return list(render_w8a8_gemm(target, x.dtype, attrs["in_features"], has_bias=bias is not None, config=config))
-    group_size = attrs["group_size"] if scheme == "int4" else None
+    group_size = attrs["group_size"] if scheme in GROUPED_SCHEMES else None
     return [render_dequant_gemm(scheme, config, group_size=group_size, x_dtype=x.dtype, out_dtype=x.dtype,
-                                per_channel_scale=scales.numel() > 1 or scheme == "int4",
-                                has_act_scale=act_scale is not None, has_bias=bias is not None)]
+                                per_channel_scale=scales.numel() > 1 or scheme in GROUPED_SCHEMES,
+                                has_act_scale=act_scale is not None, has_bias=bias is not None,
+                                has_zeros=zeros is not None)]
 
 
 def attention_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:

@@ -13,27 +13,36 @@ import torch
 from llmc.codegen.triton_configs import TileConfig, block_size, row_config, tile_config
 from llmc.codegen.triton_render import RenderedKernel, load_kernel, render_kernel
 
-GEMM_SCHEMES = ("int8", "int4", "fp8")
+GEMM_SCHEMES = ("int8", "int4", "fp8", "affine4", "affine8")
+# schemes with a scale (and zero point or minimum) per group of group_size along K
+GROUPED_SCHEMES = ("int4", "affine4", "affine8")
+AFFINE_SCHEMES = ("affine4", "affine8")
 ACTIVATION_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
+WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn, "affine4": torch.uint8,
+                 "affine8": torch.int8}
 WEIGHT_LAYOUTS = {"int8": "int8 [N, K]", "int4": "uint8 [N, K/2], two codes a byte",
-                  "fp8": "float8_e4m3fn [N, K]"}
+                  "fp8": "float8_e4m3fn [N, K]", "affine4": "uint8 [N, K/2], two codes a byte",
+                  "affine8": "int8 [N, K]"}
 
 
 @functools.cache
 def render_dequant_gemm(scheme: str, config: TileConfig, *, group_size: int | None = None,
                         x_dtype: str = "float32", out_dtype: str = "float32", per_channel_scale: bool = True,
-                        has_act_scale: bool = False, has_bias: bool = False) -> RenderedKernel:
-    """The kernel source for one scheme, dtype pair and tile config; `group_size` only for int4,
+                        has_act_scale: bool = False, has_bias: bool = False,
+                        has_zeros: bool = False) -> RenderedKernel:
+    """The kernel source for one scheme, dtype pair and tile config; `group_size` only for the
+    grouped schemes (int4, affine4, affine8), `has_zeros` (minimums) read by affine ones only,
     `has_act_scale` only for fp8, `per_channel_scale=False` for scales of shape [1]."""
     if scheme not in GEMM_SCHEMES:
         raise ValueError(f"no Triton dequant GEMM for scheme {scheme!r}; known: {', '.join(GEMM_SCHEMES)}")
-    assert (group_size is not None) == (scheme == "int4"), (scheme, group_size)
+    assert (group_size is not None) == (scheme in GROUPED_SCHEMES), (scheme, group_size)
     assert not has_act_scale or scheme == "fp8", scheme
+    # affine schemes alone carry HAS_ZEROS, so the other schemes' sources stay as they were
+    affine = {"HAS_ZEROS": has_zeros} if scheme in AFFINE_SCHEMES else {}
     constants = dict(SCHEME=scheme, WEIGHT_LAYOUT=WEIGHT_LAYOUTS[scheme], X_DTYPE=x_dtype, OUT_DTYPE=out_dtype,
                      BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                      GROUP_SIZE=group_size or 0, PER_CHANNEL_SCALE=per_channel_scale,
-                     HAS_ACT_SCALE=has_act_scale, HAS_BIAS=has_bias, DOT_PRECISION=config.dot_precision,
+                     HAS_ACT_SCALE=has_act_scale, HAS_BIAS=has_bias, **affine, DOT_PRECISION=config.dot_precision,
                      NUM_WARPS=config.num_warps, NUM_STAGES=config.num_stages)
     return render_kernel("dequant_gemm.py.j2", f"dequant_gemm_{scheme}", constants)
 
@@ -54,10 +63,10 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     scales = scales.contiguous()                           # the kernel indexes zeros with scales' strides
     zeros = zeros.contiguous() if zeros is not None else None
     kernel = load_kernel(render_dequant_gemm(
-        scheme, config, group_size=group_size if scheme == "int4" else None,
+        scheme, config, group_size=group_size if scheme in GROUPED_SCHEMES else None,
         x_dtype=ACTIVATION_DTYPES[x.dtype], out_dtype=ACTIVATION_DTYPES[x.dtype],
-        per_channel_scale=scales.numel() > 1 or scheme == "int4", has_act_scale=act_scale is not None,
-        has_bias=bias is not None))
+        per_channel_scale=scales.numel() > 1 or scheme in GROUPED_SCHEMES, has_act_scale=act_scale is not None,
+        has_bias=bias is not None, has_zeros=zeros is not None))
     grid = (_cdiv(m, config.block_m), _cdiv(n, config.block_n))
     zeros_arg = zeros if zeros is not None else scales    # unused operands still need a pointer
     stride_sg = scales.stride(1) if scales.dim() == 2 else 0
@@ -178,15 +187,18 @@ def _check_operands(x, qweight, scales, zeros, scheme, group_size, act_scale, bi
     if qweight.dtype != WEIGHT_DTYPES[scheme] or qweight.dim() != 2:
         raise ValueError(f"{scheme} qweight must be 2-D {WEIGHT_DTYPES[scheme]}, got {qweight.dtype} "
                          f"{tuple(qweight.shape)}")
+    # GGUF's own fp16 scales and minimums stay fp16 (affine schemes); every other one is fp32
+    floats = (torch.float32, torch.float16) if scheme in AFFINE_SCHEMES else (torch.float32,)
     for name, t in (("scales", scales), ("zeros", zeros), ("act_scale", act_scale)):
-        if t is not None and t.dtype != torch.float32:
-            raise ValueError(f"{scheme} {name} must be float32, got {t.dtype}")
-    n, k = qweight.shape[0], qweight.shape[1] * (2 if scheme == "int4" else 1)
+        if t is not None and t.dtype not in floats:
+            allowed = " or ".join(str(dtype).removeprefix("torch.") for dtype in floats)
+            raise ValueError(f"{scheme} {name} must be {allowed}, got {t.dtype}")
+    n, k = qweight.shape[0], qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but the {scheme} qweight {tuple(qweight.shape)} "
                          f"stands for {k}")
-    if scheme == "int4":
-        _check_groups(scales, zeros, n, k, group_size)
+    if scheme in GROUPED_SCHEMES:
+        _check_groups(scheme, scales, zeros, n, k, group_size)
     elif scales.shape not in ((n,), (1,)):
         raise ValueError(f"{scheme} scales must have shape ({n},) or (1,), got {tuple(scales.shape)}")
     if act_scale is not None and (scheme != "fp8" or act_scale.numel() != 1):
@@ -197,14 +209,16 @@ def _check_operands(x, qweight, scales, zeros, scheme, group_size, act_scale, bi
     return n, k
 
 
-def _check_groups(scales, zeros, n, k, group_size) -> None:
+def _check_groups(scheme, scales, zeros, n, k, group_size) -> None:
+    """int4 needs scales and zero points, affine schemes scales and optional minimums, each [N, K/g]."""
     if not group_size or k % group_size:
-        raise ValueError(f"int4 group_size {group_size} must divide in_features {k}")
+        raise ValueError(f"{scheme} group_size {group_size} must divide in_features {k}")
     shape = (n, k // group_size)
-    if zeros is None or scales.shape != shape or zeros.shape != shape:
-        raise ValueError(f"int4 scales and zeros must both have shape {shape}, got {tuple(scales.shape)} "
+    zeros_fit = zeros.shape == shape if zeros is not None else scheme in AFFINE_SCHEMES
+    if scales.shape != shape or not zeros_fit:
+        raise ValueError(f"{scheme} scales and zeros must have shape {shape}, got {tuple(scales.shape)} "
                          f"and {None if zeros is None else tuple(zeros.shape)}")
 
 
-__all__ = ["GEMM_SCHEMES", "render_dequant_gemm", "dequant_gemm", "render_quantize_int8", "render_int8_gemm",
-           "render_w8a8_gemm", "w8a8_gemm"]
+__all__ = ["GEMM_SCHEMES", "GROUPED_SCHEMES", "render_dequant_gemm", "dequant_gemm", "render_quantize_int8",
+           "render_int8_gemm", "render_w8a8_gemm", "w8a8_gemm"]

@@ -15,7 +15,7 @@ from llmc.codegen import cpu_kernels
 from llmc.codegen.triton_elementwise import rms_norm as launch_rms_norm
 from llmc.codegen.triton_elementwise import rotary
 from llmc.codegen.triton_elementwise import swiglu as launch_swiglu
-from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
+from llmc.codegen.triton_gemm import GROUPED_SCHEMES, dequant_gemm, w8a8_gemm
 from llmc.compiler.ops import OPS, qlinear_inputs, split_kv_scales
 from llmc.errors import ArtifactError, RuntimeLlmcError
 
@@ -69,7 +69,8 @@ def qlinear(*inputs, scheme, target, launch_configs=None, group_size=None, **att
     config = (launch_configs or {}).get("gemm")
     if scheme == "w8a8":
         return [w8a8_gemm(x, qweight, scales, bias=bias, act_scale=act_scale, target=target, config=config)]
-    return [dequant_gemm(x, qweight, scales, zeros, scheme=scheme, group_size=group_size if scheme == "int4" else None,
+    return [dequant_gemm(x, qweight, scales, zeros, scheme=scheme,
+                         group_size=group_size if scheme in GROUPED_SCHEMES else None,
                          act_scale=act_scale, bias=bias, target=target, config=config)]
 
 

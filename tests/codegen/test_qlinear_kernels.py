@@ -1,19 +1,20 @@
 """The CPU qlinear kernel (torch's packed int8/int4 GEMMs on bf16 activations) against float64
 math over the dequantised weight, at decode, odd and prefill batch sizes, several K and group
-sizes, N that torch's int4 packing must pad, and K that the int8 GEMM must pad; the executor
-packs weights once at load through the kernel's prepare hook."""
+sizes, N that torch's int4 packing must pad, and K that the int8 GEMM must pad; GGUF's affine4
+(torch's int4 GEMM) and affine8 (dequantised once, the reference exactly); the executor packs
+weights once at load through the kernel's prepare hook."""
 
 import pytest
 import torch
 
 from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
-from llmc.codegen.cpu_qlinear import Int4Weights, Int8Weights, pack_qlinear
+from llmc.codegen.cpu_qlinear import DenseWeights, Int4Weights, Int8Weights, pack_qlinear
 from llmc.codegen.plan import build_plan
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ops import qlinear_ref
 from llmc.compiler.pipeline import trace_and_lower
-from llmc.compiler.quant import dequantize_int4_codes, pack_int4, quantize_int4, quantize_int8
+from llmc.compiler.quant import dequantize_affine, dequantize_int4_codes, pack_int4, quantize_int4, quantize_int8
 from llmc.passes.base import PassContext, PassManager
 from llmc.passes.registry import get_pass
 from llmc.runtime.executor import PlanExecutor
@@ -121,3 +122,43 @@ def test_executor_packs_once_at_load_and_matches_the_interpreter(tiny_graph, pas
     got = executor.run_values(inputs)["logits"]
     want = interpret(graph, inputs)["logits"]
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
+
+
+# -- affine4 / affine8: GGUF block formats kept (w = q·s + m; affine4 without m: (q - 8)·s) ------
+def draw_affine(seed, scheme, n, k, g, mins: bool):
+    """Random codes, fp16 scales and minimums as GGUF's Q4_1 / Q8_0 blocks hold them."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = (0, 16) if scheme == "affine4" else (-128, 128)
+    codes = torch.randint(low, high, (n, k), generator=gen)
+    scales = (torch.rand(n, k // g, generator=gen) * 0.02 / (k ** 0.5 * (2 if scheme == "affine4" else 16)))
+    minimums = -8 * scales * (1 + 0.2 * torch.randn(n, k // g, generator=gen)) if mins else None
+    qweight = pack_int4(codes) if scheme == "affine4" else codes.to(torch.int8)
+    half = (lambda t: None if t is None else t.to(torch.float16))
+    return qweight, half(scales), half(minimums)
+
+
+def affine_attrs(scheme, k, n, g, mins: bool):
+    return {**attrs_of(scheme, k, n, g), "has_zeros": mins}
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("n, k, mins", [(64, 64, True), (40, 256, False), (7, 512, True)])
+def test_affine4_kernel_matches_float64_dequantised_matmul(m, n, k, mins):
+    qweight, scales, minimums = draw_affine(m * k + n, "affine4", n, k, 32, mins)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
+    inputs = [x, qweight, scales] + ([minimums] if mins else [])
+    assert isinstance(pack_qlinear("affine4", qweight, scales, minimums, 32), Int4Weights)
+    got = run_kernel(inputs, affine_attrs("affine4", k, n, 32, mins), prepared=True)
+    assert_bf16_close(got, x, dequantize_affine("affine4", qweight, scales, minimums, torch.float64))
+
+
+@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize("n, k, g, mins", [(48, 64, 32, False), (24, 256, 16, False), (16, 128, 32, True)])
+def test_affine8_kernel_is_the_reference_dequantised_once(m, n, k, g, mins):
+    qweight, scales, minimums = draw_affine(m + n + k, "affine8", n, k, g, mins)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * n))
+    inputs, attrs = [x, qweight, scales] + ([minimums] if mins else []), affine_attrs("affine8", k, n, g, mins)
+    assert isinstance(pack_qlinear("affine8", qweight, scales, minimums, g), DenseWeights)
+    assert torch.equal(run_kernel(inputs, attrs, prepared=True), qlinear_ref(*inputs, **attrs)[0])
+    want = x.double() @ dequantize_affine("affine8", qweight, scales, minimums, torch.float64).T
+    assert ((run_kernel(inputs, attrs, prepared=False).double() - want).abs().max() / want.abs().max()) < 1e-5
