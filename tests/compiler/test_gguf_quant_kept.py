@@ -1,7 +1,8 @@
 """A GGUF file's block-quantised weights kept as they are (--quant gguf, the default for GGUF
 sources): every format imports as affine4/affine8 params that dequantise to gguf.quants'
 values bit for bit, a compiled tiny llama holding all of them computes the --quant none
-artifact's logits, and the compile says when another --quant re-quantises the file."""
+artifact's logits, the compile says when another --quant re-quantises the file, and SmolLM2
+with its Q4_1 kept decodes the fp32 artifact's greedy tokens."""
 
 import gguf
 import numpy as np
@@ -13,6 +14,7 @@ from gguf_files import finish, llama_writer, write_tensors
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import llmc
+from llmc import SamplingParams
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.frontends.gguf import unpermute_rows
 from llmc.compiler.frontends.gguf_dequant import decode
@@ -169,3 +171,17 @@ def test_quant_gguf_on_a_source_without_quantised_weights_is_refused(tmp_path):
     with pytest.raises(PassError, match="keeps the quantised weights of a GGUF file"):
         llmc.compile("tiny-llama", target="cpu", output=tmp_path / "x.llmc", quant="gguf", quiet=True)
     assert not (tmp_path / "x.llmc").exists()
+
+
+@pytest.mark.smollm2
+def test_smollm2_with_its_q4_1_kept_gives_the_fp32_artifacts_greedy_tokens(smollm2_gguf, tmp_path):
+    kept = llmc.compile("smollm2-135m", target="cpu", output=tmp_path / "kept.llmc")
+    plain = llmc.compile("smollm2-135m", target="cpu", output=tmp_path / "fp32.llmc", quant="none")
+    graph, manifest = artifact_graph(kept)
+    formats = next(p for p in manifest["pipeline"] if p["name"] == "keep_gguf_quant")["details"]["quant"]["gguf"]
+    assert sorted(set(formats["formats"].values())) == ["Q4_1", "Q8_0"] and "linear" not in graph.op_counts()
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["What is the capital of France?", "def fibonacci(n):", "The three primary colours are"]
+    ours, theirs = llmc.load(kept, kv_memory="64MiB"), llmc.load(plain, kv_memory="64MiB")
+    got = [out.outputs[0].token_ids for out in ours.generate(prompts, params)]
+    assert got == [out.outputs[0].token_ids for out in theirs.generate(prompts, params)]
