@@ -111,10 +111,12 @@ def _simple(m: Matcher, n: Node) -> Node | None:
         return Node(n.name, "gelu", [m.arg(n, 0)], [], {"approximate": m.arg(n, 1, "approximate", "none")})
     if t == "aten.layer_norm.default":
         return _layer_norm(m, n)
-    if t in ("aten.mul.Tensor", "aten.add.Tensor") and not n.attrs["kwargs"]:
+    # in place (Falcon's `mlp_output += attention_output`) is the same when nothing else reads x
+    in_place = t in ("aten.mul_.Tensor", "aten.add_.Tensor") and m.only_user(m.arg(n, 0)) is n
+    if (t in ("aten.mul.Tensor", "aten.add.Tensor") or in_place) and not n.attrs["kwargs"]:
         x, y = m.arg(n, 0), m.arg(n, 1)
         if _tensor(m, x) and _tensor(m, y) and m.types[x].dtype == m.types[y].dtype:
-            return Node(n.name, t.split(".")[1], [x, y], [])
+            return Node(n.name, t.split(".")[1].rstrip("_"), [x, y], [])
     return None
 
 
@@ -300,7 +302,7 @@ def _repeat_kv_source(m: Matcher, value: str) -> str:
 
 
 def _merge_heads_user(m: Matcher, heads_out: Node) -> Node | None:
-    """Follow [1, H, T, hd] -> transpose(1, 2) -> reshape [1, T, H*hd]; returns the last node."""
+    """Follow [1, H, T, hd] -> transpose(1, 2) (or permute) -> reshape [1, T, H*hd]; returns the last node."""
     out_t = m.types[heads_out.outputs[0].name]
     cur, transposed = heads_out.outputs[0].name, False
     while True:
@@ -309,7 +311,9 @@ def _merge_heads_user(m: Matcher, heads_out: Node) -> Node | None:
             return None
         t = u.attrs["target"]
         ut = m.types[u.outputs[0].name]
-        if t == "aten.transpose.int" and not transposed and sorted([m.arg(u, 1), m.arg(u, 2)]) == [1, 2]:
+        swaps = (t == "aten.transpose.int" and sorted([m.arg(u, 1), m.arg(u, 2)]) == [1, 2]) or (
+            t == "aten.permute.default" and m.arg(u, 1) == [0, 2, 1, 3])
+        if swaps and not transposed:
             transposed = True
         elif t in ("aten.reshape.default", "aten.view.default") and not transposed:
             if ut.shape != out_t.shape:

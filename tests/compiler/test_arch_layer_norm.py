@@ -1,7 +1,8 @@
-"""Decoders with learned position embeddings and LayerNorm, each a tiny seeded random-weight HF
-checkpoint: GPT-2 (Conv1D projections, a fused qkv split, tanh GELU) compiled through the `llmc`
-command line, and OPT (position offset, scaled q, ReLU) through `llmc.compile`; both match HF's
-logits at every position through the paged KV cache to 1e-4 and its greedy tokens."""
+"""Decoders with LayerNorm, each a tiny seeded random-weight HF checkpoint: GPT-2 (learned positions,
+Conv1D projections, a fused qkv split, tanh GELU) compiled through the `llmc` command line, OPT
+(position offset, scaled q, ReLU) and Falcon (multi-query fused qkv picked by index, x @ W.T
+projections, parallel attention and MLP, in-place residual add) through `llmc.compile`; each
+matches HF's logits at every position through the paged KV cache to 1e-4 and its greedy tokens."""
 
 import pytest
 import tiny_hf_models as tiny
@@ -17,6 +18,8 @@ CONFIGS = {
     "opt": lambda: transformers.OPTConfig(vocab_size=tiny.VOCAB, hidden_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, ffn_dim=128, max_position_embeddings=128,
                                           word_embed_proj_dim=64, **tiny.SPECIAL),
+    "falcon": lambda: transformers.FalconConfig(vocab_size=tiny.VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, max_position_embeddings=128, **tiny.SPECIAL),
 }
 
 
