@@ -219,7 +219,7 @@ def rope(x, positions, inv_freq, *, head_dim, scaling=1.0, rope_cache: RopeCache
 
 @kernel("attention", context=("backend",))
 def attention(q, k, v, kv_scales=None, *, backend, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
-              window=None, kv_cache=None, **attrs):
+              window=None, kv_cache=None, softcap=None, **attrs):
     """q: [tokens, num_heads*head_dim], k/v: [tokens, num_kv_heads*head_dim] (optionally
     after unit leading dims); the backend decides which cached keys the queries also see. With a
     quantised KV cache (`kv_cache`, scales input), keys and values go through it: a paged cache
@@ -229,8 +229,10 @@ def attention(q, k, v, kv_scales=None, *, backend, layer, num_heads, num_kv_head
                                                   "kv_cache": kv_cache})
     lead = q.shape[:-2]
     q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
+    # soft-capping goes only to backends that take it: one that does not fails loudly
+    capped = {} if softcap is None else {"softcap": softcap}
     out = backend.forward(layer, q2, k2, v2, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, scale=scale, causal=causal, window=window)
+                          head_dim=head_dim, scale=scale, causal=causal, window=window, **capped)
     return [out.reshape(*lead, *out.shape)]
 
 

@@ -58,6 +58,8 @@ def attention_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_ca
     varlen prefill, the decode kernel without and with split-K, and the split-K reduce for each
     split count decode_num_splits can choose (its tile covers the next power of two of splits)."""
     q, k = ins[0], ins[1]
+    if attrs.get("softcap") is not None:
+        raise ValueError("the Triton attention kernels have no soft-capping of scores (softcap)")
     cache = kv_cache_dtype or k.dtype
     config = configs.get("attention") or attention_config(target)
     rope = attrs.get("rope") is not None

@@ -338,6 +338,7 @@ class _Core:
     # (mask value, how it applies) or None for causal attention without a mask tensor; how:
     # "keep" True/0 where visible (SDPA, where), "add" an additive float, "fill" True where hidden
     mask: tuple[str, str] | None
+    softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) before the mask (Gemma 2)
 
 
 SDPA = "aten.scaled_dot_product_attention.default"
@@ -406,8 +407,8 @@ def _unfused_core(m: Matcher, softmax: Node) -> _Core | None:
     out = _probs_times_v(m, softmax)
     if masked is None or out is None:
         return None
-    (q, k, scale), mask = masked
-    return _Core(q, k, out[1], scale, out[0], mask)
+    (q, k, scale, softcap), mask = masked
+    return _Core(q, k, out[1], scale, out[0], mask, softcap)
 
 
 def _scalar(a) -> float | None:
@@ -435,8 +436,9 @@ def _split_mask(m: Matcher, value: str):
     return None
 
 
-def _scaled_scores(m: Matcher, value: str) -> tuple[str, str, float] | None:
-    """matmul(q, transpose(k, -2, -1)) [* s | / d] -> (q, k, scale)."""
+def _scaled_scores(m: Matcher, value: str) -> tuple[str, str, float, float | None] | None:
+    """matmul(q, transpose(k, -2, -1)) [* s | / d] [soft-capped] -> (q, k, scale, softcap)."""
+    value, softcap = _soft_capped(m, value)
     n = m.node(m.through_noops(value))
     scale = 1.0
     s = _scalar(m.arg(n, 1)) if m.is_(n, "aten.mul.Tensor", "aten.div.Tensor") else None
@@ -448,7 +450,18 @@ def _scaled_scores(m: Matcher, value: str) -> tuple[str, str, float] | None:
     kt = m.node(m.through_noops(m.arg(n, 1)))
     if not m.is_(kt, "aten.transpose.int") or sorted([m.arg(kt, 1) % 4, m.arg(kt, 2) % 4]) != [2, 3]:
         return None
-    return m.arg(n, 0), m.arg(kt, 0), scale
+    return m.arg(n, 0), m.arg(kt, 0), scale, softcap
+
+
+def _soft_capped(m: Matcher, value: str) -> tuple[str, float | None]:
+    """tanh(s / c) * c -> (s, c); anything else -> (value, None)."""
+    outer = m.node(m.through_noops(value))
+    cap = _scalar(m.arg(outer, 1)) if m.is_(outer, "aten.mul.Tensor") else None
+    tanh = m.node(m.through_noops(m.arg(outer, 0))) if cap else None
+    inner = m.node(m.through_noops(tanh.inputs[0])) if m.is_(tanh, "aten.tanh.default") else None
+    if not m.is_(inner, "aten.div.Tensor") or _scalar(m.arg(inner, 1)) != cap:
+        return value, None
+    return m.arg(inner, 0), cap
 
 
 def _probs_times_v(m: Matcher, softmax: Node) -> tuple[Node, str] | None:
@@ -517,7 +530,8 @@ def _build_attention(m: Matcher, core: _Core, window: int | None) -> tuple[Node,
     attention_inputs = [_turned(g, part, name, hd, nodes) for part, name in ((q, "q"), (k, "k"))] + [v.flat]
     attrs = {"num_heads": heads, "num_kv_heads": kv_features // hd, "head_dim": hd,
              "scale": float(core.scale) if core.scale is not None else 1.0 / math.sqrt(hd),
-             "causal": True, "layer": 0, **({"window": window} if window is not None else {})}
+             "causal": True, "layer": 0, **({"window": window} if window is not None else {}),
+             **({"softcap": core.softcap} if core.softcap is not None else {})}
     out_type = TensorType(q.type.shape, q.type.dtype)
     nodes.append(g.make_node("attention", attention_inputs, [out_type], attrs, name=g.fresh("attention")))
     return merged, nodes

@@ -541,7 +541,7 @@ def partial_rope_ref(x, positions, inv_freq, *, head_dim, rotary_dim, scaling=1.
 # `kv_cache`: the dtype a quantised KV cache stores; the op then takes the layer's static scales
 # (fp32 [2, kv_heads]: keys, values) as its last input and reads keys and values through them.
 ATTENTION_ATTRS = AttrSpec({"layer": INDEX, "num_heads": COUNT, "num_kv_heads": COUNT, "head_dim": COUNT,
-                            "scale": FLOAT}, {"causal": BOOL, "window": optional(COUNT),
+                            "scale": FLOAT}, {"causal": BOOL, "window": optional(COUNT), "softcap": optional(FLOAT),
                                               "kv_cache": optional(one_of(*KV_QMAX))})
 
 
@@ -561,7 +561,7 @@ def through_kv_cache(k, v, kv_scales, attrs: dict):
                  .reshape(x.shape) for row, x in enumerate((k, v)))
 
 
-def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None):
+def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None, softcap=None):
     """q: [tokens, heads*hd], k/v: [ctx, kv_heads*hd]; the last tokens of ctx are the queries.
     With a sliding `window`, the query at position p sees only the keys in (p - window, p]."""
     t, c = q.shape[0], k.shape[0]
@@ -574,20 +574,34 @@ def causal_attention(q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causa
         mask = torch.ones(t, c, dtype=torch.bool, device=q.device).tril(diagonal=c - t)
         if window is not None:
             mask = mask.triu(diagonal=c - t - window + 1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)
+    out = scaled_dot_product(qh, kh, vh, mask, scale, softcap)
     return out.transpose(0, 1).reshape(t, num_heads * head_dim)
+
+
+def scaled_dot_product(qh, kh, vh, mask, scale: float, softcap: float | None = None):
+    """SDPA over heads-first q [.., heads, t, hd] and k/v [.., kv_heads, ctx, hd] (GQA by broadcast),
+    `mask` boolean (True: visible) or additive; with `softcap`, scores s become softcap * tanh(s /
+    softcap) before the mask (Gemma 2's attention logit soft-capping)."""
+    gqa = qh.shape[-3] != kh.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        kh, vh = (x.repeat_interleave(qh.shape[-3] // x.shape[-3], dim=-3) for x in (kh, vh))
+    scores = softcap * torch.tanh((qh @ kh.transpose(-2, -1)) * (scale / softcap))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1) @ vh
 
 
 @op("attention", _attention_op_type, attrs=ATTENTION_ATTRS, inputs=(3, 4))
 def attention_ref(q, k, v, kv_scales=None, *, num_heads, num_kv_heads, head_dim, scale, causal=True, window=None,
-                  kv_cache=None, **attrs):
+                  kv_cache=None, softcap=None, **attrs):
     k, v = through_kv_cache(k, v, kv_scales, {"num_kv_heads": num_kv_heads, "head_dim": head_dim,
                                               "kv_cache": kv_cache})
     lead = q.shape[:-2]
     q2, k2, v2 = (t.reshape(t.shape[-2], t.shape[-1]) for t in (q, k, v))
     out = causal_attention(q2, k2, v2, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                           head_dim=head_dim, scale=scale, causal=causal, window=window)
+                           head_dim=head_dim, scale=scale, causal=causal, window=window, softcap=softcap)
     return [out.reshape(*lead, *out.shape)]
 
 

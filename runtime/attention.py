@@ -9,20 +9,25 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from llmc.compiler.ops import scaled_dot_product
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, num_heads: int,
            num_kv_heads: int, head_dim: int, scale: float, causal: bool,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [t, num_heads*head_dim] at positions start..start+t-1; k/v: [ctx, num_kv_heads,
     head_dim] or [ctx, num_kv_heads*head_dim] for positions 0..ctx-1. Out: [t, num_heads*head_dim].
-    With a sliding `window`, the query at position p sees only the keys in (p - window, p]."""
+    With a sliding `window`, the query at position p sees only the keys in (p - window, p]; with
+    `softcap`, scores are soft-capped (compiler.ops.scaled_dot_product)."""
     t, ctx = q.shape[0], k.shape[0]
     # batched [1, heads, tokens, head_dim]: torch's CPU flash kernel takes only 4-d inputs; 3-d
     # ones fall back to the math path, three times slower at 512 tokens
     qh = q.reshape(1, t, num_heads, head_dim).transpose(1, 2)
     kh = k.reshape(1, ctx, num_kv_heads, head_dim).transpose(1, 2)
     vh = v.reshape(1, ctx, num_kv_heads, head_dim).transpose(1, 2)
-    if causal and start == 0 and t == ctx and window is None:
+    if softcap is not None:
+        out = scaled_dot_product(qh, kh, vh, visible_keys(t, ctx, start, causal, window, q.device), scale, softcap)
+    elif causal and start == 0 and t == ctx and window is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=num_heads != num_kv_heads)
     else:
@@ -50,17 +55,18 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                causal: bool, window: int | None = None) -> torch.Tensor:
+                causal: bool, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q: [tokens, num_heads*head_dim], k/v: [tokens, num_kv_heads*head_dim] for this
-        forward's tokens; returns [tokens, num_heads*head_dim]. `window`: see `attend`."""
+        forward's tokens; returns [tokens, num_heads*head_dim]. `window`, `softcap`: see `attend`."""
 
 
 class NoCacheAttention(AttentionBackend):
     """One sequence whose every token is in this forward; nothing is kept."""
 
-    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None):
+    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None,
+                softcap=None):
         return attend(q, k, v, start=0, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, scale=scale, causal=causal, window=window)
+                      head_dim=head_dim, scale=scale, causal=causal, window=window, softcap=softcap)
 
 
 __all__ = ["AttentionBackend", "NoCacheAttention", "attend", "visible_keys"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from llmc.compiler.ops import scaled_dot_product
 from llmc.runtime.attention import AttentionBackend, attend
 from llmc.runtime.kv_quant import dequantize_kv, is_quantized_kv, quantize_kv
 
@@ -176,12 +176,12 @@ class PagedAttention(AttentionBackend):
         """A quantised cache stores codes: keys and values are read back through it."""
         return self.cache.quantized
 
-    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None):
+    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None, softcap=None):
         meta, cache = self.metadata, self.cache
         cache.write(layer, meta.slot_mapping, k.reshape(-1, num_kv_heads, head_dim),
                     v.reshape(-1, num_kv_heads, head_dim))
         if not meta.prefills and meta.decode_rows is not None:   # decodes only: row i is decode i
-            return self._decode(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window)
+            return self._decode(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap)
         out = q.new_empty(q.shape[0], num_heads * head_dim)
         for c in meta.prefills:
             ctx = c.start + c.q_len
@@ -190,33 +190,32 @@ class PagedAttention(AttentionBackend):
             values = values.reshape(-1, num_kv_heads, head_dim)[:ctx]
             out[c.q_start:c.q_start + c.q_len] = attend(
                 q[c.q_start:c.q_start + c.q_len], keys, values, start=c.start, num_heads=num_heads,
-                num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal, window=window)
+                num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal, window=window,
+                softcap=softcap)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta,
-                                                 num_heads, num_kv_heads, head_dim, scale, window)
+                                                 num_heads, num_kv_heads, head_dim, scale, window, softcap)
         return out
 
-    def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window):
+    def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap):
         b = q.shape[0]
         if meta.decode_span is not None:   # one sequence, consecutive blocks: its keys as they lie
-            return self._decode_span(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window)
+            return self._decode_span(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap)
         mask = meta.decode_bias(window, q.dtype)
         keys, values = self.cache.read(layer, meta.decode_blocks, q.dtype)
         # gathered: [decodes, max_blocks * block_size, kv_heads, head_dim] -> heads first
         keys = keys.reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = values.reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         qh = q.reshape(b, num_heads, 1, head_dim)
-        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
+        o = scaled_dot_product(qh, keys, values, mask, scale, softcap)
         return o.reshape(b, num_heads * head_dim)
 
-    def _decode_span(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window):
+    def _decode_span(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap):
         first_block, num_blocks, ctx = meta.decode_span
         # a decode at position ctx - 1 sees keys 0 .. ctx - 1, with a sliding window only the last `window`
         first_key = 0 if window is None else max(0, ctx - window)
         keys, values = self.cache.read_span(layer, first_block, num_blocks, q.dtype)
         keys = keys.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
         values = values.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q.reshape(1, num_heads, 1, head_dim), keys, values, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
+        o = scaled_dot_product(q.reshape(1, num_heads, 1, head_dim), keys, values, None, scale, softcap)
         return o.reshape(1, num_heads * head_dim)

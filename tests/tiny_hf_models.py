@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from llmc import SamplingParams
 from llmc.compiler.frontends.samples import SPECIAL_TOKENS, build_tiny_tokenizer
 from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 
@@ -93,3 +94,9 @@ def paged_logits(llm, ids: list[int], prefill_chunks: tuple[int, ...], block_siz
 
 def max_relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max())
+
+
+def llmc_greedy(llm, ids: list[int], n: int) -> list[int]:
+    """The loaded artifact's n greedy tokens after `ids` (EOS does not stop it, as in hf_greedy)."""
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return out[0].outputs[0].token_ids

@@ -66,7 +66,6 @@ def check_token_ids(get, where: str) -> None:
 
 # Config fields that change what attention computes and that llmc does not carry, with what they do.
 UNCARRIED_ATTENTION_FIELDS = {
-    "attn_logit_softcapping": "soft-caps attention scores (tanh)",
     "alibi": "adds ALiBi position biases to attention scores",
     "attention_chunk_size": "restricts attention to fixed chunks",
     "use_bidirectional_attention": "makes attention bidirectional",

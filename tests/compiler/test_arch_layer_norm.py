@@ -9,7 +9,6 @@ import tiny_hf_models as tiny
 import transformers
 
 import llmc
-from llmc import SamplingParams
 from llmc.cli import main
 
 CONFIGS = {
@@ -47,5 +46,4 @@ def test_logits_at_every_position_match_hf_through_the_paged_cache(compiled):
 def test_16_greedy_tokens_are_hf_s(compiled):
     module, llm, _ = compiled
     ids = tiny.prompt_ids(21, seed=2)
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == tiny.hf_greedy(module, ids, 16)
+    assert tiny.llmc_greedy(llm, ids, 16) == tiny.hf_greedy(module, ids, 16)

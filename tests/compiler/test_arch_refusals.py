@@ -21,7 +21,7 @@ SIZES = dict(vocab_size=tiny.VOCAB, hidden_size=64, intermediate_size=128, num_h
 
 
 @pytest.mark.parametrize("config,field", [
-    (lambda: transformers.Gemma2Config(**SIZES, num_key_value_heads=2, head_dim=16), "attn_logit_softcapping=50.0"),
+    (lambda: transformers.LlamaConfig(**SIZES, use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     (lambda: transformers.FalconConfig(vocab_size=tiny.VOCAB, hidden_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, alibi=True), "alibi=True"),
     (lambda: transformers.LlamaConfig(**SIZES, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
