@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,14 +40,16 @@ class _Ranks:
     procs: list[subprocess.Popen]
     control: object = None
     stopped: bool = False
+    busy: bool = False          # mid-step: the followers wait in a collective, not for a message
     failure: str | None = None
-    exit_codes: dict = field(default_factory=dict)
 
     def stop(self, graceful: bool = True) -> None:
         if self.stopped:
             return
         self.stopped = True
-        if graceful and self.control is not None:
+        # interrupted mid-step (Ctrl-C), the group is left as it is: the process is on its way out
+        clean = not self.busy
+        if graceful and clean and self.control is not None:
             try:
                 send(self.control, STOP)
             except RuntimeError:
@@ -63,7 +65,7 @@ class _Ranks:
                 p.wait()
             if p.stdout:
                 p.stdout.close()
-        if self.control is not None:
+        if clean and self.control is not None:
             leave_group()
 
 
@@ -140,8 +142,12 @@ class ShardedModelRunner:
         if self._ranks.failure is not None:
             raise RuntimeLlmcError(self._ranks.failure)
         try:
-            return work()
+            self._ranks.busy = True
+            result = work()
+            self._ranks.busy = False
+            return result
         except RuntimeError as e:
+            self._ranks.busy = False  # the step failed as a whole: the group can be left
             self._ranks.failure = self._why_failed(e)
             self._ranks.stop(graceful=False)
             raise RuntimeLlmcError(self._ranks.failure) from None
