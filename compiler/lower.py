@@ -634,7 +634,10 @@ def refuse_unlowered(g: Graph) -> None:
     attention_first = sorted(fallbacks, key=lambda n: not any(k in n.attrs["target"] for k in ATTENTION_HINTS))
     for n in attention_first:
         target = n.attrs["target"]
-        why = _namespace_refusal(target) or _token_mixing(n, target, types)
+        if _namespace_refusal(target):
+            raise IRError(f"node {n.name} ({target}) {_namespace_refusal(target)}; llmc cannot compile this model "
+                          f"(its code calls an op llmc has no lowering or kernel for)")
+        why = _token_mixing(n, target, types)
         if why:
             raise IRError(f"node {n.name} ({target}) {why}; llmc cannot compile this model (lowering raises "
                           f"softmax attention over heads split from projections, under a causal or "

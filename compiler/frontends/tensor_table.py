@@ -40,9 +40,12 @@ def check_tensor_table(module: torch.nn.Module, stored: dict[str, StoredTensor],
     Tied copies (an LM head tied to the embedding) need only one name of their group; tensors named
     after a computed buffer (the rotary `inv_freq` older checkpoints saved) are ignored, as
     transformers ignores them."""
-    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    sources, targets = merged_weights(module)  # left to transformers' loading report (check_loading_info)
+    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()
+                if not any(p.search(name) for p in targets)}
     renames = weight_renames(module)
-    stored = {loaded_name(name, renames): tensor for name, tensor in stored.items()}
+    stored = {loaded_name(name, renames): tensor for name, tensor in stored.items()
+              if not any(p.search(name) for p in sources)}
     aliases = tied_aliases(module)
     missing = [name for name in expected
                if name not in stored and not any(alias in stored for alias in aliases.get(name, ()))]
@@ -69,15 +72,30 @@ def check_tensor_table(module: torch.nn.Module, stored: dict[str, StoredTensor],
                                  f"type; re-save the checkpoint with float weights")
 
 
-def weight_renames(module: torch.nn.Module) -> list[tuple[str, str]]:
-    """(pattern, replacement) pairs transformers applies to checkpoint names as it loads them into
-    `module` (transformers 5 renames, e.g. GPT-NeoX's embed_out to lm_head); none before it."""
+def conversion_rules(module: torch.nn.Module, kind: str) -> list:
+    """The rules of class `kind` ("WeightRenaming", "WeightConverter") transformers applies to
+    checkpoint names as it loads them into `module`; none before transformers 5."""
     try:
-        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+        from transformers import conversion_mapping
     except ImportError:
         return []
-    return [(source, rule.target_patterns[0]) for rule in get_model_conversion_mapping(module)
-            if isinstance(rule, WeightRenaming) for source in rule.source_patterns]
+    cls = getattr(conversion_mapping, kind)
+    return [rule for rule in conversion_mapping.get_model_conversion_mapping(module) if isinstance(rule, cls)]
+
+
+def weight_renames(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """(pattern, replacement) pairs for the names transformers renames (GPT-NeoX's embed_out to lm_head)."""
+    return [(source, rule.target_patterns[0]) for rule in conversion_rules(module, "WeightRenaming")
+            for source in rule.source_patterns]
+
+
+def merged_weights(module: torch.nn.Module) -> tuple[list[re.Pattern], list[re.Pattern]]:
+    """(checkpoint-name, model-name) patterns of tensors transformers merges as it loads them
+    (Mixtral's per-expert weights into one tensor per layer); a `*` in a pattern is an index."""
+    rules = conversion_rules(module, "WeightConverter")
+    compile_all = (lambda patterns: [re.compile(re.escape(p).replace(r"\*", r"\d+")) for p in patterns])
+    return ([p for rule in rules for p in compile_all(rule.source_patterns)],
+            [p for rule in rules for p in compile_all(rule.target_patterns)])
 
 
 def loaded_name(name: str, renames: list[tuple[str, str]]) -> str:
