@@ -41,8 +41,9 @@ def working_sizes(counts: list[int], most: int = 16) -> list[int]:
 @register_pass
 class ShardTensorParallel(Pass):
     name = "shard_tensor_parallel"
-    description = ("tensor parallelism: split attention heads (whole KV groups), MLP channels and the LM head's "
-                   "vocabulary over tp ranks, with all_reduce / all_gather between them (one rank's graph)")
+    description = ("tensor parallelism: split attention heads (whole KV groups), MLP channels and the vocabulary "
+                   "(float embedding, LM head) over tp ranks, with all_reduce / all_gather between them (one "
+                   "rank's graph)")
     stage = Stage.SHARD
 
     @dataclass(frozen=True)

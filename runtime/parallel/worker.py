@@ -87,4 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # not sys.exit: the lifeline thread blocks in a read that interpreter shutdown cannot end

@@ -1,7 +1,8 @@
 """Tensor-parallel artifacts on real torch.distributed gloo ranks: tiny-llama compiled with --tp 2
 (one follower process, started once for the module) gives the unsharded artifact's log-probabilities
 and greedy tokens; `llmc run` and `llmc inspect` serve it; a killed rank stops the run with one
-error line and leaves no process; a --tp that does not divide is refused at compile."""
+error line and leaves no process; a rank whose files were changed fails to load; a --tp that does
+not divide is refused at compile."""
 
 import os
 import signal
@@ -107,6 +108,21 @@ def test_llmc_run_starts_the_ranks_and_prints_the_unsharded_text(compiled, tp2_a
     assert code == 0
     code, got, _ = llmc_in_process(capfd, "run", tp2_artifact, *args)
     assert code == 0 and got == want
+
+
+def test_a_rank_whose_weights_changed_after_compiling_fails_to_load_naming_its_file(tp2_artifact, ranks_free,
+                                                                                      tmp_path, capfd):
+    import shutil
+
+    art = shutil.copytree(tp2_artifact, tmp_path / "tampered.llmc")
+    weights = art / "rank1" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 1
+    weights.write_bytes(bytes(data))
+    code, _, err = llmc_in_process(capfd, "run", art, "--prompt", "hi", "--max-tokens", "2")
+    assert code == 2
+    assert error_line(err) == (f"tensor-parallel rank 1 failed to load: artifact '{art}': file "
+                               f"rank1/weights.safetensors fails its sha256 check (tampered or truncated); recompile")
 
 
 def test_tp_that_does_not_divide_is_refused_at_compile(tmp_path, capsys):
