@@ -122,16 +122,18 @@ def _one_token_axis(t: TensorType) -> bool:
 def feature_columns(g: Graph, source: str, value: str) -> torch.Tensor | None:
     """The column of `source` behind each feature of `value` ([1, tokens, F], or a head tensor
     [1, heads, tokens, hd] or [1, tokens, heads, hd], heads-major); found by running the selection
-    ops on column numbers for one token."""
+    ops on column numbers for one token. None when the selection depends on the token or its
+    position (two different ones give different columns): then it is no fixed column layout."""
     shape = g.type_of(value).shape
     if shape[:1] != (1,) or not all(isinstance(d, int) for d in shape if d != TOKENS):
         return None
     features = g.type_of(source).shape[-1]
     numbers = torch.arange(features, dtype=torch.float64).reshape(1, 1, features)
-    one = torch.zeros(1, dtype=torch.int64)
-    inputs = {"input_ids": one, "positions": one, source: numbers}
-    out = interpret(subgraph_for(g, {value}, frozenset({source})), inputs, want=[value])[value]
-    return out.reshape(-1).round().long()  # one token, batch 1: memory order is heads-major
+    sub = subgraph_for(g, {value}, frozenset({source}))
+    columns = [interpret(sub, {"input_ids": torch.tensor([token]), "positions": torch.tensor([position]),
+                               source: numbers}, want=[value])[value].reshape(-1)  # memory order: heads-major
+               for token, position in ((0, 0), (1, 7))]
+    return columns[0].round().long() if torch.equal(*columns) else None
 
 
 def subgraph_for(g: Graph, values: set[str], given: frozenset[str] = frozenset()) -> Graph:
