@@ -129,9 +129,19 @@ def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int, have: 
         return {**entry, "chosen": "cpu", "why": f"onnxruntime lacks {'.'.join(missing[0]).lstrip('.')}"}
     io = lambda names: [(n, graph.type_of(n)) for n in names]
     ort = OrtSegment(model, builder.values, io(seg.inputs), io(seg.outputs), threads, f"segment {seg.span}")
-    us = measure({"cpu": TorchSegment(graph, seg), "ort": ort}, graph, seg)
+    torch_segment = TorchSegment(graph, seg)
+    us = measure({"cpu": torch_segment, "ort": ort}, graph, seg)
     best = min(us, key=lambda name: request_cost(us[name]))
-    return {**entry, "chosen": best, "us": us}
+    return {**entry, "chosen": best, "us": us, "ort_vs_cpu": output_difference(torch_segment, ort, graph, seg)}
+
+
+def output_difference(cpu, ort, graph: Graph, seg) -> float:
+    """The largest |ort - cpu| over the segment's outputs at prefill shapes, relative to the largest
+    |cpu| output (MatMulNBits rounds activations to int8 per block where torch's kernels keep bf16)."""
+    inputs = sample_inputs(graph, seg.inputs, PREFILL_TOKENS)
+    pairs = [(a.float(), b.float()) for a, b in zip(ort(*inputs), cpu(*inputs)) if b.dtype.is_floating_point]
+    scale = max((b.abs().max().item() for _, b in pairs), default=0.0) or 1.0
+    return round(max(((a - b).abs().max().item() for a, b in pairs), default=0.0) / scale, 6)
 
 
 def _op_counts(seg) -> str:

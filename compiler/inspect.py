@@ -204,7 +204,8 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
         for kind in measured["kinds"]:
             us = kind.get("us") or {}
             figures = ", ".join(f"{family} {t['decode']:.0f}/{t['prefill']:.0f}" for family, t in us.items())
-            why = figures or kind.get("why", "")
+            why = (figures + (f"; outputs differ by {kind['ort_vs_cpu']:.2%} of their largest"
+                              if "ort_vs_cpu" in kind else "")) or kind.get("why", "")
             lines.append(f"    {kind['chosen']:<4} x{kind['segments']:<3} {kind['ops']}: {why}")
     for node, why in (choice.get("kept_in_torch") or {}).items():
         lines.append(f"    torch: {node}: {why}")
