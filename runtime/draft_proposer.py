@@ -51,7 +51,7 @@ class DraftProposer:
         return paged_kv_cache(self.model, art.weights, num_blocks, block_size, engine.device)
 
     def propose(self, seqs: list[Sequence], ks: list[int], states: list[SamplingState]):
-        """Up to ks[i] drafts for seqs[i], and the distribution q each was drawn from ([k, vocab];
+        """Up to ks[i] drafts for seqs[i], and the distributions q they were drawn from ([k, vocab];
         None for greedy requests, whose drafts are the draft model's argmax)."""
         shadows = [self._sync(seq) if k > 0 else None for seq, k in zip(seqs, ks)]  # Sequence | None
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -62,7 +62,7 @@ class DraftProposer:
             tokens, q = self._draw(logits, [states[i] for i in active])
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
-                if q is not None:
+                if row in q:
                     probs[i].append(q[row])
             active = [i for i in active if len(drafts[i]) < ks[i] and self._feed(shadows[i], drafts[i][-1])]
         return drafts, [torch.stack(p) if p else None for p in probs]
@@ -124,21 +124,20 @@ class DraftProposer:
             pending = [sh for sh in pending if sh.num_uncomputed_tokens > 0]
         return torch.stack([rows[sh.seq_id] for sh in shadows]).float()
 
-    def _draw(self, logits: torch.Tensor, states: list[SamplingState]):
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], dict[int, torch.Tensor]]:
         """Greedy rows take the argmax; the others draw from q, their request's filtered draft
-        distribution (what the rejection test needs), with their request's generator."""
+        distribution (what the rejection test needs), with their request's generator. Returns the
+        tokens and, by row, the q of the rows that drew."""
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if not random_rows:
-            return tokens.tolist(), None
+            return tokens.tolist(), {}
         rows = torch.tensor(random_rows, device=logits.device)
         sub = [states[i] for i in random_rows]
-        q_sub = filtered_probs(logits[rows], [s.params for s in sub])
+        q = filtered_probs(logits[rows], [s.params for s in sub])
         noise = self.sampler.noise(sub, logits.shape[1], logits.device, "exponential")
-        tokens[rows] = (q_sub / noise.clamp_min(1e-10)).argmax(dim=-1)
-        q = torch.nn.functional.one_hot(tokens, logits.shape[1]).float()
-        q[rows] = q_sub
-        return tokens.tolist(), q
+        tokens[rows] = (q / noise.clamp_min(1e-10)).argmax(dim=-1)
+        return tokens.tolist(), dict(zip(random_rows, q))
 
 
 def _common_prefix(a: list[int], b: list[int], known: int) -> int:

@@ -1,13 +1,12 @@
 """Speculative decoding in the engine: before a step, a proposer (n-gram prompt lookup or a draft
 artifact) drafts up to k tokens for each running request that may speculate; the step scores them
 in the same target forward as everything else; afterwards the rejection sampler keeps a prefix of
-them plus one token. Each request's k follows its own acceptance rate and the measured cost of a
-draft (the weights it makes the device read), and drops to 0 (plain decoding) where drafting would
-not pay."""
+them plus one token. Each request's k follows its own acceptance rate and what a draft costs (the
+target step grows, a draft model reads its weights), and drops to 0 (plain decoding) where drafting
+would not pay."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,13 +19,23 @@ from llmc.runtime.sampler import Sampler, SamplingState, filtered_probs
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.speculative_config import SpeculativeConfig
 
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 2.0   # optimistic, so a request tries drafting first
-# What one more token in a decode step costs, over the step: decode reads every weight once, and a
-# few more tokens ride along nearly free. Fixed rather than timed, so that k, and with it which
-# random draws a seeded request makes, does not depend on the machine's load.
-VERIFIED_TOKEN_COST = 0.1
-DECAY = 0.9              # per verified step: acceptance follows what the request writes now
-PROBE_AFTER = 32         # steps a request decodes plainly before it drafts again, to re-measure
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 1.0   # optimistic, so a request tries drafting first
+DECAY = 0.95             # per verified step: acceptance follows what the request writes now
+PROBE_AFTER = 64         # steps a request decodes plainly before it drafts again, to re-measure
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A target step of n tokens, over a one-token decode step: 1 + jump [n > 1] + per_token (n - 1).
+    Decode reads every weight once, so more tokens ride along nearly free, except that on a CPU a
+    matrix product of 2 to 8 rows costs about twice the 1-row GEMV (measured on SmolLM2's shapes,
+    fp32, one thread). Fixed per device rather than timed, so that k, and with it which random
+    draws a seeded request makes, does not depend on the machine's load."""
+    jump: float
+    per_token: float
+
+
+STEP_COSTS = {"cpu": StepCost(jump=1.0, per_token=0.1), "cuda": StepCost(jump=0.0, per_token=0.02)}
 
 
 @dataclass
@@ -58,17 +67,17 @@ class Speculator:
             self.proposer = DraftProposer(config.model, engine)
         self.max_model_len = engine.max_model_len
         self.acceptance: dict[int, _Acceptance] = {}
-        # a draft pays when the chance it is kept beats what it costs, in plain decode steps
-        self.draft_cost = VERIFIED_TOKEN_COST + (0.0 if config.method == "ngram" else
-                                                 _weight_bytes(self.proposer.runner.executor) /
-                                                 _weight_bytes(engine.executor))
+        self.step_cost = STEP_COSTS.get(engine.device.type, STEP_COSTS["cuda"])
+        # a draft forward over a target one: both read their weights once
+        self.draft_forward_cost = 0.0 if config.method == "ngram" else \
+            _weight_bytes(self.proposer.runner.executor) / _weight_bytes(engine.executor)
         self.metrics = SpeculativeMetrics()
 
     # -- before the step -----------------------------------------------------------------
     def propose(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
         """Drafts for the decoding sequences that speculate now: seq_id -> tokens; the draft
         distributions they came from are kept for verify."""
-        ks = [self._k(seq, state) for seq, state in zip(seqs, states)]
+        ks = [self._k(seq, state, len(seqs)) for seq, state in zip(seqs, states)]
         chosen = [i for i, k in enumerate(ks) if k > 0]
         if isinstance(self.proposer, NgramProposer):
             drafts, probs = self.proposer.propose([seqs[i] for i in chosen], [ks[i] for i in chosen]), None
@@ -78,10 +87,10 @@ class Speculator:
         self._draft_probs = {seqs[i].seq_id: q for i, q in zip(chosen, probs or [None] * len(chosen))}
         return {seqs[i].seq_id: d for i, d in zip(chosen, drafts) if d}
 
-    def _k(self, seq: Sequence, state: SamplingState) -> int:
-        """How many drafts `seq` gets now: none if its request cannot speculate exactly
-        (penalties, logprobs, min_tokens still pending); else the most whose chance of all being
-        kept (its acceptance rate ** j) beats a draft's cost, within its token limits."""
+    def _k(self, seq: Sequence, state: SamplingState, batch: int) -> int:
+        """How many drafts `seq` gets now, in a step of `batch` decodes: none if its request cannot
+        speculate exactly (penalties, logprobs, min_tokens still pending); else the k that makes
+        the most tokens per unit of step time at its acceptance rate, within its token limits."""
         p = state.params
         if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                 or p.presence_penalty != 0.0 or seq.num_output_tokens < p.min_tokens):
@@ -93,15 +102,23 @@ class Speculator:
         if not self.config.adaptive or k <= 0:
             return max(k, 0)
         acc = self.acceptance.setdefault(seq.seq_id, _Acceptance(seq))
-        worth = _drafts_worth(acc.rate, self.draft_cost, k)
-        if worth == 0:
+        best = max(range(k + 1), key=lambda j: self.tokens_per_cost(acc.rate, j, batch))
+        if best == 0:
             acc.steps_off += 1
             if acc.steps_off < PROBE_AFTER:
                 return 0
-            acc.kept, acc.tested, acc.steps_off = 0.0, 0.0, 0  # forget, and measure again
-            return 1
+            acc.kept, acc.tested = 0.0, 0.0  # forget, and measure again
+            best = k
         acc.steps_off = 0
-        return worth
+        return best
+
+    def tokens_per_cost(self, rate: float, k: int, batch: int) -> float:
+        """Tokens a step makes per unit of its time when one of `batch` decoding sequences drafts k
+        tokens kept with probability `rate` each (expected 1 + rate + ... + rate^k of them)."""
+        tokens = batch + sum(rate ** j for j in range(1, k + 1))
+        n = batch + k
+        cost = 1.0 + self.step_cost.jump * (n > 1) + self.step_cost.per_token * (n - 1) + self.draft_forward_cost * k
+        return tokens / cost
 
     # -- after the step ------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], logits: torch.Tensor, states: list[SamplingState],
@@ -164,16 +181,6 @@ class Speculator:
         for seq_id in [i for i, acc in self.acceptance.items() if acc.seq.is_finished]:
             del self.acceptance[seq_id]
         self.proposer.forget_finished()
-
-
-def _drafts_worth(rate: float, threshold: float, k: int) -> int:
-    """The largest j <= k with rate ** j > threshold: the j-th draft is kept only if all before it
-    are, so its expected gain is rate ** j, and it costs `threshold` tokens' worth of time."""
-    if rate <= threshold or rate <= 0.0:
-        return 0
-    if rate >= 1.0:
-        return k
-    return min(k, int(math.log(max(threshold, 1e-9)) / math.log(rate)))
 
 
 def _weight_bytes(executor) -> int:

@@ -28,9 +28,10 @@ def draft(artifact, tmp_path_factory):
 
 
 def methods(artifact, draft) -> dict[str, dict]:
-    return {"ngram": {"method": "ngram", "num_speculative_tokens": 4},
-            "draft": {"method": "draft", "model": str(draft), "num_speculative_tokens": 3},
-            # never pays (it costs what the target does), so only when told not to adapt
+    """Not adaptive: these tests check that drafting is exact, so every request drafts every step
+    (adaptive k would rightly stop drafting where tiny-llama's drafts are seldom kept)."""
+    return {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+            "draft": {"method": "draft", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False},
             "self-draft": {"method": "draft", "model": str(artifact), "num_speculative_tokens": 2, "adaptive": False}}
 
 
@@ -175,3 +176,24 @@ def test_bench_json_reports_acceptance_and_speedup(artifact, capsys):
     assert spec["method"] == "ngram" and spec["speedup"] > 0 and spec["plain_output_tokens_per_s"] > 0
     assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
             "acceptance_rate_per_position", "mean_accepted_length"} <= set(spec)
+
+
+def test_k_follows_acceptance_and_speculation_stops_where_it_would_not_pay(artifact):
+    from llmc.runtime.speculative import PROBE_AFTER
+
+    engine = make_engine(artifact, {"method": "ngram", "num_speculative_tokens": 5})
+    engine.add_request("r", prompt_token_ids=[5, 6, 7], params=greedy(200))
+    engine.step()
+    sample = engine.requests["r"].samples[0]
+    speculator = engine.speculator
+    assert speculator._k(sample.seq, sample.state, 1) == 5  # optimistic at first
+    for _ in range(30):
+        speculator.acceptance[sample.seq.seq_id].update(5, 0)  # every first draft rejected
+    ks = [speculator._k(sample.seq, sample.state, 1) for _ in range(PROBE_AFTER)]
+    assert ks == [0] * (PROBE_AFTER - 1) + [5]  # off, then one probe to measure again
+    for _ in range(30):
+        speculator.acceptance[sample.seq.seq_id].update(5, 5)
+    assert speculator._k(sample.seq, sample.state, 1) == 5
+    # on a CPU a step of 2 tokens costs about twice one of 1: drafting alone pays only when most are kept
+    assert speculator.tokens_per_cost(0.8, 4, 1) > 1.3 * speculator.tokens_per_cost(0.8, 0, 1)
+    assert speculator.tokens_per_cost(0.5, 4, 1) < speculator.tokens_per_cost(0.5, 0, 1)
