@@ -17,7 +17,8 @@ from llmc.compiler.trace import TOKENS
 SELECTIONS = {f"aten.{op}" for op in ("view.default", "reshape.default", "_unsafe_view.default", "transpose.int",
                                        "slice.Tensor", "chunk.default", "split.Tensor", "split_with_sizes.default",
                                        "index.Tensor", "alias.default", "clone.default", "contiguous.default",
-                                       "narrow.default", "select.int")}
+                                       "narrow.default", "select.int", "flatten.using_ints", "unflatten.int",
+                                       "broadcast_to.default", "expand.default", "permute.default")}
 # Column splits and where their dim argument sits.
 SPLITS = {"aten.chunk.default": 2, "aten.split.Tensor": 2, "aten.split_with_sizes.default": 2, "aten.slice.Tensor": 1}
 MATMUL_TRANSPOSES = {"aten.t.default", "aten.numpy_T.default", "aten.transpose.int", "aten.permute.default"}

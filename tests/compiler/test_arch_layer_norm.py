@@ -1,8 +1,9 @@
 """Decoders with LayerNorm, each a tiny seeded random-weight HF checkpoint: GPT-2 (learned positions,
 Conv1D projections, a fused qkv split, tanh GELU) compiled through the `llmc` command line, OPT
 (position offset, scaled q, ReLU) and Falcon (multi-query fused qkv picked by index, x @ W.T
-projections, parallel attention and MLP, in-place residual add) through `llmc.compile`; each
-matches HF's logits at every position through the paged KV cache to 1e-4 and its greedy tokens."""
+projections, parallel attention and MLP, in-place residual add; and Falcon-40B's grouped layout)
+through `llmc.compile`; each matches HF's logits at every position through the paged KV cache to
+1e-4 and its greedy tokens."""
 
 import pytest
 import tiny_hf_models as tiny
@@ -19,6 +20,11 @@ CONFIGS = {
                                           word_embed_proj_dim=64, **tiny.SPECIAL),
     "falcon": lambda: transformers.FalconConfig(vocab_size=tiny.VOCAB, hidden_size=64, num_hidden_layers=2,
                                                 num_attention_heads=4, max_position_embeddings=128, **tiny.SPECIAL),
+    # Falcon-40B's layout: per KV group, its query heads then one key and one value head
+    "falcon_grouped": lambda: transformers.FalconConfig(vocab_size=tiny.VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=4, num_kv_heads=2,
+                                                        new_decoder_architecture=True, max_position_embeddings=128,
+                                                        **tiny.SPECIAL),
 }
 
 
