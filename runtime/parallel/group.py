@@ -1,8 +1,9 @@
-"""The ranks' torch.distributed groups (gloo, on this machine's loopback): the default group runs
-the plans' collectives with a timeout (LLMC_COLLECTIVE_TIMEOUT seconds, default 60), so a rank that
-hangs stops the others with an error (one that dies closes its connections, which fails them at
-once); a control group with a long timeout carries rank 0's messages to the followers, who may
-wait idle between requests for as long as the engine does."""
+"""The ranks' torch.distributed group (gloo, on this machine's loopback) runs the plans' collectives
+with a timeout (LLMC_COLLECTIVE_TIMEOUT seconds, default 60), so a rank that hangs stops the others
+with an error (one that dies closes its connections, which fails them at once). Rank 0's messages
+to a follower (run this step, report, stop) go down the follower's stdin: a follower may wait idle
+between requests for as long as the engine does, a write to a hung follower does not block rank 0
+(the step's first collective times out instead), and end of file means rank 0 is gone."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from llmc.errors import RuntimeLlmcError
 
 TIMEOUT_ENV = "LLMC_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
-IDLE_TIMEOUT = timedelta(days=30)
 # rank 0's messages to the followers
 STOP, STEP, REPORT = 0, 1, 2
 
@@ -42,11 +42,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(rank: int, world_size: int, port: int, timeout_s: float):
-    """Join the default group and return the control group."""
+def join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
 def leave_group() -> None:
@@ -54,23 +52,28 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def send(control, kind: int, payload: torch.Tensor | None = None) -> None:
-    """Rank 0: tell every follower what comes next (and its int64 payload)."""
-    dist.broadcast(torch.tensor([kind, 0 if payload is None else payload.numel()]), 0, group=control)
+def send(streams, kind: int, payload: torch.Tensor | None = None) -> None:
+    """Rank 0: tell every follower (its stdin) what comes next, with an int64 payload."""
+    data = torch.tensor([kind, 0 if payload is None else payload.numel()], dtype=torch.int64).numpy().tobytes()
     if payload is not None:
-        dist.broadcast(payload, 0, group=control)
+        data += payload.to(torch.int64).numpy().tobytes()
+    for stream in streams:
+        stream.write(data)
+        stream.flush()
 
 
-def receive(control) -> tuple[int, torch.Tensor | None]:
-    """A follower: rank 0's next message (kind, payload)."""
-    header = torch.zeros(2, dtype=torch.int64)
-    dist.broadcast(header, 0, group=control)
-    kind, size = header.tolist()
+def receive(stream) -> tuple[int, torch.Tensor | None]:
+    """A follower: rank 0's next message (kind, payload); STOP at end of file (rank 0 is gone)."""
+    header = stream.read(16)
+    if len(header) < 16:
+        return STOP, None
+    kind, size = torch.frombuffer(bytearray(header), dtype=torch.int64).tolist()
     if not size:
         return kind, None
-    payload = torch.zeros(size, dtype=torch.int64)
-    dist.broadcast(payload, 0, group=control)
-    return kind, payload
+    body = stream.read(8 * size)
+    if len(body) < 8 * size:
+        return STOP, None
+    return kind, torch.frombuffer(bytearray(body), dtype=torch.int64)
 
 
 def own_stats() -> torch.Tensor:
@@ -83,9 +86,9 @@ def own_stats() -> torch.Tensor:
                         dtype=torch.float64)
 
 
-def gather_stats(control) -> list[dict]:
-    """Rank 0 (after send(REPORT)): every rank's own_stats, in rank order."""
+def gather_stats() -> list[dict]:
+    """Every rank (rank 0 after send(REPORT)): all ranks' own_stats, in rank order."""
     parts = [torch.zeros(3, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, own_stats(), group=control)
+    dist.all_gather(parts, own_stats())
     return [{"rank": r, "all_reduce_s": round(p[0].item(), 4), "all_gather_s": round(p[1].item(), 4),
              "rss_bytes": int(p[2].item())} for r, p in enumerate(parts)]

@@ -36,9 +36,10 @@ LOAD_TIMEOUT_S = 600.0   # a follower reads and hashes its weights before it say
 
 @dataclass
 class _Ranks:
-    """The followers (rank r is procs[r - 1]) and the control group, shut down once."""
+    """The followers (rank r is procs[r - 1]) and whether this process joined their group; shut
+    down once."""
     procs: list[subprocess.Popen]
-    control: object = None
+    joined: bool = False
     stopped: bool = False
     busy: bool = False          # mid-step: the followers wait in a collective, not for a message
     failure: str | None = None
@@ -49,14 +50,17 @@ class _Ranks:
         self.stopped = True
         # interrupted mid-step (Ctrl-C), the group is left as it is: the process is on its way out
         clean = not self.busy
-        if graceful and clean and self.control is not None:
+        if graceful and clean and self.joined:
             try:
-                send(self.control, STOP)
-            except RuntimeError:
+                send(self.streams(), STOP)
+            except OSError:  # a follower already gone
                 pass
         for p in self.procs:
             if p.stdin:
-                p.stdin.close()  # the lifeline: a follower exits when it closes
+                try:
+                    p.stdin.close()  # a follower exits at the end of its stdin
+                except OSError:
+                    pass
         for p in self.procs:
             try:
                 p.wait(timeout=10 if graceful else 2)
@@ -65,8 +69,11 @@ class _Ranks:
                 p.wait()
             if p.stdout:
                 p.stdout.close()
-        if clean and self.control is not None:
+        if clean and self.joined:
             leave_group()
+
+    def streams(self) -> list:
+        return [p.stdin for p in self.procs]
 
 
 class ShardedModelRunner:
@@ -84,7 +91,8 @@ class ShardedModelRunner:
         self._finalizer = weakref.finalize(self, self._ranks.stop)
         try:
             self._wait_loaded()
-            self._ranks.control = join_group(0, tp, port, self.timeout)
+            join_group(0, tp, port, self.timeout)
+            self._ranks.joined = True
         except BaseException:
             self._ranks.stop(graceful=False)
             raise
@@ -131,12 +139,12 @@ class ShardedModelRunner:
             raise RuntimeLlmcError("speculative decoding does not run on a tensor-parallel artifact yet; "
                                    "load it without a speculative config")
         batch = StepBatch.from_schedule(scheduled, sampled, blocks_to_copy)
-        return self._collective(lambda: (send(self._ranks.control, STEP, batch.encode()),
+        return self._collective(lambda: (send(self._ranks.streams(), STEP, batch.encode()),
                                          batch.run(self.executor, self.cache, self.attention))[1])
 
     def rank_stats(self) -> list[dict]:
         """Each rank's time in collectives and peak resident memory."""
-        return self._collective(lambda: (send(self._ranks.control, REPORT), gather_stats(self._ranks.control))[1])
+        return self._collective(lambda: (send(self._ranks.streams(), REPORT), gather_stats())[1])
 
     def _collective(self, work):
         if self._ranks.failure is not None:
@@ -146,13 +154,13 @@ class ShardedModelRunner:
             result = work()
             self._ranks.busy = False
             return result
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:  # a collective failed or timed out; a follower's stdin broke
             self._ranks.busy = False  # the step failed as a whole: the group can be left
             self._ranks.failure = self._why_failed(e)
             self._ranks.stop(graceful=False)
             raise RuntimeLlmcError(self._ranks.failure) from None
 
-    def _why_failed(self, error: RuntimeError) -> str:
+    def _why_failed(self, error: Exception) -> str:
         for _ in range(20):  # a rank that died may take a moment to be reaped
             dead = [(r, p.poll()) for r, p in enumerate(self._ranks.procs, 1) if p.poll() is not None]
             if dead:

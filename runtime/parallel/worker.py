@@ -1,7 +1,7 @@
 """A follower rank: loads its own plan, weights and KV cache, joins the ranks' group, and runs each
-step rank 0 broadcasts until told to stop. launch.py starts it as `python -m
+step rank 0 sends down its stdin until told to stop. launch.py starts it as `python -m
 llmc.runtime.parallel.worker`; it says on stdout, in one JSON line, whether it loaded, and it exits
-as soon as its lifeline (stdin, held by rank 0's process) closes, so no rank outlives the engine."""
+when its stdin closes (rank 0's process ended) or a collective fails, so no rank outlives the engine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 
 import torch
 
@@ -20,7 +19,7 @@ from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.kernel_check import verified_plan
 from llmc.runtime.kv_quant import is_quantized_kv
 from llmc.runtime.paged_attention import PagedKVCache
-from llmc.runtime.parallel.group import REPORT, STOP, gather_stats, join_group, leave_group, receive
+from llmc.runtime.parallel.group import REPORT, STOP, gather_stats, join_group, receive
 from llmc.runtime.parallel.step_batch import StepBatch
 from llmc.runtime.threads import apply_threads
 
@@ -39,23 +38,15 @@ def load_rank(path: str, rank: int, num_blocks: int, block_size: int):
 
 
 @torch.inference_mode()
-def follow(control, executor, cache, attention) -> None:
+def follow(messages, executor, cache, attention) -> None:
     while True:
-        kind, payload = receive(control)
+        kind, payload = receive(messages)
         if kind == STOP:
             return
         if kind == REPORT:
-            gather_stats(control)
+            gather_stats()
             continue
         StepBatch.decode(payload).run(executor, cache, attention)
-
-
-def watch_lifeline() -> None:
-    """Exit when stdin closes: rank 0's process ended (or gave up on this rank)."""
-    def wait():
-        sys.stdin.buffer.read()
-        os._exit(0)
-    threading.Thread(target=wait, daemon=True).start()
 
 
 def say(**message) -> None:
@@ -69,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
-    watch_lifeline()
     apply_threads(args.threads)
     try:
         state = load_rank(args.artifact, args.rank, args.blocks, args.block_size)
@@ -78,15 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     say(loaded=True)
     try:
-        control = join_group(args.rank, args.world, args.port, args.timeout)
-        follow(control, *state)
+        join_group(args.rank, args.world, args.port, args.timeout)
+        follow(sys.stdin.buffer, *state)
     except RuntimeError:  # rank 0 stopped, or a rank died: rank 0 reports it, this one just ends
         os._exit(1)
-    leave_group()
-    return 0
+    return 0  # the group goes with the process (rank 0 may already be gone: no goodbye collective)
 
 
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
-    os._exit(code)  # not sys.exit: the lifeline thread blocks in a read that interpreter shutdown cannot end
+    os._exit(code)  # at once: nothing of this process (a half-torn-down group) is worth tidying

@@ -1,7 +1,7 @@
 """Tensor-parallel artifacts on real torch.distributed gloo ranks: tiny-llama compiled with --tp 2
 (one follower process, started once for the module) gives the unsharded artifact's log-probabilities
-and greedy tokens; `llmc run` and `llmc inspect` serve it; a killed rank stops the run with one
-error line and leaves no process; a rank whose files were changed fails to load; a --tp that does
+and greedy tokens; `llmc run` and `llmc inspect` serve it; a killed or hung rank stops the run with
+one error line and leaves no process; a rank whose files were changed fails to load; a --tp that does
 not divide is refused at compile."""
 
 import os
@@ -108,6 +108,21 @@ def test_llmc_run_starts_the_ranks_and_prints_the_unsharded_text(compiled, tp2_a
     assert code == 0
     code, got, _ = llmc_in_process(capfd, "run", tp2_artifact, *args)
     assert code == 0 and got == want
+
+
+def test_a_hung_rank_stops_the_run_when_the_collective_times_out(tp2_artifact, ranks_free, monkeypatch):
+    monkeypatch.setenv(group.TIMEOUT_ENV, "3")
+    model = llmc.load(tp2_artifact)
+    (follower,) = model.engine.runner._ranks.procs
+    engine = model.engine
+    engine.add_request(prompt=PROMPTS[1], params=SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(follower.pid, signal.SIGSTOP)
+    with pytest.raises(RuntimeLlmcError, match=r"a collective across the 2 tensor-parallel ranks failed or timed "
+                                               r"out \(limit 3 s, .*\); the run stopped"):
+        for _ in range(200):
+            engine.step()
+    assert follower.poll() is not None  # killed, though it could not run
 
 
 def test_a_rank_whose_weights_changed_after_compiling_fails_to_load_naming_its_file(tp2_artifact, ranks_free,
