@@ -1,8 +1,9 @@
 """Rank 0's side of a tensor-parallel engine: `ShardedModelRunner` starts the follower ranks (fresh
 interpreters running worker.py, which load only their own plan and weights), joins their group,
-and on each step broadcasts the batch and runs its own part of it; the logits it returns are whole
-(the plan's all_gather joins the vocabulary). A rank that dies or hangs stops the run with one
-error line, and every follower is gone when the runner is closed, collected, or the process ends."""
+and on each step sends the batch to the followers and runs its own part of it; the logits it
+returns are whole (the plan's all_gather joins the vocabulary). A rank that dies or hangs stops the
+run with one error line, and every follower is gone when the runner is closed, collected, or the
+process ends."""
 
 from __future__ import annotations
 

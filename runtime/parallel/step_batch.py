@@ -1,7 +1,7 @@
 """One engine step as every rank runs it: each scheduled sequence's new tokens, their first
 position and its block table, which rows sample, and the copy-on-write block pairs. Rank 0 packs
-it into one int64 tensor and broadcasts it (no pickle crosses the wire); every rank then runs it
-against its own plan and KV cache."""
+it into one int64 tensor and sends it to the followers (no pickle crosses the pipe); every rank
+then runs it against its own plan and KV cache."""
 
 from __future__ import annotations
 
