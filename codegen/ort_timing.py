@@ -1,8 +1,9 @@
 """`--kernels auto`: time each kind of plan segment on the compiling machine, as its torch kernels
 and as its ONNX Runtime session, at the plan's shapes (a decode step of one token and a prefill of
-PREFILL_TOKENS), and keep the faster. Segments of the same ops at the same shapes (a model's layers)
-are timed once. The cost compared is one request's: a PREFILL_TOKENS prefill plus as many decode
-steps. Timings are minima over interleaved repeats, so a busy machine biases neither side."""
+PREFILL_TOKENS), and keep the faster of the two among those whose outputs match torch's
+(AUTO_TOLERANCE). Segments of the same ops at the same shapes (a model's layers) are timed once.
+The cost compared is one request's: a PREFILL_TOKENS prefill plus as many decode steps. Timings are
+minima over interleaved repeats, so a busy machine biases neither side."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from llmc.compiler.ops import TORCH_DTYPES
 
 PREFILL_TOKENS = 128
 REPEATS = {"decode": 15, "prefill": 3}
+# auto never trades accuracy for speed: ORT is eligible only where its outputs equal torch's up to
+# float reassociation (MatMulNBits' int8 activations, ~1e-2, are an explicit --kernels ort choice)
+AUTO_TOLERANCE = 1e-4
 
 
 def signature(graph: Graph, seg) -> str:
@@ -131,8 +135,12 @@ def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int, have: 
     ort = OrtSegment(model, builder.values, io(seg.inputs), io(seg.outputs), threads, f"segment {seg.span}")
     torch_segment = TorchSegment(graph, seg)
     us = measure({"cpu": torch_segment, "ort": ort}, graph, seg)
-    best = min(us, key=lambda name: request_cost(us[name]))
-    return {**entry, "chosen": best, "us": us, "ort_vs_cpu": output_difference(torch_segment, ort, graph, seg)}
+    difference = output_difference(torch_segment, ort, graph, seg)
+    entry.update(us=us, ort_vs_cpu=difference)
+    if difference > AUTO_TOLERANCE:
+        return {**entry, "chosen": "cpu", "why": f"ORT's outputs differ from torch's by {difference:.1e} of the "
+                                                 f"largest (over {AUTO_TOLERANCE:.0e}): it would change the numbers"}
+    return {**entry, "chosen": min(us, key=lambda name: request_cost(us[name]))}
 
 
 def output_difference(cpu, ort, graph: Graph, seg) -> float:

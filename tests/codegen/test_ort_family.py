@@ -131,3 +131,14 @@ def test_auto_records_what_it_measured_and_inspect_shows_it(capsys, tmp_path):
         assert all(kind["us"][family][shape] > 0 for family in ("cpu", "ort") for shape in ("decode", "prefill"))
     code, out, _ = llmc_in_process(capsys, "inspect", path)
     assert code == 0 and "kernels: auto" in out and f"{kinds[0]['chosen']:<4} x{kinds[0]['segments']}" in out
+
+
+def test_auto_keeps_torch_where_ort_would_change_the_numbers(tmp_path):
+    """MatMulNBits rounds activations to int8 per block: auto does not take that for speed."""
+    path = llmc.compile("tiny-llama", output=tmp_path / "auto-int4.llmc", kernels="auto", quant="int4-rtn",
+                        quiet=True)
+    kinds = json.loads((path / "plan.json").read_text())["meta"]["kernel_choice"]["measured"]["kinds"]
+    quantised = [k for k in kinds if "qlinear" in k["ops"]]
+    assert quantised
+    for kind in quantised:
+        assert kind["ort_vs_cpu"] > 1e-4 and kind["chosen"] == "cpu" and "change the numbers" in kind["why"]
