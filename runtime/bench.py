@@ -222,6 +222,9 @@ def hf_model_from_artifact(engine) -> torch.nn.Module:
     to fp32 (runtime/hf_baseline.py), so HF does the fp32 work the source model would."""
     import transformers
 
+    if "parallel" in engine.manifest:  # rank 0 holds its part of the weights only
+        raise RuntimeLlmcError("--baseline hf rebuilds the model from the artifact's weights, and a tensor-parallel "
+                               "artifact's ranks each hold a part; give the unsharded artifact as --baseline PATH")
     plan, weight = engine.executor.plan, engine.executor.weight
     dequantised, replaced = dequantised_weights(plan, weight)
     weights = renumbered_layers({name: weight(name) for name in plan.params if name not in replaced} | dequantised)

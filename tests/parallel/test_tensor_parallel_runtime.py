@@ -67,6 +67,13 @@ def test_batched_requests_equal_their_solo_runs(tp2):
     assert [o.token_ids for o in batched] == [o.token_ids for o in solo]
 
 
+def test_an_hf_baseline_is_refused_for_a_sharded_artifact(tp2):
+    from llmc.runtime.bench import hf_model_from_artifact
+
+    with pytest.raises(RuntimeLlmcError, match="give the unsharded artifact as --baseline PATH"):
+        hf_model_from_artifact(tp2.engine)
+
+
 def test_inspect_shows_each_ranks_weights_kv_and_collectives(tp2_artifact, capsys):
     code, out, _ = llmc_in_process(capsys, "inspect", tp2_artifact)
     assert code == 0
