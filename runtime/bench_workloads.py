@@ -1,6 +1,6 @@
 """Text workloads for `llmc bench --workload`: "grounded" prompts whose answers quote them (copy a
-function under a new name, quote a docstring, copy a passage out again: the code-editing and
-extraction shapes prompt lookup is for), and "open" prompts whose answers are free continuations
+function out again, quote a docstring, copy a passage: the code-editing and extraction shapes
+prompt lookup is for), and "open" prompts whose answers are free continuations
 of a story. Built from text already on the machine, with no download: the Python standard
 library's own source and samples/eval.txt."""
 
@@ -26,21 +26,31 @@ def text_prompts(kind: str, num_requests: int, seed: int) -> list[str]:
     """`num_requests` prompts of workload `kind`, drawn reproducibly by `seed`."""
     if kind not in TEXT_WORKLOADS:
         raise RuntimeLlmcError(f"bench: unknown workload {kind!r}; use random, {', '.join(TEXT_WORKLOADS)}")
-    pool = grounded_prompts() if kind == "grounded" else open_prompts()
-    order = np.random.default_rng(seed).permutation(len(pool))
-    return [pool[order[i % len(pool)]] for i in range(num_requests)]
+    # grounded: passages and code in turn (the code prompts far outnumber the passages)
+    pools = [passage_prompts(), code_prompts()] if kind == "grounded" else [open_prompts()]
+    rng = np.random.default_rng(seed)
+    orders = [rng.permutation(len(pool)) for pool in pools]
+    return [pools[i % len(pools)][orders[i % len(pools)][i // len(pools) % len(orders[i % len(pools)])]]
+            for i in range(num_requests)]
 
 
 def grounded_prompts() -> list[str]:
+    return passage_prompts() + code_prompts()
+
+
+def passage_prompts() -> list[str]:
+    return [f"{passage}\n\nThe passage above, copied out again exactly:\n{passage[:40]}"
+            for passage in _eval_passages(min_chars=500)]
+
+
+def code_prompts() -> list[str]:
     prompts = []
+    # each answer is started for the model with the quote's first words, as a user would prime it
     for name, source, docstring in stdlib_functions():
-        prompts.append(f"{source}\n\n# The function above, unchanged except that it is called {name}_v2:\n"
-                       f"def {name}_v2(")
+        prompts.append(f"{source}\n\n# The function above, copied out again exactly:\n{source[:40]}")
         if docstring:
             prompts.append(f"{source}\n\nQuestion: what does the docstring of {name} say, word for word?\n"
-                           f"Answer: The docstring of {name} says: \"")
-    for passage in _eval_passages(min_chars=500):
-        prompts.append(f"{passage}\n\nThe passage above, copied out again exactly:\n{passage[:40]}")
+                           f"Answer: \"{docstring[:40]}")
     return prompts
 
 
