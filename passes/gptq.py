@@ -49,9 +49,16 @@ def resolve_group_size(in_features: int, group_size: int, where: str) -> int:
 
 def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
                          group_size: int = 128, act_order: bool = False, damp: float = 0.01,
-                         block_size: int = 128
+                         block_size: int = 128, tokens: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K], hessian [K, K] (XᵀX / n) -> (q uint8 [N, K], scales, zeros fp32 [N, K/g]).
+
+    `tokens`, the n the Hessian was estimated from, adds K / n to the dampening: a K x K
+    Hessian from few tokens (n near or below K) is noisy or singular, and GPTQ then fits the
+    calibration text's noise. On SmolLM2 with 1,024 self-generated tokens, plain damp 0.01 gave
+    each linear's output error on held-out text 2-40% above RTN's (down_proj, K=1536: 0.130 vs
+    0.093) while 3x below it on the calibration text; damp 0.01 + K/n put every tested linear
+    6-37% below RTN on held-out text. With many tokens K/n vanishes: standard GPTQ.
 
     Works in float64 when `weight` is float64, else float32; the Hessian is always inverted
     in float64. With act_order the columns are visited in descending Hessian diagonal (the
@@ -71,7 +78,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, *, bits: i
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order \
         else torch.arange(k, device=w.device)
     w, h = w[:, perm], h[perm][:, perm]
-    hinv = _inverse_hessian_factor(h, damp).to(dtype)
+    hinv = _inverse_hessian_factor(h, damp + (k / tokens if tokens else 0.0)).to(dtype)
     codes, scales, zeros = _quantize_columns(w, hinv, perm, g, bits, block_size)
     return codes[:, torch.argsort(perm)].to(torch.uint8), scales, zeros
 

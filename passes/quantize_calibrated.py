@@ -62,7 +62,8 @@ def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Cal
         x = node.inputs[0]
         if x not in hessians:
             hessians[x] = observers[x].hessian()
-        return quantize(weight, hessians[x], group_size=group_of(node), act_order=act_order, damp=damp)
+        return quantize(weight, hessians[x], group_size=group_of(node), act_order=act_order, damp=damp,
+                        tokens=observers[x].tokens)
     return method
 
 

@@ -164,3 +164,17 @@ def test_gptq_rejects_group_size_that_does_not_divide_k():
     with pytest.raises(PassError, match="group_size=48"):
         gptq_quantize_weight(torch.randn(8, 64), torch.eye(64, dtype=torch.float64),
                              group_size=48)
+
+
+@pytest.mark.parametrize("seed", [40, 41])
+def test_few_calibration_tokens_dampen_gptq_so_shifted_inputs_do_not_undo_it(seed):
+    """Inputs unlike the calibration's (another layer's correlations and outlier channels, as
+    held-out text differs from self-generated calibration text): GPTQ fitted on n tokens of a
+    K x K Hessian loses badly to RTN there; dampening by K / n keeps it near RTN."""
+    weight, calibration = make_layer(seed, k=512)
+    _, shifted = make_layer(seed + 100, k=512)
+    hessian, held_out = hessian_of(calibration(512)), shifted(1024)
+    rtn = output_error(held_out, weight, dequantize_int4_codes(*quantize_int4(weight, 64)))
+    plain, dampened = (output_error(held_out, weight, dequantize_int4_codes(*gptq_quantize_weight(
+        weight.float(), hessian, group_size=64, act_order=True, tokens=tokens))) for tokens in (None, 512))
+    assert plain / rtn > 1.4 and dampened / rtn < 1.15, (plain / rtn, dampened / rtn)
