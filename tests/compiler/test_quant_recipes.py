@@ -42,7 +42,8 @@ def test_recipes_go_before_the_cleanup_passes_of_the_cpu_target():
     specs = chosen("cpu", quant="int4-rtn", group_size=32)
     assert specs == ["quantize_int4:group_size=32"] + get_target("cpu").full_pipeline()
     assert specs[1:1 + len(CLEANUP)] == CLEANUP
-    config = pass_configs(get_target("cpu"), CompileOptions(quant="int4-rtn", group_size=32))[6]
+    configs = pass_configs(get_target("cpu"), CompileOptions(quant="int4-rtn", group_size=32))
+    config = next(c for c in configs if c.name == "quantize_int4")
     assert config.options.group_size == 32 and config.instantiate().lossy
 
 
