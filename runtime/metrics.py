@@ -52,6 +52,7 @@ class EngineMetrics:
     steps: int = 0
     step_seconds: list[float] = field(default_factory=list)
     batch_tokens: list[int] = field(default_factory=list)
+    batch_seqs: list[int] = field(default_factory=list)     # sequences in each step's batch
     num_waiting: int = 0
     num_running: int = 0
     kv_blocks_used: int = 0
@@ -73,6 +74,7 @@ class EngineMetrics:
         self.steps += 1
         self.step_seconds.append(seconds)
         self.batch_tokens.append(out.num_batched_tokens)
+        self.batch_seqs.append(len(out.scheduled))
         self.generation_tokens += len(out.sampled)
         self.computed_tokens += out.num_batched_tokens
         self.num_waiting, self.num_running = scheduler.num_waiting, scheduler.num_running

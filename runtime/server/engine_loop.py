@@ -297,11 +297,12 @@ class AsyncEngine:
         if e.steps > self._counts["steps"]:
             self._counts["steps"] = e.steps
             self.metrics.step_tokens.observe(e.batch_tokens[-1])
+            self.metrics.step_seqs.observe(e.batch_seqs[-1])
             self.predictor.observe_step(e.step_seconds[-1], e.batch_tokens[-1])
         for counter, value in self._engine_counts():
             counter.inc(value - self._counts.get(counter, 0))
             self._counts[counter] = value
-        for samples in (e.step_seconds, e.batch_tokens, e.kv_waste_samples, e.ttft, e.tpot, e.e2e):
+        for samples in (e.step_seconds, e.batch_tokens, e.batch_seqs, e.kv_waste_samples, e.ttft, e.tpot, e.e2e):
             samples.clear()
         self._pending_tokens = sum(seq.num_tokens - seq.num_computed_tokens for seq in s.waiting)
         self._update_gauges()

@@ -15,6 +15,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_STEP_SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class ServerMetrics:
@@ -38,6 +39,8 @@ class ServerMetrics:
                                     buckets=_REQUEST_BUCKETS)
         self.step_tokens = histogram("iteration_tokens_total", "Tokens in one engine step (the batch size).",
                                      buckets=_STEP_TOKEN_BUCKETS)
+        self.step_seqs = histogram("iteration_sequences", "Sequences in one engine step's batch.",
+                                   buckets=_STEP_SEQ_BUCKETS)
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: drafts verified (one per "
                                    "sequence and step).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.")

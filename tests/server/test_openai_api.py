@@ -140,6 +140,10 @@ def test_after_n_requests_the_counters_equal_what_was_served(served):
         assert grew(f"llmc:{histogram}_count") == 4
     assert grew("llmc:inter_token_latency_seconds_count") == sum(r.usage.completion_tokens - 1 for r in replies)
     assert grew("llmc:prefix_cache_queries_total") >= sum(r.usage.prompt_tokens for r in replies)
+    # one histogram entry per engine step; the requests ran one after another, one sequence a step
+    steps = grew("llmc:iteration_sequences_count")
+    assert steps == grew("llmc:iteration_tokens_total_count") >= sum(r.usage.completion_tokens for r in replies)
+    assert grew("llmc:iteration_sequences_sum") == steps
 
 
 def test_serve_refuses_a_taken_port_in_one_line(compiled, served, capsys):
