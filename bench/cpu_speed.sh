@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 12's table in one run: SmolLM2-135M on the cpu target, fp32 / int8 / int4-awq against HF
+# Issue 12's table in one run: SmolLM2-135M on the cpu target, fp32 / int8 / int4-awq / the GGUF's own
+# Q4_1 kept (gguf) against HF
 # eager fp32 measured in the same run: batch-1 decode (128 in, 128 out), prefill of 512 tokens,
 # and 64 requests x (128 in, 128 out) against batched HF generate; tok/s, ratios vs HF and
 # roofline fractions (`llmc bench`'s roofline block). Artifacts are compiled once into $DIR.
@@ -18,7 +19,7 @@ suffix() { [ "$1" = cpu ] && echo "" || echo "-$1"; }
 [ -n "${BANDWIDTH:-}" ] && EXTRA+=(--bandwidth "$BANDWIDTH")
 
 for k in $KERNELS; do
-  for q in fp32 int8 int4-awq; do
+  for q in fp32 int8 int4-awq gguf; do
     art="$DIR/$q$(suffix "$k").llmc"
     if [ ! -d "$art" ]; then
       flags=(--quant "$q"); [ "$q" = fp32 ] && flags=(--quant none)
@@ -34,13 +35,13 @@ bench() {  # name artifact [llmc bench flags...]
 }
 # interleaved: each quantised row runs right after the fp32 row of the same workload
 for k in $KERNELS; do
-  for q in fp32 int8 int4-awq; do
+  for q in fp32 int8 int4-awq gguf; do
     base=(); [ "$q$k" = fp32cpu ] && base=(--baseline hf)
     bench "decode_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 128 --output-len 128 "${base[@]}"
   done
 done
 for k in $KERNELS; do
-  for q in fp32 int8 int4-awq; do
+  for q in fp32 int8 int4-awq gguf; do
     base=(); [ "$q$k" = fp32cpu ] && base=(--baseline hf)
     bench "prefill_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 512 --output-len 1 "${base[@]}"
   done
@@ -74,7 +75,7 @@ def prefill(q):
 hf_dec = r["decode_fp32"]["baseline"]["output_tokens_per_s"]
 hf_pre = 512 / r["prefill_fp32"]["baseline"]["total_seconds"]
 b = r["batch_fp32"]
-qs = [q + ("" if k == "cpu" else f"-{k}") for k in kernels for q in ("fp32", "int8", "int4-awq")]
+qs = [q + ("" if k == "cpu" else f"-{k}") for k in kernels for q in ("fp32", "int8", "int4-awq", "gguf")]
 print(f"threads {roof['threads']} · memory bandwidth {bw:.1f} GB/s · fp32 GEMM peak {peak:.0f} GFLOP/s (measured)")
 print("| figure | HF eager fp32 | " + " | ".join(f"llmc {q}" for q in qs) + " |")
 print("|---|---|" + "---|" * len(qs))
