@@ -90,13 +90,14 @@ def test_greedy_speculation_gives_plain_decodings_tokens(artifact, draft, method
     assert_no_blocks_held(engine)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_no_kv_block_outlives_mixed_requests_preemption_and_aborts(artifact, draft, method):
+@pytest.mark.parametrize("method,num_requests", [("ngram", 500), ("draft", 40)])
+def test_no_kv_block_outlives_mixed_requests_preemption_and_aborts(artifact, draft, method, num_requests):
+    """Speculative and plain requests (logprobs decode plainly) in one batch, aborted at random."""
     engine = make_engine(artifact, methods(artifact, draft)[method], kv_memory="192KiB")
     rng = random.Random(0)
-    prompts = repetitive_prompts(2, 40)
+    prompts = repetitive_prompts(2, num_requests)
     live = []
-    for step in range(400):
+    for step in range(100 * num_requests):
         if prompts and rng.random() < 0.5:
             sampled = rng.random() < 0.5
             params = SamplingParams(temperature=0.8 if sampled else 0.0, top_p=0.9, seed=rng.randrange(99),
