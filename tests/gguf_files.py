@@ -17,13 +17,18 @@ def llama_writer(path, config, tokenizer) -> gguf.GGUFWriter:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_vocabulary(writer, tokenizer)
+    return writer
+
+
+def add_vocabulary(writer: gguf.GGUFWriter, tokenizer) -> None:
+    """`tokenizer`'s BPE vocabulary and merges, as llama.cpp's gpt2 tokenizer model."""
     bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
     writer.add_token_types([1] * len(tokens))
-    return writer
 
 
 def finish(writer: gguf.GGUFWriter) -> None:

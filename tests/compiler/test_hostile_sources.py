@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_files import add_vocabulary, finish
 from llmc_cli import error_line, llmc_in_process
 from safetensors.torch import load_file, save_file
 
@@ -79,25 +80,13 @@ def write_gguf(path: Path, tiny, tensors: dict, hparams: bool = True, vocabulary
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if vocabulary:
         add_vocabulary(writer, tiny.tokenizer)
+        writer.add_bos_token_id(tiny.tokenizer.bos_token_id)
+        writer.add_eos_token_id(tiny.tokenizer.eos_token_id)
     for name, values in tensors.items():
         raw_type = (raw_types or {}).get(name)
         writer.add_tensor(name, values.astype(np.int32) if raw_type else values, raw_dtype=raw_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
-
-
-def add_vocabulary(writer, tokenizer) -> None:
-    bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
-    writer.add_token_types([1] * len(tokens))
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
 
 
 # --- damage ------------------------------------------------------------------------------------
