@@ -89,11 +89,17 @@ def generated_sequences(module: torch.nn.Module, tokenizer, num_samples: int, se
     left-padded batch; end-of-sequence is suppressed so every row reaches `seq_len` tokens."""
     prompts = [PROMPTS[(seed + i) % len(PROMPTS)] for i in range(num_samples)]
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"][:seq_len - 1] for p in prompts]
+    shortest = min(len(ids) for ids in encoded)
+    positions = getattr(getattr(module.config, "text_config", module.config), "max_position_embeddings", None)
+    if positions is not None and max(len(ids) for ids in encoded) + seq_len - shortest > positions:
+        # a row's positions count from its first real token, so the longest prompt plus the batch's
+        # continuation would run past a learned position table (GPT-2): cut every prompt to the shortest
+        encoded = [ids[:shortest] for ids in encoded]
     width = max(len(ids) for ids in encoded)
     pad = pad_token_id(tokenizer, module.config)
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long)
-    new_tokens = seq_len - min(len(ids) for ids in encoded)
+    new_tokens = seq_len - shortest
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # leave the caller's RNG untouched
         torch.manual_seed(seed)
         out = module.generate(input_ids=input_ids, attention_mask=mask, do_sample=True,

@@ -53,3 +53,15 @@ def test_16_greedy_tokens_are_hf_s(compiled):
     module, llm, _ = compiled
     ids = tiny.prompt_ids(21, seed=2)
     assert tiny.llmc_greedy(llm, ids, 16) == tiny.hf_greedy(module, ids, 16)
+
+
+def test_gpt2_quantises_with_calibration_as_long_as_its_position_table(tmp_path):
+    """Self-generated calibration of --calib-seq-len 128 on a GPT-2 with 128 learned positions: the
+    left-padded batch must not run a row past position 127."""
+    source = tmp_path / "gpt2"
+    module = tiny.save_checkpoint(CONFIGS["gpt2"](), source, seed=13)
+    output = llmc.compile(str(source), output=tmp_path / "gpt2-int8.llmc", quant="int8")
+    ids = tiny.prompt_ids(21, seed=2)
+    agree = sum(a == b for a, b in zip(tiny.llmc_greedy(llmc.load(output, kv_memory="8MiB"), ids, 16),
+                                       tiny.hf_greedy(module, ids, 16)))
+    assert agree >= 12
