@@ -16,7 +16,7 @@ from llmc.errors import LlmcError
 
 MARKER = "llmc_onnx.json"           # what a previous export holds; --force replaces only such a directory
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with headroom
-QLINEAR_SCHEMES = ("int8", "int4")
+QLINEAR_SCHEMES = ("int8", "int4", "affine4", "affine8")   # affine: a GGUF's own blocks, kept
 
 
 class ExportError(LlmcError):
@@ -116,8 +116,8 @@ def _refuse_unsupported(graph) -> None:
         elif n.op in ("attention", "flash_attention") and n.attrs.get("kv_cache") is not None:
             why = f"a quantised KV cache ({n.attrs['kv_cache']}) does not export; compile without --kv-cache"
         elif n.op == "qlinear" and (n.attrs["scheme"] not in QLINEAR_SCHEMES or n.attrs.get("has_act_scale")):
-            why = (f"quantisation scheme {n.attrs['scheme']} does not export (int8 and int4 do); "
-                   f"export an fp32, int8 or int4 artifact")
+            why = (f"quantisation scheme {n.attrs['scheme']} does not export (int8, int4 and a GGUF's kept "
+                   f"formats do); export an fp32, int8, int4 or GGUF-kept artifact")
         elif any(v.type.dtype not in ("float32", "int64", "int32") for v in n.outputs):
             why = "only float32 activations export; compile without --dtype/cast passes"
         elif n.op in ("attention", "flash_attention") and any(

@@ -4,6 +4,8 @@ values bit for bit, a compiled tiny llama holding all of them computes the --qua
 artifact's logits, the compile says when another --quant re-quantises the file, and SmolLM2
 with its Q4_1 kept decodes the fp32 artifact's greedy tokens."""
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -185,3 +187,22 @@ def test_smollm2_with_its_q4_1_kept_gives_the_fp32_artifacts_greedy_tokens(smoll
     ours, theirs = llmc.load(kept, kv_memory="64MiB"), llmc.load(plain, kv_memory="64MiB")
     got = [out.outputs[0].token_ids for out in ours.generate(prompts, params)]
     assert got == [out.outputs[0].token_ids for out in theirs.generate(prompts, params)]
+
+
+def test_the_kept_artifact_exports_to_onnx_with_the_same_logits(compiled, tmp_path):
+    """Every block format through `llmc export`: MatMulNBits over the codes (fp32 activations),
+    the minimums as their own product, the embedding's rows dequantised after the gather."""
+    import onnxruntime as ort
+
+    *_, root = compiled
+    exported = llmc.export(root / "kept.llmc", output=tmp_path / "kept.onnx")
+    config = json.loads((exported / "llmc_onnx.json").read_text())
+    past = {f"past_{kind}.{layer}": np.zeros((0, config["num_kv_heads"], config["head_dim"]), np.float32)
+            for layer in range(config["num_layers"]) for kind in ("key", "value")}
+    ids = torch.randint(0, 512, (11,), generator=torch.Generator().manual_seed(2))
+    session = ort.InferenceSession(str(exported / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(["logits"], {"input_ids": ids.numpy(), "positions": np.arange(11)} | past)[0]
+    graph, _ = artifact_graph(root / "kept.llmc")
+    want = interpret(graph, {"input_ids": ids, "positions": torch.arange(11), "logits_indices": torch.arange(11)})
+    want = want["logits"].numpy()
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
