@@ -28,7 +28,8 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64, help="decode tokens after a 128-token prompt")
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill row")
     args = parser.parse_args()
-    models = {path: llmc.load(path) for path in args.artifacts}
+    # no prefix caching: every round repeats its prompts, and a cached prompt would skip the prefill
+    models = {path: llmc.load(path, enable_prefix_caching=False) for path in args.artifacts}
     vocab = min(m.engine.model["vocab_size"] for m in models.values())
     prompt = torch.randint(3, vocab, (128,)).tolist()
     long_prompt = torch.randint(3, vocab, (args.prefill,)).tolist()
