@@ -30,10 +30,10 @@ def test_a_failing_engine_step_is_a_500_and_the_server_goes_on(llm):
     engine, execute = llm.engine, llm.engine.runner.execute
     faults = [RuntimeError("injected kernel fault")]
 
-    def failing_once(*args):
+    def failing_once(*args, **kwargs):
         if faults:
             raise faults.pop()
-        return execute(*args)
+        return execute(*args, **kwargs)
     engine.runner.execute = failing_once
     with InProcessServer(llm) as served:
         with pytest.raises(openai.InternalServerError) as caught:
