@@ -336,7 +336,8 @@ def rank_file(view: dict, name: str) -> str:
 
 
 def rank_count(manifest: dict) -> int:
-    return (manifest.get("parallel") or {}).get("tp", 1)
+    parallel = manifest.get("parallel") or {}
+    return parallel.get("tp", 1) * parallel.get("pp", 1)
 
 
 def rank_view(manifest: dict, rank: int, where: str) -> dict:
@@ -348,12 +349,14 @@ def rank_view(manifest: dict, rank: int, where: str) -> dict:
             raise ArtifactError(f"{where} is not sharded; it has no rank {rank}")
         return manifest
     ranks = parallel["ranks"]
-    if len(ranks) != parallel["tp"] or [e["dir"] for e in ranks] != [f"rank{r}" for r in range(len(ranks))]:
-        raise ArtifactError(f"{where}: manifest.json parallel.ranks does not list rank0 .. rank{parallel['tp'] - 1} "
+    count = rank_count(manifest)
+    if len(ranks) != count or [e["dir"] for e in ranks] != [f"rank{r}" for r in range(len(ranks))]:
+        raise ArtifactError(f"{where}: manifest.json parallel.ranks does not list rank0 .. rank{count - 1} "
                             f"in order; {RECOMPILE}")
     if not 0 <= rank < len(ranks):
         raise ArtifactError(f"{where} has ranks 0 to {len(ranks) - 1}, not {rank}")
-    own = {k: ranks[rank][k] for k in ("num_heads", "num_kv_heads", "kv_bytes_per_token")}
+    own = {k: ranks[rank][k] for k in ("num_heads", "num_kv_heads", "kv_bytes_per_token", "num_layers")
+           if ranks[rank].get(k) is not None}
     return {**manifest, "model": {**manifest["model"], **own}, "weight_aliases": ranks[rank]["weight_aliases"],
             "report": {**manifest["report"], "kv_bytes_per_token": own["kv_bytes_per_token"]},
             "rank": rank, "rank_dir": ranks[rank]["dir"]}

@@ -141,12 +141,26 @@ def _parallel_lines(parallel: dict | None) -> list[str]:
     """Per tensor-parallel rank: its weights, its KV cache per token, its collectives per step."""
     if not parallel:
         return []
+    if parallel.get("pp", 1) > 1:
+        return _pipeline_lines(parallel)
     lines = [f"  tensor parallel: {parallel['tp']} ranks (each loads only its own folder's weights)"]
     for r in parallel["ranks"]:
         collectives = ", ".join(f"{op} {n}" for op, n in sorted(r["collectives"].items()) if n) or "none"
         lines.append(f"    {r['dir']}: weights {_mib(sum(r['weight_bytes'].values()))}, KV {r['kv_bytes_per_token']:,} "
                      f"bytes/token ({r['num_kv_heads']} KV heads, {r['num_heads']} query heads), collectives per "
                      f"step: {collectives}")
+    return lines
+
+
+def _pipeline_lines(parallel: dict) -> list[str]:
+    """Per pipeline stage: its decoder layers, weights and KV cache per token."""
+    split = ",".join(map(str, parallel["split"]))
+    lines = [f"  pipeline parallel: {parallel['pp']} stages, layers split {split} (each rank loads only its own "
+             f"folder's weights and holds only its layers' KV cache)"]
+    for r in parallel["ranks"]:
+        first, stop = r["layers"]
+        lines.append(f"    {r['dir']}: layers {first}-{stop - 1} ({r['num_layers']}), weights "
+                     f"{_mib(sum(r['weight_bytes'].values()))}, KV {r['kv_bytes_per_token']:,} bytes/token")
     return lines
 
 

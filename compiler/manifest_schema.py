@@ -153,10 +153,20 @@ class RankEntry(Record):
     weight_aliases: dict[str, StrictStr] = {}
     collectives: dict[str, Count]
     activation_peak_bytes: Count
+    num_layers: PosInt | None = None        # a pipeline stage: its decoder layers [first, stop)
+    layers: list[Count] | None = None
+
+
+class LogitsShape(Record):
+    width: PosInt
+    dtype: StrictStr
 
 
 class Parallel(Record):
-    tp: Annotated[StrictInt, Field(gt=1, le=4096)]
+    tp: Annotated[StrictInt, Field(ge=1, le=4096)]
+    pp: Annotated[StrictInt, Field(ge=1, le=4096)] = 1
+    split: list[PosInt] | None = None       # layers per pipeline stage
+    logits: LogitsShape | None = None       # what the last stage sends rank 0
     ranks: list[RankEntry]
 
 
@@ -240,7 +250,10 @@ def check_model_agrees(manifest: dict, graph: Any, plan: Any, where: str) -> Non
         for key in sorted(set(model) - SOURCE_ONLY):
             _agree(f"model.{key}", model[key], meta.get(key, "missing"), name, where)
     _agree("target.name", manifest["target"]["name"], plan.get("target", "missing"), "plan.json", where)
-    for field, value in plan_shapes(plan, where).items():
+    shapes = plan_shapes(plan, where)
+    if (manifest.get("parallel") or {}).get("pp", 1) > 1 and plan.get("outputs") != ["logits"]:
+        del shapes["vocab_size"]  # a pipeline stage before the last sends hidden states on, not logits
+    for field, value in shapes.items():
         _agree(f"model.{field}", model[field], value, "plan.json's steps", where)
     kv = model["kv_cache"]["dtype"]
     _agree("model.kv_dtype", model["kv_dtype"], kv, "model.kv_cache.dtype", where)

@@ -673,6 +673,31 @@ def vocab_embedding_ref(ids, weight, *, vocab_start, **attrs):
     return [F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0.0)]
 
 
+# -- point-to-point between pipeline stages (passes/shard_pipeline.py puts them in) ---------------
+# send hands x to rank `peer` and passes it on unchanged (so a stage's plan has an output); recv
+# takes the previous stage's hidden states [tokens, hidden], its `tokens` those of `positions`.
+# A single process has no peer: the reference refuses, the CPU kernels (codegen/cpu_point_to_point.py)
+# communicate.
+POINT_TO_POINT_OPS = ("send", "recv")
+
+
+def _recv_type(ts, attrs):
+    _want(ts[0], "recv positions", dtypes=("int64",), rank=1)
+    return [TensorType((ts[0].shape[0], attrs["hidden"]), attrs["dtype"])]
+
+
+@op("send", _float_same, attrs=AttrSpec({"peer": INDEX}))
+def send_ref(x, *, peer, **attrs):
+    raise IRError(f"send to rank {peer} needs the pipeline's process group: run the artifact, whose ranks the "
+                  f"runtime starts")
+
+
+@op("recv", _recv_type, attrs=AttrSpec({"peer": INDEX, "hidden": COUNT, "dtype": STRING}))
+def recv_ref(positions, *, peer, **attrs):
+    raise IRError(f"recv from rank {peer} needs the pipeline's process group: run the artifact, whose ranks the "
+                  f"runtime starts")
+
+
 # -- aten fallback ----------------------------------------------------------------------
 _VIEWS_AS_RESHAPE = {"aten.view.default": "aten.reshape.default",
                      "aten._unsafe_view.default": "aten.reshape.default"}

@@ -70,6 +70,10 @@ class CompileOptions:
                                                 "perplexity by more than PCT%.", kind=float)
     tp: int = flag(1, "Tensor-parallel ranks: split attention heads, MLP channels and the LM head's vocabulary "
                       "over N ranks, one plan and weights file each (llmc run starts them).", kind=int)
+    pp: int = flag(1, "Pipeline-parallel stages: split the decoder layers over N ranks (balanced by estimated "
+                      "cost), hidden states sent stage to stage, one plan and weights file each.", kind=int)
+    pp_split: str | None = flag(None, "Layers per pipeline stage, e.g. 15,15 (overrides the balanced split).",
+                                kind=str)
     autotune: bool = flag(False, "GPU targets: time each Triton kernel family's candidate configs (needs a "
                                  "CUDA GPU).", is_flag=True)
     kernels: str | None = flag(None, "cpu target's kernel family: cpu (torch), ort (ONNX Runtime sessions over the "
@@ -82,7 +86,7 @@ class CompileOptions:
         self.disable, self.add = list(self.disable), list(self.add)
         self.print_ir_after = set(self.print_ir_after)
         self.pass_options = dict(self.pass_options)
-        for name in ("max_num_batched_tokens", "calib_samples", "calib_seq_len", "tp"):
+        for name in ("max_num_batched_tokens", "calib_samples", "calib_seq_len", "tp", "pp"):
             check_positive_int(name, getattr(self, name))
         for name in ("group_size", "kv_heads", "draft_layers", "calib_seed"):
             value = getattr(self, name)

@@ -1,19 +1,21 @@
-"""The pass run of a compile, forked per tensor-parallel rank: the passes before the shard stage
-run once on the whole model; then, for each rank, a copy of that graph runs the shard pass (with
-its rank) and every later pass, giving one graph (and later one plan and weights file) per rank.
-Also the manifest's `parallel` section: each rank's heads, KV bytes, weight bytes and collectives."""
+"""The pass run of a compile, forked per rank (tensor-parallel rank or pipeline stage): the passes
+before the shard stage run once on the whole model; then, for each rank, a copy of that graph runs
+the shard pass (with its rank or stage) and every later pass, giving one graph (and later one plan
+and weights file) per rank. Also the manifest's `parallel` section: each rank's heads, layers, KV
+bytes, weight bytes and collectives."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from llmc.compiler.ir import Graph
-from llmc.compiler.ops import COLLECTIVE_OPS
+from llmc.compiler.ops import COLLECTIVE_OPS, POINT_TO_POINT_OPS
 from llmc.errors import PassError
 from llmc.passes.base import PassContext, PassManager, PassRecord, Stage
 from llmc.passes.registry import PassConfig
 
 SHARD_PASS = "shard_tensor_parallel"
+PIPELINE_PASS = "shard_pipeline"
 
 
 def tensor_parallel_size(configs: list[PassConfig]) -> int:
@@ -24,9 +26,21 @@ def tensor_parallel_size(configs: list[PassConfig]) -> int:
     return shards[0].options.tp if shards else 1
 
 
+def pipeline_size(configs: list[PassConfig]) -> int:
+    """The pp of the pipeline's shard_pipeline pass (1 without one); not with tensor parallelism yet."""
+    stages = [c for c in configs if c.name == PIPELINE_PASS]
+    if len(stages) > 1:
+        raise PassError(f"the pipeline holds {PIPELINE_PASS} {len(stages)} times; split once (--pp N)")
+    pp = stages[0].options.pp if stages else 1
+    if pp > 1 and tensor_parallel_size(configs) > 1:
+        raise PassError("--tp with --pp: tensor and pipeline parallelism together are not built yet; "
+                        "compile with one of them")
+    return pp
+
+
 def run_passes(graph: Graph, configs: list[PassConfig], ctx: PassContext) -> tuple[list[Graph], list[PassRecord]]:
     """(one graph per rank, rank 0's pass records); the graph itself is rank 0's."""
-    tp = tensor_parallel_size(configs)
+    tp = tensor_parallel_size(configs) * pipeline_size(configs)
     if tp == 1:
         return [graph], _manager(configs, ctx).run(graph)
     before = [c for c in configs if c.stage < Stage.SHARD]
@@ -37,7 +51,8 @@ def run_passes(graph: Graph, configs: list[PassConfig], ctx: PassContext) -> tup
     for rank in range(tp):
         g = graph if rank == tp - 1 else graph.copy()
         rank_ctx = ctx if ctx.dump_ir is None else _with_dump(ctx, Path(ctx.dump_ir) / f"rank{rank}")
-        configured = [c.configure(rank=rank) if c.name == SHARD_PASS else c for c in after]
+        configured = [c.configure(rank=rank) if c.name == SHARD_PASS else
+                      c.configure(stage=rank) if c.name == PIPELINE_PASS else c for c in after]
         rank_records.append(_manager(configured, rank_ctx).run(g))
         graphs.append(g)
     return graphs, records + rank_records[0]
@@ -64,7 +79,7 @@ def _refuse_calibrated_after_shard(after: list[PassConfig]) -> None:
 
 
 def shard_record(records: list[PassRecord]) -> dict:
-    return next(r.details for r in records if r.name == SHARD_PASS)
+    return next(r.details for r in records if r.name in (SHARD_PASS, PIPELINE_PASS))
 
 
 def rank_entry(rank: int, graph: Graph, plan) -> dict:
@@ -75,8 +90,13 @@ def rank_entry(rank: int, graph: Graph, plan) -> dict:
     meta = graph.meta
     return {"dir": f"rank{rank}", "num_heads": meta["num_heads"], "num_kv_heads": meta["num_kv_heads"],
             "kv_bytes_per_token": meta["kv_bytes_per_token"], "weight_bytes": weight_bytes_by_dtype(graph),
-            "collectives": {op: sum(n.op == op for n in graph.nodes) for op in COLLECTIVE_OPS},
+            "collectives": _count(graph, COLLECTIVE_OPS) | {op: n for op, n in _count(graph, POINT_TO_POINT_OPS).items()
+                                                             if n},
             "activation_peak_bytes": plan.memory.peak_bytes}
+
+
+def _count(graph: Graph, ops: tuple[str, ...]) -> dict[str, int]:
+    return {op: sum(n.op == op for n in graph.nodes) for op in ops}
 
 
 def whole_model_meta(rank_meta: dict, details: dict, config) -> dict:
@@ -84,6 +104,11 @@ def whole_model_meta(rank_meta: dict, details: dict, config) -> dict:
     config of the unsharded model. Each rank's graph says the same but for its own heads and KV bytes."""
     from llmc.compiler.pipeline import hf_config_dict
 
+    if "pp" in details:  # pipeline stages: every layer's heads, the layers of all stages
+        layers = sum(details["split"])
+        kv = rank_meta["kv_bytes_per_token"] // rank_meta["num_layers"] * layers
+        return {**rank_meta, "num_layers": layers, "kv_bytes_per_token": kv,
+                "hf_config": hf_config_dict(config, rank_meta["num_kv_heads"])}
     heads, kv_heads = details["num_heads"], details["num_kv_heads"]
     per_head = rank_meta["kv_bytes_per_token"] // rank_meta["num_kv_heads"]
     return {**rank_meta, "num_heads": heads, "num_kv_heads": kv_heads, "kv_bytes_per_token": per_head * kv_heads,
@@ -91,8 +116,19 @@ def whole_model_meta(rank_meta: dict, details: dict, config) -> dict:
 
 
 def parallel_section(graphs: list[Graph], plans: list) -> dict:
-    return {"tp": len(graphs), "ranks": [rank_entry(r, g, p) for r, (g, p) in enumerate(zip(graphs, plans))]}
+    ranks = [rank_entry(r, g, p) for r, (g, p) in enumerate(zip(graphs, plans))]
+    if not any(n.op == "recv" for n in graphs[-1].nodes):
+        return {"tp": len(graphs), "ranks": ranks}
+    # pipeline stages: each rank's layers [first, stop); rank 0 receives the last stage's logits
+    first = 0
+    for entry, g in zip(ranks, graphs):
+        entry["layers"] = [first, first + g.meta["num_layers"]]
+        first += g.meta["num_layers"]
+        entry["num_layers"] = g.meta["num_layers"]
+    logits = graphs[-1].type_of(graphs[-1].outputs[0])
+    return {"tp": 1, "pp": len(graphs), "split": [g.meta["num_layers"] for g in graphs],
+            "logits": {"width": logits.shape[-1], "dtype": logits.dtype}, "ranks": ranks}
 
 
-__all__ = ["SHARD_PASS", "tensor_parallel_size", "run_passes", "shard_record", "whole_model_meta",
-           "parallel_section", "rank_entry"]
+__all__ = ["SHARD_PASS", "PIPELINE_PASS", "pipeline_size", "tensor_parallel_size", "run_passes", "shard_record",
+           "whole_model_meta", "parallel_section", "rank_entry"]

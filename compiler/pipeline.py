@@ -179,7 +179,7 @@ def pass_configs(tgt: Target, opts: CompileOptions, source_quantised: bool = Fal
     kv_cache = opts.kv_cache or (None if explicit else tgt.default_kv_cache)
     added = (prune_passes(opts.prune, opts.sparsity, opts.sparsity_method)
              + kv_heads_passes(opts.kv_heads, opts.kv_grouping)
-             + quant_passes(quant, opts.group_size) + shard_passes(opts.tp) + kv_cache_passes(kv_cache)
+             + quant_passes(quant, opts.group_size) + shard_passes(opts.tp, opts.pp, opts.pp_split) + kv_cache_passes(kv_cache)
              + added_passes(opts.add))
     configs = schedule(lowering_configs() + base, added)
     return apply_options(drop_disabled(configs, opts.disable), opts.pass_options)

@@ -179,9 +179,13 @@ def sparsity_options(sparsity: str | float) -> dict:
     return {"sparsity": value}
 
 
-def shard_passes(tp: int) -> list[PassConfig]:
-    """`--tp N`: tensor parallelism over N ranks (none for 1)."""
-    return [] if tp == 1 else configs("--tp", [("shard_tensor_parallel", {"tp": tp})])
+def shard_passes(tp: int, pp: int = 1, pp_split: str | None = None) -> list[PassConfig]:
+    """`--tp N`: tensor parallelism over N ranks; `--pp N [--pp-split A,B]`: N pipeline stages
+    (none for 1)."""
+    if pp_split is not None and pp == 1:
+        raise PassError(f"--pp-split {pp_split} splits pipeline stages; give --pp N with it")
+    tensor = [] if tp == 1 else configs("--tp", [("shard_tensor_parallel", {"tp": tp})])
+    return tensor + ([] if pp == 1 else configs("--pp", [("shard_pipeline", {"pp": pp, "split": pp_split or ""})]))
 
 
 def added_passes(add: list[str]) -> list[PassConfig]:

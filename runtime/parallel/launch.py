@@ -182,12 +182,17 @@ def start_ranks(path, manifest: dict, executor, cache, threads: int, device) -> 
     if device.type != "cpu":
         raise RuntimeLlmcError(f"artifact '{path}' is tensor-parallel; this llmc runs its ranks on the CPU "
                                f"(gloo) only, not on {device.type}; load it with device='cpu'")
+    if joined_runner is not None:
+        return joined_runner(manifest, executor, cache)
     if torch.distributed.is_initialized():
         raise RuntimeLlmcError(f"cannot start the ranks of '{path}': this process already belongs to a "
                                f"torch.distributed group (another tensor-parallel LLM still runs here); close "
                                f"that one first (LLM.close())")
     if "logits_indices" not in executor.plan.inputs:
         raise RuntimeLlmcError(f"artifact '{path}': its plan takes no logits_indices; recompile it")
+    if manifest["parallel"].get("pp", 1) > 1:
+        from llmc.runtime.parallel.pipeline import PipelineModelRunner
+        return PipelineModelRunner(path, manifest, executor, cache, threads)
     return ShardedModelRunner(path, manifest, executor, cache, threads)
 
 

@@ -1,0 +1,59 @@
+"""A follower pipeline stage: loads its own plan, weights and KV cache (its layers only), joins the
+ranks' group, and runs each step rank 0 sends down its stdin through its stage (pipeline_step.py)
+until told to stop; otherwise as worker.py, whose loading and exit rules it shares."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from llmc.errors import LlmcError
+from llmc.runtime.executor import PlanExecutor
+from llmc.runtime.parallel.group import REPORT, STOP, gather_stats, join_group, receive
+from llmc.runtime.parallel.pipeline_step import run_stage
+from llmc.runtime.parallel.step_batch import StepBatch
+from llmc.runtime.parallel.worker import load_rank, say
+from llmc.runtime.threads import apply_threads
+
+
+@torch.inference_mode()
+def follow(messages, stages: int, executor: PlanExecutor, cache, attention) -> None:
+    while True:
+        kind, payload = receive(messages)
+        if kind == STOP:
+            return
+        if kind == REPORT:
+            gather_stats()
+            continue
+        run_stage(StepBatch.decode(payload), stages, executor, cache, attention)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmc.runtime.parallel.pipeline_worker")
+    for name in ("rank", "world", "port", "blocks", "block-size", "threads"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("artifact")
+    args = parser.parse_args(argv)
+    apply_threads(args.threads)
+    try:
+        executor, cache, _ = load_rank(args.artifact, args.rank, args.blocks, args.block_size)
+    except LlmcError as e:
+        say(error=str(e))
+        return 2
+    say(loaded=True)
+    try:
+        join_group(args.rank, args.world, args.port, args.timeout)
+        follow(sys.stdin.buffer, args.world, executor, cache, executor.paged_backend(cache))
+    except RuntimeError:  # rank 0 stopped, or a rank died: rank 0 reports it, this one just ends
+        os._exit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
