@@ -294,5 +294,6 @@ def resolve_kernel(name: str) -> Callable[..., list[torch.Tensor]]:
 
 __all__ = ["CPU_KERNELS", "RopeCache", "kernel", "resolve_kernel"]
 
-# the collectives register themselves as cpu.all_reduce / cpu.all_gather (they need `kernel` above)
-from llmc.codegen import cpu_collectives  # noqa: E402,F401
+# the collectives register themselves as cpu.all_reduce / cpu.all_gather, the sparse MoE kernel as
+# cpu.moe (they need `kernel` above)
+from llmc.codegen import cpu_collectives, cpu_moe  # noqa: E402,F401

@@ -16,6 +16,7 @@ from llmc.codegen.triton_attention import (
 from llmc.codegen.triton_configs import attention_config, tile_config
 from llmc.codegen.triton_elementwise import render_rms_norm, render_rotary, render_swiglu
 from llmc.codegen.triton_gemm import GROUPED_SCHEMES, render_dequant_gemm, render_w8a8_gemm
+from llmc.codegen.triton_moe import render_moe
 from llmc.codegen.triton_render import RenderedKernel
 from llmc.compiler.ir import TensorType
 from llmc.compiler.ops import qlinear_inputs
@@ -37,6 +38,11 @@ def swiglu_kernels(attrs, ins, outs: list[TensorType], target, configs, kv_cache
 
 def rope_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
     return [render_rotary(target, ins[0].dtype, attrs["head_dim"], rotate_k=False)]
+
+
+def moe_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
+    x, down = ins[0], ins[3]
+    return list(render_moe(target, x.dtype, x.shape[-1], down.shape[-1]))
 
 
 def qlinear_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
@@ -78,7 +84,7 @@ def attention_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_ca
 KERNEL_OPS: dict[str, Callable[..., list[RenderedKernel]]] = {
     "rms_norm": rms_norm_kernels, "add_rms_norm": rms_norm_kernels, "swiglu": swiglu_kernels,
     "rope": rope_kernels, "qlinear": qlinear_kernels, "attention": attention_kernels,
-    "flash_attention": attention_kernels,
+    "flash_attention": attention_kernels, "moe": moe_kernels,
 }
 
 
@@ -105,6 +111,8 @@ GRIDS = {
     "quantize_int8.py.j2": "(tokens,)",
     "rms_norm.py.j2": "(tokens,)",
     "swiglu.py.j2": "(tokens, cdiv(intermediate, BLOCK))",
+    "moe_up.py.j2": "(tokens * top_k, cdiv(intermediate, BLOCK_N))",
+    "moe_down.py.j2": "(tokens * top_k, cdiv(hidden, BLOCK_N))",
     "rotary.py.j2": "(tokens, cdiv(heads, HEADS))",
     "kv_cache_write.py.j2": "(tokens,)",
     "flash_attention_prefill.py.j2": "(cdiv(max_query_len, BLOCK_M), prefill seqs, num_heads)",

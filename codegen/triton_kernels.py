@@ -16,6 +16,7 @@ from llmc.codegen.triton_elementwise import rms_norm as launch_rms_norm
 from llmc.codegen.triton_elementwise import rotary
 from llmc.codegen.triton_elementwise import swiglu as launch_swiglu
 from llmc.codegen.triton_gemm import GROUPED_SCHEMES, dequant_gemm, w8a8_gemm
+from llmc.codegen.triton_moe import moe as launch_moe
 from llmc.compiler.ops import OPS, qlinear_inputs, split_kv_scales
 from llmc.errors import ArtifactError, RuntimeLlmcError
 
@@ -59,6 +60,11 @@ def swiglu(*inputs, target, **attrs):
 @kernel("rope", context=("target",))
 def rope(x, positions, inv_freq, *, head_dim, scaling=1.0, target, **attrs):
     return [rotary(x, positions, inv_freq, head_dim=head_dim, scaling=scaling, target=target)]
+
+
+@kernel("moe", context=("target",))
+def moe(x, router, gate_up, down, *, top_k, target, **attrs):
+    return [launch_moe(x, router, gate_up, down, top_k=top_k, target=target)]
 
 
 @kernel("qlinear", context=("target", "launch_configs"))

@@ -17,6 +17,7 @@ import torch
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.lower_heads import flat_heads, new_param, raise_column_splits, raise_linear_forms, subgraph_for
+from llmc.compiler.lower_moe import raise_moe
 from llmc.compiler.ops import ATTENTION_OPS, OPS, infer_types
 from llmc.compiler.trace import ATTENTION_WINDOWS, TOKENS
 from llmc.errors import IRError
@@ -742,6 +743,7 @@ def lower(g: Graph) -> dict[str, int]:
     stats = {"linear": raise_linear_forms(g), "column_splits": raise_column_splits(g),
              "rms_norm": raise_rms_norm(g)}  # q/k norms are per head
     stats["attention"] = raise_attention(g)
+    stats["moe"] = raise_moe(g)
     stats["simple"] = raise_simple(g)
     return stats
 

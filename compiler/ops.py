@@ -538,6 +538,41 @@ def partial_rope_ref(x, positions, inv_freq, *, head_dim, rotary_dim, scaling=1.
     return [torch.cat([turned.reshape(turned.shape[:-1] + (-1, rotary_dim)), kept], dim=-1).reshape(x.shape)]
 
 
+def _moe_type(ts, attrs):
+    x, router, gate_up, down = ts
+    _want(x, "moe input", rank=2)
+    experts, hidden = router.shape if router.rank == 2 else (None, None)
+    _want(router, "moe router weight", (x.dtype,), shape=(experts, x.shape[-1]))
+    if not isinstance(experts, int) or not 0 < attrs["top_k"] <= experts:
+        raise IRError(f"moe: top_k {attrs['top_k']} must be in 1..{experts} (the router's experts)")
+    _want(gate_up, "moe gate_up weight", (x.dtype,), rank=3)
+    inter = gate_up.shape[1] // 2
+    _want(gate_up, "moe gate_up weight", (x.dtype,), shape=(experts, 2 * inter, hidden))
+    _want(down, "moe down weight", (x.dtype,), shape=(experts, hidden, inter))
+    return [x]
+
+
+def moe_routing(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, top_k] in fp32, expert ids [tokens, top_k]): softmax over the router's
+    logits in fp32, the top_k experts, their probabilities renormalised to sum to 1 (Mixtral)."""
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), experts
+
+
+@op("moe", _moe_type, attrs=AttrSpec({"top_k": COUNT}), inputs=4)
+def moe_ref(x, router, gate_up, down, *, top_k, **attrs):
+    """Sparse mixture of SwiGLU experts: each token's output is the routing-weighted sum, over its
+    top_k experts e, of down[e] @ (silu(gate[e] @ x) * (up[e] @ x)), with gate_up[e] = [gate; up].
+    Written densely here (every expert on every token, weighted by a mostly-zero routing matrix)."""
+    weights, experts = moe_routing(x, router, top_k)
+    dense = torch.zeros(x.shape[0], router.shape[0], dtype=torch.float32, device=x.device)
+    dense.scatter_(1, experts, weights)
+    gate, up = torch.einsum("th,eih->tei", x, gate_up).chunk(2, dim=-1)
+    outs = torch.einsum("tei,ehi->teh", F.silu(gate) * up, down)
+    return [(outs.float() * dense[..., None]).sum(1).to(x.dtype)]
+
+
 # `kv_cache`: the dtype a quantised KV cache stores; the op then takes the layer's static scales
 # (fp32 [2, kv_heads]: keys, values) as its last input and reads keys and values through them.
 ATTENTION_ATTRS = AttrSpec({"layer": INDEX, "num_heads": COUNT, "num_kv_heads": COUNT, "head_dim": COUNT,

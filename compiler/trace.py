@@ -13,6 +13,7 @@ from torch.export.graph_signature import InputKind
 
 from llmc.compiler.frontends.config_check import attention_windows
 from llmc.compiler.ir import Graph, TensorType
+from llmc.compiler.lower_moe import moe_blocks_as_ops
 from llmc.compiler.ops import DTYPE_NAMES
 from llmc.errors import IRError
 
@@ -41,7 +42,7 @@ def export_lm(model: torch.nn.Module, max_tokens: int = 4096, example_tokens: in
     vocab = getattr(config, "vocab_size", 2)
     ids = torch.randint(0, vocab, (example_tokens,), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(example_tokens)
-    with torch.no_grad(), no_stack_traces():
+    with torch.no_grad(), no_stack_traces(), moe_blocks_as_ops(model):
         ep = torch.export.export(wrapper, (ids, pos), dynamic_shapes=({0: tokens}, {0: tokens}), strict=False)
     if config is not None:  # lowering checks the traced masks against the config's windows
         ep.graph_module.meta[ATTENTION_WINDOWS] = attention_windows(config)

@@ -68,6 +68,7 @@ def select_linears(graph: Graph, include_lm_head: bool, skip: list[str],
                    ) -> tuple[list[Node], dict[str, list[str]]]:
     """(linears to quantise, {reason: weight names} of those left alone); `check` adds a
     format's own reasons (a group size that does not divide K)."""
+    refuse_expert_weights(graph)
     heads = lm_head_weights(graph)
     chosen, skipped = [], {}
     for node in graph.nodes:
@@ -79,6 +80,14 @@ def select_linears(graph: Graph, include_lm_head: bool, skip: list[str],
         else:
             skipped.setdefault(reason, []).append(node.inputs[1])
     return chosen, skipped
+
+
+def refuse_expert_weights(graph: Graph) -> None:
+    """The weight-quantising passes cover linears: a `moe` op's experts would silently stay float."""
+    moe = next((n for n in graph.nodes if n.op == "moe"), None)
+    if moe is not None:
+        raise PassError(f"node {moe.name} (moe): weight quantisation covers linears, not a mixture of experts' "
+                        f"expert weights, which would stay in float; compile this model without --quant")
 
 
 def quant_param_names(weight: str) -> dict[str, str]:

@@ -15,6 +15,37 @@ TOKENIZER = build_tiny_tokenizer()
 VOCAB = len(TOKENIZER)
 SPECIAL = dict(bos_token_id=TOKENIZER.bos_token_id, eos_token_id=TOKENIZER.eos_token_id,
                pad_token_id=TOKENIZER.pad_token_id)
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128, **SPECIAL)
+
+
+def _config(cls, **fields):
+    return lambda **overrides: cls(**{**fields, **overrides})
+
+
+# One tiny config per architecture llmc compiles (keyword overrides change any field); the
+# architecture tests and compiler/architectures.py's table name them by these keys.
+ARCHS = {
+    "llama": _config(transformers.LlamaConfig, **SIZES, num_key_value_heads=2),
+    "mistral": _config(transformers.MistralConfig, **SIZES, num_key_value_heads=2, sliding_window=16),
+    "qwen2": _config(transformers.Qwen2Config, **SIZES, num_key_value_heads=2),
+    "qwen3": _config(transformers.Qwen3Config, **SIZES, num_key_value_heads=2, head_dim=16),
+    "gemma": _config(transformers.GemmaConfig, **SIZES, num_key_value_heads=1, head_dim=16),
+    "gemma2": _config(transformers.Gemma2Config, **SIZES, num_key_value_heads=2, head_dim=16, sliding_window=16),
+    "phi3": _config(transformers.Phi3Config, **SIZES, num_key_value_heads=2),
+    "gpt_neox": _config(transformers.GPTNeoXConfig, **SIZES, rotary_pct=0.25, use_parallel_residual=True),
+    "gpt2": _config(transformers.GPT2Config, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                    **SPECIAL),
+    "opt": _config(transformers.OPTConfig, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, ffn_dim=128, max_position_embeddings=128, word_embed_proj_dim=64,
+                   **SPECIAL),
+    "falcon": _config(transformers.FalconConfig, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=128, **SPECIAL),
+    "starcoder2": _config(transformers.Starcoder2Config, **SIZES, num_key_value_heads=2),
+    "olmo": _config(transformers.OlmoConfig, **SIZES, num_key_value_heads=2),
+    "mixtral": _config(transformers.MixtralConfig, **SIZES, num_key_value_heads=2, num_local_experts=4,
+                       num_experts_per_tok=2),
+}
 
 
 def tiny_module(config: transformers.PretrainedConfig, seed: int) -> torch.nn.Module:
