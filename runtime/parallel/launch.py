@@ -29,10 +29,13 @@ from llmc.runtime.parallel.group import (
     leave_group,
     send,
 )
+from llmc.runtime.parallel.ring_attention import ring_backend, ring_threshold
 from llmc.runtime.parallel.step_batch import StepBatch
 from llmc.runtime.threads import apply_threads
 
 LOAD_TIMEOUT_S = 600.0   # a follower reads and hashes its weights before it says it loaded
+# set by llmc.runtime.launch under torchrun, where every rank already runs: (manifest, executor, cache) -> runner
+joined_runner = None
 
 
 @dataclass
@@ -83,8 +86,9 @@ class ShardedModelRunner:
     def __init__(self, path, manifest: dict, executor, cache, threads: int):
         tp = manifest["parallel"]["tp"]
         self.tp, self.executor, self.cache = tp, executor, cache
-        self.attention = executor.paged_backend(cache)
         self.timeout = collective_timeout()
+        self.ring_threshold = ring_threshold()  # one value for every rank: the followers get rank 0's
+        self.attention = ring_backend(executor.paged_backend(cache), manifest, self.ring_threshold, self.timeout)
         threads = max(1, threads // tp)  # --threads is the machine's: each rank computes with its share
         apply_threads(threads)
         port = free_port()
@@ -100,7 +104,8 @@ class ShardedModelRunner:
 
     def _start(self, path, rank: int, port: int, threads: int) -> subprocess.Popen:
         args = {"rank": rank, "world": self.tp, "port": port, "blocks": self.cache.k_cache[0].shape[0],
-                "block-size": self.cache.block_size, "threads": threads, "timeout": self.timeout}
+                "block-size": self.cache.block_size, "threads": threads, "timeout": self.timeout,
+                "ring-threshold": self.ring_threshold}
         command = [sys.executable, "-m", "llmc.runtime.parallel.worker",
                    *[f"--{k}={v}" for k, v in args.items()], str(path)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -183,9 +183,14 @@ class RingPagedAttention(PagedAttention):
         return out
 
 
-def ring_backend(backend, threshold: int, whole_heads: int, timeout: float):
-    """The rank's paged attention backend, with ring attention for prefills of `threshold` tokens."""
-    if threshold <= 0 or type(backend) is not PagedAttention:
+def ring_backend(backend, manifest: dict, threshold: int, timeout: float):
+    """The rank's paged attention backend, with ring attention for prefills of `threshold` tokens.
+    Kept as it is when ring attention is off, the backend is not the CPU one, the ranks are also
+    pipeline stages (the ring spans the whole group), or the manifest does not say the model's heads."""
+    hf = manifest["model"].get("hf_config") or {}
+    whole_heads = hf.get("num_attention_heads", hf.get("n_head"))
+    pipelined = manifest["parallel"].get("pp", 1) > 1
+    if threshold <= 0 or type(backend) is not PagedAttention or pipelined or not isinstance(whole_heads, int):
         return backend
     return RingPagedAttention(backend.cache, threshold, whole_heads, timeout)
 

@@ -20,12 +20,15 @@ from llmc.runtime.kernel_check import verified_plan
 from llmc.runtime.kv_quant import is_quantized_kv
 from llmc.runtime.paged_attention import PagedKVCache
 from llmc.runtime.parallel.group import REPORT, STOP, gather_stats, join_group, receive
+from llmc.runtime.parallel.ring_attention import ring_backend
 from llmc.runtime.parallel.step_batch import StepBatch
 from llmc.runtime.threads import apply_threads
 
 
-def load_rank(path: str, rank: int, num_blocks: int, block_size: int):
-    """(executor, cache, attention backend) of rank `rank`: its plan and weights only."""
+def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_threshold: int = 0,
+              timeout: float = 60.0):
+    """(executor, cache, attention backend) of rank `rank`: its plan and weights only; prefills of
+    `ring_threshold` tokens or more run ring attention (0: never)."""
     art = read_artifact(path, rank=rank)
     model = art.manifest["model"]
     dtype = TORCH_DTYPES[model["kv_cache"]["dtype"]]
@@ -34,7 +37,8 @@ def load_rank(path: str, rank: int, num_blocks: int, block_size: int):
                                f"recompile with --kv-cache none")
     executor = PlanExecutor(verified_plan(art), art.weights, "cpu")
     cache = PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"], model["head_dim"], dtype)
-    return executor, cache, executor.paged_backend(cache)
+    attention = ring_backend(executor.paged_backend(cache), art.manifest, ring_threshold, timeout)
+    return executor, cache, attention
 
 
 @torch.inference_mode()
@@ -57,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmc.runtime.parallel.worker")
     for name in ("rank", "world", "port", "blocks", "block-size", "threads"):
         parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--ring-threshold", type=int, default=0)
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     try:
-        state = load_rank(args.artifact, args.rank, args.blocks, args.block_size)
+        state = load_rank(args.artifact, args.rank, args.blocks, args.block_size, args.ring_threshold, args.timeout)
     except LlmcError as e:
         say(error=str(e))
         return 2

@@ -1,14 +1,21 @@
 """Ring attention (runtime/parallel/ring_attention.py) on real gloo ranks equals full causal
 attention (torch SDPA in float64) within 1e-5: world 2 and 3, odd lengths, grouped-query heads,
-with the heads split over the ranks (tensor parallel) or replicated on each."""
+with the heads split over the ranks (tensor parallel) or replicated on each. End to end, a tiny
+Llama (6 query heads, 3 KV heads) compiled with --tp 3 and served on three gloo ranks, its prompt
+above the ring threshold, gives HF's next-token log-probabilities (1e-4) and greedy tokens."""
 
 import json
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+import llmc
+from llmc import SamplingParams
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.parallel import ring_attention as ring
 from llmc.runtime.parallel.group import free_port, join_group, leave_group
 from llmc.runtime.parallel.ring_attention import ring_attention, sequence_parallel_attention, slices
 
@@ -80,6 +87,49 @@ def test_ring_attention_equals_full_causal_attention_on_2_and_3_gloo_ranks():
 def test_slices_are_contiguous_and_cover_the_sequence():
     assert slices(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert slices(4, 2) == [(0, 2), (2, 4)]
+
+
+def test_the_threshold_is_a_whole_number_of_tokens(monkeypatch):
+    monkeypatch.setenv(ring.THRESHOLD_ENV, "lots")
+    with pytest.raises(RuntimeLlmcError, match=r"LLMC_RING_ATTENTION_THRESHOLD='lots' is not a whole number"):
+        ring.ring_threshold()
+    monkeypatch.delenv(ring.THRESHOLD_ENV)
+    assert ring.ring_threshold() == ring.DEFAULT_THRESHOLD
+
+
+def tiny_tp3(folder):
+    """(a tiny Llama whose heads, KV heads and MLP split over 3 ranks, compiled with --tp 3; HF's module)."""
+    from tiny_hf_models import SPECIAL, VOCAB, save_checkpoint
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512, **SPECIAL)
+    module = save_checkpoint(config, folder / "hf", seed=11)
+    return llmc.compile(str(folder / "hf"), target="cpu", output=folder / "tiny-tp3.llmc", tp=3), module
+
+
+def test_a_prompt_above_the_threshold_runs_ring_attention_and_gives_hfs_logits_and_tokens(tmp_path, monkeypatch):
+    from tiny_hf_models import VOCAB, hf_greedy, hf_logits
+
+    artifact, module = tiny_tp3(tmp_path)
+    rings = []
+    def counted(q, *args, **kwargs):  # rank 0's calls; the followers ring with it or the step fails
+        rings.append(q.shape[0])
+        return sequence_parallel_attention(q, *args, **kwargs)
+    monkeypatch.setattr(ring, "sequence_parallel_attention", counted)
+    monkeypatch.setenv(ring.THRESHOLD_ENV, "32")
+    ids = torch.randint(3, VOCAB, (101,), generator=torch.Generator().manual_seed(5)).tolist()
+    model = llmc.load(artifact, threads=1)
+    try:
+        out = model.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=16, temperature=0, logprobs=5,
+                                                                       ignore_eos=True))[0].outputs[0]
+    finally:
+        model.close()
+    assert rings == [101, 101]  # the prefill, in both layers; the decodes take the normal path
+    want = torch.log_softmax(hf_logits(module, ids)[-1].double(), dim=-1)
+    for token, lp in out.logprobs[0].items():
+        assert abs(lp.logprob - want[token].item()) < 1e-4
+    assert out.token_ids == hf_greedy(module, ids, 16)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,212 @@
+"""Serve a tensor-parallel artifact on ranks that torchrun (or any launcher setting RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT) started, on one machine or several:
+
+    torchrun --nnodes 1 --nproc-per-node 3 -m llmc.runtime.launch smol-tp3.llmc --prompt "Hello"
+
+    # two machines, two ranks each (a --tp 4 artifact, at the same path on both):
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr HOST0 --master-port 29500 \
+        -m llmc.runtime.launch m.llmc --prompt "Hello"          # on HOST0; --node-rank 1 on the other
+
+Every rank joins the gloo group by env rendezvous. Rank 0 loads the engine, schedules, samples and
+prints each prompt's completion; the others load their own plan and weights and run each step rank 0
+broadcasts on a second gloo group (its messages: setup, step, report, stop). The group's collectives
+time out after LLMC_COLLECTIVE_TIMEOUT seconds; a rank that dies fails its peers' next collective, and
+each rank then exits with one error line (torchrun stops the rest). `llmc run` starts the ranks of
+one machine itself; this entry is for rendezvous across machines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from llmc.errors import LlmcError, RuntimeLlmcError
+from llmc.runtime.parallel import launch as parallel_launch
+from llmc.runtime.parallel.group import REPORT, STEP, STOP, collective_timeout, gather_stats
+from llmc.runtime.parallel.ring_attention import ring_backend, ring_threshold
+from llmc.runtime.parallel.step_batch import StepBatch
+from llmc.runtime.parallel.worker import load_rank
+from llmc.runtime.threads import apply_threads
+
+SETUP = 3                   # rank 0's first message: the KV cache's blocks and block size, the ring threshold
+WAIT_TIMEOUT_S = 3600.0     # a follower waits this long for rank 0's next message (rank 0 may be loading)
+RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def broadcast_message(control, kind: int, payload: torch.Tensor | None = None) -> None:
+    """Rank 0: tell every follower what comes next (kind and an int64 payload)."""
+    size = 0 if payload is None else payload.numel()
+    dist.broadcast(torch.tensor([kind, size], dtype=torch.int64), 0, group=control)
+    if size:
+        dist.broadcast(payload.to(torch.int64), 0, group=control)
+
+
+def receive_message(control) -> tuple[int, torch.Tensor | None]:
+    header = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(header, 0, group=control)
+    kind, size = header.tolist()
+    if not size:
+        return kind, None
+    payload = torch.zeros(size, dtype=torch.int64)
+    dist.broadcast(payload, 0, group=control)
+    return kind, payload
+
+
+class TorchrunRunner:
+    """ModelRunner's `execute` for rank 0 when torchrun started every rank (see ShardedModelRunner)."""
+
+    def __init__(self, control, manifest: dict, executor, cache):
+        self.control, self.executor, self.cache = control, executor, cache
+        self.world, self.timeout, self.stopped = dist.get_world_size(), collective_timeout(), False
+        threshold = ring_threshold()
+        self.attention = ring_backend(executor.paged_backend(cache), manifest, threshold, self.timeout)
+        setup = torch.tensor([cache.k_cache[0].shape[0], cache.block_size, threshold])
+        self._collective(lambda: (broadcast_message(control, SETUP, setup), dist.barrier(group=control)))
+
+    @torch.inference_mode()
+    def execute(self, scheduled, sampled, blocks_to_copy, drafts=None) -> torch.Tensor:
+        if drafts:
+            raise RuntimeLlmcError("speculative decoding does not run on a tensor-parallel artifact yet; "
+                                   "load it without a speculative config")
+        batch = StepBatch.from_schedule(scheduled, sampled, blocks_to_copy)
+        return self._collective(lambda: (broadcast_message(self.control, STEP, batch.encode()),
+                                         batch.run(self.executor, self.cache, self.attention))[1])
+
+    def rank_stats(self) -> list[dict]:
+        return self._collective(lambda: (broadcast_message(self.control, REPORT), gather_stats())[1])
+
+    def _collective(self, work):
+        if self.stopped:
+            raise RuntimeLlmcError(f"the {self.world} torchrun ranks stopped after a failed collective")
+        try:
+            return work()
+        except RuntimeError as e:  # a collective failed (a rank exited) or timed out (a rank hung)
+            self.stopped = True
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise RuntimeLlmcError(f"a collective across the {self.world} torchrun ranks failed or timed out "
+                                   f"(limit {self.timeout:g} s, {first[:160]}); a rank exited or hung, the run "
+                                   f"stopped") from None
+
+    def close(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            try:
+                broadcast_message(self.control, STOP)
+            except RuntimeError:  # a follower already gone: nothing to stop
+                pass
+
+
+@torch.inference_mode()
+def follow(control, path: str, rank: int, timeout: float) -> None:
+    """A follower: load this rank's part once rank 0 says the cache size, then run its steps."""
+    kind, setup = receive_message(control)
+    if kind != SETUP:
+        return
+    blocks, block_size, threshold = setup.tolist()
+    executor, cache, attention = load_rank(path, rank, blocks, block_size, threshold, timeout)
+    dist.barrier(group=control)
+    while True:
+        kind, payload = receive_message(control)
+        if kind == STOP:
+            return
+        if kind == REPORT:
+            gather_stats()
+            continue
+        if kind == STEP:
+            StepBatch.decode(payload).run(executor, cache, attention)
+
+
+def lead(control, args) -> None:
+    """Rank 0: the engine, whose runner drives the followers; each completion printed."""
+    import llmc
+    from llmc.runtime.sampling_params import SamplingParams
+
+    parallel_launch.joined_runner = lambda manifest, executor, cache: TorchrunRunner(control, manifest, executor, cache)
+    model = llmc.load(args.artifact, device="cpu", threads=args.threads, kv_memory=args.kv_memory)
+    print(f"llmc.runtime.launch: {dist.get_world_size()} ranks ready", file=sys.stderr, flush=True)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+        for prompt, out in zip(args.prompt, model.generate(args.prompt, params)):
+            completion = out.outputs[0]
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids}))
+            else:
+                print(completion.text)
+            sys.stdout.flush()
+    finally:
+        model.close()
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="torchrun ... -m llmc.runtime.launch",
+                                     description="serve a tensor-parallel llmc artifact on torchrun's ranks")
+    parser.add_argument("artifact")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each rank")
+    parser.add_argument("--kv-memory", default="256MiB", help="rank 0's KV cache budget (the followers match it)")
+    parser.add_argument("--json", action="store_true", help="one JSON line per prompt: prompt, text, token_ids")
+    return parser.parse_args(argv)
+
+
+def rendezvous_env() -> tuple[int, int]:
+    """(rank, world size) that torchrun set."""
+    missing = [name for name in RENDEZVOUS_ENV if not os.environ.get(name)]
+    if missing:
+        raise RuntimeLlmcError(f"llmc.runtime.launch: {', '.join(missing)} not set; start it with torchrun "
+                               f"(torchrun --nproc-per-node N -m llmc.runtime.launch ART ...) or set them")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def check_world(path: str, world: int) -> None:
+    """The artifact is tensor-parallel over exactly `world` ranks."""
+    from pathlib import Path
+
+    from llmc.compiler.artifact import read_manifest
+
+    parallel = read_manifest(Path(path)).get("parallel") or {}
+    if parallel.get("pp", 1) != 1 or parallel.get("tp", 1) == 1:
+        raise RuntimeLlmcError(f"artifact '{path}' is not tensor-parallel only (tp {parallel.get('tp', 1)}, pp "
+                               f"{parallel.get('pp', 1)}); this entry serves --tp artifacts; use `llmc run` otherwise")
+    if parallel["tp"] != world:
+        raise RuntimeLlmcError(f"artifact '{path}' has {parallel['tp']} ranks but torchrun started {world}; "
+                               f"make --nnodes x --nproc-per-node = {parallel['tp']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    apply_threads(args.threads)
+    rank = os.environ.get("RANK", "?")
+    try:
+        rank, world = rendezvous_env()
+        check_world(args.artifact, world)
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=collective_timeout()))
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=WAIT_TIMEOUT_S))
+        if rank == 0:
+            lead(control, args)
+        else:
+            follow(control, args.artifact, rank, collective_timeout())
+    except LlmcError as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    except RuntimeError as e:  # a follower's collective failed: a rank exited or hung
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"error: rank {rank}: a collective failed or timed out ({first[:160]}); a rank exited or hung, "
+              f"this rank stopped", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # at once: no goodbye collective with ranks that may be gone
