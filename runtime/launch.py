@@ -60,10 +60,9 @@ def receive_message(control) -> tuple[int, torch.Tensor | None]:
 class TorchrunRunner:
     """ModelRunner's `execute` for rank 0 when torchrun started every rank (see ShardedModelRunner)."""
 
-    def __init__(self, control, manifest: dict, executor, cache):
+    def __init__(self, control, manifest: dict, executor, cache, threshold: int):
         self.control, self.executor, self.cache = control, executor, cache
         self.world, self.timeout, self.stopped = dist.get_world_size(), collective_timeout(), False
-        threshold = ring_threshold()
         self.attention = ring_backend(executor.paged_backend(cache), manifest, threshold, self.timeout)
         setup = torch.tensor([cache.k_cache[0].shape[0], cache.block_size, threshold])
         self._collective(lambda: (broadcast_message(control, SETUP, setup), dist.barrier(group=control)))
@@ -126,7 +125,12 @@ def lead(control, args) -> None:
     import llmc
     from llmc.runtime.sampling_params import SamplingParams
 
-    parallel_launch.joined_runner = lambda manifest, executor, cache: TorchrunRunner(control, manifest, executor, cache)
+    threshold = ring_threshold() if args.ring_attention_threshold is None else args.ring_attention_threshold
+
+    def runner(manifest, executor, cache):
+        return TorchrunRunner(control, manifest, executor, cache, threshold)
+
+    parallel_launch.joined_runner = runner
     model = llmc.load(args.artifact, device="cpu", threads=args.threads, kv_memory=args.kv_memory)
     print(f"llmc.runtime.launch: {dist.get_world_size()} ranks ready", file=sys.stderr, flush=True)
     try:
@@ -152,6 +156,9 @@ def parse_args(argv):
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each rank")
     parser.add_argument("--kv-memory", default="256MiB", help="rank 0's KV cache budget (the followers match it)")
+    parser.add_argument("--ring-attention-threshold", type=int, metavar="TOKENS",
+                        help="prefills of this many tokens or more run ring attention across the ranks (0: never; "
+                             "default LLMC_RING_ATTENTION_THRESHOLD, else 4096); rank 0's value holds for all")
     parser.add_argument("--json", action="store_true", help="one JSON line per prompt: prompt, text, token_ids")
     return parser.parse_args(argv)
 

@@ -1,7 +1,8 @@
 """`torchrun ... -m llmc.runtime.launch` on one machine: three ranks of a --tp 3 tiny Llama joined by
-env rendezvous (one thread each) print the in-process launcher's greedy tokens and leave no process
-behind; a killed rank makes the others exit, each with one error line, well within the collective
-timeout; without torchrun's environment, or with the wrong number of ranks, the entry says so."""
+env rendezvous (one thread each), their prompts' prefills run by ring attention, print the
+in-process launcher's greedy tokens (no ring attention there) and leave no process behind; a
+killed rank makes the others exit, each with one error line, well within the collective timeout;
+without torchrun's environment, or with the wrong number of ranks, the entry says so."""
 
 import json
 import os
@@ -16,6 +17,7 @@ import llmc
 from llmc import SamplingParams
 from llmc.runtime import launch
 from llmc.runtime.parallel.group import TIMEOUT_ENV, free_port
+from llmc.runtime.parallel.ring_attention import THRESHOLD_ENV
 
 PROMPTS = ["The river starts as a thin stream", "Numbers help us count"]
 
@@ -45,11 +47,13 @@ def left_behind(artifact) -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if str(artifact) in " ".join(p.info["cmdline"] or [])]
 
 
-def test_torchrun_ranks_print_the_in_process_launchers_greedy_tokens(tp3_artifact):
-    proc = torchrun(tp3_artifact, "--max-tokens", "16", "--json", *[a for p in PROMPTS for a in ("--prompt", p)])
+def test_torchrun_ranks_print_the_in_process_launchers_greedy_tokens(tp3_artifact, monkeypatch):
+    proc = torchrun(tp3_artifact, "--max-tokens", "16", "--json", "--ring-attention-threshold", "8",
+                    *[a for p in PROMPTS for a in ("--prompt", p)])
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     got = [json.loads(line) for line in out.splitlines()]
+    monkeypatch.setenv(THRESHOLD_ENV, "0")
     model = llmc.load(tp3_artifact, threads=1)
     try:
         want = model.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0))
