@@ -35,9 +35,14 @@ class TokenHistory:
 def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens following the latest earlier match of the longest suffix of `tokens` with
     min_n <= n <= max_n tokens; [] when no suffix of min_n tokens occurred before."""
+    return lookup(tokens, k, min_n, max_n)[0]
+
+
+def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """propose_ngram's drafts and the length n of the suffix they matched (0: none)."""
     length = len(tokens)
     if length <= min_n or k <= 0:
-        return []
+        return [], 0
     # run[i]: how many of the suffix's last tokens match the tokens ending at i (up to max_n);
     # a match must end before the last token, leaving at least one token to propose
     matched = np.ones(length - 1, dtype=bool)
@@ -48,9 +53,9 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
         run += matched
     best = run.max()
     if best < min_n:
-        return []
+        return [], 0
     end = int(np.flatnonzero(run == best)[-1])
-    return tokens[end + 1:end + 1 + k].tolist()
+    return tokens[end + 1:end + 1 + k].tolist(), int(best)
 
 
 class NgramProposer:
@@ -61,7 +66,11 @@ class NgramProposer:
         self.histories: dict[int, TokenHistory] = {}
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        return [propose_ngram(self._history(s).sync(), k, self.min_n, self.max_n) for s, k in zip(seqs, ks)]
+        return [drafts for drafts, _ in self.lookups(seqs, ks)]
+
+    def lookups(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], int]]:
+        """(drafts, matched suffix length) per sequence."""
+        return [lookup(self._history(s).sync(), k, self.min_n, self.max_n) for s, k in zip(seqs, ks)]
 
     def _history(self, seq: Sequence) -> TokenHistory:
         history = self.histories.get(seq.seq_id)

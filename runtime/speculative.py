@@ -22,6 +22,7 @@ from llmc.runtime.speculative_config import SpeculativeConfig
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 1.0   # optimistic, so a request tries drafting first
 DECAY = 0.95             # per verified step: acceptance follows what the request writes now
 PROBE_AFTER = 64         # steps a request decodes plainly before it drafts again, to re-measure
+PROBE_LONG_MATCH = 8     # the same, when prompt lookup matched its longest n-gram
 
 
 @dataclass(frozen=True)
@@ -77,20 +78,31 @@ class Speculator:
     def propose(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
         """Drafts for the decoding sequences that speculate now: seq_id -> tokens; the draft
         distributions they came from are kept for verify."""
+        if isinstance(self.proposer, NgramProposer):
+            return self._propose_ngram(seqs, states)
         ks = [self._k(seq, state, len(seqs)) for seq, state in zip(seqs, states)]
         chosen = [i for i, k in enumerate(ks) if k > 0]
-        if isinstance(self.proposer, NgramProposer):
-            drafts, probs = self.proposer.propose([seqs[i] for i in chosen], [ks[i] for i in chosen]), None
-        else:
-            drafts, probs = self.proposer.propose([seqs[i] for i in chosen], [ks[i] for i in chosen],
-                                                  [states[i] for i in chosen])
-        self._draft_probs = {seqs[i].seq_id: q for i, q in zip(chosen, probs or [None] * len(chosen))}
+        drafts, probs = self.proposer.propose([seqs[i] for i in chosen], [ks[i] for i in chosen],
+                                              [states[i] for i in chosen])
+        self._draft_probs = {seqs[i].seq_id: q for i, q in zip(chosen, probs)}
         return {seqs[i].seq_id: d for i, d in zip(chosen, drafts) if d}
 
-    def _k(self, seq: Sequence, state: SamplingState, batch: int) -> int:
-        """How many drafts `seq` gets now, in a step of `batch` decodes: none if its request cannot
-        speculate exactly (penalties, logprobs, min_tokens still pending); else the k that makes
-        the most tokens per unit of step time at its acceptance rate, within its token limits."""
+    def _propose_ngram(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
+        """Look up first (it costs microseconds), then choose k only where there is a match: a
+        step without one is no evidence, and a match of the longest n makes a probe worth it."""
+        self._draft_probs = {}
+        limits = [self._limit(seq, state) for seq, state in zip(seqs, states)]
+        out = {}
+        for seq, state, (drafts, n) in zip(seqs, states, self.proposer.lookups(seqs, limits)):
+            if drafts:
+                k = self._k(seq, state, len(seqs), long_match=n >= self.config.prompt_lookup_max)
+                if k > 0:
+                    out[seq.seq_id] = drafts[:k]
+        return out
+
+    def _limit(self, seq: Sequence, state: SamplingState) -> int:
+        """The most drafts `seq` may verify now: none if its request cannot speculate exactly
+        (penalties, logprobs, min_tokens still pending); else k within its token limits."""
         p = state.params
         if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                 or p.presence_penalty != 0.0 or seq.num_output_tokens < p.min_tokens):
@@ -98,14 +110,21 @@ class Speculator:
         room = self.max_model_len - seq.num_tokens - 1
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        k = min(self.config.num_speculative_tokens, room)
+        return max(min(self.config.num_speculative_tokens, room), 0)
+
+    def _k(self, seq: Sequence, state: SamplingState, batch: int, long_match: bool = False) -> int:
+        """How many drafts `seq` gets now, in a step of `batch` decodes: the k within _limit that
+        makes the most tokens per unit of step time at its acceptance rate. Off (k = 0), it
+        probes again after PROBE_AFTER steps, or PROBE_LONG_MATCH when prompt lookup matched a
+        suffix of the longest n (copying resumed: extraction answers quote in stretches)."""
+        k = self._limit(seq, state)
         if not self.config.adaptive or k <= 0:
-            return max(k, 0)
+            return k
         acc = self.acceptance.setdefault(seq.seq_id, _Acceptance(seq))
         best = max(range(k + 1), key=lambda j: self.tokens_per_cost(acc.rate, j, batch))
         if best == 0:
             acc.steps_off += 1
-            if acc.steps_off < PROBE_AFTER:
+            if acc.steps_off < (PROBE_LONG_MATCH if long_match else PROBE_AFTER):
                 return 0
             acc.kept, acc.tested = 0.0, 0.0  # forget, and measure again
             best = k
