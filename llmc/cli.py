@@ -300,7 +300,8 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @click.option("--seed", type=NON_NEGATIVE, default=0, show_default=True)
 @click.option("--workload", "workload_kind", type=click.Choice(["random", "grounded", "open"]), default="random",
               show_default=True, help="random token ids of --input-len; grounded: answers that quote their prompt "
-              "(code to copy, docstrings, passages); open: story continuations. Text prompts keep their own length.")
+              "(code edits, quotes, summaries: samples/grounded.jsonl); open: stories and open questions "
+              "(samples/open.jsonl). Text prompts keep their own length.")
 @click.option("--kv-memory", default="1GiB", show_default=True)
 @click.option("--max-num-seqs", type=POSITIVE, default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=POSITIVE, default=None)

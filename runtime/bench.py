@@ -170,7 +170,10 @@ def speculative_summary(engine, ours: BenchResult, plain: BenchResult) -> dict:
     return {**engine.metrics.speculative.to_dict(), "method": config.method,
             "num_speculative_tokens": config.num_speculative_tokens, "draft": config.model,
             "plain_output_tokens_per_s": plain.output_tokens_per_s, "plain_tpot_ms": plain.tpot_ms,
-            "speedup": ours.output_tokens_per_s / plain.output_tokens_per_s}
+            "speedup": ours.output_tokens_per_s / plain.output_tokens_per_s,
+            # decode alone (time per output token): the prefill, the same in both, left out
+            "decode_speedup": plain.tpot_ms["mean"] / ours.tpot_ms["mean"]
+            if ours.tpot_ms["mean"] and plain.tpot_ms["mean"] else None}
 
 
 # fused projection (passes/fuse_projections.py names it <prefix>.<kind>_proj) -> its parts, in order
