@@ -10,9 +10,17 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.cpu_qlinear import pack_qlinear, run_qlinear
+from llmc.codegen.cpu_qlinear import DenseWeights, pack_qlinear, run_qlinear
 from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS
 from llmc.codegen.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear
+from llmc.codegen.cpu_qlinear_dense import (
+    DispatchedWeights,
+    choose_dense_from,
+    dense_source,
+    rows_of,
+    run_dense,
+    shape_key,
+)
 from llmc.compiler.ops import (
     OPS,
     TORCH_DTYPES,
@@ -136,25 +144,38 @@ def pack_for_cpu(scheme: str, qweight, scales, zeros, act_scale, group_size: int
     return pack_qlinear(scheme, qweight, scales, zeros, group_size)
 
 
-def prepare_qlinear(inputs, attrs) -> dict:
-    """Convert a qlinear's stored weights into torch's packed CPU layout once, at load."""
+def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
+    """Convert a qlinear's stored weights into torch's packed CPU layout once, at load, and pair
+    them with the dense path (dequantise + fp32 GEMM) taken from the row count where it measured
+    faster, or that the plan's meta records for the shape (codegen/cpu_qlinear_dense.py)."""
     _, qweight, scales, zeros, act_scale = qlinear_inputs(list(inputs), attrs)[:5]
     if (qweight is None or scales is None or (attrs.get("has_zeros") and zeros is None)
             or (attrs.get("has_act_scale") and act_scale is None)):
         return {}
-    packed = pack_for_cpu(attrs["scheme"], qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
-    return {} if packed is None else {"cpu_weights": packed}
+    scheme = attrs["scheme"]
+    packed = pack_for_cpu(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
+    if packed is None or isinstance(packed, DenseWeights):
+        return {} if packed is None else {"cpu_weights": packed}
+    dense = dense_source(scheme, qweight, scales, zeros, act_scale)
+    run = run_a8_qlinear if type(packed) in A8_MATMULS else run_qlinear
+    dense_from = choose_dense_from(meta, shape_key(scheme, qweight, scales), lambda x: run(x, packed), dense)
+    return {"cpu_weights": DispatchedWeights(packed, dense, dense_from)}
 
 
 @kernel("qlinear", prepare=prepare_qlinear)
 def qlinear(*inputs, scheme, cpu_weights=None, **attrs):
-    """int8/int4 through torch's packed kernels, fp8/w8a8 through exact-code GEMMs; group
-    sizes torch does not pack run the reference (dequantise, fp32 GEMM)."""
+    """int8/int4 through torch's packed kernels, fp8/w8a8 through exact-code GEMMs, each up to the
+    row count where dequantising into an fp32 GEMM wins; group sizes torch does not pack run the
+    reference (dequantise, fp32 GEMM)."""
     x, qweight, scales, zeros, act_scale, bias = qlinear_inputs(list(inputs), attrs)
     if cpu_weights is None:
         cpu_weights = pack_for_cpu(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
     if cpu_weights is None:
         return qlinear_ref(*inputs, scheme=scheme, **attrs)
+    if isinstance(cpu_weights, DispatchedWeights):
+        if rows_of(x) >= cpu_weights.dense_from:
+            return [run_dense(x, cpu_weights.dense, bias)]
+        cpu_weights = cpu_weights.packed
     run = run_a8_qlinear if type(cpu_weights) in A8_MATMULS else run_qlinear
     return [run(x, cpu_weights, bias)]
 

@@ -201,13 +201,14 @@ class PlanExecutor:
 
     @torch.inference_mode()
     def _prepared_attrs(self, fn, args: list[int], attrs: dict) -> dict:
-        """A kernel's `prepare` sees its param inputs once, here (packing quantised weights);
-        what it returns is passed on every launch alongside the step's attrs."""
+        """A kernel's `prepare` sees its param inputs and the plan's meta once, here (packing
+        quantised weights, choosing their kernel by the row counts meta records); what it
+        returns is passed on every launch alongside the step's attrs."""
         prepare = getattr(fn, "prepare", None)
         if prepare is None:
             return attrs
         params = [self._params[r] if r < len(self._params) else None for r in args]
-        return {**attrs, **prepare(params, attrs)}
+        return {**attrs, **prepare(params, attrs, self.plan.meta)}
 
     @torch.inference_mode()
     def run_values(self, inputs: dict[str, torch.Tensor],

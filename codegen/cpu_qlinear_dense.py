@@ -1,0 +1,176 @@
+"""qlinear on the CPU for many rows (prefill, large batches): dequantise the stored codes into a
+reused fp32 scratch and run one fp32 GEMM, exactly the reference (compiler/ops.qlinear_ref). The
+low-bit kernels (cpu_qlinear.py, cpu_qlinear_a8.py) win at a few rows, where reading the weight
+dominates; from some row count on the dense GEMM wins, because torch's packed kernels and bf16/int8
+GEMMs run far below the fp32 GEMM's rate on CPUs without AVX512-BF16/VNNI. Measured on this 2-core
+AMD EPYC (AVX2), one thread, N=3072 K=576 (SmolLM2's gate/up), ms per call:
+    M=1:   fp32 0.52, int4pack 0.31, int8pack 0.16
+    M=64:  fp32 9.3,  int4pack 22.4, int8pack 21.2, bf16 70.8
+    M=512: fp32 80,   int4pack 134,  int8pack 149
+and dequantising the 4-bit codes into the scratch costs ~1 ms (8 ms through compiler.quant's
+allocating ops). Where the two cross is measured per weight shape and thread count at load
+(`choose_dense_from`), or at compile under `--kernels auto`, which records it in
+plan.meta["qlinear_dispatch"] for `llmc inspect`."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token
+
+# row counts timed per shape; timing stops once the dense GEMM has won twice in a row
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+DISPATCH_META = "qlinear_dispatch"
+DENSE_FROM_ENV = "LLMC_QLINEAR_DENSE_FROM"
+NIBBLE_SCHEMES = ("int4", "affine4")
+
+
+class DenseSource(NamedTuple):
+    """A qlinear's stored params, ready to dequantise per group of K: int4 w = (q - z) * s, affine
+    w = q * s + m (affine4 without minimums (q - 8) * s), int8/w8a8/fp8 w = q * s per channel."""
+    scheme: str
+    codes: torch.Tensor             # as stored: uint8 [N, K/2] (two nibbles), int8 or fp8 [N, K]
+    scales: torch.Tensor            # fp32 [N, groups] (per channel: groups = 1)
+    zeros: torch.Tensor | None      # int4: fp32 zero points [N, groups]
+    mins: torch.Tensor | None       # affine: fp32 minimums [N, groups]
+    act_scale: torch.Tensor | None  # fp8: the static activation scale
+    out_features: int
+    in_features: int
+
+
+class DispatchedWeights(NamedTuple):
+    """A low-bit kernel's packed weights for few rows, the dense source from `dense_from` rows."""
+    packed: object
+    dense: DenseSource
+    dense_from: int
+
+
+def dense_source(scheme: str, qweight, scales, zeros, act_scale) -> DenseSource | None:
+    n = qweight.shape[0]
+    k = qweight.shape[1] * (2 if scheme in NIBBLE_SCHEMES else 1)
+    s = scales.float().reshape(n, -1) if scales.numel() > 1 else scales.float().reshape(1, 1).expand(n, 1)
+    as_groups = (lambda t: None if t is None else t.float().reshape(n, -1))
+    return DenseSource(scheme, qweight, s.contiguous(), as_groups(zeros) if scheme == "int4" else None,
+                       as_groups(zeros) if scheme in ("affine4", "affine8") else None,
+                       None if act_scale is None else act_scale.float(), n, k)
+
+
+_scratch = threading.local()
+
+
+def _scratch_for(n: int, k: int) -> torch.Tensor:
+    """One fp32 [n, k] buffer per shape and thread, reused by every layer of that shape."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get((n, k))
+    if buf is None:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            buf = buffers[(n, k)] = torch.empty(n, k)
+    return buf
+
+
+def dequantize_into(src: DenseSource, out: torch.Tensor) -> torch.Tensor:
+    """The weight src stands for, written into `out` [N, K]; the same fp32 operations, in the same
+    order, as compiler.quant.dequantize_weight, so bit-identical to it."""
+    n, k = src.out_features, src.in_features
+    if src.scheme in NIBBLE_SCHEMES:
+        pairs = out.view(n, k // 2, 2)
+        pairs[..., 0].copy_(src.codes & 0x0F)
+        pairs[..., 1].copy_(src.codes >> 4)
+    else:
+        out.copy_(src.codes)
+    groups = out.view(n, src.scales.shape[1], -1)
+    if src.zeros is not None:
+        groups.sub_(src.zeros[..., None])
+    elif src.scheme == "affine4" and src.mins is None:
+        groups.sub_(AFFINE4_CENTRE)
+    groups.mul_(src.scales[..., None])
+    if src.mins is not None:
+        groups.add_(src.mins[..., None])
+    return out
+
+
+def run_dense(x: torch.Tensor, src: DenseSource, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] as qlinear_ref computes it (activations fake-quantised for fp8/w8a8)."""
+    weight = dequantize_into(src, _scratch_for(src.out_features, src.in_features))
+    h = x.float()
+    if src.scheme == "fp8" and src.act_scale is not None:
+        h = fake_quant_fp8(h, src.act_scale)
+    elif src.scheme == "w8a8":
+        h = fake_quant_int8_per_token(h)
+    return F.linear(h, weight, None if bias is None else bias.float()).to(x.dtype)
+
+
+def rows_of(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def shape_key(scheme: str, qweight: torch.Tensor, scales: torch.Tensor) -> str:
+    """The dispatch record's key: scheme, N x K and the groups per row of the scales."""
+    src_k = qweight.shape[1] * (2 if scheme in NIBBLE_SCHEMES else 1)
+    groups = scales.shape[1] if scales.dim() == 2 else (1 if scales.numel() > 1 else 0)
+    return f"{scheme} {qweight.shape[0]}x{src_k} groups {groups}"
+
+
+# (shape key, threads) -> measure_shape's record, for the shapes measured at load in this process
+MEASURED: dict[tuple[str, int], dict] = {}
+
+
+def choose_dense_from(meta: dict | None, key: str, packed_run, src: DenseSource) -> int:
+    """The row count from which this shape runs dense: LLMC_QLINEAR_DENSE_FROM when set, else what
+    the plan records (`--kernels auto` measures at compile), else measured here once per shape and
+    thread count (kept out of the plan, so that default builds stay byte-identical)."""
+    forced = os.environ.get(DENSE_FROM_ENV)
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"{DENSE_FROM_ENV}={forced!r} is no row count; set it to a positive integer or unset it")
+        return int(forced)
+    entry = ((meta or {}).get(DISPATCH_META) or {}).get("shapes", {}).get(key)
+    value = entry.get("dense_from") if isinstance(entry, dict) else None
+    if type(value) is int and value >= 1:
+        return value
+    threads = torch.get_num_threads()
+    if (key, threads) not in MEASURED:
+        with torch.inference_mode():
+            MEASURED[(key, threads)] = measure_shape(packed_run, src)
+    return MEASURED[(key, threads)]["dense_from"]
+
+
+def _time_us(fn, x, repeats: int) -> float:
+    fn(x)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return round(best * 1e6, 1)
+
+
+def measure_shape(packed_run, src: DenseSource, repeats: int = 3) -> dict:
+    """Microseconds per call of the packed kernel and of dequantise + fp32 GEMM at PROBE_ROWS
+    (interleaved, minimum of `repeats`), and the row count from which the dense GEMM is chosen:
+    the first probe from which it won at every later probe timed."""
+    us: dict[str, dict[int, float]] = {"packed": {}, "dense": {}}
+    dense_from, wins = PROBE_ROWS[-1] * 2, 0
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, src.in_features)
+        us["packed"][rows] = _time_us(packed_run, x, repeats)
+        us["dense"][rows] = _time_us(lambda h: run_dense(h, src), x, repeats)
+        if us["dense"][rows] <= us["packed"][rows]:
+            dense_from, wins = min(dense_from, rows), wins + 1
+            if wins == 2:
+                break
+        else:
+            dense_from, wins = PROBE_ROWS[-1] * 2, 0
+    return {"us": {name: {str(r): t for r, t in times.items()} for name, times in us.items()},
+            "dense_from": dense_from}
+
+
+__all__ = ["DenseSource", "DispatchedWeights", "dense_source", "dequantize_into", "run_dense", "rows_of",
+           "shape_key", "choose_dense_from", "measure_shape", "MEASURED", "DENSE_FROM_ENV", "DISPATCH_META",
+           "PROBE_ROWS"]
