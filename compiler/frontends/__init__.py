@@ -8,19 +8,23 @@ from pathlib import Path
 from llmc.compiler.frontends.gguf import load_gguf_file
 from llmc.compiler.frontends.hf import load_hf_dir
 from llmc.compiler.frontends.model import SUPPORTED_GGUF_ARCHITECTURES, LoadedModel
+from llmc.compiler.frontends.onnx_frontend import is_onnx_source, load_onnx
 from llmc.compiler.frontends.samples import SAMPLES, load_sample
 from llmc.errors import ModelLoadError
 
 __all__ = ["load_model", "LoadedModel", "SAMPLES", "SUPPORTED_GGUF_ARCHITECTURES"]
 
-ACCEPTED = "a sample name, a .gguf file, or a Hugging Face model directory with config.json"
+ACCEPTED = "a sample name, a .gguf or .onnx file, or a Hugging Face model directory with config.json"
 
 
 def load_model(source: str) -> LoadedModel:
-    """Load a model source: a sample name, a path to a .gguf file, or an HF checkpoint directory."""
+    """Load a model source: a sample name, a path to a .gguf or .onnx file (or a directory holding
+    one .onnx file and no safetensors), or an HF checkpoint directory."""
     if source in SAMPLES:
         return load_sample(source)
     path = Path(source).expanduser()
+    if is_onnx_source(path):
+        return load_onnx(path, source=source)
     if path.is_dir():
         return load_hf_dir(path, source=source)
     if path.is_file():

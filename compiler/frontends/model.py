@@ -22,7 +22,7 @@ except ImportError:
 # Hugging Face checkpoints have no such list: what compiles is what lowering understands.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
-SourceKind = Literal["hf", "gguf", "sample"]
+SourceKind = Literal["hf", "gguf", "sample", "onnx"]
 
 
 @dataclass
