@@ -157,9 +157,14 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
     if packed is None or isinstance(packed, DenseWeights):
         return {} if packed is None else {"cpu_weights": packed}
     dense = dense_source(scheme, qweight, scales, zeros, act_scale)
-    run = run_a8_qlinear if type(packed) in A8_MATMULS else run_qlinear
-    dense_from = choose_dense_from(meta, shape_key(scheme, qweight, scales), lambda x: run(x, packed), dense)
+    dense_from = choose_dense_from(meta, shape_key(scheme, qweight, scales), packed_run(packed), dense)
     return {"cpu_weights": DispatchedWeights(packed, dense, dense_from)}
+
+
+def packed_run(packed) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> the low-bit kernel's result over `packed` weights."""
+    run = run_a8_qlinear if type(packed) in A8_MATMULS else run_qlinear
+    return lambda x: run(x, packed)
 
 
 @kernel("qlinear", prepare=prepare_qlinear)

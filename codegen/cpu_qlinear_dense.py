@@ -10,7 +10,7 @@ AMD EPYC (AVX2), one thread, N=3072 K=576 (SmolLM2's gate/up), ms per call:
 and dequantising the 4-bit codes into the scratch costs ~1 ms (8 ms through compiler.quant's
 allocating ops). Where the two cross is measured per weight shape and thread count at load
 (`choose_dense_from`), or at compile under `--kernels auto`, which records it in
-plan.meta["qlinear_dispatch"] for `llmc inspect`."""
+plan.meta["kernel_choice"]["qlinear_dispatch"] for the runtime and `llmc inspect`."""
 
 from __future__ import annotations
 
@@ -117,6 +117,39 @@ def shape_key(scheme: str, qweight: torch.Tensor, scales: torch.Tensor) -> str:
     return f"{scheme} {qweight.shape[0]}x{src_k} groups {groups}"
 
 
+def recorded(meta: dict | None) -> dict:
+    """The dispatch record `--kernels auto` stores in plan.meta["kernel_choice"] ({} when none)."""
+    record = ((meta or {}).get("kernel_choice") or {}).get(DISPATCH_META)
+    return record if isinstance(record, dict) else {}
+
+
+def dispatch_record(plan, weights: dict, threads: int) -> dict:
+    """Measure each qlinear weight shape of the plan's torch steps once (with its first step's real
+    weights) at `threads` threads: the record choose_dense_from reads back from the plan."""
+    from llmc.codegen.cpu_kernels import packed_run, prepare_qlinear
+
+    shapes: dict[str, dict] = {}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in plan.steps:
+            params = [weights.get(i) for i in step.inputs]
+            if step.kernel != "cpu.qlinear" or None in params[1:]:
+                continue
+            key = shape_key(step.attrs["scheme"], params[1], params[2])
+            if key not in shapes:
+                prepared = prepare_qlinear(params, step.attrs, {"kernel_choice": {DISPATCH_META: {"shapes": {
+                    key: {"dense_from": 1}}}}}).get("cpu_weights")
+                if not isinstance(prepared, DispatchedWeights):
+                    continue
+                with torch.inference_mode():
+                    shapes[key] = {**measure_shape(packed_run(prepared.packed), prepared.dense), "steps": 0}
+            shapes[key]["steps"] += 1
+    finally:
+        torch.set_num_threads(previous)
+    return {"threads": threads, "rows": list(PROBE_ROWS), "shapes": shapes}
+
+
 # (shape key, threads) -> measure_shape's record, for the shapes measured at load in this process
 MEASURED: dict[tuple[str, int], dict] = {}
 
@@ -130,7 +163,7 @@ def choose_dense_from(meta: dict | None, key: str, packed_run, src: DenseSource)
         if not forced.isdigit() or int(forced) < 1:
             raise ValueError(f"{DENSE_FROM_ENV}={forced!r} is no row count; set it to a positive integer or unset it")
         return int(forced)
-    entry = ((meta or {}).get(DISPATCH_META) or {}).get("shapes", {}).get(key)
+    entry = recorded(meta).get("shapes", {}).get(key)
     value = entry.get("dense_from") if isinstance(entry, dict) else None
     if type(value) is int and value >= 1:
         return value
@@ -172,5 +205,5 @@ def measure_shape(packed_run, src: DenseSource, repeats: int = 3) -> dict:
 
 
 __all__ = ["DenseSource", "DispatchedWeights", "dense_source", "dequantize_into", "run_dense", "rows_of",
-           "shape_key", "choose_dense_from", "measure_shape", "MEASURED", "DENSE_FROM_ENV", "DISPATCH_META",
-           "PROBE_ROWS"]
+           "shape_key", "choose_dense_from", "dispatch_record", "recorded", "measure_shape", "MEASURED",
+           "DENSE_FROM_ENV", "DISPATCH_META", "PROBE_ROWS"]

@@ -223,6 +223,9 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
         chosen, choice["measured"] = choose_segments(graph, segments, built, echo)
     steps, files = _lowered_steps(plan, segments, built, chosen)
     lowered = restep(plan, steps)
+    if mode == "auto":
+        from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
+        choice[DISPATCH_META] = dispatch_record(lowered, graph.weights, choice["measured"]["threads"])
     lowered.meta = {**plan.meta, "kernel_choice": choice}
     return lowered, files
 

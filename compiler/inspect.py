@@ -223,6 +223,14 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
             lines.append(f"    {kind['chosen']:<4} x{kind['segments']:<3} {kind['ops']}: {why}")
     for node, why in (choice.get("kept_in_torch") or {}).items():
         lines.append(f"    torch: {node}: {why}")
+    dispatch = choice.get("qlinear_dispatch") or {}
+    if dispatch.get("shapes"):
+        lines.append(f"    torch qlinear, packed low-bit kernel vs dequantise + fp32 GEMM ({dispatch['threads']} "
+                     f"threads, us at rows {'/'.join(map(str, dispatch['rows']))}; dense from the row shown):")
+    for key, entry in (dispatch.get("shapes") or {}).items():
+        us = " ".join(f"{r}:{entry['us']['packed'][r]:.0f}/{entry['us']['dense'][r]:.0f}"
+                      for r in entry["us"]["packed"])
+        lines.append(f"      {key} x{entry['steps']}: dense from {entry['dense_from']} rows; {us}")
     return lines
 
 
