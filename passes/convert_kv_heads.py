@@ -21,6 +21,7 @@ from llmc.compiler.ops import ATTENTION_OPS
 from llmc.errors import PassError
 from llmc.passes.accuracy import graph_logits, mean_kl, perplexity, significant, top1_agreement
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
+from llmc.passes.decoder_structure import HEAD_PRESERVING
 from llmc.passes.kv_head_grouping import HeadSimilarity, index_groups, similarity_groups
 from llmc.passes.options import PassOptions, option
 from llmc.passes.quantize_kv import run_logits
@@ -95,9 +96,10 @@ def find_sites(graph: Graph) -> list[AttentionSite]:
 
 
 def walk_to_linear(value: str, producers: dict) -> tuple[Node | None, list[Node]]:
-    """The node that makes `value`, looking through rope; and the rope nodes passed."""
+    """The node that makes `value`, looking through rope (and the other per-head ops between a
+    projection and attention); and the nodes passed."""
     path, node = [], producers.get(value)
-    while node is not None and node.op == "rope":
+    while node is not None and node.op in HEAD_PRESERVING:
         path.append(node)
         node = producers.get(node.inputs[0])
     return node, path

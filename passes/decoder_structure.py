@@ -16,8 +16,9 @@ from llmc.compiler.ops import OPS, infer_types
 from llmc.errors import PassError
 from llmc.passes.quantize import param_bytes
 
-# Ops between a q/k projection and the attention that keep its [tokens, heads * head_dim] layout.
-HEAD_PRESERVING = {"rope"}
+# Ops between a q/k projection and the attention that keep its [tokens, heads * head_dim] layout
+# (each acts on every head alike, by its head_dim attr).
+HEAD_PRESERVING = {"rope", "partial_rope", "qk_norm"}
 
 
 @dataclass
