@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from llmc.codegen.cpu_collectives import COLLECTIVE_SECONDS
+from llmc.codegen.cpu_point_to_point import P2P_SECONDS
 from llmc.errors import RuntimeLlmcError
 
 TIMEOUT_ENV = "LLMC_COLLECTIVE_TIMEOUT"
@@ -82,13 +83,13 @@ def own_stats() -> torch.Tensor:
     import psutil
 
     rss = psutil.Process().memory_info().rss
-    return torch.tensor([COLLECTIVE_SECONDS["all_reduce"], COLLECTIVE_SECONDS["all_gather"], float(rss)],
-                        dtype=torch.float64)
+    return torch.tensor([COLLECTIVE_SECONDS["all_reduce"], COLLECTIVE_SECONDS["all_gather"], float(rss),
+                         P2P_SECONDS["send"] + P2P_SECONDS["recv"]], dtype=torch.float64)
 
 
 def gather_stats() -> list[dict]:
     """Every rank (rank 0 after send(REPORT)): all ranks' own_stats, in rank order."""
-    parts = [torch.zeros(3, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    parts = [torch.zeros(4, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, own_stats())
     return [{"rank": r, "all_reduce_s": round(p[0].item(), 4), "all_gather_s": round(p[1].item(), 4),
-             "rss_bytes": int(p[2].item())} for r, p in enumerate(parts)]
+             "rss_bytes": int(p[2].item()), "send_recv_s": round(p[3].item(), 4)} for r, p in enumerate(parts)]

@@ -1,5 +1,6 @@
 """What `llmc bench` says of a tensor-parallel run, per rank: the weights it loaded, its resident
-memory, and the seconds it spent in all_reduce and all_gather (waiting for the others included)."""
+memory, and the seconds it spent in all_reduce and all_gather, or a pipeline stage's in send and recv
+(waiting for the others included)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ def rank_report(engine) -> list[dict] | None:
     if not isinstance(engine.runner, ShardedModelRunner):
         return None
     ranks = engine.manifest["parallel"]["ranks"]
-    return [{**stats, "weight_bytes": sum(ranks[stats["rank"]]["weight_bytes"].values())}
+    return [{**stats, "weight_bytes": sum(ranks[stats["rank"]]["weight_bytes"].values()),
+             **({"layers": ranks[stats["rank"]]["layers"]} if "layers" in ranks[stats["rank"]] else {})}
             for stats in engine.runner.rank_stats()]
 
 
 def format_ranks(ranks: list[dict] | None) -> list[str]:
     return [f"rank {r['rank']:<12} weights {r['weight_bytes'] / 2**20:.1f} MiB, resident {r['rss_bytes'] / 2**20:.0f} "
-            f"MiB, in all_reduce {r['all_reduce_s']:.2f} s, in all_gather {r['all_gather_s']:.2f} s"
+            f"MiB, " + (f"in send/recv {r['send_recv_s']:.2f} s" if "layers" in r else
+                        f"in all_reduce {r['all_reduce_s']:.2f} s, in all_gather {r['all_gather_s']:.2f} s")
             for r in ranks or []]
