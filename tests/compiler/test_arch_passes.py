@@ -6,11 +6,13 @@ Conv1D projections included); int8 then agrees with fp32 on the top-1 token at >
 positions, the fusions are lossless, and what the others leave computes finite logits."""
 
 import copy
+import re
 
 import pytest
 import tiny_hf_models as tiny
 import torch
 
+from llmc.compiler.architectures import PASSES, SUPPORTED
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.options import CompileOptions
@@ -31,15 +33,13 @@ CASES = {
     "prune": dict(prune="heads:0.5,ffn:0.25"),
 }
 QUANT_PASSES = {"int8": "quantize_int8", "int4": "quantize_int4", "fp8": "quantize_fp8", "w8a8": "quantize_w8a8"}
-# (arch, case) pairs that refuse, and the words their one line says
-REFUSALS = {
-    **{("mixtral", q): r"node moe_\d+ \(moe\): weight quantisation covers linears" for q in QUANT_PASSES},
-    ("mixtral", "prune"): "prune_ffn: found no MLP",  # its experts are the moe op's
-    ("gpt2", "prune"): "prune_ffn: found no MLP",  # a GELU MLP: no gate
-    **{(a, "prune"): "prune_heads: fraction 0.5 of 1 KV groups per layer rounds to none" for a in ("gemma", "falcon")},
-    ("opt", "prune"): r"prune_heads: attention node attention_0's q input comes from aten node mul_0",  # q * scale
-}
+# (arch, case) pairs that refuse, and how their one line starts: the README's table shows these
+REFUSALS = {(a.key, case): re.escape(why) for a in SUPPORTED for case, why, _ in a.refused_passes}
 PROMPT = tiny.prompt_ids(24, seed=5)
+
+
+def test_the_cases_are_the_passes_the_architecture_table_lists():
+    assert tuple(CASES) == PASSES and set(QUANT_PASSES) <= set(PASSES)
 
 
 @pytest.fixture(scope="module", params=sorted(tiny.ARCHS))

@@ -1,4 +1,4 @@
-"""Rotary decoders beyond Llama, each a tiny seeded random-weight HF checkpoint compiled with
+"""Rotary decoders, Llama and Qwen2 and beyond, each a tiny seeded random-weight HF checkpoint compiled with
 `llmc.compile` and run through `llmc.load`: HF's logits at every position of a 40-token prompt and
 24 greedy continuations, through the paged KV cache, to 1e-4, and 16 greedy tokens identical.
 Qwen3 (per-head q/k RMS norm before rotary), Gemma (GELU-tanh, (1 + w) RMS norm, scaled
@@ -9,20 +9,10 @@ import json
 
 import pytest
 import tiny_hf_models as tiny
-import transformers
 
 import llmc
 
-SIZES = dict(vocab_size=tiny.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=128, **tiny.SPECIAL)
-CONFIGS = {
-    "qwen3": lambda: transformers.Qwen3Config(**SIZES, num_key_value_heads=2, head_dim=16),
-    "gemma": lambda: transformers.GemmaConfig(**SIZES, num_key_value_heads=1, head_dim=16),
-    "phi3": lambda: transformers.Phi3Config(**SIZES, num_key_value_heads=2),
-    "gpt_neox": lambda: transformers.GPTNeoXConfig(**SIZES, rotary_pct=0.25, use_parallel_residual=True),
-    "starcoder2": lambda: transformers.Starcoder2Config(**SIZES, num_key_value_heads=2),
-    "olmo": lambda: transformers.OlmoConfig(**SIZES, num_key_value_heads=2),
-}
+CONFIGS = {k: tiny.ARCHS[k] for k in ("llama", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "starcoder2", "olmo")}
 # ops lowering must produce for each (what the architecture has a name for)
 EXPECTED_OPS = {"qwen3": {"qk_norm"}, "gpt_neox": {"partial_rope"}}
 
