@@ -104,6 +104,7 @@ class OnnxGraphModule(torch.nn.Module):
             else:
                 self.tensors[init.name] = array
         self.outputs = [o.name for o in graph.output]
+        self.elem_types = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.input)}
         self.steps = plan_steps(_steps(graph), self)
         self._names: dict[tuple[str, bool], str] = {}
         self._used: set[str] = set()
@@ -287,10 +288,11 @@ UNARY = {"Neg": torch.neg, "Abs": torch.abs, "Sqrt": torch.sqrt, "Reciprocal": t
 
 
 def unary(ctx, step, x):
+    if isinstance(x, Sym) and all(isinstance(v, (int, float, bool)) for v in x.values):
+        out = UNARY[step.op](torch.tensor(x.values, dtype=x.dtype))
+        return Sym(out.tolist(), x.scalar, out.dtype)
     if isinstance(x, Sym) and step.op == "Neg":
         return Sym([-v for v in x.values], x.scalar, x.dtype)
-    if isinstance(x, Sym) and step.op == "Not":
-        return Sym([not v for v in x.values], x.scalar, x.dtype)
     return UNARY[step.op](as_tensor(x))
 
 
@@ -599,6 +601,7 @@ OPS = {**dict.fromkeys(("Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Les
 # -- rewrites -----------------------------------------------------------------------------
 def plan_steps(steps: list[Step], module: OnnxGraphModule) -> list[Step]:
     """The rewrites of the module docstring, then only the steps the graph outputs need."""
+    steps = fold_constants(steps, module)
     prod = {o: s for s in steps for o in s.outputs}
     const = module.consts
 
@@ -630,6 +633,8 @@ def plan_steps(steps: list[Step], module: OnnxGraphModule) -> list[Step]:
         elif s.op == "Mul" and (sig := made_by(s.inputs[1], "Sigmoid") or made_by(s.inputs[0], "Sigmoid")) \
                 and sig.inputs[0] in s.inputs and sig.outputs[0] != sig.inputs[0]:
             new = Step("Silu", s.name, sig.inputs, s.outputs)
+        elif s.op in ("Add", "Sub") and (zero := _plus_zero(s, const)) is not None:
+            new = Step("Identity", s.name, [zero], s.outputs)  # cache_position = arange + 0 past tokens
         elif s.op == "Reciprocal" and (sq := made_by(s.inputs[0], "Sqrt")):
             new = Step("Rsqrt", s.name, sq.inputs, s.outputs)
         elif s.op == "Where" and (nan := made_by(s.inputs[0], "IsNaN")) and s.inputs[2] == nan.inputs[0] \
@@ -640,6 +645,36 @@ def plan_steps(steps: list[Step], module: OnnxGraphModule) -> list[Step]:
             new = Step("SwapLastTwo", s.name, [rs.inputs[0], s.inputs[1]], s.outputs, fallback=[rs, tr, s])
         out.append(new)
     return live(out, module)
+
+
+def _plus_zero(add: Step, const: dict) -> str | None:
+    """x + 0, 0 + x or x - 0, with the zero an integer scalar (exact in every dtype) -> x."""
+    for x, c in ((0, 1), (1, 0)) if add.op == "Add" else ((0, 1),):
+        z = const.get(add.inputs[c])
+        if z is not None and z.scalar and not z.dtype.is_floating_point and z.item() == 0 \
+                and add.inputs[x] not in const:
+            return add.inputs[x]
+    return None
+
+
+def fold_constants(steps: list[Step], module) -> list[Step]:
+    """Compute the steps whose inputs are all Python constants (Constant nodes, shape data, scalar
+    arithmetic) now, into module.consts, so the rewrites see scalars the exporter spelled as nodes."""
+    consts, kept = module.consts, []
+    ctx = RunContext(module, None, consts)
+    for s in steps:
+        x = consts.get(s.inputs[0]) if s.inputs else None
+        like = module.elem_types.get(s.inputs[1]) if s.op == "CastLike" else None
+        if x is not None and like in ONNX_DTYPES and s.inputs[1] not in consts:  # the exporter's value_info
+            consts[s.outputs[0]] = _cast_to(x, ONNX_DTYPES[like])
+            continue
+        if s.op != "Range" and all(i in consts for i in s.inputs if i):
+            out = OPS[s.op](ctx, s, *[consts.get(i) if i else None for i in s.inputs])
+            if len(s.outputs) == 1 and isinstance(out, Sym):
+                consts[s.outputs[0]] = out
+                continue
+        kept.append(s)
+    return kept
 
 
 def _scaled(mul: Step | None, scalar_const):

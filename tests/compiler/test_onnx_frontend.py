@@ -79,7 +79,7 @@ def test_16_greedy_tokens_are_hf_s(compiled):
 def test_quantises_to_int8(exported, tmp_path):
     module, source = exported
     output = tmp_path / "int8.llmc"
-    assert _compile(source, output, "--quant", "int8") == 0
+    assert _compile(source, output, "--quant", "int8", "--calib-samples", "2", "--calib-seq-len", "32") == 0
     llm = llmc.load(output, kv_memory="8MiB")
     ids = tiny.prompt_ids(12, seed=3)
     assert tiny.max_relative_error(tiny.paged_logits(llm, ids, prefill_chunks=(12,)),
