@@ -8,8 +8,9 @@ arithmetic (Shape -> Gather -> Concat -> Reshape) runs in Python on torch's symb
 so the token dim stays dynamic and no shape tensor reaches the graph. A few rewrites turn what the
 exporter decomposed back into the forms lowering raises (`plan_steps`): MatMul by a weight -> linear,
 1/sqrt -> rsqrt, the SDPA decomposition's split scale and [B*H, T, D] key transpose -> one scale and
-transpose(-2, -1), where(isnan(softmax), 0, softmax) -> _safe_softmax. Each rewrite is exact algebra
-(the key transpose checks its shapes when it runs and otherwise computes the original nodes).
+transpose(-2, -1), where(isnan(softmax), 0, softmax) -> _safe_softmax, x * sigmoid(x) -> silu. Each rewrite is exact
+algebra (for scores without NaN; the key transpose checks its shapes when it runs and otherwise
+computes the original nodes).
 Weights stored as float16 are widened, and the graph computes in float32."""
 
 from __future__ import annotations
@@ -535,9 +536,9 @@ def scaled_matmul(ctx, step, a, b):
 def swap_last_two(ctx, step, x, target):
     """The SDPA decomposition's key transpose, reshape(transpose(reshape(k, [-1, T, D]), 1, 2), [B, H, D, T]):
     k.transpose(-2, -1) when the shapes say so, else the original three nodes."""
-    want = ints(target)
-    if x.dim() == 4 and len(want) == 4 and all(
-            _same_size(w, d) for w, d in zip(want, [x.shape[0], x.shape[1], x.shape[3], x.shape[2]])):
+    merged, want = ints(value(ctx, ctx.env, step.fallback[0].inputs[1])), ints(target)
+    if x.dim() == 4 and len(merged) == 3 and len(want) == 4 and all(
+            _same_size(w, d) for w, d in zip(merged[1:] + want, [*x.shape[2:], *x.shape[:2], *x.shape[:1:-1]])):
         return x.transpose(-2, -1)
     for sub in step.fallback:
         run_step(ctx, ctx.env, sub)
