@@ -73,9 +73,9 @@ def _refuse_calibrated_after_shard(after: list[PassConfig]) -> None:
 
     for c in after:
         if "calibration" in pass_class(c.name).needs:
-            raise PassError(f"{c.name} ({c.stage.label}) runs after {SHARD_PASS} and measures the model on "
-                            f"calibration text, which one rank's shard cannot do; compile without it (e.g. "
-                            f"--kv-cache none) or without --tp")
+            raise PassError(f"{c.name} ({c.stage.label}) runs after the shard stage (--tp, --pp) and measures the "
+                            f"model on calibration text, which one rank's shard cannot do; compile without it (e.g. "
+                            f"--kv-cache none) or without --tp/--pp")
 
 
 def shard_record(records: list[PassRecord]) -> dict:
