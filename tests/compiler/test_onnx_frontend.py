@@ -1,7 +1,8 @@
 """The ONNX frontend: a tiny seeded Llama (grouped KV heads) exported with torch.onnx.export (dynamo)
 into a directory beside its config and tokenizer, compiled by `llmc compile`, matches HF's logits at
-every position through the paged KV cache to 1e-4 and its greedy tokens; it quantises; an unknown
-op and a missing config field are refused in one line."""
+every position through the paged KV cache to 1e-4 and its greedy tokens; so does a float16 export
+with mask and position inputs; it quantises; an unknown op, a missing config field and a missing
+tokenizer are refused in one line."""
 
 import json
 import shutil
@@ -19,6 +20,18 @@ from llmc.cli import main
 pytest.importorskip("onnxscript")  # torch.onnx.export(dynamo=True) needs it (the `test` extra)
 
 
+class WithMaskAndPositions(torch.nn.Module):
+    """input_ids, attention_mask, position_ids -> logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).logits
+
+
 class LogitsOnly(torch.nn.Module):
     """input_ids -> logits, no KV cache: the graph the ONNX frontend reads."""
 
@@ -30,13 +43,17 @@ class LogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    source = tmp_path_factory.mktemp("llama_onnx")
+def tiny_llama(source, seed):
     config = transformers.LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=128, **tiny.SPECIAL)
-    module = tiny.save_checkpoint(config, source, seed=11)
+    return tiny.save_checkpoint(config, source, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    source = tmp_path_factory.mktemp("llama_onnx")
+    module = tiny_llama(source, seed=11)
     ids = torch.tensor([tiny.prompt_ids(8)])
     torch.onnx.export(LogitsOnly(module).eval(), (ids,), str(source / "model.onnx"), dynamo=True,
                       input_names=["input_ids"], output_names=["logits"], verbose=False,
@@ -74,6 +91,27 @@ def test_16_greedy_tokens_are_hf_s(compiled):
     module, llm = compiled
     ids = tiny.prompt_ids(21, seed=2)
     assert tiny.llmc_greedy(llm, ids, 16) == tiny.hf_greedy(module, ids, 16)
+
+
+def test_fp16_weights_with_mask_and_position_inputs_unoptimised(tmp_path):
+    """float16 initializers (widened), attention_mask and position_ids inputs, the exporter's graph
+    before its optimiser (Constant nodes, CastLike, arange + 0): logits at every position match HF's
+    on the same float16-rounded weights."""
+    source = tmp_path / "fp16"
+    module = tiny_llama(source, seed=12).half()
+    ids = torch.tensor([tiny.prompt_ids(8)])
+    tokens = torch.export.Dim("tokens", min=2, max=128)
+    torch.onnx.export(WithMaskAndPositions(module).eval(), (ids, torch.ones_like(ids), torch.arange(8)[None]),
+                      str(source / "model.onnx"), dynamo=True, optimize=False, verbose=False,
+                      input_names=["input_ids", "attention_mask", "position_ids"], output_names=["logits"],
+                      dynamic_shapes=({1: tokens}, {1: tokens}, {1: tokens}))
+    for weights in source.glob("*.safetensors"):
+        weights.unlink()
+    assert _compile(source, tmp_path / "fp16.llmc") == 0
+    llm = llmc.load(tmp_path / "fp16.llmc", kv_memory="8MiB")
+    ids = tiny.prompt_ids(24, seed=4)
+    got = tiny.paged_logits(llm, ids, prefill_chunks=(11,))
+    assert tiny.max_relative_error(got, tiny.hf_logits(module.float(), ids)) < 1e-4
 
 
 def test_quantises_to_int8(exported, tmp_path):
