@@ -120,14 +120,16 @@ def dequantize_affine(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, 
 def dequantize_affine_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                             centre: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Unpacked codes [N, K], scales/mins [N, K/g] -> w = (q - centre) * s (+ m) [N, K] in `dtype`."""
-    q = codes.to(dtype)
+    # in place on one fresh copy: a whole model's weights pass through here at load, and each
+    # further [N, K] temporary costs its page faults (the same operations, so the same values)
+    q = codes.to(dtype, copy=True)
     if centre:
-        q = q - centre
+        q.sub_(centre)
     n, k = q.shape
-    groups = q.reshape(n, scales.shape[1], -1) * scales.to(dtype)[..., None]
+    groups = q.view(n, scales.shape[1], -1).mul_(scales.to(dtype)[..., None])
     if mins is not None:
-        groups = groups + mins.to(dtype)[..., None]
-    return groups.reshape(n, k)
+        groups.add_(mins.to(dtype)[..., None])
+    return q
 
 
 # -- fp8 e4m3: w = q * s, activations through a static per-tensor scale ------------------------
