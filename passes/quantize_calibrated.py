@@ -6,6 +6,7 @@ inverse is folded into the op that produces the linear's input)."""
 from __future__ import annotations
 
 import importlib
+from collections import ChainMap
 from typing import Callable
 
 import torch
@@ -13,9 +14,10 @@ import torch
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import TORCH_DTYPES
+from llmc.compiler.quant import dequantize_int4_codes
 from llmc.errors import PassError
 from llmc.passes.base import PassContext
-from llmc.passes.calibration_stats import calibration_tokens, prefill_inputs
+from llmc.passes.calibration_stats import StagedRun, calibration_tokens, prefill_inputs
 
 # AWQ searches scales on a sample of each input's rows; this bounds its memory.
 AWQ_SAMPLE_ROWS = 512
@@ -52,19 +54,44 @@ def import_method(module: str, names: list[str], method: str) -> list:
 # -- GPTQ -------------------------------------------------------------------------------------
 def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Callable[[Node], int],
                 *, act_order: bool, damp: float):
-    """GPTQ on Hessians of the float model's activations, all gathered in one calibration run
-    (not layer by layer); one K x K float64 Hessian per distinct linear input is held."""
+    """GPTQ layer by layer, as in the paper: the linears are taken in graph order, grouped by
+    the input they share (q/k/v, gate/up), and each group's Hessian comes from the calibration
+    text run up to it with every earlier linear already quantised, so later layers see (and
+    compensate for) the error the earlier ones made. One forward pass in all. On SmolLM2-135M
+    (int4, group 128) Hessians of the float model's activations, gathered in one run, gave a
+    held-out perplexity above RTN's."""
     accumulator, quantize = import_method("gptq", ["HessianAccumulator", "gptq_quantize_weight"], "gptq")
-    observers = observe_linear_inputs(graph, ctx, nodes, "gptq", accumulator)
-    hessians: dict[str, torch.Tensor] = {}
+    stored: dict[str, tuple] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    run = StagedRun(graph, ctx, "quantize_int4 method=gptq", ChainMap(dequantized, graph.weights))
+    position = {id(n): i for i, n in enumerate(graph.nodes)}
+    for x, group in linears_by_input(nodes, position).items():
+        todo = [n for n in group if n.inputs[1] not in stored]
+        if not todo:
+            continue
+        hessian = accumulator(graph.type_of(x).shape[-1])
+        for env in run.run_until(min(position[id(n)] for n in group)):
+            hessian.add(env[x].reshape(-1, env[x].shape[-1]))
+        weights = [graph.weights[n.inputs[1]] for n in todo]
+        # GPTQ treats rows independently: the linears sharing this Hessian go in one call
+        codes, scales, zeros = quantize(torch.cat([w.float() for w in weights]), hessian.hessian(),
+                                        group_size=group_of(todo[0]), act_order=act_order, damp=damp)
+        rows = [w.shape[0] for w in weights]
+        for n, w, c, s, z in zip(todo, weights, codes.split(rows), scales.split(rows), zeros.split(rows)):
+            stored[n.inputs[1]] = (c, s, z)
+            dequantized[n.inputs[1]] = dequantize_int4_codes(c, s, z).to(w.dtype)
 
     def method(weight: torch.Tensor, ctx: PassContext, node: Node):
-        x = node.inputs[0]
-        if x not in hessians:
-            hessians[x] = observers[x].hessian()
-        return quantize(weight, hessians[x], group_size=group_of(node), act_order=act_order, damp=damp,
-                        tokens=observers[x].tokens)
+        return stored[node.inputs[1]]
     return method
+
+
+def linears_by_input(nodes: list[Node], position: dict[int, int]) -> dict[str, list[Node]]:
+    """{input value: the linears reading it}, in the graph order of each input's first reader."""
+    groups: dict[str, list[Node]] = {}
+    for node in sorted(nodes, key=lambda n: position[id(n)]):
+        groups.setdefault(node.inputs[0], []).append(node)
+    return groups
 
 
 # -- AWQ --------------------------------------------------------------------------------------

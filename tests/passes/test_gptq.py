@@ -178,3 +178,55 @@ def test_few_calibration_tokens_dampen_gptq_so_shifted_inputs_do_not_undo_it(see
     plain, dampened = (output_error(held_out, weight, dequantize_int4_codes(*gptq_quantize_weight(
         weight.float(), hessian, group_size=64, act_order=True, tokens=tokens))) for tokens in (None, 512))
     assert plain / rtn > 1.4 and dampened / rtn < 1.15, (plain / rtn, dampened / rtn)
+
+
+# -- the pass: layer by layer on a tiny model -------------------------------------------------
+def tiny_llama_graph():
+    from llmc.compiler.frontends import load_model
+    from llmc.compiler.pipeline import trace_and_lower
+    return trace_and_lower(load_model("tiny-llama").module, 64, lambda *a: None)
+
+
+def token_sequences(count, tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (tokens,), generator=gen) for _ in range(count)]
+
+
+def run_int4(graph, calibration, method):
+    from llmc.passes.base import PassContext, PassManager
+    from llmc.passes.registry import get_pass
+    PassManager([get_pass("quantize_int4", group_size=32, method=method)],
+                PassContext(calibration=calibration, echo=lambda *a: None)).run(graph)
+    return graph
+
+
+def stored_weight(graph, weight):
+    from llmc.compiler.quant import dequantize_int4
+    return dequantize_int4(*(graph.weights[f"{weight}.{k}"] for k in ("qweight", "scales", "zeros")))
+
+
+def test_gptq_pass_takes_each_hessian_from_the_already_quantised_layers_before_it():
+    """The down projection of the last layer, re-quantised by hand from inputs of the float
+    graph with every earlier linear's stored weight put in (and only those), gives the very
+    codes the pass stored: the Hessians are sequential, not the float model's."""
+    from llmc.compiler.interpreter import interpret
+    from llmc.passes.calibration_stats import prefill_inputs
+    float_graph = tiny_llama_graph()
+    calibration = token_sequences(4, 24, seed=5)
+    quantised = run_int4(float_graph.copy(), calibration, "gptq")
+    linears = [n for n in float_graph.nodes if n.op == "linear" and n.inputs[1] != "lm_head.weight"]
+    target = linears[-1]
+    earlier = {n.inputs[1]: stored_weight(quantised, n.inputs[1]) for n in linears[:-1]}
+    k = float_graph.type_of(target.inputs[0]).shape[-1]
+    sequential, floating = HessianAccumulator(k), HessianAccumulator(k)
+    for ids in calibration:
+        inputs = prefill_inputs(float_graph, ids, "test")
+        for acc, weights in ((sequential, {**float_graph.weights, **earlier}), (floating, None)):
+            x = interpret(float_graph, inputs, want=[target.inputs[0]], weights=weights)[target.inputs[0]]
+            acc.add(x)
+    weight = float_graph.weights[target.inputs[1]].float()
+    codes = {name: dequantize_int4_codes(*gptq_quantize_weight(weight, acc.hessian(), group_size=32,
+                                                               act_order=True))
+             for name, acc in (("sequential", sequential), ("float", floating))}
+    assert torch.equal(stored_weight(quantised, target.inputs[1]), codes["sequential"])
+    assert not torch.equal(codes["sequential"], codes["float"])
