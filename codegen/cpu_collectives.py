@@ -14,13 +14,20 @@ from llmc.codegen.cpu_kernels import kernel
 from llmc.errors import RuntimeLlmcError
 
 COLLECTIVE_SECONDS = {"all_reduce": 0.0, "all_gather": 0.0}
+_GROUP = None   # the collectives' process group: the default one, or this rank's pipeline stage's (--tp with --pp)
+
+
+def use_group(group) -> None:
+    """Run this process's collectives in `group` (None: the default group)."""
+    global _GROUP
+    _GROUP = group
 
 
 def _check_group(op: str, world_size: int) -> None:
     if world_size == 1:
         return
-    if not dist.is_initialized() or dist.get_world_size() != world_size:
-        have = dist.get_world_size() if dist.is_initialized() else "no"
+    if not dist.is_initialized() or dist.get_world_size(_GROUP) != world_size:
+        have = dist.get_world_size(_GROUP) if dist.is_initialized() else "no"
         raise RuntimeLlmcError(f"{op} over {world_size} ranks found {have} process group of that size; a "
                                f"tensor-parallel plan runs through its artifact (llmc.load / llmc run), which "
                                f"starts its ranks")
@@ -38,13 +45,13 @@ def all_gather(x, *, world_size, **attrs):
 
 def _summed(x, world_size: int):
     out = x.contiguous().clone()  # plan values are not written in place
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=_GROUP)
     return out
 
 
 def _joined(x, world_size: int):
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_GROUP)
     return torch.cat(parts, dim=-1)
 
 

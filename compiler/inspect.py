@@ -155,11 +155,13 @@ def _parallel_lines(parallel: dict | None) -> list[str]:
 def _pipeline_lines(parallel: dict) -> list[str]:
     """Per pipeline stage: its decoder layers, weights and KV cache per token."""
     split = ",".join(map(str, parallel["split"]))
-    lines = [f"  pipeline parallel: {parallel['pp']} stages, layers split {split} (each rank loads only its own "
+    tp = f" x {parallel['tp']} tensor-parallel ranks each" if parallel.get("tp", 1) > 1 else ""
+    lines = [f"  pipeline parallel: {parallel['pp']} stages{tp}, layers split {split} (each rank loads only its own "
              f"folder's weights and holds only its layers' KV cache)"]
     for r in parallel["ranks"]:
         first, stop = r["layers"]
-        lines.append(f"    {r['dir']}: layers {first}-{stop - 1} ({r['num_layers']}), weights "
+        where = f" (stage {r['stage']}, tp rank {r['tp_rank']})" if "stage" in r else ""
+        lines.append(f"    {r['dir']}{where}: layers {first}-{stop - 1} ({r['num_layers']}), weights "
                      f"{_mib(sum(r['weight_bytes'].values()))}, KV {r['kv_bytes_per_token']:,} bytes/token")
     return lines
 

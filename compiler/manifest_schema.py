@@ -155,11 +155,14 @@ class RankEntry(Record):
     activation_peak_bytes: Count
     num_layers: PosInt | None = None        # a pipeline stage: its decoder layers [first, stop)
     layers: list[Count] | None = None
+    stage: Count | None = None              # --tp with --pp: rank = stage * tp + tp_rank
+    tp_rank: Count | None = None
 
 
 class LogitsShape(Record):
     width: PosInt
     dtype: StrictStr
+    rank: Count | None = None               # the rank that sends them (--tp with --pp; else the last)
 
 
 class Parallel(Record):

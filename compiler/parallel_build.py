@@ -27,32 +27,34 @@ def tensor_parallel_size(configs: list[PassConfig]) -> int:
 
 
 def pipeline_size(configs: list[PassConfig]) -> int:
-    """The pp of the pipeline's shard_pipeline pass (1 without one); not with tensor parallelism yet."""
+    """The pp of the pipeline's shard_pipeline pass (1 without one)."""
     stages = [c for c in configs if c.name == PIPELINE_PASS]
     if len(stages) > 1:
         raise PassError(f"the pipeline holds {PIPELINE_PASS} {len(stages)} times; split once (--pp N)")
-    pp = stages[0].options.pp if stages else 1
-    if pp > 1 and tensor_parallel_size(configs) > 1:
-        raise PassError("--tp with --pp: tensor and pipeline parallelism together are not built yet; "
-                        "compile with one of them")
-    return pp
+    return stages[0].options.pp if stages else 1
 
 
 def run_passes(graph: Graph, configs: list[PassConfig], ctx: PassContext) -> tuple[list[Graph], list[PassRecord]]:
-    """(one graph per rank, rank 0's pass records); the graph itself is rank 0's."""
-    tp = tensor_parallel_size(configs) * pipeline_size(configs)
-    if tp == 1:
+    """(one graph per rank, rank 0's pass records); the graph itself is rank 0's. With both --tp and
+    --pp, rank = stage * tp + tp_rank: each rank's graph is tensor-sharded first (so the last stage
+    keeps its vocabulary-split LM head), then cut to its stage, its send/recv peers the ranks of the
+    same tp_rank in the neighbouring stages."""
+    tp, pp = tensor_parallel_size(configs), pipeline_size(configs)
+    world = tp * pp
+    if world == 1:
         return [graph], _manager(configs, ctx).run(graph)
     before = [c for c in configs if c.stage < Stage.SHARD]
     after = configs[len(before):]
     _refuse_calibrated_after_shard(after)
     records = _manager(before, ctx).run(graph)
     graphs, rank_records = [], []
-    for rank in range(tp):
-        g = graph if rank == tp - 1 else graph.copy()
+    for rank in range(world):
+        stage, tp_rank = divmod(rank, tp)
+        g = graph if rank == world - 1 else graph.copy()
         rank_ctx = ctx if ctx.dump_ir is None else _with_dump(ctx, Path(ctx.dump_ir) / f"rank{rank}")
-        configured = [c.configure(rank=rank) if c.name == SHARD_PASS else
-                      c.configure(stage=rank) if c.name == PIPELINE_PASS else c for c in after]
+        configured = [c.configure(rank=tp_rank) if c.name == SHARD_PASS else
+                      c.configure(stage=stage, tp=tp, tp_rank=tp_rank) if c.name == PIPELINE_PASS else c
+                      for c in after]
         rank_records.append(_manager(configured, rank_ctx).run(g))
         graphs.append(g)
     return graphs, records + rank_records[0]
@@ -79,7 +81,12 @@ def _refuse_calibrated_after_shard(after: list[PassConfig]) -> None:
 
 
 def shard_record(records: list[PassRecord]) -> dict:
-    return next(r.details for r in records if r.name in (SHARD_PASS, PIPELINE_PASS))
+    """The shard passes' details (both passes' with --tp and --pp: the pipeline's split, the whole heads)."""
+    details = {}
+    for r in records:
+        if r.name in (SHARD_PASS, PIPELINE_PASS):
+            details = {**r.details, **details} if r.name == PIPELINE_PASS else {**details, **r.details}
+    return details
 
 
 def rank_entry(rank: int, graph: Graph, plan) -> dict:
@@ -104,6 +111,11 @@ def whole_model_meta(rank_meta: dict, details: dict, config) -> dict:
     config of the unsharded model. Each rank's graph says the same but for its own heads and KV bytes."""
     from llmc.compiler.pipeline import hf_config_dict
 
+    if "pp" in details and "tp" in details:  # both: every stage's layers, every tp rank's heads
+        layers, heads, kv_heads = sum(details["split"]), details["num_heads"], details["num_kv_heads"]
+        per_head_layer = rank_meta["kv_bytes_per_token"] // (rank_meta["num_layers"] * rank_meta["num_kv_heads"])
+        return {**rank_meta, "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads,
+                "kv_bytes_per_token": per_head_layer * layers * kv_heads, "hf_config": hf_config_dict(config, kv_heads)}
     if "pp" in details:  # pipeline stages: every layer's heads, the layers of all stages
         layers = sum(details["split"])
         kv = rank_meta["kv_bytes_per_token"] // rank_meta["num_layers"] * layers
@@ -116,18 +128,25 @@ def whole_model_meta(rank_meta: dict, details: dict, config) -> dict:
 
 
 def parallel_section(graphs: list[Graph], plans: list) -> dict:
+    """With pipeline stages, rank = stage * tp + tp_rank (stage 0's tp ranks are those that receive nothing)."""
     ranks = [rank_entry(r, g, p) for r, (g, p) in enumerate(zip(graphs, plans))]
     if not any(n.op == "recv" for n in graphs[-1].nodes):
         return {"tp": len(graphs), "ranks": ranks}
     # pipeline stages: each rank's layers [first, stop); rank 0 receives the last stage's logits
-    first = 0
-    for entry, g in zip(ranks, graphs):
+    tp = sum(not any(n.op == "recv" for n in g.nodes) for g in graphs)
+    pp, first = len(graphs) // tp, 0
+    for rank, (entry, g) in enumerate(zip(ranks, graphs)):
         entry["layers"] = [first, first + g.meta["num_layers"]]
-        first += g.meta["num_layers"]
         entry["num_layers"] = g.meta["num_layers"]
-    logits = graphs[-1].type_of(graphs[-1].outputs[0])
-    return {"tp": 1, "pp": len(graphs), "split": [g.meta["num_layers"] for g in graphs],
-            "logits": {"width": logits.shape[-1], "dtype": logits.dtype}, "ranks": ranks}
+        if tp > 1:
+            entry["stage"], entry["tp_rank"] = divmod(rank, tp)
+        if rank % tp == tp - 1:
+            first += g.meta["num_layers"]
+    last = (pp - 1) * tp
+    logits = graphs[last].type_of(graphs[last].outputs[0])
+    return {"tp": tp, "pp": pp, "split": [g.meta["num_layers"] for g in graphs[::tp]],
+            "logits": {"width": logits.shape[-1], "dtype": logits.dtype, **({"rank": last} if tp > 1 else {})},
+            "ranks": ranks}
 
 
 __all__ = ["SHARD_PASS", "PIPELINE_PASS", "pipeline_size", "tensor_parallel_size", "run_passes", "shard_record",

@@ -159,10 +159,14 @@ class ShardPipeline(Pass):
         pp: int = option(2, "pipeline stages (ranks)", low=1)
         stage: int = option(0, "which stage's layers this run keeps (the compile driver runs one per stage)", low=0)
         split: str = option("", "layers per stage, e.g. 15,15 (empty: balanced by estimated cost)")
+        tp: int = option(1, "tensor-parallel ranks per stage (--tp with --pp): rank = stage * tp + tp_rank", low=1)
+        tp_rank: int = option(0, "this run's tensor-parallel rank within its stage", low=0)
 
         def validate(self) -> None:
             if self.stage >= self.pp:
                 raise self.invalid(f"stage {self.stage} is not below pp {self.pp}")
+            if self.tp_rank >= self.tp:
+                raise self.invalid(f"tp_rank {self.tp_rank} is not below tp {self.tp}")
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         pp, stage = self.options.pp, self.options.stage
@@ -178,11 +182,12 @@ class ShardPipeline(Pass):
         entering = cuts[first - 1].value if stage > 0 else None
         entering_type = graph.type_of(entering) if entering else None
         graph.nodes = graph.nodes[start:stop]
+        tp, tp_rank = self.options.tp, self.options.tp_rank
         if entering is not None:
-            self._receive(graph, entering, entering_type, peer=stage - 1)
+            self._receive(graph, entering, entering_type, peer=(stage - 1) * tp + tp_rank)
         if leaving is not None:
-            graph.outputs = [self._send(graph, leaving, stage + 1, "hidden")]
-        else:
+            graph.outputs = [self._send(graph, leaving, (stage + 1) * tp + tp_rank, "hidden")]
+        elif tp_rank == 0:  # the last stage's tp ranks all hold the whole logits: one sends them to rank 0
             self._send(graph, graph.outputs[0], 0, graph.outputs[0])
         for n in graph.nodes:
             if n.op in ATTENTION_OPS:

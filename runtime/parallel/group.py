@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from llmc.codegen.cpu_collectives import COLLECTIVE_SECONDS
+from llmc.codegen.cpu_collectives import COLLECTIVE_SECONDS, use_group
 from llmc.codegen.cpu_point_to_point import P2P_SECONDS
 from llmc.errors import RuntimeLlmcError
 
@@ -49,6 +49,7 @@ def join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
 
 
 def leave_group() -> None:
+    use_group(None)  # a pipeline stage's tp group goes with the default one
     if dist.is_initialized():
         dist.destroy_process_group()
 

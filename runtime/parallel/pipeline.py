@@ -15,6 +15,7 @@ from llmc.errors import RuntimeLlmcError
 from llmc.runtime.parallel.group import STEP, send
 from llmc.runtime.parallel.launch import ShardedModelRunner
 from llmc.runtime.parallel.pipeline_step import run_first_stage
+from llmc.runtime.parallel.stage_groups import join_stage_groups
 from llmc.runtime.parallel.step_batch import StepBatch
 
 
@@ -23,14 +24,21 @@ class PipelineModelRunner(ShardedModelRunner):
 
     def __init__(self, path, manifest: dict, executor, cache, threads: int):
         parallel = manifest["parallel"]
-        self.pp, self.logits = parallel["pp"], parallel["logits"]
-        # the group is one rank per stage; the base runner sizes it by "tp"
-        super().__init__(path, dict(manifest, parallel=dict(parallel, tp=self.pp)), executor, cache, threads)
+        self.pp, self.logits, self.stage_tp = parallel["pp"], parallel["logits"], parallel.get("tp", 1)
+        # the group is tp ranks per stage (rank = stage * tp + tp_rank); the base runner sizes it by "tp"
+        super().__init__(path, dict(manifest, parallel=dict(parallel, tp=self.pp * self.stage_tp)), executor, cache,
+                         threads)
+        try:
+            join_stage_groups(self.stage_tp, self.pp, self.timeout)
+        except BaseException:
+            self._ranks.stop(graceful=False)
+            raise
         self.attention = executor.paged_backend(cache)  # stages hold different layers: no ring attention
 
     def _start(self, path, rank: int, port: int, threads: int) -> subprocess.Popen:
-        args = {"rank": rank, "world": self.pp, "port": port, "blocks": self.cache.k_cache[0].shape[0],
-                "block-size": self.cache.block_size, "threads": threads, "timeout": self.timeout}
+        args = {"rank": rank, "world": self.tp, "tp": self.stage_tp, "port": port,
+                "blocks": self.cache.k_cache[0].shape[0], "block-size": self.cache.block_size, "threads": threads,
+                "timeout": self.timeout}
         command = [sys.executable, "-m", "llmc.runtime.parallel.pipeline_worker",
                    *[f"--{k}={v}" for k, v in args.items()], str(path)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -51,8 +59,8 @@ class PipelineModelRunner(ShardedModelRunner):
             dead = [(r, p.poll()) for r, p in enumerate(self._ranks.procs, 1) if p.poll() is not None]
             if dead:
                 r, code = dead[0]
-                return (f"pipeline stage {r} (rank {r}) exited (code {code}) during a step; the run stopped "
-                        f"and the other ranks were shut down")
+                return (f"pipeline stage {r // self.stage_tp} (rank {r}) exited (code {code}) during a step; the run "
+                        f"stopped and the other ranks were shut down")
             time.sleep(0.05)
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return (f"a send/recv between the {self.pp} pipeline stages failed or timed out "

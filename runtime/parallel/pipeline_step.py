@@ -54,7 +54,7 @@ def run_first_stage(batch: StepBatch, stages: int, executor, cache, attention, l
         row_of = {seq: row for row, seq in enumerate(batch.sampled)}
         for first, part in parts:
             if part.sampled:
-                got = receive((len(part.sampled), logits["width"]), out.dtype, stages - 1)
+                got = receive((len(part.sampled), logits["width"]), out.dtype, logits.get("rank", stages - 1))
                 out[[row_of[first + i] for i in part.sampled]] = got
         return out
     finally:

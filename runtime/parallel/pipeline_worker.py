@@ -14,6 +14,7 @@ from llmc.errors import LlmcError
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.parallel.group import REPORT, STOP, gather_stats, join_group, receive
 from llmc.runtime.parallel.pipeline_step import run_stage
+from llmc.runtime.parallel.stage_groups import join_stage_groups
 from llmc.runtime.parallel.step_batch import StepBatch
 from llmc.runtime.parallel.worker import load_rank, say
 from llmc.runtime.threads import apply_threads
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmc.runtime.parallel.pipeline_worker")
     for name in ("rank", "world", "port", "blocks", "block-size", "threads"):
         parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--tp", type=int, default=1)  # tensor-parallel ranks per stage
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     say(loaded=True)
     try:
         join_group(args.rank, args.world, args.port, args.timeout)
-        follow(sys.stdin.buffer, args.world, executor, cache, executor.paged_backend(cache))
+        join_stage_groups(args.tp, args.world // args.tp, args.timeout)
+        follow(sys.stdin.buffer, args.world // args.tp, executor, cache, executor.paged_backend(cache))
     except RuntimeError:  # rank 0 stopped, or a rank died: rank 0 reports it, this one just ends
         os._exit(1)
     return 0

@@ -99,13 +99,11 @@ def test_the_lm_heads_cost_shortens_the_last_stage():
     assert balanced_split([5, 1, 1, 1, 1, 1], 0, 3) == [1, 4, 1]  # ties: earlier stages longer
 
 
-def test_pp_split_without_pp_and_tp_with_pp_are_refused():
+def test_pp_split_without_pp_is_refused():
     from llmc.compiler.parallel_build import pipeline_size
     from llmc.compiler.recipes import shard_passes
 
     with pytest.raises(PassError, match=r"^--pp-split 2,2 splits pipeline stages; give --pp N with it$"):
         shard_passes(1, 1, "2,2")
     assert pipeline_size(shard_passes(1, 3)) == 3
-    with pytest.raises(PassError, match=r"^--tp with --pp: tensor and pipeline parallelism together are not built "
-                                        r"yet; compile with one of them$"):
-        pipeline_size(shard_passes(2, 2))
+    assert pipeline_size(shard_passes(2, 2)) == 2  # with --tp: tests/parallel/test_tp_pp.py

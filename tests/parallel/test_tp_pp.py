@@ -1,0 +1,87 @@
+"""Tensor and pipeline parallelism together: tiny-llama compiled with --tp 2 --pp 2 (rank = stage * 2
++ tp_rank; three follower processes, one thread each, started once for the module) gives the
+unsharded artifact's log-probabilities and greedy tokens, and batched requests (micro-batches through
+both stages' tp groups) what they give alone; each rank holds half its stage's layer; the manifest
+and inspect name each rank's stage and tp rank; a combination that does not fit is refused in one line."""
+
+import pytest
+import torch
+
+import llmc
+from llmc.compiler.artifact import read_artifact, read_manifest
+from llmc.runtime.sampling_params import SamplingParams
+from tests.llmc_cli import error_line, llmc_in_process
+
+PROMPTS = ["The river starts as a thin stream", "Hello! How are you?", "Numbers help us count"]
+
+
+@pytest.fixture(scope="module")
+def tp2pp2_artifact(tmp_path_factory):
+    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("tp-pp") / "tiny-tp2pp2.llmc",
+                        tp=2, pp=2)
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tp2pp2_artifact):
+    model = llmc.load(tp2pp2_artifact)  # one thread per rank (the machine's threads over 4 ranks, at least 1)
+    yield model
+    model.close()
+
+
+def outputs(model, prompts, max_tokens=32):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True)
+    return [o.outputs[0] for o in model.generate(prompts, params)]
+
+
+def test_greedy_tokens_and_logprobs_equal_the_unsharded_artifact(compiled, tp2pp2):
+    want, got = outputs(llmc.load(compiled), PROMPTS), outputs(tp2pp2, PROMPTS)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        for step_w, step_g in zip(w.logprobs, g.logprobs):
+            assert step_g.keys() == step_w.keys()
+            for token, lp in step_w.items():
+                assert abs(step_g[token].logprob - lp.logprob) < 1e-4
+
+
+def test_mixed_requests_batched_equal_their_solo_runs(tp2pp2):
+    gen = torch.Generator().manual_seed(0)
+    base = tp2pp2.engine.tokenizer(" ".join(PROMPTS))["input_ids"]
+    prompts = [{"prompt_token_ids": base[: 2 + int(torch.randint(0, len(base) - 2, (1,), generator=gen))]}
+               for _ in range(6)]
+    params = [SamplingParams(max_tokens=3 + i % 4, temperature=0.0, ignore_eos=True) for i in range(6)]
+    together = [o.outputs[0].token_ids for o in tp2pp2.generate(prompts, params)]
+    alone = [tp2pp2.generate(p, q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    assert together == alone
+
+
+def test_each_rank_holds_half_of_its_stages_layer(tp2pp2_artifact):
+    manifest = read_manifest(tp2pp2_artifact)
+    parallel, config = manifest["parallel"], manifest["model"]["hf_config"]
+    assert (parallel["tp"], parallel["pp"], parallel["split"], parallel["logits"]["rank"]) == (2, 2, [1, 1], 2)
+    assert [(r["stage"], r["tp_rank"], r["layers"]) for r in parallel["ranks"]] == [
+        (0, 0, [0, 1]), (0, 1, [0, 1]), (1, 0, [1, 2]), (1, 1, [1, 2])]
+    h, inter, vocab, d = (config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "head_dim"))
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    layer = (h * (q + 2 * kv) + q * h + 3 * h * inter) // 2 + 2 * h  # norms whole on every rank
+    rope = d // 2                                                    # inverse frequencies, whole
+    embedding = head = vocab // 2 * h
+    want = [embedding + layer + rope] * 2 + [layer + h + head + rope] * 2
+    got = [sum(w.numel() for w in read_artifact(tp2pp2_artifact, rank=r).weights.values()) for r in range(4)]
+    assert got == want
+    assert (manifest["model"]["num_layers"], manifest["model"]["num_kv_heads"]) == (2, config["num_key_value_heads"])
+
+
+def test_inspect_names_each_ranks_stage_and_tp_rank(tp2pp2_artifact, capsys):
+    code, out, _ = llmc_in_process(capsys, "inspect", tp2pp2_artifact)
+    assert code == 0
+    assert "pipeline parallel: 2 stages x 2 tensor-parallel ranks each, layers split 1,1" in out
+    assert "rank3 (stage 1, tp rank 1): layers 1-1 (1)" in out
+
+
+def test_more_stages_than_layers_is_refused_in_one_line(tmp_path, capsys):
+    code, _, err = llmc_in_process(capsys, "compile", "tiny-llama", "--tp", "2", "--pp", "3",
+                                   "-o", tmp_path / "x.llmc", "-q")
+    assert code == 2
+    assert error_line(err) == ("--pp 3: this model has 2 decoder layers and a pipeline stage needs at least one; "
+                               "give --pp 2 or fewer")
+    assert not (tmp_path / "x.llmc").exists()
