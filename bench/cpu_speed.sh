@@ -5,6 +5,9 @@
 # and 64 requests x (128 in, 128 out) against batched HF generate; tok/s, ratios vs HF and
 # roofline fractions (`llmc bench`'s roofline block). Artifacts are compiled once into $DIR.
 # THREADS=N sets the thread count (default: the runtime's); BANDWIDTH=GBPS skips measuring it.
+# QUANTS="fp32 gguf" limits the artifacts (default all four; fp32 is always needed), BATCH=N the requests
+# of the batched row (default 64). The compile-time row times one fresh GGUF compile (`--report`:
+# its load stage is GGUF read + dequantise), unless $DIR/compile.json is there already.
 # KERNELS="cpu ort" adds rows of artifacts compiled with --kernels ort (ONNX Runtime segments; default
 # KERNELS=cpu: torch kernels only); each family's artifacts are named $q.llmc (cpu) or $q-ort.llmc.
 set -euo pipefail
@@ -14,12 +17,23 @@ DIR=${DIR:-bench/out/cpu_speed}
 mkdir -p "$DIR"
 EXTRA=()
 KERNELS=${KERNELS:-cpu}
+QUANTS=${QUANTS:-fp32 int8 int4-awq gguf}
+BATCH=${BATCH:-64}
 suffix() { [ "$1" = cpu ] && echo "" || echo "-$1"; }
 [ -n "${THREADS:-}" ] && EXTRA+=(--threads "$THREADS")
 [ -n "${BANDWIDTH:-}" ] && EXTRA+=(--bandwidth "$BANDWIDTH")
 
+if [ ! -f "$DIR/compile.json" ]; then
+  rm -rf "$DIR/compile-probe.llmc"
+  start=$(date +%s.%N)
+  "$LLMC" compile smollm2-135m --target cpu -o "$DIR/compile-probe.llmc" -q --report "$DIR/compile-report.json"
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); json.dump({'wall_s': float(sys.argv[2]), \
+'load_s': next(s['seconds'] for s in r['stages'] if s['name'] == 'load')}, open(sys.argv[3], 'w'))" \
+    "$DIR/compile-report.json" "$(echo "$(date +%s.%N) - $start" | bc)" "$DIR/compile.json"
+  rm -rf "$DIR/compile-probe.llmc"
+fi
 for k in $KERNELS; do
-  for q in fp32 int8 int4-awq gguf; do
+  for q in $QUANTS; do
     art="$DIR/$q$(suffix "$k").llmc"
     if [ ! -d "$art" ]; then
       flags=(--quant "$q"); [ "$q" = fp32 ] && flags=(--quant none)
@@ -35,23 +49,24 @@ bench() {  # name artifact [llmc bench flags...]
 }
 # interleaved: each quantised row runs right after the fp32 row of the same workload
 for k in $KERNELS; do
-  for q in fp32 int8 int4-awq gguf; do
+  for q in $QUANTS; do
     base=(); [ "$q$k" = fp32cpu ] && base=(--baseline hf)
     bench "decode_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 128 --output-len 128 "${base[@]}"
   done
 done
 for k in $KERNELS; do
-  for q in fp32 int8 int4-awq gguf; do
+  for q in $QUANTS; do
     base=(); [ "$q$k" = fp32cpu ] && base=(--baseline hf)
     bench "prefill_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 512 --output-len 1 "${base[@]}"
   done
 done
-bench batch_fp32 "$DIR/fp32.llmc" -n 64 --input-len 128 --output-len 128 --baseline hf
+bench batch_fp32 "$DIR/fp32.llmc" -n "$BATCH" --input-len 128 --output-len 128 --baseline hf
+[[ " $QUANTS " == *" gguf "* ]] && bench batch_gguf "$DIR/gguf.llmc" -n "$BATCH" --input-len 128 --output-len 128
 
-python3 - "$DIR" $KERNELS <<'PY'
+QUANTS="$QUANTS" BATCH="$BATCH" python3 - "$DIR" $KERNELS <<'PY'
 import json, os, sys
 d, kernels = sys.argv[1], sys.argv[2:]
-r = {n[:-5]: json.load(open(f"{d}/{n}")) for n in os.listdir(d) if n.endswith(".json")}
+r = {n[:-5]: json.load(open(f"{d}/{n}")) for n in os.listdir(d) if n.endswith(".json") and n != "compile-report.json"}
 roof = r["decode_fp32"]["roofline"]
 bw, peak = roof["bandwidth_gbps"], roof["gemm_peak_gflops"]
 fp32_bytes = roof["weight_bytes"]
@@ -75,15 +90,22 @@ def prefill(q):
 hf_dec = r["decode_fp32"]["baseline"]["output_tokens_per_s"]
 hf_pre = 512 / r["prefill_fp32"]["baseline"]["total_seconds"]
 b = r["batch_fp32"]
-qs = [q + ("" if k == "cpu" else f"-{k}") for k in kernels for q in ("fp32", "int8", "int4-awq", "gguf")]
+qs = [q + ("" if k == "cpu" else f"-{k}") for k in kernels for q in os.environ["QUANTS"].split()]
 print(f"threads {roof['threads']} · memory bandwidth {bw:.1f} GB/s · fp32 GEMM peak {peak:.0f} GFLOP/s (measured)")
 print("| figure | HF eager fp32 | " + " | ".join(f"llmc {q}" for q in qs) + " |")
 print("|---|---|" + "---|" * len(qs))
 print(f"| batch-1 decode tok/s (128 in, 128 out) | {hf_dec:.1f} ({hf_dec * fp32_bytes / 1e9 / bw:.0%} of roofline) | "
       + " | ".join(decode(q) for q in qs) + " |")
 print(f"| prefill 512 tok/s | {hf_pre:.0f} | " + " | ".join(prefill(q) for q in qs) + " |")
-print(f"| 64 x (128 in, 128 out) output tok/s | {b['baseline']['output_tokens_per_s']:.0f} | "
-      f"{b['output_tokens_per_s']:.0f} ({b['ratio']:.2f}x HF, GEMM {b['roofline']['achieved_gflops']:.0f} GFLOP/s "
-      f"= {b['roofline']['gemm_fraction']:.0%} of peak) |" + " |" * (len(qs) - 1))
+hf_batch = b["baseline"]["output_tokens_per_s"]
+batch = {q: f"{r[f'batch_{q}']['output_tokens_per_s']:.0f} ({r[f'batch_{q}']['output_tokens_per_s'] / hf_batch:.2f}x HF)"
+         for q in qs if f"batch_{q}" in r}
+batch["fp32"] += f", GEMM {b['roofline']['achieved_gflops']:.0f} GFLOP/s = {b['roofline']['gemm_fraction']:.0%} of peak"
+print(f"| {os.environ['BATCH']} x (128 in, 128 out) output tok/s | {hf_batch:.0f} | "
+      + " | ".join(batch.get(q, "") for q in qs) + " |")
+c = r.get("compile")
+if c:
+    print(f"| compile SmolLM2 (GGUF, cpu) | | {c['wall_s']:.1f} s wall, GGUF load + dequantise {c['load_s']:.1f} s "
+          "(targets < 15 s, < 5 s) |" + " |" * (len(qs) - 1))
 PY
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPUs"
