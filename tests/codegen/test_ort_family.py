@@ -133,12 +133,24 @@ def test_auto_records_what_it_measured_and_inspect_shows_it(capsys, tmp_path):
     assert code == 0 and "kernels: auto" in out and f"{kinds[0]['chosen']:<4} x{kinds[0]['segments']}" in out
 
 
-def test_auto_keeps_torch_where_ort_would_change_the_numbers(tmp_path):
-    """MatMulNBits rounds activations to int8 per block: auto does not take that for speed."""
+def test_auto_keeps_torch_where_ort_would_change_the_numbers(capsys, tmp_path):
+    """MatMulNBits rounds activations to int8 per block: auto does not take that for speed. The torch
+    qlinears it keeps get their measured switch to dequantise + fp32 GEMM recorded, and used at load."""
+    from llmc.codegen.cpu_qlinear_dense import DispatchedWeights
+
     path = llmc.compile("tiny-llama", output=tmp_path / "auto-int4.llmc", kernels="auto", quant="int4-rtn",
                         quiet=True)
-    kinds = json.loads((path / "plan.json").read_text())["meta"]["kernel_choice"]["measured"]["kinds"]
-    quantised = [k for k in kinds if "qlinear" in k["ops"]]
+    choice = json.loads((path / "plan.json").read_text())["meta"]["kernel_choice"]
+    quantised = [k for k in choice["measured"]["kinds"] if "qlinear" in k["ops"]]
     assert quantised
     for kind in quantised:
         assert kind["ort_vs_cpu"] > 1e-4 and kind["chosen"] == "cpu" and "change the numbers" in kind["why"]
+    shapes = choice["qlinear_dispatch"]["shapes"]
+    assert shapes and all(e["dense_from"] >= 1 and e["steps"] >= 1 for e in shapes.values())
+    artifact = read_artifact(path)
+    executor = PlanExecutor(Plan.from_json(artifact.plan_json), artifact.weights, data=artifact.data)
+    switches = {launch.attrs["cpu_weights"].dense_from for launch in executor._program
+                if isinstance(launch.attrs.get("cpu_weights"), DispatchedWeights)}
+    assert switches and switches <= {e["dense_from"] for e in shapes.values()}
+    code, out, _ = llmc_in_process(capsys, "inspect", path)
+    assert code == 0 and "dequantise + fp32 GEMM" in out and "dense from" in out

@@ -83,24 +83,3 @@ def test_measurement_times_both_paths_and_picks_a_probed_row_count():
     assert timed == list(record["us"]["dense"]) and timed[0] == "1"
     assert record["dense_from"] in dense.PROBE_ROWS + (dense.PROBE_ROWS[-1] * 2,)
 
-
-def test_auto_records_the_switch_per_shape_the_runtime_and_inspect_use_it(capsys, tmp_path):
-    import json
-
-    from llmc_cli import llmc_in_process
-
-    import llmc
-    from llmc.codegen.plan import Plan
-    from llmc.compiler.artifact import read_artifact
-    from llmc.runtime.executor import PlanExecutor
-
-    path = llmc.compile("tiny-llama", output=tmp_path / "auto.llmc", kernels="auto", quant="int4-rtn", quiet=True)
-    record = json.loads((path / "plan.json").read_text())["meta"]["kernel_choice"][dense.DISPATCH_META]
-    assert record["shapes"] and all(e["dense_from"] >= 1 and e["steps"] >= 1 for e in record["shapes"].values())
-    artifact = read_artifact(path)
-    executor = PlanExecutor(Plan.from_json(artifact.plan_json), artifact.weights)
-    switches = {launch.attrs["cpu_weights"].dense_from for launch in executor._program
-                if isinstance(launch.attrs.get("cpu_weights"), DispatchedWeights)}
-    assert switches and switches <= {e["dense_from"] for e in record["shapes"].values()}
-    code, out, _ = llmc_in_process(capsys, "inspect", path)
-    assert code == 0 and "dequantise + fp32 GEMM" in out and "dense from" in out
