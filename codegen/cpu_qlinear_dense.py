@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token
+from llmc.errors import RuntimeLlmcError
 
 # row counts timed per shape; timing stops once the dense GEMM has won twice in a row
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -161,7 +162,8 @@ def choose_dense_from(meta: dict | None, key: str, packed_run, src: DenseSource)
     forced = os.environ.get(DENSE_FROM_ENV)
     if forced:
         if not forced.isdigit() or int(forced) < 1:
-            raise ValueError(f"{DENSE_FROM_ENV}={forced!r} is no row count; set it to a positive integer or unset it")
+            raise RuntimeLlmcError(f"{DENSE_FROM_ENV}={forced!r} is no row count; set it to a positive integer "
+                                   f"or unset it")
         return int(forced)
     entry = recorded(meta).get("shapes", {}).get(key)
     value = entry.get("dense_from") if isinstance(entry, dict) else None

@@ -11,6 +11,7 @@ from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
 from llmc.codegen.cpu_qlinear_dense import DispatchedWeights, dense_source, measure_shape, run_dense
 from llmc.compiler.ops import qlinear_ref
 from llmc.compiler.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
+from llmc.errors import RuntimeLlmcError
 
 
 def stored(scheme, n, k, seed):
@@ -71,7 +72,7 @@ def test_kernel_switches_to_dense_from_the_chosen_row_count(scheme, monkeypatch)
 def test_a_bad_forced_row_count_is_one_clear_error(monkeypatch):
     monkeypatch.setenv(dense.DENSE_FROM_ENV, "many")
     params, attrs = stored("int8", 16, 64, seed=4)
-    with pytest.raises(ValueError, match="LLMC_QLINEAR_DENSE_FROM='many'"):
+    with pytest.raises(RuntimeLlmcError, match="LLMC_QLINEAR_DENSE_FROM='many'"):
         prepare_qlinear([None, *inputs_of(params, attrs, None)[1:]], attrs)
 
 
