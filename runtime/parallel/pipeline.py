@@ -57,6 +57,8 @@ class PipelineModelRunner(ShardedModelRunner):
     def _why_failed(self, error: Exception) -> str:
         for _ in range(20):  # a rank that died may take a moment to be reaped
             dead = [(r, p.poll()) for r, p in enumerate(self._ranks.procs, 1) if p.poll() is not None]
+            # code 1 is how a follower leaves when a peer's send or collective failed: name the cause first
+            dead.sort(key=lambda d: d[1] == 1)
             if dead:
                 r, code = dead[0]
                 return (f"pipeline stage {r // self.stage_tp} (rank {r}) exited (code {code}) during a step; the run "

@@ -19,6 +19,11 @@ def rank_report(engine) -> list[dict] | None:
 
 def format_ranks(ranks: list[dict] | None) -> list[str]:
     return [f"rank {r['rank']:<12} weights {r['weight_bytes'] / 2**20:.1f} MiB, resident {r['rss_bytes'] / 2**20:.0f} "
-            f"MiB, " + (f"in send/recv {r['send_recv_s']:.2f} s" if "layers" in r else
-                        f"in all_reduce {r['all_reduce_s']:.2f} s, in all_gather {r['all_gather_s']:.2f} s")
-            for r in ranks or []]
+            f"MiB, " + ", ".join(_waits(r)) for r in ranks or []]
+
+
+def _waits(r: dict) -> list[str]:
+    """A pipeline stage's send/recv, a tensor-parallel rank's collectives (both with --tp and --pp)."""
+    stage = [f"in send/recv {r['send_recv_s']:.2f} s"] if "layers" in r else []
+    tensor = [f"in all_reduce {r['all_reduce_s']:.2f} s", f"in all_gather {r['all_gather_s']:.2f} s"]
+    return stage + (tensor if not stage or r["all_reduce_s"] or r["all_gather_s"] else [])

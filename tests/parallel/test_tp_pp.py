@@ -1,14 +1,21 @@
 """Tensor and pipeline parallelism together: tiny-llama compiled with --tp 2 --pp 2 (rank = stage * 2
 + tp_rank; three follower processes, one thread each, started once for the module) gives the
 unsharded artifact's log-probabilities and greedy tokens, and batched requests (micro-batches through
-both stages' tp groups) what they give alone; each rank holds half its stage's layer; the manifest
-and inspect name each rank's stage and tp rank; a combination that does not fit is refused in one line."""
+both stages' tp groups) what they give alone; a killed rank stops the run in one line with no process
+left; each rank holds half its stage's layer; the manifest and inspect name each rank's stage and tp
+rank; a combination that does not fit is refused in one line."""
+
+import os
+import signal
+import time
 
 import pytest
 import torch
 
 import llmc
 from llmc.compiler.artifact import read_artifact, read_manifest
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.parallel import group
 from llmc.runtime.sampling_params import SamplingParams
 from tests.llmc_cli import error_line, llmc_in_process
 
@@ -52,6 +59,22 @@ def test_mixed_requests_batched_equal_their_solo_runs(tp2pp2):
     together = [o.outputs[0].token_ids for o in tp2pp2.generate(prompts, params)]
     alone = [tp2pp2.generate(p, q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     assert together == alone
+
+
+def test_a_killed_rank_stops_the_run_with_one_error_and_no_process_left(tp2pp2):
+    # the last test of the module's group: it kills stage 1's tp rank 1, whose all_reduce partner then fails too
+    followers = tp2pp2.engine.runner._ranks.procs
+    engine = tp2pp2.engine
+    engine.add_request(prompt=PROMPTS[0], params=SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(followers[2].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeLlmcError, match=r"^pipeline stage 1 \(rank 3\) exited \(code -9\) during a "
+                                               r"step; the run stopped and the other ranks were shut down$"):
+        for _ in range(200):
+            engine.step()
+    assert time.monotonic() - start < group.DEFAULT_TIMEOUT_S
+    assert all(p.poll() is not None for p in followers)
 
 
 def test_each_rank_holds_half_of_its_stages_layer(tp2pp2_artifact):
