@@ -16,7 +16,9 @@ class SpeculativeConfig:
     method: str                          # "ngram": prompt lookup; "draft": a draft artifact
     num_speculative_tokens: int = 4      # the most drafts verified per step (adaptive k stays below)
     model: str | None = None             # the draft artifact (method "draft")
-    prompt_lookup_min: int = 1           # n-gram sizes the lookup matches (method "ngram")
+    # n-gram sizes the lookup matches (method "ngram"); a one-token match seldom predicts what follows
+    # (on the grounded workload its drafts kept 0.8 tokens on average, a 4-token match's 4.7)
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     adaptive: bool = True                # lower k, or stop drafting, for requests where it does not pay
 
