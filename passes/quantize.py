@@ -338,7 +338,8 @@ class QuantizeInt4(Pass):
         shrink_groups: bool = option(True, "give a linear whose K group_size does not divide the largest "
                                            "smaller group size that does")
         act_order: bool = option(True, "GPTQ: quantise columns in order of decreasing activation energy")
-        damp: float = option(0.01, "GPTQ: Hessian dampening, a fraction of its mean diagonal", low=0.0)
+        damp: float = option(0.01, "GPTQ: Hessian dampening, a fraction of its mean diagonal (K / calibration "
+                                   "tokens is added to it)", low=0.0)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         g, method = self.options.group_size, self.options.method

@@ -75,7 +75,8 @@ def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Cal
         weights = [graph.weights[n.inputs[1]] for n in todo]
         # GPTQ treats rows independently: the linears sharing this Hessian go in one call
         codes, scales, zeros = quantize(torch.cat([w.float() for w in weights]), hessian.hessian(),
-                                        group_size=group_of(todo[0]), act_order=act_order, damp=damp)
+                                        group_size=group_of(todo[0]), act_order=act_order, damp=damp,
+                                        tokens=hessian.tokens)
         rows = [w.shape[0] for w in weights]
         for n, w, c, s, z in zip(todo, weights, codes.split(rows), scales.split(rows), zeros.split(rows)):
             stored[n.inputs[1]] = (c, s, z)
