@@ -122,8 +122,9 @@ def fp8_case(seed, m, n, k, per_channel=True):
 def test_fp8_kernel_matches_the_qlinear_reference(m, per_channel):
     inputs, attrs = fp8_case(m, m, 48, 96, per_channel)
     prepared = prepare_qlinear([None] + inputs[1:], attrs)
-    assert isinstance(prepared["cpu_weights"], Fp8Weights)
-    got = qlinear(*inputs, **attrs, **prepared)[0]
+    packed = prepared["cpu_weights"].packed   # the low-bit kernel; from dense_from rows a dense GEMM runs
+    assert isinstance(packed, Fp8Weights)
+    got = qlinear(*inputs, **attrs, cpu_weights=packed)[0]
     want = qlinear_ref(*inputs, **attrs)[0]
     assert got.dtype == want.dtype and got.shape == want.shape
     # codes are exact in bf16; only the bf16 GEMM's output rounding differs
