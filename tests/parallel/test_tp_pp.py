@@ -10,7 +10,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 import llmc
 from llmc.compiler.artifact import read_artifact, read_manifest
@@ -18,6 +17,11 @@ from llmc.errors import RuntimeLlmcError
 from llmc.runtime.parallel import group
 from llmc.runtime.sampling_params import SamplingParams
 from tests.llmc_cli import error_line, llmc_in_process
+from tests.parallel.sharded_checks import (
+    assert_mixed_requests_batched_equal_alone,
+    assert_same_tokens_and_logprobs,
+    outputs,
+)
 
 PROMPTS = ["The river starts as a thin stream", "Hello! How are you?", "Numbers help us count"]
 
@@ -35,30 +39,13 @@ def tp2pp2(tp2pp2_artifact):
     model.close()
 
 
-def outputs(model, prompts, max_tokens=32):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True)
-    return [o.outputs[0] for o in model.generate(prompts, params)]
-
-
 def test_greedy_tokens_and_logprobs_equal_the_unsharded_artifact(compiled, tp2pp2):
     want, got = outputs(llmc.load(compiled), PROMPTS), outputs(tp2pp2, PROMPTS)
-    for w, g in zip(want, got):
-        assert g.token_ids == w.token_ids
-        for step_w, step_g in zip(w.logprobs, g.logprobs):
-            assert step_g.keys() == step_w.keys()
-            for token, lp in step_w.items():
-                assert abs(step_g[token].logprob - lp.logprob) < 1e-4
+    assert_same_tokens_and_logprobs(want, got, 1e-4)
 
 
 def test_mixed_requests_batched_equal_their_solo_runs(tp2pp2):
-    gen = torch.Generator().manual_seed(0)
-    base = tp2pp2.engine.tokenizer(" ".join(PROMPTS))["input_ids"]
-    prompts = [{"prompt_token_ids": base[: 2 + int(torch.randint(0, len(base) - 2, (1,), generator=gen))]}
-               for _ in range(6)]
-    params = [SamplingParams(max_tokens=3 + i % 4, temperature=0.0, ignore_eos=True) for i in range(6)]
-    together = [o.outputs[0].token_ids for o in tp2pp2.generate(prompts, params)]
-    alone = [tp2pp2.generate(p, q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
-    assert together == alone
+    assert_mixed_requests_batched_equal_alone(tp2pp2, " ".join(PROMPTS), 6, lambda i: 3 + i % 4)
 
 
 def test_a_killed_rank_stops_the_run_with_one_error_and_no_process_left(tp2pp2):
