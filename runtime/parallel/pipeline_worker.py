@@ -8,28 +8,12 @@ import argparse
 import os
 import sys
 
-import torch
-
 from llmc.errors import LlmcError
-from llmc.runtime.executor import PlanExecutor
-from llmc.runtime.parallel.group import REPORT, STOP, gather_stats, join_group, receive
+from llmc.runtime.parallel.group import join_group
 from llmc.runtime.parallel.pipeline_step import run_stage
 from llmc.runtime.parallel.stage_groups import join_stage_groups
-from llmc.runtime.parallel.step_batch import StepBatch
-from llmc.runtime.parallel.worker import load_rank, say
+from llmc.runtime.parallel.worker import follow, load_rank, say
 from llmc.runtime.threads import apply_threads
-
-
-@torch.inference_mode()
-def follow(messages, stages: int, executor: PlanExecutor, cache, attention) -> None:
-    while True:
-        kind, payload = receive(messages)
-        if kind == STOP:
-            return
-        if kind == REPORT:
-            gather_stats()
-            continue
-        run_stage(StepBatch.decode(payload), stages, executor, cache, attention)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         join_group(args.rank, args.world, args.port, args.timeout)
         join_stage_groups(args.tp, args.world // args.tp, args.timeout)
-        follow(sys.stdin.buffer, args.world // args.tp, executor, cache, executor.paged_backend(cache))
+        stages, attention = args.world // args.tp, executor.paged_backend(cache)
+        follow(sys.stdin.buffer, lambda batch: run_stage(batch, stages, executor, cache, attention))
     except RuntimeError:  # rank 0 stopped, or a rank died: rank 0 reports it, this one just ends
         os._exit(1)
     return 0

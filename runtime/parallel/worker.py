@@ -42,7 +42,8 @@ def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_thres
 
 
 @torch.inference_mode()
-def follow(messages, executor, cache, attention) -> None:
+def follow(messages, run_step) -> None:
+    """Runs rank 0's steps as they arrive (`run_step(batch)`) until it says stop."""
     while True:
         kind, payload = receive(messages)
         if kind == STOP:
@@ -50,7 +51,7 @@ def follow(messages, executor, cache, attention) -> None:
         if kind == REPORT:
             gather_stats()
             continue
-        StepBatch.decode(payload).run(executor, cache, attention)
+        run_step(StepBatch.decode(payload))
 
 
 def say(**message) -> None:
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     say(loaded=True)
     try:
         join_group(args.rank, args.world, args.port, args.timeout)
-        follow(sys.stdin.buffer, *state)
+        executor, cache, attention = state
+        follow(sys.stdin.buffer, lambda batch: batch.run(executor, cache, attention))
     except RuntimeError:  # rank 0 stopped, or a rank died: rank 0 reports it, this one just ends
         os._exit(1)
     return 0  # the group goes with the process (rank 0 may already be gone: no goodbye collective)
