@@ -8,11 +8,10 @@ import argparse
 import os
 import sys
 
-from llmc.errors import LlmcError
 from llmc.runtime.parallel.group import join_group
 from llmc.runtime.parallel.pipeline_step import run_stage
 from llmc.runtime.parallel.stage_groups import join_stage_groups
-from llmc.runtime.parallel.worker import follow, load_rank, say
+from llmc.runtime.parallel.worker import load_rank, serve
 from llmc.runtime.threads import apply_threads
 
 
@@ -25,20 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
-    try:
-        executor, cache, _ = load_rank(args.artifact, args.rank, args.blocks, args.block_size)
-    except LlmcError as e:
-        say(error=str(e))
-        return 2
-    say(loaded=True)
-    try:
+    stages = args.world // args.tp
+
+    def join(executor, cache, _attention):
         join_group(args.rank, args.world, args.port, args.timeout)
-        join_stage_groups(args.tp, args.world // args.tp, args.timeout)
-        stages, attention = args.world // args.tp, executor.paged_backend(cache)
-        follow(sys.stdin.buffer, lambda batch: run_stage(batch, stages, executor, cache, attention))
-    except RuntimeError:  # rank 0 stopped, or a rank died: rank 0 reports it, this one just ends
-        os._exit(1)
-    return 0
+        join_stage_groups(args.tp, stages, args.timeout)
+        attention = executor.paged_backend(cache)
+        return lambda batch: run_stage(batch, stages, executor, cache, attention)
+    return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size), join)
 
 
 if __name__ == "__main__":

@@ -67,16 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
+
+    def join(executor, cache, attention):
+        join_group(args.rank, args.world, args.port, args.timeout)
+        return lambda batch: batch.run(executor, cache, attention)
+    return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size, args.ring_threshold,
+                                   args.timeout), join)
+
+
+def serve(load, join) -> int:
+    """A follower's life: `load()` its rank (saying on stdout whether it did), `join(*loaded)` the
+    groups, which returns the step to run, then follow rank 0 until it stops."""
     try:
-        state = load_rank(args.artifact, args.rank, args.blocks, args.block_size, args.ring_threshold, args.timeout)
+        loaded = load()
     except LlmcError as e:
         say(error=str(e))
         return 2
     say(loaded=True)
     try:
-        join_group(args.rank, args.world, args.port, args.timeout)
-        executor, cache, attention = state
-        follow(sys.stdin.buffer, lambda batch: batch.run(executor, cache, attention))
+        follow(sys.stdin.buffer, join(*loaded))
     except RuntimeError:  # rank 0 stopped, or a rank died: rank 0 reports it, this one just ends
         os._exit(1)
     return 0  # the group goes with the process (rank 0 may already be gone: no goodbye collective)
