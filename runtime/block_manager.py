@@ -1,6 +1,7 @@
 """Which fixed-size KV-cache blocks each sequence owns: a free pool, reference counts,
-copy-on-write for shared partial blocks, and a prefix cache of full blocks found by
-chained block hashes and confirmed by their token ids."""
+copy-on-write for shared partial blocks, a prefix cache of full blocks found by chained
+block hashes and confirmed by their token ids, and, when every attention layer has a sliding
+window, the release of blocks that no future query can see."""
 
 from __future__ import annotations
 
@@ -43,10 +44,13 @@ class BlockManager:
     """Free blocks live in two pools: `free` (no cached content) and `evictable`
     (ref count 0 but still in the prefix cache, least recently used first)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 window: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise RuntimeLlmcError(f"BlockManager: num_blocks={num_blocks} and block_size={block_size} "
                                    "must both be at least 1; raise --kv-memory")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise RuntimeLlmcError(f"BlockManager: window={window!r} must be None or an integer >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -56,6 +60,10 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.seqs: dict[int, Sequence] = {}  # every sequence holding blocks, by seq_id
         self._tick = 0
+        # a query at position p sees keys p - window + 1 .. p in every layer (None: some layer sees all)
+        self.window = window
+        self.num_dropped_blocks = 0  # block-table entries of live sequences dropped by the window
+        self.total_dropped_blocks = 0  # over this manager's life
 
     # --- pool state -------------------------------------------------------------------
 
@@ -74,14 +82,20 @@ class BlockManager:
 
     @property
     def kv_waste(self) -> float:
-        """Allocated slots that hold no token, over all slots allocated to live sequences."""
-        filled: dict[int, int] = {}
+        """Allocated slots that hold no token, over all slots allocated to live sequences. Only a
+        sequence's tail blocks can be part-filled, so this walks tails, not whole tables; a tail
+        block some other holder has as a full block is full."""
+        tails: dict[int, list[int]] = {}  # block_id -> [tail holders seen, most tokens in it]
+        bs = self.block_size
         for seq in self.seqs.values():
-            for i, block_id in enumerate(seq.block_table):
-                n = max(0, min(self.block_size, seq.num_tokens - i * self.block_size))
-                filled[block_id] = max(filled.get(block_id, 0), n)
-        allocated = len(filled) * self.block_size
-        return 0.0 if allocated == 0 else 1.0 - sum(filled.values()) / allocated
+            for i in range(seq.num_tokens // bs, len(seq.block_table)):
+                seen = tails.setdefault(seq.block_table[i], [0, 0])
+                seen[0] += 1
+                seen[1] = max(seen[1], seq.num_tokens - i * bs)
+        empty = sum(bs - max(0, filled) for block_id, (holders, filled) in tails.items()
+                    if holders == self.blocks[block_id].ref_count)
+        allocated = (self.num_blocks - self.num_free_blocks) * bs
+        return 0.0 if allocated == 0 else empty / allocated
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot (block_id * block_size + offset) of each token position in [start, end)."""
@@ -195,13 +209,37 @@ class BlockManager:
         # but is not reachable from the cache and is forgotten when freed.
         self.hash_to_block.setdefault(block.hash, block.block_id)
 
+    # --- sliding window ---------------------------------------------------------------
+
+    def drop_outside_window(self, seq: Sequence) -> None:
+        """Give back the leading blocks no query from `seq`'s next position on can see: a query
+        at p >= num_computed_tokens sees keys from p - window + 1, so block i goes once its last
+        key (i + 1) * block_size - 1 is below that. The block after it must be full (hashed)
+        already, so a hash never chains on a dropped block. The table keeps block 0 in a dropped
+        entry: positions still index the table, any block reads safely and the window masks it."""
+        if self.window is None:
+            return
+        bs = self.block_size
+        keep_from = min((seq.num_computed_tokens - self.window + 1) // bs, seq.num_computed_tokens // bs - 1)
+        if keep_from <= seq.num_dropped_blocks:
+            return
+        self._tick += 1
+        for i in range(seq.num_dropped_blocks, keep_from):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = 0
+        self.num_dropped_blocks += keep_from - seq.num_dropped_blocks
+        self.total_dropped_blocks += keep_from - seq.num_dropped_blocks
+        seq.num_dropped_blocks = keep_from
+
     # --- sharing and release ----------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent`."""
         assert child.seq_id not in self.seqs, f"seq {child.seq_id} already holds blocks"
         child.block_table = list(parent.block_table)
-        for block_id in child.block_table:
+        child.num_dropped_blocks = parent.num_dropped_blocks
+        self.num_dropped_blocks += child.num_dropped_blocks
+        for block_id in child.live_blocks:
             self.blocks[block_id].ref_count += 1
         self.seqs[child.seq_id] = child
 
@@ -212,9 +250,11 @@ class BlockManager:
             return
         self._tick += 1
         # Tail blocks first, so LRU eviction takes a prompt's tail before its shared head.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.live_blocks):
             self._release(block_id)
+        self.num_dropped_blocks -= seq.num_dropped_blocks
         seq.block_table = []
+        seq.num_dropped_blocks = 0
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -253,13 +293,14 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pools, reference counts or prefix cache disagree."""
-        holders = Counter(b for seq in self.seqs.values() for b in seq.block_table)
+        holders = Counter(b for seq in self.seqs.values() for b in seq.live_blocks)
         free, evictable = set(self.free_block_ids), set(self.evictable_block_ids)
         _require(len(free) == len(self.free_block_ids), "a block is twice in the free list")
         _require(not free & evictable, f"blocks both free and evictable: {free & evictable}")
         for seq in self.seqs.values():
-            _require(len(set(seq.block_table)) == len(seq.block_table),
+            _require(len(set(seq.live_blocks)) == len(seq.live_blocks),
                      f"seq {seq.seq_id} holds a block twice: {seq.block_table}")
+            self._check_dropped(seq)
             _require(len(seq.block_table) * self.block_size >= seq.num_computed_tokens,
                      f"seq {seq.seq_id} computed tokens beyond its blocks")
         for block in self.blocks:
@@ -268,6 +309,13 @@ class BlockManager:
         for h, block_id in self.hash_to_block.items():
             _require(self.blocks[block_id].hash == h, f"cache maps hash {h} to block {block_id}, "
                      f"which has hash {self.blocks[block_id].hash}")
+
+    def _check_dropped(self, seq: Sequence) -> None:
+        n = seq.num_dropped_blocks
+        _require(n == 0 or self.window is not None, f"seq {seq.seq_id} dropped {n} blocks without a window")
+        _require(n == 0 or n * self.block_size <= seq.num_computed_tokens - self.window + 1,
+                 f"seq {seq.seq_id} dropped {n} blocks, some still inside the window of its next query")
+        _require(all(b == 0 for b in seq.block_table[:n]), f"seq {seq.seq_id}: a dropped entry is not block 0")
 
     def _check_block(self, block: Block, holders: int, is_free: bool, is_evictable: bool) -> None:
         where = f"block {block.block_id}"
@@ -286,6 +334,15 @@ class BlockManager:
 def _require(ok: bool, message: str) -> None:
     if not ok:  # explicit, so invariant checks survive python -O
         raise AssertionError(message)
+
+
+def droppable_window(windows: list[int | None], pipelined: bool = False) -> int | None:
+    """The window a BlockManager may drop blocks behind, from each attention layer's sliding
+    window: the widest, or None (keep every block) when a layer has none or when other pipeline
+    stages hold layers `windows` does not show."""
+    if pipelined or not windows or None in windows:
+        return None
+    return max(windows)
 
 
 # --- sizing the pool ------------------------------------------------------------------

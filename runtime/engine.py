@@ -15,7 +15,7 @@ from llmc.compiler.artifact import load_tokenizer, read_artifact
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime import request_values
-from llmc.runtime.block_manager import BlockManager, num_blocks_for_budget, parse_bytes
+from llmc.runtime.block_manager import BlockManager, droppable_window, num_blocks_for_budget, parse_bytes
 from llmc.runtime.device import resolve_device
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.kernel_check import verified_plan
@@ -138,7 +138,9 @@ class Engine:
         _check_kv_fits(num_blocks * config.block_size * self.model["kv_bytes_per_token"], self.device,
                        config.kv_memory)
         self.cache = self._make_cache(art.weights, num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        window = droppable_window([s.attrs.get("window") for s in plan.attention_steps()],
+                                  pipelined=(self.manifest.get("parallel") or {}).get("pp", 1) > 1)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
         max_tokens = min(config.max_num_batched_tokens or plan.max_tokens, plan.max_tokens)
         self.scheduler = Scheduler(SchedulerConfig(max_tokens, config.max_num_seqs, config.block_size,
                                                    config.enable_chunked_prefill), self.block_manager)

@@ -261,6 +261,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += n
             self.block_manager.mark_full_blocks(seq)
+            self.block_manager.drop_outside_window(seq)
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
         """Record a step: `token_ids[i]` is the token sampled for `out.sampled[i]`. Returns
@@ -283,3 +284,4 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_tokens - 1
         self.block_manager.trim(seq)
         self.block_manager.mark_full_blocks(seq)
+        self.block_manager.drop_outside_window(seq)

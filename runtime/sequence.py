@@ -41,6 +41,7 @@ class Sequence:
         self.arrival_index = next(_arrivals)  # FCFS order; ties in arrival_time broken here
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.num_dropped_blocks = 0  # leading entries of block_table given back to a sliding window
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, served by the prefix cache at admission
         self.num_preemptions = 0
@@ -74,6 +75,11 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def live_blocks(self) -> list[int]:
+        """The blocks this sequence holds: its table past the entries a sliding window dropped."""
+        return self.block_table[self.num_dropped_blocks:]
 
     @property
     def num_uncomputed_tokens(self) -> int:
