@@ -413,6 +413,13 @@ def _bench_url(url, artifact, api_key, workload_kind, as_json, qps, workload) ->
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_http_bench(result))
 
 
+def _window_lines(w: dict | None) -> list[str]:
+    if not w:
+        return []
+    return [f"sliding window    {w['window']} tokens: {w['blocks_dropped']} KV blocks dropped, at most "
+            f"{w['peak_blocks_dropped']} at once ({w['peak_bytes_saved'] / 2**20:.2f} MiB)"]
+
+
 def _bench_table(r: dict) -> str:
     from llmc.runtime.parallel.report import format_ranks
     from llmc.runtime.roofline import format_roofline
@@ -426,6 +433,7 @@ def _bench_table(r: dict) -> str:
              f"ITL ms            {pct(r['itl_ms'])}",
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
+             *_window_lines(r.get("kv_window")),
              f"threads           {r['threads']}", *(format_roofline(r["roofline"]) if r["roofline"] else []),
              *format_ranks(r["ranks"])]
     if r["speculative"]:

@@ -92,6 +92,7 @@ class BenchResult:
     prefix_hit_rate: float | None = None
     preemptions: int | None = None
     peak_kv_usage: float | None = None
+    kv_window: dict | None = None   # blocks given back behind a sliding window (window_report)
     timeline: list[tuple[float, int]] = field(default_factory=list)   # (seconds, tokens) per step
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
@@ -100,7 +101,7 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         keys = ("requests_per_s", "output_tokens_per_s", "total_seconds", "ttft_ms", "tpot_ms", "itl_ms",
-                "kv_waste", "prefix_hit_rate", "preemptions", "peak_kv_usage")
+                "kv_waste", "prefix_hit_rate", "preemptions", "peak_kv_usage", "kv_window")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -115,6 +116,8 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
     bar = tqdm(total=len(requests), desc="bench", unit="req", disable=not progress)
     start = time.perf_counter()
     total_tokens, totals = 0, StepTotals()
+    bm = engine.block_manager
+    dropped_before, peak_dropped = bm.total_dropped_blocks, 0
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and pending[0][1]["arrival"] <= now:
@@ -141,6 +144,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
         total_tokens += step_tokens
         timeline.append((t, step_tokens))
         totals.add(engine.metrics, steps_before, step_tokens, seconds)
+        peak_dropped = max(peak_dropped, bm.num_dropped_blocks)
     total = time.perf_counter() - start
     bar.close()
     ttft = [ts[0] - arrival[r] for r, ts in token_times.items() if ts]
@@ -149,7 +153,19 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
     m = engine.metrics
     return BenchResult(len(requests) / total, total_tokens / total, total, percentiles(ttft, 1e3),
                        percentiles(tpot, 1e3), percentiles(itl, 1e3), m.kv_waste, m.prefix_hit_rate,
-                       m.preemptions, m.peak_kv_usage, timeline, ttft, itl, tpot, totals)
+                       m.preemptions, m.peak_kv_usage,
+                       window_report(engine, bm.total_dropped_blocks - dropped_before, peak_dropped),
+                       timeline, ttft, itl, tpot, totals)
+
+
+def window_report(engine, dropped: int, peak: int) -> dict | None:
+    """What dropping KV blocks behind the sliding window gave back in a run (None without a window):
+    blocks dropped, the most dropped at once, and the bytes those held."""
+    bm = engine.block_manager
+    if bm.window is None:
+        return None
+    return {"window": bm.window, "blocks_dropped": dropped, "peak_blocks_dropped": peak,
+            "peak_bytes_saved": peak * bm.block_size * engine.model["kv_bytes_per_token"]}
 
 
 def warm_up(engine) -> None:

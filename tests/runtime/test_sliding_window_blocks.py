@@ -141,3 +141,17 @@ class WindowedBlockManagerMachine(BlockManagerMachine):
 
 WindowedBlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
+
+
+def test_bench_reports_the_blocks_the_window_gave_back(mistral):
+    from llmc.cli import _window_lines
+    from llmc.runtime.bench import Workload, run_engine
+
+    engine = load(mistral[1]).engine
+    requests = Workload(num_requests=3, input_len=20, output_len=40).build(engine.model["vocab_size"])
+    report = run_engine(engine, requests, progress=False).to_dict()["kv_window"]
+    # each request: 60 tokens in 15 blocks, all but the window's last few dropped by its end
+    assert report["window"] == WINDOW and 3 * 9 <= report["blocks_dropped"] <= 3 * 15
+    assert 0 < report["peak_blocks_dropped"] <= report["blocks_dropped"]
+    assert report["peak_bytes_saved"] == report["peak_blocks_dropped"] * BLOCK * engine.model["kv_bytes_per_token"]
+    assert _window_lines(report)[0].startswith(f"sliding window    16 tokens: {report['blocks_dropped']} KV blocks")
