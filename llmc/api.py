@@ -64,7 +64,8 @@ class LLM:
     block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, device, threads: CPU
     threads, default $LLMC_NUM_THREADS or the physical cores; speculative: {"method": "ngram",
     "num_speculative_tokens": 5} or {"method": "draft", "model": DRAFT_ARTIFACT}, see
-    runtime/speculative_config.py)."""
+    runtime/speculative_config.py; ring_attention_threshold: a --tp artifact's prefills of this many
+    tokens or more run ring attention, 0 never, default $LLMC_RING_ATTENTION_THRESHOLD or 4096)."""
 
     def __init__(self, path: str | Path, **engine_options):
         from dataclasses import fields

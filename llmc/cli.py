@@ -168,6 +168,12 @@ def threads_option(f):
                              "machine's physical cores).")(f)
 
 
+def ring_attention_option(f):
+    return click.option("--ring-attention-threshold", type=NON_NEGATIVE, default=None, metavar="TOKENS",
+                        help="On a --tp artifact, prefills of this many tokens or more run ring attention across "
+                             "the ranks (0: never; default $LLMC_RING_ATTENTION_THRESHOLD, else 4096).")(f)
+
+
 def speculative_options(f):
     f = click.option("--num-speculative-tokens", type=POSITIVE, default=None, metavar="K",
                      help="With --speculative: the most drafts verified per step (default 4).")(f)
@@ -225,8 +231,9 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @device_option
 @threads_option
 @speculative_options
+@ring_attention_option
 def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
-        kv_memory, device, threads, speculative, num_speculative_tokens):
+        kv_memory, device, threads, speculative, num_speculative_tokens, ring_attention_threshold):
     """Generate from one prompt (streamed) or many (batched together)."""
     import llmc
 
@@ -240,7 +247,8 @@ def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens
         prompts = stdin_prompts()
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
-    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative)
+    model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative,
+                      ring_attention_threshold=ring_attention_threshold)
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -319,10 +327,11 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @device_option
 @threads_option
 @speculative_options
+@ring_attention_option
 def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
           seed, workload_kind, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
           baseline_batch_size, as_json, plot, bandwidth, gemm_peak, device, threads, speculative,
-          num_speculative_tokens):
+          num_speculative_tokens, ring_attention_threshold):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
@@ -356,7 +365,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            enable_prefix_caching=not no_prefix_caching, device=device,
-                                           threads=threads))
+                                           threads=threads, ring_attention_threshold=ring_attention_threshold))
     requests = workload.build(engine.model["vocab_size"], engine.tokenizer)
     plain = None
     if speculative is not None:
@@ -365,7 +374,8 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                enable_prefix_caching=not no_prefix_caching, device=device,
-                                               threads=threads, speculative=speculative))
+                                               threads=threads, speculative=speculative,
+                                               ring_attention_threshold=ring_attention_threshold))
         warm_up(engine)
     ours = run_engine(engine, requests, progress=not as_json)
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,

@@ -50,13 +50,17 @@ class EngineConfig:
     threads: int | None = None              # CPU threads; None: LLMC_NUM_THREADS, else the physical cores
     # speculative decoding: {"method": "ngram" | "draft", "num_speculative_tokens": k, "model": PATH, ...}
     speculative: SpeculativeConfig | dict | str | None = None
+    # a --tp artifact's prefills of this many tokens or more run ring attention (0: never);
+    # None: $LLMC_RING_ATTENTION_THRESHOLD, else 4096
+    ring_attention_threshold: int | None = None
 
     def __post_init__(self):
         for name, rule in (("block_size", "an integer >= 1"), ("max_num_seqs", "an integer >= 1"),
                            ("max_num_batched_tokens", "an integer >= 1 or None"),
-                           ("seed", "an integer in [0, 2**64 - 1] or None")):
+                           ("seed", "an integer in [0, 2**64 - 1] or None"),
+                           ("ring_attention_threshold", "an integer >= 0 or None")):
             value = getattr(self, name)
-            low = 0 if name == "seed" else 1
+            low = 0 if name in ("seed", "ring_attention_threshold") else 1
             ok_int = isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_SEED
             if not ok_int and not (value is None and rule.endswith("None")):
                 raise RuntimeLlmcError(f"engine option {name}={value!r} must be {rule}")
@@ -147,7 +151,8 @@ class Engine:
         self.runner = ModelRunner(self.executor, self.cache)
         if "parallel" in self.manifest:  # tensor parallel: this process is rank 0, the others follow its steps
             from llmc.runtime.parallel.launch import start_ranks
-            self.runner = start_ranks(artifact, self.manifest, self.executor, self.cache, config.threads, self.device)
+            self.runner = start_ranks(artifact, self.manifest, self.executor, self.cache, config.threads, self.device,
+                                      config.ring_attention_threshold)
         self.eos_token_ids = self.model["eos_token_ids"] or [self.tokenizer.eos_token_id]
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.requests: dict[str, _Request] = {}

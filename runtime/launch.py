@@ -1,18 +1,20 @@
-"""Serve a tensor-parallel artifact on ranks that torchrun (or any launcher setting RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT) started, on one machine or several:
+"""Serve a sharded artifact (--tp, --pp or both) on ranks that torchrun (or any launcher setting
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT) started, on one machine or several:
 
     torchrun --nnodes 1 --nproc-per-node 3 -m llmc.runtime.launch smol-tp3.llmc --prompt "Hello"
 
-    # two machines, two ranks each (a --tp 4 artifact, at the same path on both):
-    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr HOST0 --master-port 29500 \
+    # two machines, four ranks each (a --tp 4 --pp 2 artifact, at the same path on both):
+    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST0 --master-port 29500 \
         -m llmc.runtime.launch m.llmc --prompt "Hello"          # on HOST0; --node-rank 1 on the other
 
-Every rank joins the gloo group by env rendezvous. Rank 0 loads the engine, schedules, samples and
-prints each prompt's completion; the others load their own plan and weights and run each step rank 0
-broadcasts on a second gloo group (its messages: setup, step, report, stop). The group's collectives
-time out after LLMC_COLLECTIVE_TIMEOUT seconds; a rank that dies fails its peers' next collective, and
-each rank then exits with one error line (torchrun stops the rest). `llmc run` starts the ranks of
-one machine itself; this entry is for rendezvous across machines."""
+Every rank joins the gloo group by env rendezvous (with pipeline stages, also its stage's group).
+Rank 0 loads the engine, schedules, samples and prints each prompt's completion; the others load
+their own plan and weights and run their part of each step (steps.follow_step: their plan, or their
+pipeline stage) that rank 0 broadcasts on a second gloo group (its messages: setup, step, report,
+stop). The groups' collectives time out after LLMC_COLLECTIVE_TIMEOUT seconds; a rank that dies
+fails its peers' next collective or send/recv, and each rank then exits with one error line (torchrun
+stops the rest). `llmc run` starts the ranks of one machine itself; this entry is for rendezvous
+across machines."""
 
 from __future__ import annotations
 
@@ -27,9 +29,12 @@ import torch.distributed as dist
 
 from llmc.errors import LlmcError, RuntimeLlmcError
 from llmc.runtime.parallel import launch as parallel_launch
-from llmc.runtime.parallel.group import REPORT, STEP, STOP, collective_timeout, gather_stats
+from llmc.runtime.parallel import worker
+from llmc.runtime.parallel.group import STOP, collective_timeout
+from llmc.runtime.parallel.lead import LeadRunner
 from llmc.runtime.parallel.ring_attention import ring_backend, ring_threshold
-from llmc.runtime.parallel.step_batch import StepBatch
+from llmc.runtime.parallel.stage_groups import join_stage_groups
+from llmc.runtime.parallel.steps import follow_step, lead_step
 from llmc.runtime.parallel.worker import load_rank
 from llmc.runtime.threads import apply_threads
 
@@ -57,27 +62,19 @@ def receive_message(control) -> tuple[int, torch.Tensor | None]:
     return kind, payload
 
 
-class TorchrunRunner:
-    """ModelRunner's `execute` for rank 0 when torchrun started every rank (see ShardedModelRunner)."""
+class TorchrunRunner(LeadRunner):
+    """Rank 0's runner when torchrun started every rank (see launch.ShardedModelRunner)."""
 
     def __init__(self, control, manifest: dict, executor, cache, threshold: int):
-        self.control, self.executor, self.cache = control, executor, cache
-        self.world, self.timeout, self.stopped = dist.get_world_size(), collective_timeout(), False
-        self.attention = ring_backend(executor.paged_backend(cache), manifest, threshold, self.timeout)
+        self.control, self.world, self.stopped = control, dist.get_world_size(), False
+        self.timeout = collective_timeout()
+        attention = ring_backend(executor.paged_backend(cache), manifest, threshold, self.timeout)
+        self.step = lead_step(manifest["parallel"], executor, cache, attention)
         setup = torch.tensor([cache.k_cache[0].shape[0], cache.block_size, threshold])
         self._collective(lambda: (broadcast_message(control, SETUP, setup), dist.barrier(group=control)))
 
-    @torch.inference_mode()
-    def execute(self, scheduled, sampled, blocks_to_copy, drafts=None) -> torch.Tensor:
-        if drafts:
-            raise RuntimeLlmcError("speculative decoding does not run on a tensor-parallel artifact yet; "
-                                   "load it without a speculative config")
-        batch = StepBatch.from_schedule(scheduled, sampled, blocks_to_copy)
-        return self._collective(lambda: (broadcast_message(self.control, STEP, batch.encode()),
-                                         batch.run(self.executor, self.cache, self.attention))[1])
-
-    def rank_stats(self) -> list[dict]:
-        return self._collective(lambda: (broadcast_message(self.control, REPORT), gather_stats())[1])
+    def tell(self, kind: int, payload: torch.Tensor | None = None) -> None:
+        broadcast_message(self.control, kind, payload)
 
     def _collective(self, work):
         if self.stopped:
@@ -100,8 +97,7 @@ class TorchrunRunner:
                 pass
 
 
-@torch.inference_mode()
-def follow(control, path: str, rank: int, timeout: float) -> None:
+def follow(control, path: str, rank: int, parallel: dict, timeout: float) -> None:
     """A follower: load this rank's part once rank 0 says the cache size, then run its steps."""
     kind, setup = receive_message(control)
     if kind != SETUP:
@@ -109,15 +105,7 @@ def follow(control, path: str, rank: int, timeout: float) -> None:
     blocks, block_size, threshold = setup.tolist()
     executor, cache, attention = load_rank(path, rank, blocks, block_size, threshold, timeout)
     dist.barrier(group=control)
-    while True:
-        kind, payload = receive_message(control)
-        if kind == STOP:
-            return
-        if kind == REPORT:
-            gather_stats()
-            continue
-        if kind == STEP:
-            StepBatch.decode(payload).run(executor, cache, attention)
+    worker.follow(lambda: receive_message(control), follow_step(parallel, executor, cache, attention))
 
 
 def lead(control, args) -> None:
@@ -125,7 +113,7 @@ def lead(control, args) -> None:
     import llmc
     from llmc.runtime.sampling_params import SamplingParams
 
-    threshold = ring_threshold() if args.ring_attention_threshold is None else args.ring_attention_threshold
+    threshold = ring_threshold(args.ring_attention_threshold)
 
     def runner(manifest, executor, cache):
         return TorchrunRunner(control, manifest, executor, cache, threshold)
@@ -148,7 +136,7 @@ def lead(control, args) -> None:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="torchrun ... -m llmc.runtime.launch",
-                                     description="serve a tensor-parallel llmc artifact on torchrun's ranks")
+                                     description="serve a sharded (--tp/--pp) llmc artifact on torchrun's ranks")
     parser.add_argument("artifact")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -172,19 +160,21 @@ def rendezvous_env() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def check_world(path: str, world: int) -> None:
-    """The artifact is tensor-parallel over exactly `world` ranks."""
+def artifact_layout(path: str, world: int) -> dict:
+    """The artifact's manifest["parallel"], its ranks (tp x pp) exactly `world`."""
     from pathlib import Path
 
     from llmc.compiler.artifact import read_manifest
 
-    parallel = read_manifest(Path(path)).get("parallel") or {}
-    if parallel.get("pp", 1) != 1 or parallel.get("tp", 1) == 1:
-        raise RuntimeLlmcError(f"artifact '{path}' is not tensor-parallel only (tp {parallel.get('tp', 1)}, pp "
-                               f"{parallel.get('pp', 1)}); this entry serves --tp artifacts; use `llmc run` otherwise")
-    if parallel["tp"] != world:
-        raise RuntimeLlmcError(f"artifact '{path}' has {parallel['tp']} ranks but torchrun started {world}; "
-                               f"make --nnodes x --nproc-per-node = {parallel['tp']}")
+    parallel = read_manifest(Path(path)).get("parallel")
+    if not parallel:
+        raise RuntimeLlmcError(f"artifact '{path}' is not sharded; this entry serves --tp/--pp artifacts; use "
+                               f"`llmc run` for it")
+    ranks = parallel.get("tp", 1) * parallel.get("pp", 1)
+    if ranks != world:
+        raise RuntimeLlmcError(f"artifact '{path}' has {ranks} ranks but torchrun started {world}; "
+                               f"make --nnodes x --nproc-per-node = {ranks}")
+    return parallel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,14 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "?")
     try:
         rank, world = rendezvous_env()
-        check_world(args.artifact, world)
+        parallel = artifact_layout(args.artifact, world)
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout()))
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=WAIT_TIMEOUT_S))
+        if parallel.get("pp", 1) > 1:  # each stage's tp ranks run their collectives in a group of their own
+            join_stage_groups(parallel.get("tp", 1), parallel["pp"], collective_timeout())
         if rank == 0:
             lead(control, args)
         else:
-            follow(control, args.artifact, rank, collective_timeout())
+            follow(control, args.artifact, rank, parallel, collective_timeout())
     except LlmcError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2

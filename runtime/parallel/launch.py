@@ -18,19 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime.parallel.group import (
-    REPORT,
-    STEP,
-    STOP,
-    collective_timeout,
-    free_port,
-    gather_stats,
-    join_group,
-    leave_group,
-    send,
-)
+from llmc.runtime.parallel.group import STOP, collective_timeout, free_port, join_group, leave_group, send
+from llmc.runtime.parallel.lead import LeadRunner
 from llmc.runtime.parallel.ring_attention import ring_backend, ring_threshold
-from llmc.runtime.parallel.step_batch import StepBatch
+from llmc.runtime.parallel.steps import lead_step
 from llmc.runtime.threads import apply_threads
 
 LOAD_TIMEOUT_S = 600.0   # a follower reads and hashes its weights before it says it loaded
@@ -80,15 +71,16 @@ class _Ranks:
         return [p.stdin for p in self.procs]
 
 
-class ShardedModelRunner:
-    """ModelRunner's `execute` for rank 0 of a tensor-parallel artifact."""
+class ShardedModelRunner(LeadRunner):
+    """Rank 0's runner of a tensor-parallel artifact, its followers started here."""
 
-    def __init__(self, path, manifest: dict, executor, cache, threads: int):
+    def __init__(self, path, manifest: dict, executor, cache, threads: int, ring_threshold: int):
         tp = manifest["parallel"]["tp"]
         self.tp, self.executor, self.cache = tp, executor, cache
         self.timeout = collective_timeout()
-        self.ring_threshold = ring_threshold()  # one value for every rank: the followers get rank 0's
+        self.ring_threshold = ring_threshold  # one value for every rank: the followers get rank 0's
         self.attention = ring_backend(executor.paged_backend(cache), manifest, self.ring_threshold, self.timeout)
+        self.step = lead_step(manifest["parallel"], executor, cache, self.attention)
         threads = max(1, threads // tp)  # --threads is the machine's: each rank computes with its share
         apply_threads(threads)
         port = free_port()
@@ -120,8 +112,8 @@ class ShardedModelRunner:
         while waiting:
             ready = selector.select(timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise RuntimeLlmcError(f"tensor-parallel ranks {sorted(waiting.values())} did not load within "
-                                       f"{LOAD_TIMEOUT_S:.0f} s; the run stopped")
+                late = ", ".join(self._rank_name(r) for r in sorted(waiting.values()))
+                raise RuntimeLlmcError(f"{late} did not load within {LOAD_TIMEOUT_S:.0f} s; the run stopped")
             for key, _ in ready:
                 rank = waiting.pop(key.fileobj)
                 selector.unregister(key.fileobj)
@@ -135,22 +127,14 @@ class ShardedModelRunner:
         if not isinstance(status, dict) or status.get("loaded") is not True:
             why = status.get("error") if isinstance(status, dict) else None
             code = self._ranks.procs[rank - 1].wait()
-            raise RuntimeLlmcError(f"tensor-parallel rank {rank} failed to load: "
+            raise RuntimeLlmcError(f"{self._rank_name(rank)} failed to load: "
                                    f"{why or f'it exited with code {code} before loading'}")
 
-    @torch.inference_mode()
-    def execute(self, scheduled, sampled, blocks_to_copy, drafts=None) -> torch.Tensor:
-        """logits [len(sampled), vocab], rows in `sampled` order, as ModelRunner.execute."""
-        if drafts:
-            raise RuntimeLlmcError("speculative decoding does not run on a tensor-parallel artifact yet; "
-                                   "load it without a speculative config")
-        batch = StepBatch.from_schedule(scheduled, sampled, blocks_to_copy)
-        return self._collective(lambda: (send(self._ranks.streams(), STEP, batch.encode()),
-                                         batch.run(self.executor, self.cache, self.attention))[1])
+    def tell(self, kind: int, payload: torch.Tensor | None = None) -> None:
+        send(self._ranks.streams(), kind, payload)
 
-    def rank_stats(self) -> list[dict]:
-        """Each rank's time in collectives and peak resident memory."""
-        return self._collective(lambda: (send(self._ranks.streams(), REPORT), gather_stats())[1])
+    def _rank_name(self, rank: int) -> str:
+        return f"tensor-parallel rank {rank}"
 
     def _collective(self, work):
         if self._ranks.failure is not None:
@@ -169,26 +153,34 @@ class ShardedModelRunner:
     def _why_failed(self, error: Exception) -> str:
         for _ in range(20):  # a rank that died may take a moment to be reaped
             dead = [(r, p.poll()) for r, p in enumerate(self._ranks.procs, 1) if p.poll() is not None]
+            # code 1 is how a follower leaves when a peer's collective failed: name the cause first
+            dead.sort(key=lambda d: d[1] == 1)
             if dead:
                 r, code = dead[0]
-                return (f"tensor-parallel rank {r} exited (code {code}) during a step; the run stopped "
-                        f"and the other ranks were shut down")
+                return (f"{self._rank_name(r)} exited (code {code}) during a step; the run stopped and the other "
+                        f"ranks were shut down")
             time.sleep(0.05)
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return (f"a collective across the {self.tp} tensor-parallel ranks failed or timed out "
-                f"(limit {self.timeout:g} s, {first[:160]}); the run stopped")
+        return f"{self._links()} failed or timed out (limit {self.timeout:g} s, {first[:160]}); the run stopped"
+
+    def _links(self) -> str:
+        return f"a collective across the {self.tp} tensor-parallel ranks"
 
     def close(self) -> None:
         self._finalizer()
 
 
-def start_ranks(path, manifest: dict, executor, cache, threads: int, device) -> ShardedModelRunner:
-    """The runner of a tensor-parallel artifact (manifest["parallel"]), its followers started."""
+def start_ranks(path, manifest: dict, executor, cache, threads: int, device,
+                ring_attention_threshold: int | None = None) -> LeadRunner:
+    """The runner of a sharded artifact (manifest["parallel"]), its followers started. Tensor-parallel
+    prefills of `ring_attention_threshold` tokens or more run ring attention (0: never; None:
+    $LLMC_RING_ATTENTION_THRESHOLD, else 4096)."""
     if device.type != "cpu":
         raise RuntimeLlmcError(f"artifact '{path}' is tensor-parallel; this llmc runs its ranks on the CPU "
                                f"(gloo) only, not on {device.type}; load it with device='cpu'")
     if joined_runner is not None:
         return joined_runner(manifest, executor, cache)
+    threshold = ring_threshold(ring_attention_threshold)
     if torch.distributed.is_initialized():
         raise RuntimeLlmcError(f"cannot start the ranks of '{path}': this process already belongs to a "
                                f"torch.distributed group (another tensor-parallel LLM still runs here); close "
@@ -198,7 +190,7 @@ def start_ranks(path, manifest: dict, executor, cache, threads: int, device) -> 
     if manifest["parallel"].get("pp", 1) > 1:
         from llmc.runtime.parallel.pipeline import PipelineModelRunner
         return PipelineModelRunner(path, manifest, executor, cache, threads)
-    return ShardedModelRunner(path, manifest, executor, cache, threads)
+    return ShardedModelRunner(path, manifest, executor, cache, threads, threshold)
 
 
 __all__ = ["ShardedModelRunner", "start_ranks"]

@@ -1,5 +1,5 @@
 """A follower pipeline stage: loads its own plan, weights and KV cache (its layers only), joins the
-ranks' group, and runs each step rank 0 sends down its stdin through its stage (pipeline_step.py)
+ranks' group, and runs each step rank 0 sends down its stdin through its stage (steps.follow_step)
 until told to stop; otherwise as worker.py, whose loading and exit rules it shares."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import sys
 
 from llmc.runtime.parallel.group import join_group
-from llmc.runtime.parallel.pipeline_step import run_stage
 from llmc.runtime.parallel.stage_groups import join_stage_groups
+from llmc.runtime.parallel.steps import follow_step
 from llmc.runtime.parallel.worker import load_rank, serve
 from llmc.runtime.threads import apply_threads
 
@@ -26,11 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(args.threads)
     stages = args.world // args.tp
 
-    def join(executor, cache, _attention):
+    def join(executor, cache, attention):  # no ring attention: the stages hold different layers
         join_group(args.rank, args.world, args.port, args.timeout)
         join_stage_groups(args.tp, stages, args.timeout)
-        attention = executor.paged_backend(cache)
-        return lambda batch: run_stage(batch, stages, executor, cache, attention)
+        return follow_step({"tp": args.tp, "pp": stages}, executor, cache, attention)
     return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size), join)
 
 

@@ -4,12 +4,12 @@ memory, and the seconds it spent in all_reduce and all_gather, or a pipeline sta
 
 from __future__ import annotations
 
-from llmc.runtime.parallel.launch import ShardedModelRunner
+from llmc.runtime.parallel.lead import LeadRunner
 
 
 def rank_report(engine) -> list[dict] | None:
-    """One entry per rank for an engine serving a tensor-parallel artifact; None otherwise."""
-    if not isinstance(engine.runner, ShardedModelRunner):
+    """One entry per rank for an engine serving a sharded artifact; None otherwise."""
+    if not isinstance(engine.runner, LeadRunner):
         return None
     ranks = engine.manifest["parallel"]["ranks"]
     return [{**stats, "weight_bytes": sum(ranks[stats["rank"]]["weight_bytes"].values()),

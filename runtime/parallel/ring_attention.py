@@ -12,9 +12,10 @@ not divide by tp) every rank already holds every head: it slices locally and the
 all-gathered. The scores one rank holds at a time are [heads, slice, slice], not [heads/tp, t, t].
 
 The KV cache is written first, exactly as the normal path writes it; decodes, chunks with a cached
-prefix, sliding windows and soft-capped scores take the normal path. The threshold comes from
-LLMC_RING_ATTENTION_THRESHOLD (tokens; default 4096; 0 turns ring attention off); rank 0 hands its
-value to the followers, so every rank takes the same path."""
+prefix, sliding windows and soft-capped scores take the normal path. The threshold (tokens; 0 turns
+ring attention off) is llmc.load's ring_attention_threshold or `--ring-attention-threshold`, else
+LLMC_RING_ATTENTION_THRESHOLD, else 4096; rank 0 hands its value to the followers, so every rank
+takes the same path."""
 
 from __future__ import annotations
 
@@ -32,8 +33,15 @@ THRESHOLD_ENV = "LLMC_RING_ATTENTION_THRESHOLD"
 DEFAULT_THRESHOLD = 4096
 
 
-def ring_threshold() -> int:
-    """Prompt tokens from which a prefill runs ring attention (0: never)."""
+def ring_threshold(tokens: int | None = None) -> int:
+    """Prompt tokens from which a prefill runs ring attention (0: never): `tokens` (llmc.load's
+    ring_attention_threshold, `--ring-attention-threshold`), else $LLMC_RING_ATTENTION_THRESHOLD,
+    else 4096."""
+    if tokens is not None:
+        if type(tokens) is not int or tokens < 0:
+            raise RuntimeLlmcError(f"ring_attention_threshold={tokens!r} is not a whole number of tokens; give e.g. "
+                                   f"4096, or 0 to turn ring attention off")
+        return tokens
     text = os.environ.get(THRESHOLD_ENV, "").strip()
     if not text:
         return DEFAULT_THRESHOLD

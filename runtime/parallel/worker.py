@@ -22,6 +22,7 @@ from llmc.runtime.paged_attention import PagedKVCache
 from llmc.runtime.parallel.group import REPORT, STOP, gather_stats, join_group, receive
 from llmc.runtime.parallel.ring_attention import ring_backend
 from llmc.runtime.parallel.step_batch import StepBatch
+from llmc.runtime.parallel.steps import follow_step
 from llmc.runtime.threads import apply_threads
 
 
@@ -42,10 +43,11 @@ def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_thres
 
 
 @torch.inference_mode()
-def follow(messages, run_step) -> None:
-    """Runs rank 0's steps as they arrive (`run_step(batch)`) until it says stop."""
+def follow(next_message, run_step) -> None:
+    """Runs rank 0's steps as they arrive (`next_message()` gives (kind, payload), `run_step(batch)`
+    runs one) until it says stop."""
     while True:
-        kind, payload = receive(messages)
+        kind, payload = next_message()
         if kind == STOP:
             return
         if kind == REPORT:
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def join(executor, cache, attention):
         join_group(args.rank, args.world, args.port, args.timeout)
-        return lambda batch: batch.run(executor, cache, attention)
+        return follow_step({"tp": args.world}, executor, cache, attention)
     return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size, args.ring_threshold,
                                    args.timeout), join)
 
@@ -85,7 +87,7 @@ def serve(load, join) -> int:
         return 2
     say(loaded=True)
     try:
-        follow(sys.stdin.buffer, join(*loaded))
+        follow(lambda: receive(sys.stdin.buffer), join(*loaded))
     except RuntimeError:  # rank 0 stopped, or a rank died: rank 0 reports it, this one just ends
         os._exit(1)
     return 0  # the group goes with the process (rank 0 may already be gone: no goodbye collective)

@@ -2,7 +2,9 @@
 attention (torch SDPA in float64) within 1e-5: world 2 and 3, odd lengths, grouped-query heads,
 with the heads split over the ranks (tensor parallel) or replicated on each. End to end, a tiny
 Llama (6 query heads, 3 KV heads) compiled with --tp 3 and served on three gloo ranks, its prompt
-above the ring threshold, gives HF's next-token log-probabilities (1e-4) and greedy tokens."""
+above the ring threshold (llmc.load's ring_attention_threshold), gives HF's next-token
+log-probabilities (1e-4) and greedy tokens. A threshold that is no whole number of tokens is refused
+in one line (llmc.load, `llmc run/bench --ring-attention-threshold`)."""
 
 import json
 import subprocess
@@ -18,6 +20,7 @@ from llmc.errors import RuntimeLlmcError
 from llmc.runtime.parallel import ring_attention as ring
 from llmc.runtime.parallel.group import free_port, join_group, leave_group
 from llmc.runtime.parallel.ring_attention import ring_attention, sequence_parallel_attention, slices
+from tests.llmc_cli import error_line, llmc_in_process
 
 HEAD_DIM = 8
 # (tokens, query heads, KV heads, dtype): odd lengths, GQA groups of 2 and 3, one length below 2 slices a rank
@@ -89,12 +92,22 @@ def test_slices_are_contiguous_and_cover_the_sequence():
     assert slices(4, 2) == [(0, 2), (2, 4)]
 
 
-def test_the_threshold_is_a_whole_number_of_tokens(monkeypatch):
+def test_the_threshold_is_a_whole_number_of_tokens_given_before_the_environment(monkeypatch, compiled, capsys):
     monkeypatch.setenv(ring.THRESHOLD_ENV, "lots")
     with pytest.raises(RuntimeLlmcError, match=r"LLMC_RING_ATTENTION_THRESHOLD='lots' is not a whole number"):
         ring.ring_threshold()
+    assert ring.ring_threshold(0) == 0 and ring.ring_threshold(77) == 77
     monkeypatch.delenv(ring.THRESHOLD_ENV)
     assert ring.ring_threshold() == ring.DEFAULT_THRESHOLD
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(RuntimeLlmcError, match=rf"^engine option ring_attention_threshold={bad!r} must be an "
+                                                   rf"integer >= 0 or None$"):
+            llmc.load(compiled, ring_attention_threshold=bad)
+    for command, *more in (("run", "--prompt", "hi"), ("bench",)):
+        code, _, err = llmc_in_process(capsys, command, compiled, "--ring-attention-threshold", "-3", *more)
+        assert code == 2
+        assert error_line(err) == (f"Invalid value for '--ring-attention-threshold': -3 is not in the range x>=0; "
+                                   f"see `llmc {command} --help`")
 
 
 def tiny_tp3(folder):
@@ -117,9 +130,9 @@ def test_a_prompt_above_the_threshold_runs_ring_attention_and_gives_hfs_logits_a
         rings.append(q.shape[0])
         return sequence_parallel_attention(q, *args, **kwargs)
     monkeypatch.setattr(ring, "sequence_parallel_attention", counted)
-    monkeypatch.setenv(ring.THRESHOLD_ENV, "32")
+    monkeypatch.setenv(ring.THRESHOLD_ENV, "0")  # the keyword wins
     ids = torch.randint(3, VOCAB, (101,), generator=torch.Generator().manual_seed(5)).tolist()
-    model = llmc.load(artifact, threads=1)
+    model = llmc.load(artifact, threads=1, ring_attention_threshold=32)
     try:
         out = model.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=16, temperature=0, logprobs=5,
                                                                        ignore_eos=True))[0].outputs[0]

@@ -1,8 +1,9 @@
 """`torchrun ... -m llmc.runtime.launch` on one machine: three ranks of a --tp 3 tiny Llama joined by
 env rendezvous (one thread each), their prompts' prefills run by ring attention, print the
-in-process launcher's greedy tokens (no ring attention there) and leave no process behind; a
-killed rank makes the others exit, each with one error line, well within the collective timeout;
-without torchrun's environment, or with the wrong number of ranks, the entry says so."""
+in-process launcher's greedy tokens (no ring attention there) and leave no process behind; so do
+tiny-llama's --pp 2 stages and its --tp 2 --pp 2 ranks; a killed rank makes the others exit, each
+with one error line, well within the collective timeout; without torchrun's environment, with the
+wrong number of ranks, or with an unsharded artifact, the entry says so."""
 
 import json
 import os
@@ -17,7 +18,6 @@ import llmc
 from llmc import SamplingParams
 from llmc.runtime import launch
 from llmc.runtime.parallel.group import TIMEOUT_ENV, free_port
-from llmc.runtime.parallel.ring_attention import THRESHOLD_ENV
 
 PROMPTS = ["The river starts as a thin stream", "Numbers help us count"]
 
@@ -34,10 +34,10 @@ def tp3_artifact(tmp_path_factory):
     return llmc.compile(str(folder / "hf"), target="cpu", output=folder / "tiny-tp3.llmc", tp=3)
 
 
-def torchrun(artifact, *args, monitor_s: float = 0.1) -> subprocess.Popen:
+def torchrun(artifact, *args, monitor_s: float = 0.1, ranks: int = 3) -> subprocess.Popen:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1", LLMC_NUM_THREADS="1", **{TIMEOUT_ENV: "20"})
-    command = [torchrun, "--nnodes", "1", "--nproc-per-node", "3", "--master-port", str(free_port()),
+    command = [torchrun, "--nnodes", "1", "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
                "--monitor-interval", str(monitor_s), "-m", "llmc.runtime.launch", str(artifact), *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -47,22 +47,32 @@ def left_behind(artifact) -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if str(artifact) in " ".join(p.info["cmdline"] or [])]
 
 
-def test_torchrun_ranks_print_the_in_process_launchers_greedy_tokens(tp3_artifact, monkeypatch):
-    proc = torchrun(tp3_artifact, "--max-tokens", "16", "--json", "--ring-attention-threshold", "8",
-                    *[a for p in PROMPTS for a in ("--prompt", p)])
+def assert_torchrun_prints_the_in_process_launchers_tokens(artifact, ranks: int, *args, max_tokens: int = 16):
+    proc = torchrun(artifact, "--max-tokens", str(max_tokens), "--json", *args,
+                    *[a for p in PROMPTS for a in ("--prompt", p)], ranks=ranks)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     got = [json.loads(line) for line in out.splitlines()]
-    monkeypatch.setenv(THRESHOLD_ENV, "0")
-    model = llmc.load(tp3_artifact, threads=1)
+    model = llmc.load(artifact, threads=1, ring_attention_threshold=0)
     try:
-        want = model.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0))
+        want = model.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     finally:
         model.close()
     assert [g["prompt"] for g in got] == PROMPTS
     assert [g["token_ids"] for g in got] == [w.outputs[0].token_ids for w in want]
     assert [g["text"] for g in got] == [w.outputs[0].text for w in want]
-    assert left_behind(tp3_artifact) == []
+    assert left_behind(artifact) == []
+
+
+def test_torchrun_ranks_print_the_in_process_launchers_greedy_tokens(tp3_artifact):
+    assert_torchrun_prints_the_in_process_launchers_tokens(tp3_artifact, 3, "--ring-attention-threshold", "8")
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2, "pp": 2}], ids=["pp2", "tp2pp2"])
+def test_torchrun_runs_pipeline_stages_as_the_in_process_launcher_does(tmp_path, layout):
+    artifact = llmc.compile("tiny-llama", target="cpu", output=tmp_path / "tiny-sharded.llmc", **layout)
+    assert_torchrun_prints_the_in_process_launchers_tokens(artifact, layout.get("tp", 1) * layout["pp"],
+                                                           max_tokens=12)
 
 
 def test_a_killed_rank_makes_the_others_exit_with_one_error_line_each(tp3_artifact):
@@ -86,7 +96,8 @@ def test_a_killed_rank_makes_the_others_exit_with_one_error_line_each(tp3_artifa
     assert left_behind(tp3_artifact) == []
 
 
-def test_without_torchrun_or_with_the_wrong_world_the_entry_says_what_to_do(tp3_artifact, monkeypatch, capsys):
+def test_without_torchrun_or_with_the_wrong_world_the_entry_says_what_to_do(tp3_artifact, compiled, monkeypatch,
+                                                                            capsys):
     for name in launch.RENDEZVOUS_ENV:
         monkeypatch.delenv(name, raising=False)
     assert launch.main([str(tp3_artifact), "--prompt", "hi"]) == 2
@@ -100,3 +111,6 @@ def test_without_torchrun_or_with_the_wrong_world_the_entry_says_what_to_do(tp3_
     assert launch.main([str(tp3_artifact), "--prompt", "hi"]) == 2
     assert capsys.readouterr().err == (f"error: rank 0: artifact '{tp3_artifact}' has 3 ranks but torchrun started 2; "
                                        f"make --nnodes x --nproc-per-node = 3\n")
+    assert launch.main([str(compiled), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == (f"error: rank 0: artifact '{compiled}' is not sharded; this entry serves "
+                                       f"--tp/--pp artifacts; use `llmc run` for it\n")
