@@ -1,5 +1,5 @@
-"""shard_tensor_parallel in one process: per-rank params and collectives at world sizes 1, 2, 4 and
-8, refusal of sizes that do not divide, and the ranks' graphs run in lockstep (collectives summed or
+"""shard_tensor_parallel in one process: per-rank params and collectives at world sizes 1, 2, 3, 4
+and 8, refusal of sizes that do not divide, and the ranks' graphs run in lockstep (collectives summed or
 joined across them by this test) against the unsharded graph, float and quantised."""
 
 import pytest
@@ -101,6 +101,28 @@ def lowered_tiny_llama():
     from llmc.compiler.pipeline import trace_and_lower
 
     return trace_and_lower(load_model("tiny-llama").module, 16, lambda *a: None)
+
+
+def test_tp3_splits_6_heads_3_kv_heads_and_96_channels_and_keeps_a_vocabulary_of_512_whole():
+    from tiny_hf_models import SPECIAL, tiny_module
+    from tiny_hf_models import VOCAB as HF_VOCAB
+    from transformers import LlamaConfig
+
+    from llmc.compiler.pipeline import trace_and_lower
+
+    h, inter, heads, kv_heads, layers = 48, 96, 6, 3, 2
+    config = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, **SPECIAL)
+    graph = trace_and_lower(tiny_module(config, 3), 16, lambda *a: None)
+    ranks = shard(graph, 3)
+    d = h // heads
+    per_layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter   # q/k/v, o, gate/up/down
+    assert HF_VOCAB % 3 and [param_count(g) for g in ranks] == [param_count(graph) - layers * per_layer * 2 // 3] * 3
+    for g in ranks:  # after o_proj and down_proj; the 512-row embedding and head stay whole
+        assert counts(g) == {"all_reduce": 2 * layers, "all_gather": 0}
+        assert {(n.attrs["num_heads"], n.attrs["num_kv_heads"]) for n in g.nodes if n.op == "attention"} == {(2, 1)}
+    x = inputs(9)
+    torch.testing.assert_close(run_ranks(ranks, x), reference_outputs(graph, x)["logits"], atol=1e-5, rtol=1e-5)
 
 
 def test_a_tied_head_and_embedding_share_one_slice():
