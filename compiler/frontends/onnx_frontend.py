@@ -1,7 +1,10 @@
-"""Load an ONNX decoder (a `.onnx` file, or a directory holding one) exported without a KV cache:
-input_ids [batch, tokens] (plus optional attention_mask and position_ids) -> logits. The graph runs
-as a torch module (onnx_torch) that llmc traces and lowers like any other model; the model config
-comes from a config.json beside the file or the model's metadata, the tokenizer from the directory."""
+"""Load an ONNX decoder (a `.onnx` file, or a directory holding one): input_ids [batch, tokens] (plus
+optional attention_mask and position_ids) -> logits, exported without a KV cache or built by ONNX
+Runtime GenAI's model builder, whose past KV inputs only its attention ops read (as the empty past:
+llmc runs its own cache). The graph runs as a torch module (onnx_torch) that llmc traces and lowers
+like any other model; the model config comes from a config.json beside the file, else the builder's
+genai_config.json, else the model's metadata; the tokenizer from the directory. MatMulNBits weights
+stored symmetric int4 keep their codes and scales (LoadedModel.stored_quant)."""
 
 from __future__ import annotations
 
@@ -33,13 +36,15 @@ def load_onnx(path: Path, source: str | None = None) -> LoadedModel:
     model_path = find_onnx(path)
     folder = model_path.parent
     proto = read_onnx(model_path)
-    inputs = check_io(proto, model_path)
+    graph = OnnxGraphModule(proto.graph)
+    inputs = check_io(proto, graph, model_path)
     config = read_config(folder, proto, model_path)
     tokenizer = read_tokenizer(folder, model_path)
-    module = OnnxCausalLM(proto.graph, config, inputs).eval()
+    module = OnnxCausalLM(graph, config, inputs).eval()
     files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")]
     return LoadedModel(module=module, config=config, tokenizer=tokenizer, name=folder.resolve().name,
-                       source_hash=hash_files(files, root=folder), source=source or str(path), kind="onnx")
+                       source_hash=hash_files(files, root=folder), source=source or str(path), kind="onnx",
+                       stored_quant=graph.stored_quant("graph."))
 
 
 def find_onnx(path: Path) -> Path:
@@ -65,16 +70,19 @@ def read_onnx(path: Path) -> onnx.ModelProto:
     return proto
 
 
-def check_io(proto: onnx.ModelProto, path: Path) -> dict[str, torch.dtype]:
-    """The graph's inputs (name -> dtype): input_ids, and optionally attention_mask and position_ids."""
+def check_io(proto: onnx.ModelProto, graph: OnnxGraphModule, path: Path) -> dict[str, torch.dtype]:
+    """The graph's inputs to feed (name -> dtype): input_ids, and optionally attention_mask and
+    position_ids; any other input must be one nothing computing the logits reads (a past KV input,
+    which attention reads as empty)."""
     initializers = {i.name for i in proto.graph.initializer}
     inputs = {}
     for i in proto.graph.input:
-        if i.name in initializers:
+        if i.name in initializers or i.name not in INPUTS and i.name not in graph.reads:
             continue
         if i.name not in INPUTS:
             raise UnsupportedModelError(f"'{path}': ONNX input '{i.name}' is not one of {', '.join(INPUTS)}; llmc "
-                                        f"reads decoders exported without a KV cache (llmc runs its own)")
+                                        f"reads decoders exported without a KV cache, or whose past KV inputs "
+                                        f"only GroupQueryAttention reads (llmc runs its own cache)")
         inputs[i.name] = ONNX_DTYPES.get(i.type.tensor_type.elem_type, torch.int64)
     if "input_ids" not in inputs:
         raise UnsupportedModelError(f"'{path}': the ONNX graph has no input_ids input; export the decoder "
@@ -83,16 +91,21 @@ def check_io(proto: onnx.ModelProto, path: Path) -> dict[str, torch.dtype]:
 
 
 def read_config(folder: Path, proto: onnx.ModelProto, model_path: Path):
-    """config.json beside the model, else the model's metadata; every REQUIRED_FIELDS must be known."""
-    config_path = folder / "config.json"
-    data = read_json_object(config_path) if config_path.is_file() else {}
+    """config.json beside the model, else the builder's genai_config.json, else the model's metadata;
+    every REQUIRED_FIELDS must be known."""
+    config_path, genai_path = folder / "config.json", folder / "genai_config.json"
+    if config_path.is_file():
+        data, where = read_json_object(config_path), f"'{config_path}'"
+    elif genai_path.is_file():
+        data, where = genai_fields(read_json_object(genai_path), genai_path), f"'{genai_path}'"
+    else:
+        data, where = {}, f"'{model_path}' (no config.json beside it)"
     for prop in proto.metadata_props:
         if prop.key not in data:
             try:
                 data[prop.key] = json.loads(prop.value)
             except ValueError:
                 data[prop.key] = prop.value
-    where = f"'{config_path}'" if config_path.is_file() else f"'{model_path}' (no config.json beside it)"
     for field in REQUIRED_FIELDS:
         if data.get(field) is None:
             raise ModelLoadError(f"{where}: the model's {field} is unknown; put a config.json with it "
@@ -107,6 +120,28 @@ def read_config(folder: Path, proto: onnx.ModelProto, model_path: Path):
     return config
 
 
+# config field -> where genai_config.json holds it, under "model"
+GENAI_FIELDS = {"vocab_size": ("vocab_size",), "max_position_embeddings": ("context_length",),
+                "bos_token_id": ("bos_token_id",), "eos_token_id": ("eos_token_id",),
+                "pad_token_id": ("pad_token_id",), "hidden_size": ("decoder", "hidden_size"),
+                "num_attention_heads": ("decoder", "num_attention_heads"),
+                "num_key_value_heads": ("decoder", "num_key_value_heads"),
+                "num_hidden_layers": ("decoder", "num_hidden_layers"), "head_dim": ("decoder", "head_size")}
+
+
+def genai_fields(genai: dict, path: Path) -> dict:
+    """The config fields genai_config.json gives. Its model type is left out: transformers would fill
+    that architecture's defaults for what the file does not say (intermediate size, rope theta)."""
+    data = {}
+    for field, keys in GENAI_FIELDS.items():
+        value = genai.get("model")
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            data[field] = value
+    return data
+
+
 def read_tokenizer(folder: Path, model_path: Path):
     if not (folder / "tokenizer.json").is_file():
         raise ModelLoadError(f"'{model_path}': no tokenizer.json beside it; save the model's tokenizer in "
@@ -117,11 +152,11 @@ def read_tokenizer(folder: Path, model_path: Path):
 class OnnxCausalLM(torch.nn.Module):
     """The ONNX graph behind a Hugging Face causal LM's call: (input_ids, position_ids) -> .logits."""
 
-    def __init__(self, graph: onnx.GraphProto, config, inputs: dict[str, torch.dtype]):
+    def __init__(self, graph: OnnxGraphModule, config, inputs: dict[str, torch.dtype]):
         super().__init__()
         self.config = config
         self.inputs = inputs
-        self.graph = OnnxGraphModule(graph)
+        self.graph = graph
         outputs = self.graph.outputs
         self.logits_index = outputs.index("logits") if "logits" in outputs else 0
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
 
+from llmc.compiler.frontends.onnx_contrib import CONTRIB_DOMAIN, CONTRIB_OPS, PREPARE, fold_rotary, split_packed_qkv
 from llmc.errors import UnsupportedModelError
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -76,18 +77,21 @@ def _attr(a: onnx.AttributeProto):
     return onnx.helper.get_attribute_value(a)
 
 
-def _steps(graph: onnx.GraphProto) -> list[Step]:
+def _steps(graph: onnx.GraphProto, module) -> list[Step]:
     steps = []
     for i, n in enumerate(graph.node):
-        if n.domain not in ("", "ai.onnx"):
-            raise UnsupportedModelError(f"ONNX node '{n.name or i}' is op {n.domain}::{n.op_type}, which llmc "
-                                        f"cannot read; export with standard ONNX ops (torch.onnx.export)")
-        if n.op_type not in OPS:
-            raise UnsupportedModelError(f"ONNX node '{n.name or i}' is op {n.op_type}, which llmc cannot read; "
+        step = Step(n.op_type, n.name or f"node_{i}", list(n.input), list(n.output),
+                    {a.name: _attr(a) for a in n.attribute})
+        contrib = n.domain == CONTRIB_DOMAIN
+        if n.domain not in ("", "ai.onnx") and not (contrib and n.op_type in PREPARE):
+            raise UnsupportedModelError(f"ONNX node '{step.name}' is op {n.domain}::{n.op_type}, which llmc "
+                                        f"cannot read; export with standard ONNX ops (torch.onnx.export) or the "
+                                        f"contrib ops of ONNX Runtime GenAI's model builder that llmc reads")
+        if n.op_type not in OPS and not contrib:
+            raise UnsupportedModelError(f"ONNX node '{step.name}' is op {n.op_type}, which llmc cannot read; "
                                         f"export the model without it")
-        steps.append(Step(n.op_type, n.name or f"node_{i}", list(n.input), list(n.output),
-                          {a.name: _attr(a) for a in n.attribute}))
-    return steps
+        steps.append(PREPARE[n.op_type](step, module) if contrib or n.op_type in PREPARE else step)
+    return split_packed_qkv(fold_rotary(steps, module), module)
 
 
 class OnnxGraphModule(torch.nn.Module):
@@ -104,9 +108,14 @@ class OnnxGraphModule(torch.nn.Module):
                 self.consts[init.name] = sym_of(array)
             else:
                 self.tensors[init.name] = array
-        self.outputs = [o.name for o in graph.output]
+        # the present KV outputs of a model-builder graph are its attention's, which llmc never reads
+        self.outputs = [o.name for o in graph.output if not o.name.startswith("present")]
         self.elem_types = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.input)}
-        self.steps = plan_steps(_steps(graph), self)
+        self.graph_inputs = {i.name for i in graph.input}
+        self.stored: dict[str, object] = {}      # tensor name -> its quantised form (onnx_contrib's MatMulNBits)
+        self.rope_scaling: dict[str, float] = {}  # inv_freq tensor name -> its cos/sin scaling
+        self.steps = plan_steps(_steps(graph, self), self)
+        self.reads = {i for s in self.steps for i in (*s.inputs, *(i for f in s.fallback for i in f.inputs))}
         self._names: dict[tuple[str, bool], str] = {}
         self._used: set[str] = set()
         self._register_live()
@@ -149,6 +158,10 @@ class OnnxGraphModule(torch.nn.Module):
             path = f"onnx_initializer_{len(self._used)}"
         self._used.add(path)
         return path
+
+    def stored_quant(self, prefix: str) -> dict[str, object]:
+        """The quantised forms of the weights kept as params, by param name (under `prefix`)."""
+        return {prefix + self._names[(name, True)]: q for name, q in self.stored.items() if (name, True) in self._names}
 
     def tensor(self, name: str, transposed: bool = False) -> torch.Tensor:
         return operator.attrgetter(self._names[(name, transposed)])(self)
@@ -511,8 +524,8 @@ def matmul(ctx, step, a, b):
     return torch.matmul(as_tensor(a), as_tensor(b))
 
 
-def linear(ctx, step, x):
-    return F.linear(x, ctx.module.tensor(step.attrs["weight"], True))
+def linear(ctx, step, x, bias=None):
+    return F.linear(x, ctx.module.tensor(step.attrs["weight"], True), None if bias is None else as_tensor(bias))
 
 
 def linear_t(ctx, step, x, w):
@@ -596,7 +609,7 @@ OPS = {**dict.fromkeys(("Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Les
        "Range": range_, "ConstantOfShape": constant_of_shape, "Where": where, "CumSum": cumsum, "Trilu": trilu,
        "MatMul": matmul, "Gemm": gemm, "Linear": linear, "LinearT": linear_t, "ScaledMatMul": scaled_matmul,
        "SwapLastTwo": swap_last_two, "LayerNormalization": layer_norm, "Gelu": gelu,
-       "Identity": identity, "Dropout": identity}
+       "Identity": identity, "Dropout": identity, **CONTRIB_OPS}
 
 
 # -- rewrites -----------------------------------------------------------------------------

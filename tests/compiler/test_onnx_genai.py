@@ -1,0 +1,194 @@
+"""ONNX Runtime GenAI model-builder decoders: a tiny seeded Llama turned into ONNX by the builder
+itself (GroupQueryAttention with past KV inputs and rotary caches, SkipSimplifiedLayerNormalization,
+packed qkv; MatMulNBits int4 weights at -p int4) compiles with `llmc compile`; its logits at every
+position through the paged KV cache match HF's (fp32) and ONNX Runtime's on the same file to 1e-4,
+and its greedy tokens are HF's / ORT's; int4 weights stay int4 with the file's codes and scales;
+unsupported contrib ops and attributes are refused in one line naming the node and op."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import tiny_hf_models as tiny
+import torch
+from llmc_cli import error_line, llmc_in_process
+
+import llmc
+from llmc.cli import main
+from llmc.compiler.artifact import read_artifact
+from llmc.compiler.interpreter import interpret
+from llmc.compiler.ir import Graph
+from llmc.compiler.quant import dequantize_affine
+
+pytest.importorskip("onnxruntime_genai")  # the model builder (the `test` extra)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_llama")
+    return tiny.save_checkpoint(tiny.ARCHS["llama"](), path, seed=5), path
+
+
+def build(checkpoint_dir, out, precision, *extra_options):
+    """The model builder's ONNX decoder for the checkpoint, offline, for ONNX Runtime's CPU provider."""
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint_dir), "-i",
+               str(checkpoint_dir), "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(out) + "_cache"]
+    if extra_options:
+        command += ["--extra_options", *extra_options]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return out
+
+
+def compile_to(source, output, *extra) -> int:
+    try:
+        main(["compile", str(source), "--target", "cpu", "-o", str(output), "--quiet", *extra])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+@pytest.fixture(scope="module")
+def fp32(checkpoint, tmp_path_factory):
+    module, path = checkpoint
+    source = build(path, tmp_path_factory.mktemp("genai") / "fp32", "fp32")
+    output = source.parent / "fp32.llmc"
+    assert compile_to(source, output) == 0
+    return module, source, llmc.load(output, kv_memory="8MiB")
+
+
+@pytest.fixture(scope="module")
+def int4(checkpoint, tmp_path_factory):
+    """accuracy_level 1: ONNX Runtime computes MatMulNBits in float32, as its reference semantics say
+    (the builder's default, 4, rounds activations to int8 in ORT)."""
+    _, path = checkpoint
+    source = build(path, tmp_path_factory.mktemp("genai") / "int4", "int4", "accuracy_level=1")
+    output = source.parent / "int4.llmc"
+    assert compile_to(source, output) == 0
+    return source, output
+
+
+def ort_logits(source, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: ONNX Runtime running the model file on the whole sequence, past empty."""
+    session = ort.InferenceSession(str(source / "model.onnx"), providers=["CPUExecutionProvider"])
+    x = np.array([ids], dtype=np.int64)
+    feeds = {"input_ids": x, "attention_mask": np.ones_like(x)}
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_values"):
+            feeds[i.name] = np.zeros((1, i.shape[1], 0, 16), np.float32)
+    return torch.from_numpy(session.run(["logits"], feeds)[0][0])
+
+
+def ort_greedy(source, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(ort_logits(source, out)[-1].argmax()))
+    return out[len(ids):]
+
+
+def test_fp32_logits_at_every_position_match_hf_and_ort_through_the_paged_cache(fp32):
+    module, source, llm = fp32
+    ids = tiny.prompt_ids(30, seed=1)
+    ids += tiny.hf_greedy(module, ids, 10)
+    got = tiny.paged_logits(llm, ids, prefill_chunks=(13, 17))
+    assert tiny.max_relative_error(got, tiny.hf_logits(module, ids)) < 1e-4
+    assert tiny.max_relative_error(got, ort_logits(source, ids)) < 1e-4
+
+
+def test_fp32_16_greedy_tokens_are_hf_s(fp32):
+    module, _, llm = fp32
+    ids = tiny.prompt_ids(21, seed=2)
+    assert tiny.llmc_greedy(llm, ids, 16) == tiny.hf_greedy(module, ids, 16)
+
+
+def test_int4_weights_stay_int4_and_match_ort(int4):
+    """The IR computes ORT's logits to 1e-4; the CPU int4 kernel, with bf16 activations, to 2e-2 at
+    every position through the paged cache, and greedy decoding gives ORT's tokens."""
+    source, output = int4
+    manifest = json.loads((output / "manifest.json").read_text())
+    kept = next(p for p in manifest["pipeline"] if p["name"] == "keep_gguf_quant")["details"]["quant"]["gguf"]
+    # per layer q, k and v (split from the packed qkv), o, gate, up and down; and the LM head
+    assert kept["linears"] == 15 and set(kept["formats"].values()) == {"MatMulNBits"}
+    ids = tiny.prompt_ids(24, seed=3)
+    ids += ort_greedy(source, ids, 8)
+    want = ort_logits(source, ids)
+    graph = artifact_graph(output)
+    inputs = {"input_ids": torch.tensor(ids), "positions": torch.arange(len(ids)),
+              "logits_indices": torch.arange(len(ids))}
+    assert tiny.max_relative_error(interpret(graph, inputs)["logits"], want) < 1e-4
+    llm = llmc.load(output, kv_memory="8MiB")
+    assert tiny.max_relative_error(tiny.paged_logits(llm, ids, prefill_chunks=(11,)), want) < 2e-2
+    prompt = tiny.prompt_ids(17, seed=4)
+    assert tiny.llmc_greedy(llm, prompt, 12) == ort_greedy(source, prompt, 12)
+
+
+def test_int4_artifact_holds_the_files_codes_and_scales(int4):
+    """MatMulNBits' packing (two codes a byte, low nibble first, blocks along K) is affine4's: the
+    artifact stores the file's bytes and scales, which dequantise as (q - 8) * s."""
+    source, output = int4
+    graph = artifact_graph(output)
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(source / "model.onnx")).graph.initializer}
+    for name in ("model.layers.0.mlp.down_proj.MatMul.weight_Q4", "lm_head.MatMul.weight_Q4"):
+        packed, scales = inits[name], inits[name.replace("_Q4", "_scales")]    # [N, blocks, 16], [N, blocks]
+        stem = next(p for p in graph.params if name in p and p.endswith(".qweight")).removesuffix(".qweight")
+        assert torch.equal(graph.weights[f"{stem}.qweight"], torch.from_numpy(packed.reshape(len(packed), -1)))
+        assert torch.equal(graph.weights[f"{stem}.scales"], torch.from_numpy(scales))
+        quant = graph.params[f"{stem}.qweight"].quant
+        assert (quant.method, quant.group_size) == ("gguf:MatMulNBits", 32)
+        codes = np.stack([packed & 15, packed >> 4], -1).reshape(len(packed), scales.shape[1], -1)
+        reference = ((codes.astype(np.float32) - 8) * scales[..., None]).reshape(len(packed), -1)
+        stored = dequantize_affine("affine4", graph.weights[f"{stem}.qweight"], graph.weights[f"{stem}.scales"], None)
+        assert torch.equal(stored, torch.from_numpy(reference))
+
+
+def artifact_graph(path) -> Graph:
+    art = read_artifact(path)
+    graph = Graph.from_json(art.graph_json)
+    graph.weights = art.weights
+    return graph
+
+
+def edited(fp32, tmp_path, edit):
+    """The fp32 model directory with `edit` applied to its graph."""
+    _, source, _ = fp32
+    folder = tmp_path / "edited"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("model.onnx*"))
+    proto = onnx.load(str(source / "model.onnx"))
+    edit(proto.graph)
+    onnx.save(proto, str(folder / "model.onnx"))
+    return folder
+
+
+def first(graph, op_type):
+    return next(n for n in graph.node if n.op_type == op_type)
+
+
+def set_attr(node, name, value):
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept + [onnx.helper.make_attribute(name, value)])
+
+
+REFUSALS = {
+    "interleaved rotary": (lambda g: set_attr(first(g, "GroupQueryAttention"), "rotary_interleaved", 1),
+                           "GroupQueryAttention", "rotary_interleaved=1"),
+    "local window": (lambda g: set_attr(first(g, "GroupQueryAttention"), "local_window_size", 16),
+                     "GroupQueryAttention", "local_window_size=16"),
+    "unknown contrib op": (lambda g: setattr(first(g, "SkipSimplifiedLayerNormalization"), "op_type", "SkipGroupNorm"),
+                           "SkipGroupNorm", "com.microsoft"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_unsupported_contrib_ops_and_attributes_are_refused_naming_node_and_op(fp32, tmp_path, capsys, case):
+    edit, op, detail = REFUSALS[case]
+    folder = edited(fp32, tmp_path, edit)
+    node = next(n for n in onnx.load(str(folder / "model.onnx")).graph.node if n.op_type == op)
+    code, _, err = llmc_in_process(capsys, "compile", folder, "-o", tmp_path / "x.llmc")
+    line = error_line(err)
+    assert code == 2 and f"'{node.name}'" in line and op in line and detail in line
