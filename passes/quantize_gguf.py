@@ -9,7 +9,10 @@ For other kernel families: an affine4 qlinear's params are `<w>.qweight` uint8 [
 `has_zeros`, `<w>.zeros` [N, K/g] holding the float minimum m: w = q·s + m; without zeros
 w = (q − 8)·s. affine8 stores int8 codes [N, K] with w = q·s (+ m). Attrs: scheme, group_size
 (16 for Q6_K, else 32), in_features, out_features, has_zeros, has_bias. The qweight's QuantScheme
-method names the source format ("gguf:Q4_1")."""
+method names the source format ("gguf:Q4_1").
+
+An ONNX model's MatMulNBits weights with zero points come as the int4 scheme (compiler/quant.py:
+w = (q - z)·s, its `zeros` the integer zero points), kept by this pass the same way."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from collections import Counter
 import torch
 
 from llmc.compiler.ir import Graph, Node
-from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine
+from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine, dequantize_int4, unpack_int4
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.quantize import (
@@ -35,9 +38,24 @@ CHANGED = "changed by an earlier pass (kept in float)"
 
 
 def weight_format(stored) -> WeightFormat:
-    """The format a GGUF weight (an AffineWeight) is stored in."""
+    """The format a source weight (a GGUF AffineWeight, or an ONNX int4 weight with zero points) is stored in."""
+    if stored.scheme == "int4":
+        return WeightFormat("int4", METHOD_PREFIX + stored.format, 4, stored.group_size, symmetric=False)
     return WeightFormat(stored.scheme, METHOD_PREFIX + stored.format, AFFINE_SCHEMES[stored.scheme],
                         stored.group_size, symmetric=stored.mins is None)
+
+
+def stored_parts(stored) -> tuple:
+    """(codes, scales, minimums or zero points) as add_quant_params takes them (it packs int4 codes itself)."""
+    if stored.scheme == "int4":
+        return unpack_int4(stored.qweight), stored.scales, stored.zeros
+    return stored.qweight, stored.scales, stored.mins
+
+
+def stored_values(stored) -> torch.Tensor:
+    if stored.scheme == "int4":
+        return dequantize_int4(stored.qweight, stored.scales, stored.zeros)
+    return dequantize_affine(stored.scheme, stored.qweight, stored.scales, stored.mins)
 
 
 def keep_reason(graph: Graph, weight: str, stored) -> str | None:
@@ -47,7 +65,7 @@ def keep_reason(graph: Graph, weight: str, stored) -> str | None:
     if param is None or param.quant or weight not in graph.weights or param.type.dtype not in FLOAT_DTYPES:
         return "weight is not a float param"
     values = graph.weights[weight]
-    decoded = dequantize_affine(stored.scheme, stored.qweight, stored.scales, stored.mins)
+    decoded = stored_values(stored)
     if tuple(values.shape) != tuple(decoded.shape) or not torch.equal(values.float(), decoded):
         return CHANGED
     return None
@@ -75,8 +93,7 @@ def keep_stored(graph: Graph, node: Node, stored, ctx: PassContext) -> tuple[int
     """Rewrite the linear or embedding `node` over its stored form; (float bytes, stored bytes)."""
     if node.op == "embedding":
         return keep_embedding(graph, node, stored)
-    return quantize_linear_weights(graph, node, lambda w, c, n: (stored.qweight, stored.scales, stored.mins),
-                                   ctx, weight_format(stored))
+    return quantize_linear_weights(graph, node, lambda w, c, n: stored_parts(stored), ctx, weight_format(stored))
 
 
 @register_pass

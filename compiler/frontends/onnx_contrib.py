@@ -8,14 +8,17 @@ decoders with them, with torch reference semantics in the forms lowering raises:
 - RotaryEmbedding feeding a GroupQueryAttention's q or k: folded into that attention's rotary.
 - SkipSimplifiedLayerNormalization / SimplifiedLayerNormalization: the residual add, then HF's
   RMSNorm.
-- MatMulNBits (4 bits): a linear over the weight dequantised as w = (q - zero_point) * scale;
-  symmetric weights (no zero points, so zero point 8) also keep their codes and scales as llmc's
-  affine4 params (OnnxGraphModule.stored), which dequantise to exactly those values.
+- MatMulNBits (4 bits): a linear over the weight dequantised as w = (q - zero_point) * scale,
+  whose codes and scales are also kept (OnnxGraphModule.stored) as llmc params that dequantise to
+  exactly those values: symmetric weights (no zero points: 8) as affine4's (q - 8) * s, others as
+  int4's (q - z) * s.
 
 Attributes and inputs outside these semantics are refused, naming the node and op. A rotary cache
 holds no inv_freq, so it is read off the table (`cache_inv_freq`) and checked against every row."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -287,9 +290,23 @@ def with_skip(x, skip, bias):
 NBITS_ATTRS = {"K": None, "N": None, "bits": (4,), "block_size": None, "accuracy_level": None}
 
 
+class Int4Weight(NamedTuple):
+    """A MatMulNBits weight with zero points as llmc's int4 params: w = (q - z) * s in groups along K."""
+    scheme: str                   # "int4"
+    format: str                   # "MatMulNBits"
+    group_size: int
+    qweight: torch.Tensor         # uint8 [N, K/2]: two codes a byte, the low nibble holds the even k
+    scales: torch.Tensor          # float32 [N, K/g]
+    zeros: torch.Tensor           # float32 [N, K/g]: the integer zero points
+
+    def rows(self, index: torch.Tensor) -> Int4Weight:
+        pick = (lambda t: t.index_select(0, index).contiguous())
+        return self._replace(qweight=pick(self.qweight), scales=pick(self.scales), zeros=pick(self.zeros))
+
+
 def prepare_matmul_nbits(step, module):
     """MatMulNBits -> a Linear over its dequantised weight (module.tensors, stored [K, N] as MatMul's
-    are); symmetric weights also keep their codes and scales (module.stored)."""
+    are), whose codes, scales and zero points are also kept (module.stored) when K is whole blocks."""
     check_attrs(step, NBITS_ATTRS)
     check_absent(step, (4,), ("g_idx",))
     inputs = (step.inputs + [""] * 6)[:6]
@@ -309,8 +326,9 @@ def prepare_matmul_nbits(step, module):
     weight = dequantize_int4_codes(codes, scales_t, zeros)[:, :k]  # (q - z) * s, as affine4's (q - 8) * s
     name = f"{inputs[1]}.dequantized"
     module.tensors[name] = weight.T.numpy()
-    if symmetric and k % block == 0:
-        module.stored[name] = AffineWeight("affine4", "MatMulNBits", block, pack_int4(codes), scales_t, None)
+    if k % block == 0:
+        module.stored[name] = AffineWeight("affine4", "MatMulNBits", block, pack_int4(codes), scales_t, None) \
+            if symmetric else Int4Weight("int4", "MatMulNBits", block, pack_int4(codes), scales_t, zeros.float())
     step.op, step.inputs, step.attrs = "Linear", [inputs[0]] + ([inputs[5]] if inputs[5] else []), {"weight": name}
     return step
 

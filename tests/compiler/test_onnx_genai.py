@@ -24,7 +24,7 @@ from llmc.cli import main
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph
-from llmc.compiler.quant import dequantize_affine
+from llmc.compiler.quant import dequantize_affine, dequantize_int4
 
 pytest.importorskip("onnxruntime_genai")  # the model builder (the `test` extra)
 
@@ -62,12 +62,14 @@ def fp32(checkpoint, tmp_path_factory):
     return module, source, llmc.load(output, kv_memory="8MiB")
 
 
-@pytest.fixture(scope="module")
-def int4(checkpoint, tmp_path_factory):
+@pytest.fixture(scope="module", params=["symmetric", "zero points"])
+def int4(checkpoint, tmp_path_factory, request):
     """accuracy_level 1: ONNX Runtime computes MatMulNBits in float32, as its reference semantics say
-    (the builder's default, 4, rounds activations to int8 in ORT)."""
+    (the builder's default, 4, rounds activations to int8 in ORT). Symmetric weights (the builder's
+    default) have no zero points; is_symmetric=false stores them."""
     _, path = checkpoint
-    source = build(path, tmp_path_factory.mktemp("genai") / "int4", "int4", "accuracy_level=1")
+    options = ["accuracy_level=1"] + (["is_symmetric=false"] if request.param == "zero points" else [])
+    source = build(path, tmp_path_factory.mktemp("genai") / "int4", "int4", *options)
     output = source.parent / "int4.llmc"
     assert compile_to(source, output) == 0
     return source, output
@@ -127,23 +129,32 @@ def test_int4_weights_stay_int4_and_match_ort(int4):
     assert tiny.llmc_greedy(llm, prompt, 12) == ort_greedy(source, prompt, 12)
 
 
-def test_int4_artifact_holds_the_files_codes_and_scales(int4):
-    """MatMulNBits' packing (two codes a byte, low nibble first, blocks along K) is affine4's: the
-    artifact stores the file's bytes and scales, which dequantise as (q - 8) * s."""
+def test_int4_artifact_holds_the_files_codes_scales_and_zero_points(int4):
+    """MatMulNBits' packing (two codes a byte, low nibble first, blocks along K) is llmc's: the artifact
+    stores the file's bytes, scales and zero points (8 without them), which dequantise as (q - z) * s."""
     source, output = int4
     graph = artifact_graph(output)
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(source / "model.onnx")).graph.initializer}
     for name in ("model.layers.0.mlp.down_proj.MatMul.weight_Q4", "lm_head.MatMul.weight_Q4"):
         packed, scales = inits[name], inits[name.replace("_Q4", "_scales")]    # [N, blocks, 16], [N, blocks]
+        zeros = np.full(scales.shape, 8, np.uint8)
+        if name.replace("_Q4", "_zero_points") in inits:  # two blocks' zero points a byte, low nibble first
+            zp = inits[name.replace("_Q4", "_zero_points")].reshape(len(packed), -1)
+            zeros = np.stack([zp & 15, zp >> 4], -1).reshape(len(packed), -1)[:, :scales.shape[1]]
         stem = next(p for p in graph.params if name in p and p.endswith(".qweight")).removesuffix(".qweight")
-        assert torch.equal(graph.weights[f"{stem}.qweight"], torch.from_numpy(packed.reshape(len(packed), -1)))
-        assert torch.equal(graph.weights[f"{stem}.scales"], torch.from_numpy(scales))
+        stored = {k: graph.weights.get(f"{stem}.{k}") for k in ("qweight", "scales", "zeros")}
+        assert torch.equal(stored["qweight"], torch.from_numpy(packed.reshape(len(packed), -1)))
+        assert torch.equal(stored["scales"], torch.from_numpy(scales))
         quant = graph.params[f"{stem}.qweight"].quant
         assert (quant.method, quant.group_size) == ("gguf:MatMulNBits", 32)
         codes = np.stack([packed & 15, packed >> 4], -1).reshape(len(packed), scales.shape[1], -1)
-        reference = ((codes.astype(np.float32) - 8) * scales[..., None]).reshape(len(packed), -1)
-        stored = dequantize_affine("affine4", graph.weights[f"{stem}.qweight"], graph.weights[f"{stem}.scales"], None)
-        assert torch.equal(stored, torch.from_numpy(reference))
+        reference = ((codes.astype(np.float32) - zeros[..., None]) * scales[..., None]).reshape(len(packed), -1)
+        if stored["zeros"] is None:
+            values = dequantize_affine("affine4", stored["qweight"], stored["scales"], None)
+        else:
+            assert torch.equal(stored["zeros"], torch.from_numpy(zeros).float())
+            values = dequantize_int4(stored["qweight"], stored["scales"], stored["zeros"])
+        assert torch.equal(values, torch.from_numpy(reference))
 
 
 def artifact_graph(path) -> Graph:
