@@ -75,11 +75,13 @@ def int4(checkpoint, tmp_path_factory, request):
     return source, output
 
 
-def ort_logits(source, ids: list[int]) -> torch.Tensor:
+def ort_logits(source, ids: list[int], positions: bool = False) -> torch.Tensor:
     """[len(ids), vocab]: ONNX Runtime running the model file on the whole sequence, past empty."""
     session = ort.InferenceSession(str(source / "model.onnx"), providers=["CPUExecutionProvider"])
     x = np.array([ids], dtype=np.int64)
     feeds = {"input_ids": x, "attention_mask": np.ones_like(x)}
+    if positions:
+        feeds["position_ids"] = np.arange(len(ids))[None]
     for i in session.get_inputs():
         if i.name.startswith("past_key_values"):
             feeds[i.name] = np.zeros((1, i.shape[1], 0, 16), np.float32)
@@ -183,6 +185,40 @@ def set_attr(node, name, value):
     kept = [a for a in node.attribute if a.name != name]
     del node.attribute[:]
     node.attribute.extend(kept + [onnx.helper.make_attribute(name, value)])
+
+
+def rotary_nodes_apart(graph):
+    """Each GroupQueryAttention's packed qkv split by a Split node, q and k turned by RotaryEmbedding
+    nodes over a position_ids input, and the attention without rotary of its own (as the builder
+    writes some models)."""
+    graph.input.append(onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64,
+                                                          ["batch_size", "sequence_length"]))
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([64, 32, 32], np.int64), "qkv_sizes"))
+    nodes = []
+    for n in graph.node:
+        if n.op_type == "GroupQueryAttention":
+            q, k, v = (f"{n.name}/{part}" for part in "qkv")
+            nodes.append(onnx.helper.make_node("Split", [n.input[0], "qkv_sizes"], [q, k, v], axis=-1))
+            for x, heads in ((q, 4), (k, 2)):
+                nodes.append(onnx.helper.make_node("RotaryEmbedding", [x, "position_ids", n.input[7], n.input[8]],
+                                                   [x + "/turned"], domain="com.microsoft", num_heads=heads))
+            n.input[:3] = [q + "/turned", k + "/turned", v]
+            n.input[7], n.input[8] = "", ""
+            set_attr(n, "do_rotary", 0)
+        nodes.append(n)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def test_rotary_embedding_nodes_fold_into_attention(fp32, tmp_path):
+    module, _, _ = fp32
+    folder = edited(fp32, tmp_path, rotary_nodes_apart)
+    assert compile_to(folder, tmp_path / "rotary.llmc") == 0
+    llm = llmc.load(tmp_path / "rotary.llmc", kv_memory="8MiB")
+    ids = tiny.prompt_ids(26, seed=6)
+    got = tiny.paged_logits(llm, ids, prefill_chunks=(9,))
+    assert tiny.max_relative_error(got, tiny.hf_logits(module, ids)) < 1e-4
+    assert tiny.max_relative_error(got, ort_logits(folder, ids, positions=True)) < 1e-4
 
 
 REFUSALS = {
