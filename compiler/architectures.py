@@ -52,9 +52,10 @@ SUPPORTED = (
     Arch("starcoder2", "StarCoder2", "`layer_norm`, `gelu`, biases", ("compiler/test_arch_rotary.py",)),
     Arch("olmo", "OLMo", "`layer_norm` without gain", ("compiler/test_arch_rotary.py",)),
     Arch("mixtral", "Mixtral", "`moe` (top-k router, SwiGLU experts; sparse on the CPU)",
-         ("compiler/test_arch_moe.py",), gpu="greedy tokens, fp32 h100 (`tests/compiler/test_arch_moe.py`)",
-         refused_passes=tuple((q, "node moe_0 (moe): weight quantisation covers linears",
-                               "expert weights are not linears") for q in QUANT)
+         ("compiler/test_arch_moe.py", "compiler/test_arch_moe_quant.py"),
+         gpu="greedy tokens, fp32 h100 (`tests/compiler/test_arch_moe.py`)",
+         refused_passes=tuple((q, "node moe_0 (moe): this weight format covers linears",
+                               "experts are stored by int8/int4 only") for q in ("fp8", "w8a8"))
          + (("prune", "prune_ffn: found no MLP", "no dense MLP"),)),
 )
 

@@ -573,6 +573,66 @@ def moe_ref(x, router, gate_up, down, *, top_k, **attrs):
     return [(outs.float() * dense[..., None]).sum(1).to(x.dtype)]
 
 
+# -- qmoe: a moe whose experts' weights are stored as qlinear stores a weight, one per expert --------
+# int8: codes int8 [E, N, K], scales [E, N]; int4: codes uint8 [E, N, K/2] (two a byte), scales and
+# zeros [E, N, K/g]. The router stays float. Inputs: x, router, then gate_up's and down's params.
+QMOE_SCHEMES = ("int8", "int4")
+
+
+class ExpertWeights(NamedTuple):
+    qweight: Any
+    scales: Any
+    zeros: Any
+
+
+def qmoe_inputs(inputs: list, scheme: str) -> tuple[Any, Any, ExpertWeights, ExpertWeights]:
+    """(x, router, gate_up, down) of a qmoe's inputs; zeros only for int4."""
+    per = 3 if scheme == "int4" else 2
+    if len(inputs) != 2 + 2 * per:
+        raise IRError(f"qmoe ({scheme}): {len(inputs)} inputs, expected {2 + 2 * per} (x, router, then "
+                      f"{'qweight, scales, zeros' if per == 3 else 'qweight, scales'} of gate_up and of down)")
+    gate_up, down = (ExpertWeights(*(list(part) + [None])[:3]) for part in (inputs[2:2 + per], inputs[2 + per:]))
+    return inputs[0], inputs[1], gate_up, down
+
+
+def _qmoe_type(ts, attrs):
+    scheme, group_size, inter = attrs["scheme"], attrs.get("group_size", -1), attrs["intermediate"]
+    x, router, gate_up, down = qmoe_inputs(ts, scheme)
+    _want(x, "qmoe input", rank=2)
+    experts, hidden = router.shape if router.rank == 2 else (None, None)
+    _want(router, "qmoe router weight", (x.dtype,), shape=(experts, x.shape[-1]))
+    if not isinstance(experts, int) or not 0 < attrs["top_k"] <= experts:
+        raise IRError(f"qmoe: top_k {attrs['top_k']} must be in 1..{experts} (the router's experts)")
+    dtype, per_element = QLINEAR_STORAGE[scheme]
+    for name, w, rows, k in (("gate_up", gate_up, 2 * inter, hidden), ("down", down, hidden, inter)):
+        _want(w.qweight, f"qmoe {name} qweight", (dtype,), shape=(experts, rows, k // per_element))
+        if scheme == "int8":
+            _want(w.scales, f"qmoe {name} scales", shape=(experts, rows))
+            continue
+        if type(group_size) is not int or group_size <= 0 or k % group_size:
+            raise IRError(f"qmoe (int4): group_size {group_size!r} must be a positive divisor of {name}'s K={k}")
+        for part in ("scales", "zeros"):
+            _want(getattr(w, part), f"qmoe {name} {part}", shape=(experts, rows, k // group_size))
+    return [x]
+
+
+def expert_weights(scheme: str, w: ExpertWeights, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Expert `expert`'s [N, K] weight from a qmoe's stored params."""
+    return dequantize_weight(scheme, w.qweight[expert], w.scales[expert],
+                             None if w.zeros is None else w.zeros[expert], dtype)
+
+
+@op("qmoe", _qmoe_type, inputs=(6, 8), attrs=AttrSpec(
+    {"top_k": COUNT, "scheme": one_of(*QMOE_SCHEMES), "intermediate": COUNT}, {"group_size": INT}))
+def qmoe_ref(*inputs, top_k, scheme, **attrs):
+    """moe over the dequantised expert weights."""
+    x, router, gate_up, down = qmoe_inputs(list(inputs), scheme)
+    experts = range(router.shape[0])
+    dense_gate_up = torch.stack([expert_weights(scheme, gate_up, e, x.dtype) for e in experts])
+    dense_down = torch.stack([expert_weights(scheme, down, e, x.dtype) for e in experts])
+    return moe_ref(x, router, dense_gate_up, dense_down, top_k=top_k)
+
+
 # `kv_cache`: the dtype a quantised KV cache stores; the op then takes the layer's static scales
 # (fp32 [2, kv_heads]: keys, values) as its last input and reads keys and values through them.
 ATTENTION_ATTRS = AttrSpec({"layer": INDEX, "num_heads": COUNT, "num_kv_heads": COUNT, "head_dim": COUNT,

@@ -1,7 +1,8 @@
 """Weight-only quantisation passes: `quantize_int8` (per output channel, symmetric) and
 `quantize_int4` (groups along K, asymmetric, by RTN, GPTQ or AWQ) rewrite each linear over a
 float weight into a qlinear over stored codes, scales and zero points, and each embedding into a
-qembedding over the same storage (docs/quantization.md)."""
+qembedding over the same storage (docs/quantization.md); a mixture of experts' expert weights are
+stored the same way, per expert (passes/quantize_moe.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.options import PassOptions, option
+from llmc.passes.quantize_moe import quantize_experts
 
 # method_fn(weight fp32 [N, K], ctx, node) -> (codes, scales, zeros or None); int4 codes are
 # unpacked uint8 [N, K] in 0..15, int8 codes int8 [N, K].
@@ -83,11 +85,12 @@ def select_linears(graph: Graph, include_lm_head: bool, skip: list[str],
 
 
 def refuse_expert_weights(graph: Graph) -> None:
-    """The weight-quantising passes cover linears: a `moe` op's experts would silently stay float."""
+    """Only int8 and int4 store expert weights (quantize_int8/int4 turn each moe into a qmoe first):
+    under any other format a `moe` op's experts would silently stay float."""
     moe = next((n for n in graph.nodes if n.op == "moe"), None)
     if moe is not None:
-        raise PassError(f"node {moe.name} (moe): weight quantisation covers linears, not a mixture of experts' "
-                        f"expert weights, which would stay in float; compile this model without --quant")
+        raise PassError(f"node {moe.name} (moe): this weight format covers linears, not a mixture of experts' "
+                        f"expert weights, which would stay in float; use --quant int8 or int4, or none")
 
 
 def quant_param_names(weight: str) -> dict[str, str]:
@@ -296,8 +299,11 @@ class QuantizeInt8(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         fmt = WeightFormat("int8", "rtn", 8)
+        total_before = param_bytes(graph)
+        experts = quantize_experts(graph, ctx, "int8", lambda k: -1)
         nodes, skipped, tables = select_weights(self, graph)
-        return quantize_linears(self, graph, ctx, fmt, nodes, skipped, rtn_int8, embeddings=tables)
+        result = quantize_linears(self, graph, ctx, fmt, nodes, skipped, rtn_int8, embeddings=tables)
+        return with_experts(result, graph, fmt, experts, total_before)
 
 
 def rtn_int8(weight: torch.Tensor, ctx: PassContext, node: Node) -> tuple:
@@ -354,10 +360,26 @@ class QuantizeInt4(Pass):
             groups[node.name] = size
             return None
         table_g = self.options.embedding_group_size
+        total_before = param_bytes(graph)
+        experts = quantize_experts(graph, ctx, "int4", lambda k: group_size_for(k, g, self.options.shrink_groups))
         nodes, skipped, tables = select_weights(
             self, graph, check, lambda dim: group_size_for(dim, table_g, self.options.shrink_groups))
         method_fn = int4_method(method, graph, ctx, nodes, self.options, lambda node: groups[node.name])
-        return quantize_linears(self, graph, ctx, fmt, nodes, skipped, method_fn, groups, tables)
+        return with_experts(quantize_linears(self, graph, ctx, fmt, nodes, skipped, method_fn, groups, tables),
+                            graph, fmt, experts, total_before)
+
+
+def with_experts(result: PassResult, graph: Graph, fmt: WeightFormat, experts: tuple[int, int, int],
+                 total_before: int) -> PassResult:
+    """`result` of the linears, with the moe ops whose experts the pass stored (always by RTN)."""
+    count, before, after = experts
+    if not count:
+        return result
+    figures = result.details["quant"][fmt.scheme]
+    figures.update(moe_ops=count, expert_method="rtn", bytes_before=figures["bytes_before"] + before,
+                   bytes_after=figures["bytes_after"] + after)
+    return replace(result, matches=result.matches + count, changed=True,
+                   bytes_saved=total_before - param_bytes(graph))
 
 
 def group_size_for(k: int, g: int, shrink: bool) -> int | None:

@@ -2,8 +2,9 @@
 of 4 experts renormalised, SwiGLU experts) is recognised and lowered to the `moe` op, which the CPU
 runs sparsely (an expert no token chose is never read) and a GPU target runs as Triton kernels.
 HF's logits at every position of a 40-token prompt and 24 decode steps through the paged KV cache
-match to 1e-4, 16 mixed-length requests batched equal their solo runs, the weight-quantising passes
-refuse it in one line, and an MoE block of another structure (OLMoE's) is refused at lowering."""
+match to 1e-4, 16 mixed-length requests batched equal their solo runs, fp8 weights refuse it in one
+line (int8/int4 store the experts: test_arch_moe_quant.py), and an MoE block of another structure
+(OLMoE's) is refused at lowering."""
 
 import json
 import math
@@ -95,11 +96,11 @@ def test_16_mixed_length_requests_batched_equal_their_solo_runs(mixtral):
     assert together == [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
 
 
-def test_weight_quantisation_refuses_the_expert_weights_it_would_leave_float(mixtral, tmp_path):
-    with pytest.raises(PassError, match=r"node moe_0 \(moe\): weight quantisation covers linears"):
-        llmc.compile(str(mixtral[0]), output=tmp_path / "int8.llmc", quant="int8", calib_samples=1,
+def test_fp8_weights_refuse_the_expert_weights_they_would_leave_float(mixtral, tmp_path):
+    with pytest.raises(PassError, match=r"node moe_0 \(moe\): this weight format covers linears"):
+        llmc.compile(str(mixtral[0]), output=tmp_path / "fp8.llmc", quant="fp8", calib_samples=1,
                      calib_seq_len=16)
-    assert not (tmp_path / "int8.llmc").exists()
+    assert not (tmp_path / "fp8.llmc").exists()
 
 
 def test_an_moe_block_of_another_structure_is_refused_at_lowering(tmp_path):
