@@ -211,6 +211,22 @@ class PlanExecutor:
         return {**attrs, **prepare(params, attrs, self.plan.meta)}
 
     @torch.inference_mode()
+    def block_linear_weights(self) -> int:
+        """Give every fp32 CPU `linear` a oneDNN-blocked copy of its weight, so steps of a few rows
+        (speculative verification, small batches) cost little more than one row
+        (cpu_kernels.blocked_linear_weight). Returns the bytes the copies hold."""
+        added = 0
+        for i, launch in enumerate(self._program):
+            if launch.fn is not cpu_kernels.linear or "blocked" in launch.attrs:
+                continue
+            weight = self._params[launch.args[1]] if launch.args[1] < len(self._params) else None
+            blocked = cpu_kernels.blocked_linear_weight(weight)
+            if blocked is not None:
+                self._program[i] = launch._replace(attrs={**launch.attrs, "blocked": blocked})
+                added += weight.nbytes
+        return added
+
+    @torch.inference_mode()
     def run_values(self, inputs: dict[str, torch.Tensor],
                    backend: AttentionBackend | None = None) -> dict[str, torch.Tensor]:
         """Run the plan on its graph inputs; returns every plan output by name."""

@@ -69,6 +69,8 @@ class Speculator:
         self.max_model_len = engine.max_model_len
         self.acceptance: dict[int, _Acceptance] = {}
         self.step_cost = STEP_COSTS.get(engine.device.type, STEP_COSTS["cuda"])
+        if engine.device.type == "cpu":   # verification multiplies k + 1 rows: see StepCost
+            engine.executor.block_linear_weights()
         # a draft forward over a target one: both read their weights once
         self.draft_forward_cost = 0.0 if config.method == "ngram" else \
             _weight_bytes(self.proposer.runner.executor) / _weight_bytes(engine.executor)
