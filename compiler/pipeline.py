@@ -25,6 +25,7 @@ from llmc.compiler.compile_report import check_report_path, timing_line, write_r
 from llmc.compiler.draft import draft_options, read_draft_target
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node
+from llmc.compiler.layer_stamp import traced_graph
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.compiler.options import CompileOptions
 from llmc.compiler.parallel_build import parallel_section, run_passes, shard_record, whole_model_meta
@@ -37,7 +38,6 @@ from llmc.compiler.recipes import (
     shard_passes,
 )
 from llmc.compiler.targets import Target, get_target
-from llmc.compiler.trace import export_lm, translate
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassManager, Stage, echo_stderr
 from llmc.passes.lowering import LOWERING
@@ -150,8 +150,8 @@ def rank_plan(graph: Graph, tgt: Target, opts: CompileOptions, echo):
 def trace(module: torch.nn.Module, max_tokens: int, log: Callable[[str, float, dict], None]) -> Graph:
     """The model as a graph of aten nodes (torch.export, then translated into the IR)."""
     t = time.perf_counter()
-    graph = translate(export_lm(module, max_tokens=max(max_tokens, 16)))
-    log("trace", time.perf_counter() - t, {"aten_nodes": len(graph.nodes)})
+    graph, copied = traced_graph(module, max(max_tokens, 16))
+    log("trace", time.perf_counter() - t, {"aten_nodes": len(graph.nodes), "layers_copied": copied})
     return graph
 
 
