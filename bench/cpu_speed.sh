@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 12's table in one run: SmolLM2-135M on the cpu target, fp32 / int8 / int4-awq / the GGUF's own
-# Q4_1 kept (gguf) against HF
+# Q4_1 kept (gguf) / w8a8 (SmoothQuant, int8 activations per token: torch._int_mm) against HF
 # eager fp32 measured in the same run: batch-1 decode (128 in, 128 out), prefill of 512 tokens,
 # and 64 requests x (128 in, 128 out) against batched HF generate; tok/s, ratios vs HF and
 # roofline fractions (`llmc bench`'s roofline block). Artifacts are compiled once into $DIR.
 # THREADS=N sets the thread count (default: the runtime's); BANDWIDTH=GBPS skips measuring it.
-# QUANTS="fp32 gguf" limits the artifacts (default all four; fp32 is always needed), BATCH=N the requests
-# of the batched row (default 64). The compile-time row times one fresh GGUF compile (`--report`:
-# its load stage is GGUF read + dequantise), unless $DIR/compile.json is there already.
+# QUANTS="fp32 gguf" limits the artifacts (default all five; fp32 is always needed), BATCH=N the requests
+# of the batched row (default 64), which every artifact runs (HF's batched generate beside fp32's).
+# The compile-time row times one fresh GGUF compile (`--report`: its load stage is GGUF read +
+# dequantise), unless $DIR/compile.json is there already.
 # KERNELS="cpu ort" adds rows of artifacts compiled with --kernels ort (ONNX Runtime segments; default
 # KERNELS=cpu: torch kernels only); each family's artifacts are named $q.llmc (cpu) or $q-ort.llmc.
 set -euo pipefail
@@ -17,7 +18,7 @@ DIR=${DIR:-bench/out/cpu_speed}
 mkdir -p "$DIR"
 EXTRA=()
 KERNELS=${KERNELS:-cpu}
-QUANTS=${QUANTS:-fp32 int8 int4-awq gguf}
+QUANTS=${QUANTS:-fp32 int8 int4-awq gguf w8a8}
 BATCH=${BATCH:-64}
 suffix() { [ "$1" = cpu ] && echo "" || echo "-$1"; }
 [ -n "${THREADS:-}" ] && EXTRA+=(--threads "$THREADS")
@@ -60,8 +61,12 @@ for k in $KERNELS; do
     bench "prefill_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 512 --output-len 1 "${base[@]}"
   done
 done
-bench batch_fp32 "$DIR/fp32.llmc" -n "$BATCH" --input-len 128 --output-len 128 --baseline hf
-[[ " $QUANTS " == *" gguf "* ]] && bench batch_gguf "$DIR/gguf.llmc" -n "$BATCH" --input-len 128 --output-len 128
+for k in $KERNELS; do
+  for q in $QUANTS; do
+    base=(); [ "$q$k" = fp32cpu ] && base=(--baseline hf)
+    bench "batch_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n "$BATCH" --input-len 128 --output-len 128 "${base[@]}"
+  done
+done
 
 QUANTS="$QUANTS" BATCH="$BATCH" python3 - "$DIR" $KERNELS <<'PY'
 import json, os, sys

@@ -59,17 +59,17 @@ def quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 [M, K] -> (int8 codes [M, K], fp32 scales [M, 1]), as fake_quant_int8_per_token rounds."""
     scales = x2.abs().amax(dim=-1, keepdim=True) / INT8_MAX
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(x2 / scales).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+    return (x2 / scales).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales
 
 
 def w8a8_matmul(x2: torch.Tensor, w: W8A8Weights) -> torch.Tensor:
     """x2 fp32 [M, K] -> fp32 [M, N]: int8 x int8 with int32 accumulation, then both scales."""
     q, x_scales = quantize_per_token(x2)
-    if INT_MM is not None:
-        acc = INT_MM(q, w.qweight.t()).float()     # exact while K·127² < 2³¹ (K < 133,000)
-    else:
-        acc = F.linear(q.to(torch.bfloat16), w.qweight.to(torch.bfloat16)).float()
-    return acc * x_scales * w.scales
+    if INT_MM is None:
+        return F.linear(q.to(torch.bfloat16), w.qweight.to(torch.bfloat16)).float() * x_scales * w.scales
+    acc = INT_MM(q, w.qweight.t())     # exact while K·127² < 2³¹ (K < 133,000)
+    # one pass that widens int32 to fp32 (as .float() would) and scales, then one in place
+    return torch.mul(acc, x_scales).mul_(w.scales)
 
 
 PACKERS = {"fp8": pack_fp8, "w8a8": pack_w8a8}

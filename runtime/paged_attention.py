@@ -65,6 +65,14 @@ class PagedKVCache:
         scales = self.kv_scales[layer]
         return dequantize_kv(keys, scales[0], dtype), dequantize_kv(values, scales[1], dtype)
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Keys and values at cache slots `src` go to slots `dst`, in every layer (a token tree's kept
+        path moved to the positions it now holds)."""
+        src_t, dst_t = (torch.tensor(s, device=self.k_cache[0].device) for s in (src, dst))
+        for cache in self.k_cache + self.v_cache:
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[dst_t] = flat[src_t]
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets src's keys and values in every layer."""
         if not pairs:
@@ -81,6 +89,9 @@ class PrefillChunk:
     q_len: int
     start: int              # position of the first query in its sequence
     blocks: torch.Tensor    # block ids covering positions [0, start + q_len)
+    # a speculative token tree's [q_len, start + q_len] visible keys (runtime/draft_tree.py);
+    # None: causal
+    visible: torch.Tensor | None = None
 
 
 @dataclass
@@ -184,18 +195,31 @@ class PagedAttention(AttentionBackend):
             return self._decode(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap)
         out = q.new_empty(q.shape[0], num_heads * head_dim)
         for c in meta.prefills:
-            ctx = c.start + c.q_len
-            keys, values = cache.read(layer, c.blocks, q.dtype)
-            keys = keys.reshape(-1, num_kv_heads, head_dim)[:ctx]
-            values = values.reshape(-1, num_kv_heads, head_dim)[:ctx]
+            keys, values = self._prefill_context(layer, c, k, v, q.dtype, num_kv_heads, head_dim)
+            rows = q[c.q_start:c.q_start + c.q_len]
+            if c.visible is not None:
+                out[c.q_start:c.q_start + c.q_len] = _attend_tree(rows, keys, values, c.visible, num_heads,
+                                                                  num_kv_heads, head_dim, scale, softcap)
+                continue
             out[c.q_start:c.q_start + c.q_len] = attend(
-                q[c.q_start:c.q_start + c.q_len], keys, values, start=c.start, num_heads=num_heads,
+                rows, keys, values, start=c.start, num_heads=num_heads,
                 num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal, window=window,
                 softcap=softcap)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta,
                                                  num_heads, num_kv_heads, head_dim, scale, window, softcap)
         return out
+
+    def _prefill_context(self, layer, c: PrefillChunk, k, v, dtype, num_kv_heads, head_dim):
+        """Keys and values [start + q_len, kv_heads, head_dim] a prefill chunk attends to. A chunk
+        from position 0 sees only its own rows, which an unquantised cache holds unchanged: they are
+        taken from k and v rather than gathered back out of the cache."""
+        if c.start == 0 and not self.cache.quantized:
+            rows = slice(c.q_start, c.q_start + c.q_len)
+            return tuple(x[rows].reshape(-1, num_kv_heads, head_dim).to(self.cache.dtype) for x in (k, v))
+        keys, values = self.cache.read(layer, c.blocks, dtype)
+        ctx = c.start + c.q_len
+        return (keys.reshape(-1, num_kv_heads, head_dim)[:ctx], values.reshape(-1, num_kv_heads, head_dim)[:ctx])
 
     def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap):
         b = q.shape[0]
@@ -219,3 +243,12 @@ class PagedAttention(AttentionBackend):
         values = values.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
         o = scaled_dot_product(q.reshape(1, num_heads, 1, head_dim), keys, values, None, scale, softcap)
         return o.reshape(1, num_heads * head_dim)
+
+
+def _attend_tree(q, keys, values, visible, num_heads, num_kv_heads, head_dim, scale, softcap):
+    """q [t, heads * head_dim] over keys/values [ctx, kv_heads, head_dim] where `visible` [t, ctx]."""
+    t, ctx = q.shape[0], keys.shape[0]
+    qh = q.reshape(1, t, num_heads, head_dim).transpose(1, 2)
+    kh, vh = (x.reshape(1, ctx, num_kv_heads, head_dim).transpose(1, 2) for x in (keys, values))
+    o = scaled_dot_product(qh, kh, vh, visible, scale, softcap)
+    return o[0].transpose(0, 1).reshape(t, num_heads * head_dim)
