@@ -65,24 +65,26 @@ def initializer(step, module, name: str, what: str) -> np.ndarray:
 # -- rotary ---------------------------------------------------------------------------------
 def cache_inv_freq(step, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float]:
     """(inv_freq [rotary_dim / 2], scaling) with cos[p, i] = scaling * cos(p * inv_freq[i]) (sin
-    likewise): the angle read at position 1 picks the number of turns, the last row gives it to full
-    precision, and every row is checked."""
+    likewise), to the table's precision: the angle at position 1, refined at doubling positions up
+    to the last (each doubling's prediction is close enough to count the turns), then every row checked."""
     if cos.ndim != 2 or cos.shape != sin.shape or cos.shape[0] < 2:
         raise refuse(step, f"has rotary caches of shapes {cos.shape} and {sin.shape}, not [positions, rotary_dim/2]")
+    tolerance = max(ROPE_TOLERANCE, 2 * float(np.finfo(cos.dtype).eps))  # a float16 table rounds its values
     cos, sin = cos.astype(np.float64), sin.astype(np.float64)
     magnitude = np.hypot(cos, sin)
     scaling = float(magnitude.mean())
-    last = cos.shape[0] - 1
-    coarse = np.arctan2(sin[1], cos[1])
-    angle = np.arctan2(sin[last], cos[last])
-    inv_freq = (angle + 2 * np.pi * np.round((coarse * last - angle) / (2 * np.pi))) / last
-    angles = np.arange(cos.shape[0])[:, None] * inv_freq
-    bound = ROPE_TOLERANCE + 2.5e-7 * angles  # the table's own float32 angles round by up to ~6e-8 of the angle
-    off = [np.abs(magnitude - scaling) > ROPE_TOLERANCE, np.abs(cos - scaling * np.cos(angles)) > bound,
+    inv_freq, p = np.arctan2(sin[1], cos[1]), 1
+    while p < len(cos) - 1:
+        p = min(2 * p, len(cos) - 1)
+        angle = np.arctan2(sin[p], cos[p])
+        inv_freq = (angle + 2 * np.pi * np.round((inv_freq * p - angle) / (2 * np.pi))) / p
+    angles = np.arange(len(cos))[:, None] * inv_freq
+    bound = tolerance + 2.5e-7 * angles  # the table's own float32 angles round by up to ~6e-8 of the angle
+    off = [np.abs(magnitude - scaling) > tolerance, np.abs(cos - scaling * np.cos(angles)) > bound,
            np.abs(sin - scaling * np.sin(angles)) > bound]
     if any(o.any() for o in off):
         raise refuse(step, "has rotary caches that are no cos/sin(position * inv_freq) table")
-    return inv_freq.astype(np.float32), 1.0 if abs(scaling - 1.0) < ROPE_TOLERANCE else scaling
+    return inv_freq.astype(np.float32), 1.0 if abs(scaling - 1.0) < tolerance else scaling
 
 
 def register_rotary(step, module, cos_name: str, sin_name: str) -> str:

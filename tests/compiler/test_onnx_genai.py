@@ -5,6 +5,7 @@ position through the paged KV cache match HF's (fp32) and ONNX Runtime's on the 
 and its greedy tokens are HF's / ORT's; int4 weights stay int4 with the file's codes and scales;
 unsupported contrib ops and attributes are refused in one line naming the node and op."""
 
+import copy
 import json
 import os
 import shutil
@@ -35,10 +36,10 @@ def checkpoint(tmp_path_factory):
     return tiny.save_checkpoint(tiny.ARCHS["llama"](), path, seed=5), path
 
 
-def build(checkpoint_dir, out, precision, *extra_options):
-    """The model builder's ONNX decoder for the checkpoint, offline, for ONNX Runtime's CPU provider."""
+def build(checkpoint_dir, out, precision, *extra_options, provider="cpu"):
+    """The model builder's ONNX decoder for the checkpoint, offline, for an ONNX Runtime provider."""
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint_dir), "-i",
-               str(checkpoint_dir), "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(out) + "_cache"]
+               str(checkpoint_dir), "-o", str(out), "-p", precision, "-e", provider, "-c", str(out) + "_cache"]
     if extra_options:
         command += ["--extra_options", *extra_options]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -108,6 +109,23 @@ def test_fp32_16_greedy_tokens_are_hf_s(fp32):
     module, _, llm = fp32
     ids = tiny.prompt_ids(21, seed=2)
     assert tiny.llmc_greedy(llm, ids, 16) == tiny.hf_greedy(module, ids, 16)
+
+
+def test_fp16_build_for_cuda_reads_in_float32(checkpoint, tmp_path):
+    """-p fp16 -e cuda (float16 weights, past inputs and rotary caches; ORT runs it on CUDA alone): its
+    graph computes HF's logits, on float16-rounded params, to 1e-4 (the rotary from the float16
+    caches' inv_freq, exact to float32)."""
+    from llmc.compiler.frontends.onnx_frontend import load_onnx
+
+    module, path = checkpoint
+    loaded = load_onnx(build(path, tmp_path / "fp16", "fp16", provider="cuda"))
+    reference = copy.deepcopy(module)
+    for p in reference.parameters():
+        p.data = p.data.half().float()
+    ids = torch.tensor([tiny.prompt_ids(100, seed=7)])
+    with torch.no_grad():
+        got, want = loaded.module(input_ids=ids).logits[0], reference(input_ids=ids).logits[0]
+    assert tiny.max_relative_error(got, want) < 1e-4
 
 
 def test_int4_weights_stay_int4_and_match_ort(int4):
