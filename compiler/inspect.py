@@ -97,6 +97,8 @@ def quant_summary(pipeline: list[dict]) -> dict:
             entry["passes"].append(record["name"])
             for key in ("linears", "kept_linears", "bytes_before", "bytes_after"):
                 entry[key] += fig.get(key, 0)
+            if fig.get("moe_ops"):  # mixtures of experts whose expert weights the pass stored
+                entry["moe_ops"] = entry.get("moe_ops", 0) + fig["moe_ops"]
             if "formats" in fig:  # kept GGUF weights: each one's source block format
                 entry.setdefault("formats", {}).update(fig["formats"])
     for entry in out.values():
@@ -109,7 +111,8 @@ def _quant_lines(quant: dict) -> list[str]:
     for scheme, q in quant.items():
         group = f", group {q['group_size']}" if q["group_size"] and q["group_size"] > 0 else ""
         ratio = f" ({q['ratio']:.1%})" if q["ratio"] is not None else ""
-        lines.append(f"  quant {scheme} ({q['method']}{group}): {q['linears']} linears, "
+        experts = f" and {q['moe_ops']} moe ops' experts" if q.get("moe_ops") else ""
+        lines.append(f"  quant {scheme} ({q['method']}{group}): {q['linears']} linears{experts}, "
                      f"{_mib(q['bytes_before'])} -> {_mib(q['bytes_after'])}{ratio}; "
                      f"{q['kept_linears']} kept in float")
         if q.get("formats"):
