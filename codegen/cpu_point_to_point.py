@@ -39,12 +39,12 @@ def send(x, *, peer, **attrs):
 @kernel("recv")
 def recv(positions, *, peer, hidden, dtype, **attrs):
     _check_group("recv", peer)
-    return [receive((positions.shape[0], hidden), TORCH_DTYPES[dtype], peer)]
+    return [receive((positions.shape[0], hidden), TORCH_DTYPES[dtype], peer, positions.device)]
 
 
-def receive(shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
-    """A tensor of `shape` from rank `peer` (blocking, within the group's timeout)."""
-    out = torch.empty(shape, dtype=dtype)
+def receive(shape: tuple[int, ...], dtype: torch.dtype, peer: int, device="cpu") -> torch.Tensor:
+    """A tensor of `shape` on `device` from rank `peer` (blocking, within the group's timeout)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
     start = time.perf_counter()
     dist.recv(out, peer)
     P2P_SECONDS["recv"] += time.perf_counter() - start

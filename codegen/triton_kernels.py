@@ -23,8 +23,10 @@ from llmc.errors import ArtifactError, RuntimeLlmcError
 TRITON_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
 
 # Ops whose cpu_kernels implementation is plain torch on any device (qlinear's is not: it packs
-# weights for torch's CPU-only GEMMs).
-TORCH_OPS = ("embedding", "qembedding", "linear", "silu", "mul", "add", "select_rows", "cast", "split", "aten")
+# weights for torch's CPU-only GEMMs); the collectives and send/recv are torch.distributed calls,
+# which go over NCCL between GPUs.
+TORCH_OPS = ("embedding", "qembedding", "linear", "silu", "mul", "add", "select_rows", "cast", "split", "aten",
+             "all_reduce", "all_gather", "send", "recv")
 
 
 def kernel(op: str, context: tuple[str, ...] = ()):

@@ -9,7 +9,9 @@ What stays float32, and why:
   exact at long positions, as HF keeps inv_freq fp32 in bf16 models;
 - KV-cache scales (an attention op's last input when it has a `kv_cache` dtype) and unused params;
 - aten fallbacks keep their fp32 semantics: their float inputs are cast up, results cast down;
-- the graph outputs (logits): cast back to fp32 for the sampler and log-probabilities.
+- the graph outputs (logits): cast back to fp32 for the sampler and log-probabilities;
+- what a pipeline stage sends (hidden states, logits): the receiving rank's recv, typed when the
+  model was cut into stages, takes float32.
 RMSNorm weights are cast: HF Llama multiplies them in the activation dtype (`weight *
 h.to(dtype)`, the rms_norm reference), so a bf16 weight keeps that op's result in bf16; the
 normalisation itself still runs in fp32 inside the op."""
@@ -28,7 +30,7 @@ CAST_DTYPES = ("bfloat16", "float16")
 # The float dtypes activations move between; fp8 and integer values are never touched.
 FLOAT_DTYPES = {"float32", "bfloat16", "float16"}
 # Each op's inputs that must stay float32: these indices, and (FP32_INPUTS_FROM) every index from one on.
-FP32_INPUTS = {"rope": {2}, "flash_attention": {4}}
+FP32_INPUTS = {"rope": {2}, "flash_attention": {4}, "send": {0}}
 FP32_INPUTS_FROM = {"qlinear": 2, "qembedding": 1}
 
 

@@ -151,7 +151,7 @@ class Engine:
         self.runner = ModelRunner(self.executor, self.cache)
         if "parallel" in self.manifest:  # tensor parallel: this process is rank 0, the others follow its steps
             from llmc.runtime.parallel.launch import start_ranks
-            self.runner = start_ranks(artifact, self.manifest, self.executor, self.cache, config.threads, self.device,
+            self.runner = start_ranks(artifact, self.manifest, self.executor, self.cache, config.threads,
                                       config.ring_attention_threshold)
         self.eos_token_ids = self.model["eos_token_ids"] or [self.tokenizer.eos_token_id]
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)

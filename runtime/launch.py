@@ -7,7 +7,8 @@ RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT) started, on one machine or severa
     torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST0 --master-port 29500 \
         -m llmc.runtime.launch m.llmc --prompt "Hello"          # on HOST0; --node-rank 1 on the other
 
-Every rank joins the gloo group by env rendezvous (with pipeline stages, also its stage's group).
+Every rank joins the process group by env rendezvous (with pipeline stages, also its stage's group):
+gloo on the CPU, NCCL when the ranks run on GPUs (a GPU target's artifact; one GPU a rank, LOCAL_RANK).
 Rank 0 loads the engine, schedules, samples and prints each prompt's completion; the others load
 their own plan and weights and run their part of each step (steps.follow_step: their plan, or their
 pipeline stage) that rank 0 broadcasts on a second gloo group (its messages: setup, step, report,
@@ -23,14 +24,17 @@ import json
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from llmc.compiler.artifact import read_manifest
 from llmc.errors import LlmcError, RuntimeLlmcError
+from llmc.runtime.device import resolve_device
 from llmc.runtime.parallel import launch as parallel_launch
 from llmc.runtime.parallel import worker
-from llmc.runtime.parallel.group import STOP, collective_timeout
+from llmc.runtime.parallel.group import STOP, collective_timeout, process_group_backend, rank_device
 from llmc.runtime.parallel.lead import LeadRunner
 from llmc.runtime.parallel.ring_attention import ring_backend, ring_threshold
 from llmc.runtime.parallel.stage_groups import join_stage_groups
@@ -97,18 +101,19 @@ class TorchrunRunner(LeadRunner):
                 pass
 
 
-def follow(control, path: str, rank: int, parallel: dict, timeout: float) -> None:
+def follow(control, path: str, rank: int, parallel: dict, timeout: float, device: torch.device) -> None:
     """A follower: load this rank's part once rank 0 says the cache size, then run its steps."""
     kind, setup = receive_message(control)
     if kind != SETUP:
         return
     blocks, block_size, threshold = setup.tolist()
-    executor, cache, attention = load_rank(path, rank, blocks, block_size, threshold, timeout)
+    executor, cache, attention = load_rank(path, rank, blocks, block_size, threshold, timeout, device.type,
+                                           device.index or 0)
     dist.barrier(group=control)
     worker.follow(lambda: receive_message(control), follow_step(parallel, executor, cache, attention))
 
 
-def lead(control, args) -> None:
+def lead(control, args, device: torch.device) -> None:
     """Rank 0: the engine, whose runner drives the followers; each completion printed."""
     import llmc
     from llmc.runtime.sampling_params import SamplingParams
@@ -119,7 +124,7 @@ def lead(control, args) -> None:
         return TorchrunRunner(control, manifest, executor, cache, threshold)
 
     parallel_launch.joined_runner = runner
-    model = llmc.load(args.artifact, device="cpu", threads=args.threads, kv_memory=args.kv_memory)
+    model = llmc.load(args.artifact, device=device.type, threads=args.threads, kv_memory=args.kv_memory)
     print(f"llmc.runtime.launch: {dist.get_world_size()} ranks ready", file=sys.stderr, flush=True)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
@@ -143,6 +148,8 @@ def parse_args(argv):
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each rank")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="where the ranks run (default: where the "
+                        "artifact's target runs): over NCCL on CUDA, one GPU a rank (LOCAL_RANK), else over gloo")
     parser.add_argument("--kv-memory", default="256MiB", help="rank 0's KV cache budget (the followers match it)")
     parser.add_argument("--ring-attention-threshold", type=int, metavar="TOKENS",
                         help="prefills of this many tokens or more run ring attention across the ranks (0: never; "
@@ -160,13 +167,9 @@ def rendezvous_env() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def artifact_layout(path: str, world: int) -> dict:
+def artifact_layout(path: str, manifest: dict, world: int) -> dict:
     """The artifact's manifest["parallel"], its ranks (tp x pp) exactly `world`."""
-    from pathlib import Path
-
-    from llmc.compiler.artifact import read_manifest
-
-    parallel = read_manifest(Path(path)).get("parallel")
+    parallel = manifest.get("parallel")
     if not parallel:
         raise RuntimeLlmcError(f"artifact '{path}' is not sharded; this entry serves --tp/--pp artifacts; use "
                                f"`llmc run` for it")
@@ -183,16 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "?")
     try:
         rank, world = rendezvous_env()
-        parallel = artifact_layout(args.artifact, world)
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+        manifest = read_manifest(Path(args.artifact))
+        parallel = artifact_layout(args.artifact, manifest, world)
+        device = rank_device(resolve_device(manifest, args.device, args.artifact),
+                             int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(process_group_backend(device), init_method="env://", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout()))
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=WAIT_TIMEOUT_S))
         if parallel.get("pp", 1) > 1:  # each stage's tp ranks run their collectives in a group of their own
             join_stage_groups(parallel.get("tp", 1), parallel["pp"], collective_timeout())
         if rank == 0:
-            lead(control, args)
+            lead(control, args, device)
         else:
-            follow(control, args.artifact, rank, parallel, collective_timeout())
+            follow(control, args.artifact, rank, parallel, collective_timeout(), device)
     except LlmcError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2

@@ -1,6 +1,7 @@
-"""The ranks' torch.distributed group (gloo, on this machine's loopback) runs the plans' collectives
-with a timeout (LLMC_COLLECTIVE_TIMEOUT seconds, default 60), so a rank that hangs stops the others
-with an error (one that dies closes its connections, which fails them at once). Rank 0's messages
+"""The ranks' torch.distributed group (gloo between CPUs, NCCL between GPUs, one GPU a rank; rendezvous
+on this machine's loopback) runs the plans' collectives with a timeout (LLMC_COLLECTIVE_TIMEOUT
+seconds, default 60), so a rank that hangs stops the others with an error (one that dies closes its
+connections, which fails them at once). Rank 0's messages
 to a follower (run this step, report, stop) go down the follower's stdin: a follower may wait idle
 between requests for as long as the engine does, a write to a hung follower does not block rank 0
 (the step's first collective times out instead), and end of file means rank 0 is gone."""
@@ -43,8 +44,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+def process_group_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """This rank's device: the CPU, or its own GPU, the `local_rank`-th of this machine (made current)."""
+    if device.type != "cuda":
+        return device
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeLlmcError(f"rank {local_rank} of this machine needs GPU {local_rank}, but it has "
+                               f"{torch.cuda.device_count()}; run at most one rank per GPU on a machine")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def join_group(rank: int, world_size: int, port: int, timeout_s: float, backend: str = "gloo") -> None:
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 
 
@@ -90,7 +106,10 @@ def own_stats() -> torch.Tensor:
 
 def gather_stats() -> list[dict]:
     """Every rank (rank 0 after send(REPORT)): all ranks' own_stats, in rank order."""
-    parts = [torch.zeros(4, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, own_stats())
+    stats = own_stats()
+    if dist.get_backend() == "nccl":  # NCCL gathers GPU tensors only
+        stats = stats.cuda()
+    parts = [torch.zeros_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, stats)
     return [{"rank": r, "all_reduce_s": round(p[0].item(), 4), "all_gather_s": round(p[1].item(), 4),
              "rss_bytes": int(p[2].item()), "send_recv_s": round(p[3].item(), 4)} for r, p in enumerate(parts)]

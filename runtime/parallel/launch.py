@@ -18,7 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime.parallel.group import STOP, collective_timeout, free_port, join_group, leave_group, send
+from llmc.runtime.parallel.group import (
+    STOP,
+    collective_timeout,
+    free_port,
+    join_group,
+    leave_group,
+    process_group_backend,
+    rank_device,
+    send,
+)
 from llmc.runtime.parallel.lead import LeadRunner
 from llmc.runtime.parallel.ring_attention import ring_backend, ring_threshold
 from llmc.runtime.parallel.steps import lead_step
@@ -74,6 +83,8 @@ class _Ranks:
 class ShardedModelRunner(LeadRunner):
     """Rank 0's runner of a tensor-parallel artifact, its followers started here."""
 
+    worker = "llmc.runtime.parallel.worker"   # the followers' module
+
     def __init__(self, path, manifest: dict, executor, cache, threads: int, ring_threshold: int):
         tp = manifest["parallel"]["tp"]
         self.tp, self.executor, self.cache = tp, executor, cache
@@ -83,12 +94,13 @@ class ShardedModelRunner(LeadRunner):
         self.step = lead_step(manifest["parallel"], executor, cache, self.attention)
         threads = max(1, threads // tp)  # --threads is the machine's: each rank computes with its share
         apply_threads(threads)
+        rank_device(executor.device, 0)  # rank r runs on this machine's GPU r
         port = free_port()
         self._ranks = _Ranks([self._start(path, r, port, threads) for r in range(1, tp)])
         self._finalizer = weakref.finalize(self, self._ranks.stop)
         try:
             self._wait_loaded()
-            join_group(0, tp, port, self.timeout)
+            join_group(0, tp, port, self.timeout, process_group_backend(executor.device))
             self._ranks.joined = True
         except BaseException:
             self._ranks.stop(graceful=False)
@@ -97,10 +109,12 @@ class ShardedModelRunner(LeadRunner):
     def _start(self, path, rank: int, port: int, threads: int) -> subprocess.Popen:
         args = {"rank": rank, "world": self.tp, "port": port, "blocks": self.cache.k_cache[0].shape[0],
                 "block-size": self.cache.block_size, "threads": threads, "timeout": self.timeout,
-                "ring-threshold": self.ring_threshold}
-        command = [sys.executable, "-m", "llmc.runtime.parallel.worker",
-                   *[f"--{k}={v}" for k, v in args.items()], str(path)]
+                "device": self.executor.device.type, **self._worker_args()}
+        command = [sys.executable, "-m", self.worker, *[f"--{k}={v}" for k, v in args.items()], str(path)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def _worker_args(self) -> dict:
+        return {"ring-threshold": self.ring_threshold}
 
     def _wait_loaded(self) -> None:
         """Every follower's one status line: loaded, or the error that stopped it."""
@@ -170,14 +184,12 @@ class ShardedModelRunner(LeadRunner):
         self._finalizer()
 
 
-def start_ranks(path, manifest: dict, executor, cache, threads: int, device,
+def start_ranks(path, manifest: dict, executor, cache, threads: int,
                 ring_attention_threshold: int | None = None) -> LeadRunner:
-    """The runner of a sharded artifact (manifest["parallel"]), its followers started. Tensor-parallel
-    prefills of `ring_attention_threshold` tokens or more run ring attention (0: never; None:
+    """The runner of a sharded artifact (manifest["parallel"]), its followers started: over gloo on
+    the CPU, over NCCL on CUDA (rank r on this machine's GPU r). Tensor-parallel prefills of
+    `ring_attention_threshold` tokens or more run ring attention (0: never; None:
     $LLMC_RING_ATTENTION_THRESHOLD, else 4096)."""
-    if device.type != "cpu":
-        raise RuntimeLlmcError(f"artifact '{path}' is tensor-parallel; this llmc runs its ranks on the CPU "
-                               f"(gloo) only, not on {device.type}; load it with device='cpu'")
     if joined_runner is not None:
         return joined_runner(manifest, executor, cache)
     threshold = ring_threshold(ring_attention_threshold)

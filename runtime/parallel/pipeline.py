@@ -5,15 +5,14 @@ step runs stage 0 on each micro-batch, the logits coming back from the last stag
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from llmc.runtime.parallel.launch import ShardedModelRunner
 from llmc.runtime.parallel.stage_groups import join_stage_groups
 
 
 class PipelineModelRunner(ShardedModelRunner):
     """Rank 0's (stage 0's) runner of a pipeline-parallel artifact, its followers started here."""
+
+    worker = "llmc.runtime.parallel.pipeline_worker"
 
     def __init__(self, path, manifest: dict, executor, cache, threads: int):
         parallel = manifest["parallel"]
@@ -28,13 +27,8 @@ class PipelineModelRunner(ShardedModelRunner):
             self._ranks.stop(graceful=False)
             raise
 
-    def _start(self, path, rank: int, port: int, threads: int) -> subprocess.Popen:
-        args = {"rank": rank, "world": self.tp, "tp": self.stage_tp, "port": port,
-                "blocks": self.cache.k_cache[0].shape[0], "block-size": self.cache.block_size, "threads": threads,
-                "timeout": self.timeout}
-        command = [sys.executable, "-m", "llmc.runtime.parallel.pipeline_worker",
-                   *[f"--{k}={v}" for k, v in args.items()], str(path)]
-        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    def _worker_args(self) -> dict:
+        return {"tp": self.stage_tp}
 
     def _rank_name(self, rank: int) -> str:
         return f"pipeline stage {rank // self.stage_tp} (rank {rank})"

@@ -50,11 +50,13 @@ def run_first_stage(batch: StepBatch, stages: int, executor, cache, attention, l
     try:
         for _, part in parts:
             executor.run_values(plan_inputs(part, cache, attention, executor.device), attention)
-        out = torch.empty(len(batch.sampled), logits["width"], dtype=getattr(torch, logits["dtype"]))
+        out = torch.empty(len(batch.sampled), logits["width"], dtype=getattr(torch, logits["dtype"]),
+                          device=executor.device)
         row_of = {seq: row for row, seq in enumerate(batch.sampled)}
         for first, part in parts:
             if part.sampled:
-                got = receive((len(part.sampled), logits["width"]), out.dtype, logits.get("rank", stages - 1))
+                got = receive((len(part.sampled), logits["width"]), out.dtype, logits.get("rank", stages - 1),
+                              out.device)
                 out[[row_of[first + i] for i in part.sampled]] = got
         return out
     finally:

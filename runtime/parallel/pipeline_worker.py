@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from llmc.runtime.parallel.group import join_group
+from llmc.runtime.parallel.group import join_group, process_group_backend
 from llmc.runtime.parallel.stage_groups import join_stage_groups
 from llmc.runtime.parallel.steps import follow_step
 from llmc.runtime.parallel.worker import load_rank, serve
@@ -21,16 +21,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--tp", type=int, default=1)  # tensor-parallel ranks per stage
     parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     stages = args.world // args.tp
 
     def join(executor, cache, attention):  # no ring attention: the stages hold different layers
-        join_group(args.rank, args.world, args.port, args.timeout)
+        join_group(args.rank, args.world, args.port, args.timeout, process_group_backend(executor.device))
         join_stage_groups(args.tp, stages, args.timeout)
         return follow_step({"tp": args.tp, "pp": stages}, executor, cache, attention)
-    return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size), join)
+    return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size, device=args.device,
+                                   local_rank=args.rank), join)
 
 
 if __name__ == "__main__":

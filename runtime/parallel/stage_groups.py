@@ -17,8 +17,8 @@ def join_stage_groups(tp: int, pp: int, timeout_s: float) -> None:
         return
     rank = dist.get_rank()
     for stage in range(pp):
-        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timedelta(seconds=timeout_s),
-                               backend="gloo")
+        # the default group's backend: gloo, or NCCL between GPUs
+        group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timedelta(seconds=timeout_s))
         if rank // tp == stage:
             use_group(group)
 

@@ -15,11 +15,20 @@ import torch
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import LlmcError, RuntimeLlmcError
+from llmc.runtime.device import resolve_device
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.kernel_check import verified_plan
 from llmc.runtime.kv_quant import is_quantized_kv
 from llmc.runtime.paged_attention import PagedKVCache
-from llmc.runtime.parallel.group import REPORT, STOP, gather_stats, join_group, receive
+from llmc.runtime.parallel.group import (
+    REPORT,
+    STOP,
+    gather_stats,
+    join_group,
+    process_group_backend,
+    rank_device,
+    receive,
+)
 from llmc.runtime.parallel.ring_attention import ring_backend
 from llmc.runtime.parallel.step_batch import StepBatch
 from llmc.runtime.parallel.steps import follow_step
@@ -27,17 +36,21 @@ from llmc.runtime.threads import apply_threads
 
 
 def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_threshold: int = 0,
-              timeout: float = 60.0):
-    """(executor, cache, attention backend) of rank `rank`: its plan and weights only; prefills of
-    `ring_threshold` tokens or more run ring attention (0: never)."""
+              timeout: float = 60.0, device: str = "cpu", local_rank: int = 0):
+    """(executor, cache, attention backend) of rank `rank`: its plan and weights only, on `device`
+    ("cuda": this machine's GPU `local_rank`); prefills of `ring_threshold` tokens or more run ring
+    attention (0: never)."""
     art = read_artifact(path, rank=rank)
+    # first: a GPU artifact run on the CPU must choose Triton's interpreter before triton loads
+    where = rank_device(resolve_device(art.manifest, device, path), local_rank)
     model = art.manifest["model"]
     dtype = TORCH_DTYPES[model["kv_cache"]["dtype"]]
     if is_quantized_kv(dtype):
         raise RuntimeLlmcError(f"artifact '{path}': a tensor-parallel rank cannot serve a quantised KV cache; "
                                f"recompile with --kv-cache none")
-    executor = PlanExecutor(verified_plan(art), art.weights, "cpu")
-    cache = PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"], model["head_dim"], dtype)
+    executor = PlanExecutor(verified_plan(art), art.weights, where)
+    cache = PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"], model["head_dim"], dtype,
+                         device=where)
     attention = ring_backend(executor.paged_backend(cache), art.manifest, ring_threshold, timeout)
     return executor, cache, attention
 
@@ -66,15 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--ring-threshold", type=int, default=0)
     parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
 
     def join(executor, cache, attention):
-        join_group(args.rank, args.world, args.port, args.timeout)
+        join_group(args.rank, args.world, args.port, args.timeout, process_group_backend(executor.device))
         return follow_step({"tp": args.world}, executor, cache, attention)
     return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size, args.ring_threshold,
-                                   args.timeout), join)
+                                   args.timeout, args.device, args.rank), join)
 
 
 def serve(load, join) -> int:

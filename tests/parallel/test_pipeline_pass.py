@@ -74,6 +74,20 @@ def test_stages_in_turn_equal_the_unsharded_graph(num_layers, pp, split):
     torch.testing.assert_close(run_stages(stages(graph, pp, split), x), want, atol=1e-5, rtol=1e-5)
 
 
+def test_stages_cast_to_bf16_still_send_and_receive_float32():
+    # each stage's graph is cast on its own: what one sends must be what the next one's recv was typed
+    graphs = stages(build_tiny_llama(seed=3, select_rows=True), 2)
+    for g in graphs:
+        get_pass("cast_bf16", dtype="bfloat16").run(g, PassContext())
+        g.verify()
+    x = inputs(7)
+    sends = [(n, g) for g in graphs for n in g.nodes if n.op == "send"]
+    assert [g.type_of(n.inputs[0]).dtype for n, g in sends] == ["float32", "float32"]
+    assert [n.attrs["dtype"] for n in graphs[1].nodes if n.op == "recv"] == ["float32"]
+    want = reference_outputs(build_tiny_llama(seed=3, select_rows=True), x)["logits"]
+    torch.testing.assert_close(run_stages(graphs, x), want, atol=0.05, rtol=0.05)  # bf16 activations
+
+
 def test_pp_split_overrides_the_balance():
     graph = build_tiny_llama(num_layers=5, select_rows=True)
     assert [len(layers(g)) for g in stages(graph, 2, "4,1")] == [4, 1]

@@ -9,7 +9,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 import llmc
 from llmc.errors import RuntimeLlmcError
@@ -88,7 +87,7 @@ def test_a_second_sharded_llm_in_one_process_is_refused_while_the_first_runs(tp2
 
     with pytest.raises(RuntimeLlmcError, match=r"already belongs to a torch.distributed group .* close that one "
                                                r"first \(LLM.close\(\)\)"):
-        start_ranks(tp2_artifact, tp2.engine.manifest, None, None, 1, torch.device("cpu"))
+        start_ranks(tp2_artifact, tp2.engine.manifest, None, None, 1)
 
 
 def test_a_killed_rank_stops_the_run_with_one_error_and_no_process_left(tp2):

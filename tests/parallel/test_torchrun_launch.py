@@ -68,32 +68,43 @@ def test_torchrun_ranks_print_the_in_process_launchers_greedy_tokens(tp3_artifac
     assert_torchrun_prints_the_in_process_launchers_tokens(tp3_artifact, 3, "--ring-attention-threshold", "8")
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2, "pp": 2}], ids=["pp2", "tp2pp2"])
-def test_torchrun_runs_pipeline_stages_as_the_in_process_launcher_does(tmp_path, layout):
-    artifact = llmc.compile("tiny-llama", target="cpu", output=tmp_path / "tiny-sharded.llmc", **layout)
-    assert_torchrun_prints_the_in_process_launchers_tokens(artifact, layout.get("tp", 1) * layout["pp"],
-                                                           max_tokens=12)
 
 
-def test_a_killed_rank_makes_the_others_exit_with_one_error_line_each(tp3_artifact):
+@pytest.fixture(scope="module")
+def pp2_artifact(tmp_path_factory):
+    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("torchrun") / "tiny-pp2.llmc", pp=2)
+
+
+def test_torchrun_runs_pipeline_stages_as_the_in_process_launcher_does(pp2_artifact):
+    assert_torchrun_prints_the_in_process_launchers_tokens(pp2_artifact, 2, max_tokens=12)
+
+
+def test_torchrun_runs_tp_x_pp_ranks_as_the_in_process_launcher_does(tmp_path):
+    artifact = llmc.compile("tiny-llama", target="cpu", output=tmp_path / "tiny-tp2pp2.llmc", tp=2, pp=2)
+    assert_torchrun_prints_the_in_process_launchers_tokens(artifact, 4, max_tokens=12)
+
+
+@pytest.mark.parametrize("sharded, ranks", [("tp3_artifact", 3), ("pp2_artifact", 2)], ids=["tp3", "pp2"])
+def test_a_killed_rank_makes_the_others_exit_with_one_error_line_each(sharded, ranks, request):
+    artifact = request.getfixturevalue(sharded)
     # torchrun checks its ranks every 5 s here: the survivors must stop by themselves first
-    proc = torchrun(tp3_artifact, "--max-tokens", "400", "--ignore-eos",
-                    *[a for i in range(8) for a in ("--prompt", f"prompt {i}")], monitor_s=5)
+    proc = torchrun(artifact, "--max-tokens", "400", "--ignore-eos",
+                    *[a for i in range(8) for a in ("--prompt", f"prompt {i}")], monitor_s=5, ranks=ranks)
     for line in proc.stderr:
-        if "3 ranks ready" in line:
+        if f"{ranks} ranks ready" in line:
             break
-    ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(proc.pid).children()}
-    ranks[1].kill()
+    procs = {int(p.environ()["RANK"]): p for p in psutil.Process(proc.pid).children()}
+    procs[1].kill()
     killed = time.monotonic()
-    survivors = [ranks[0], ranks[2]]
+    survivors = [p for rank, p in procs.items() if rank != 1]
     _, still = psutil.wait_procs(survivors, timeout=15)
     assert still == [] and time.monotonic() - killed < 15  # the collective timeout is 20 s
     _, err = proc.communicate(timeout=30)
     assert proc.returncode != 0
     errors = sorted(line for line in err.splitlines() if line.startswith("error: rank"))
-    assert [e[:13] for e in errors] == ["error: rank 0", "error: rank 2"]
-    assert "a collective across the 3 torchrun ranks failed or timed out" in errors[0]
-    assert left_behind(tp3_artifact) == []
+    assert [e[:13] for e in errors] == [f"error: rank {r}" for r in sorted(procs) if r != 1]
+    assert f"a collective across the {ranks} torchrun ranks failed or timed out" in errors[0]
+    assert left_behind(artifact) == []
 
 
 def test_without_torchrun_or_with_the_wrong_world_the_entry_says_what_to_do(tp3_artifact, compiled, monkeypatch,

@@ -3,10 +3,14 @@
 unsharded artifact's log-probabilities and greedy tokens, and batched requests (micro-batches through
 both stages' tp groups) what they give alone; a killed rank stops the run in one line with no process
 left; each rank holds half its stage's layer; the manifest and inspect name each rank's stage and tp
-rank; a combination that does not fit is refused in one line."""
+rank; `llmc bench` reports each rank's weights, memory and time in all_reduce and send/recv; a
+combination that does not fit is refused in one line."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -86,6 +90,22 @@ def test_inspect_names_each_ranks_stage_and_tp_rank(tp2pp2_artifact, capsys):
     assert code == 0
     assert "pipeline parallel: 2 stages x 2 tensor-parallel ranks each, layers split 1,1" in out
     assert "rank3 (stage 1, tp rank 1): layers 1-1 (1)" in out
+
+
+def test_bench_reports_each_ranks_weights_memory_and_time_in_collectives_and_send_recv(tp2pp2_artifact):
+    # a process of its own: this one already belongs to the module's group
+    llmc_cli = os.path.join(os.path.dirname(sys.executable), "llmc")
+    run = subprocess.run([llmc_cli, "bench", str(tp2pp2_artifact), "-n", "4", "--input-len", "8", "--output-len", "4",
+                          "--kv-memory", "16MiB", "--threads", "1", "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ranks = json.loads(run.stdout)["ranks"]
+    manifest = read_manifest(tp2pp2_artifact)["parallel"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert [r["weight_bytes"] for r in ranks] == [sum(m["weight_bytes"].values()) for m in manifest]
+    assert [r["layers"] for r in ranks] == [[0, 1], [0, 1], [1, 2], [1, 2]]
+    for r in ranks:  # every rank all-reduces within its stage and sends or receives hidden states or logits
+        assert r["rss_bytes"] > r["weight_bytes"] and r["all_reduce_s"] > 0 and r["send_recv_s"] > 0
 
 
 def test_more_stages_than_layers_is_refused_in_one_line(tmp_path, capsys):
