@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from llmc.runtime.draft_tree import DraftTree
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 from llmc.runtime.sequence import Sequence
@@ -25,16 +26,25 @@ class ModelRunner:
         the logits after its last known token and after each of its k drafts."""
         drafts = drafts or {}
         self.cache.copy_blocks(blocks_to_copy)
-        ids, positions, last_row, layout = [], [], {}, []
+        ids, positions, last_row, layout, trees = [], [], {}, [], {}
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             known = seq.token_ids[start:start + n]
             ids += known + drafts.get(seq.seq_id, [])[:n - len(known)]
-            positions += range(start, start + n)
+            tree = drafts.get(seq.seq_id)
+            if isinstance(tree, DraftTree):   # its nodes sit at their depth's position
+                trees[len(ids) - n] = (tree, start)
+                positions += [start] + [start + depth for depth in tree.depths()]
+            else:
+                positions += range(start, start + n)
             last_row[seq.seq_id] = len(ids) - 1
             layout.append((seq.block_table, start, n))
         device = self.executor.device
         self.attention.metadata = StepMetadata.build(layout, self.cache.block_size, device)
+        for chunk in self.attention.metadata.prefills:
+            if chunk.q_start in trees:
+                tree, start = trees[chunk.q_start]
+                chunk.visible = tree.visible(start, device)
         wanted = [last_row[s.seq_id] for s in sampled]
         for seq_id, tokens in drafts.items():
             wanted += range(last_row[seq_id] - len(tokens), last_row[seq_id] + 1)

@@ -40,6 +40,14 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
     """propose_ngram's drafts and the length n of the suffix they matched (0: none)."""
+    found, n = candidates(tokens, k, min_n, max_n, 1)
+    return (found[0] if found else []), n
+
+
+def candidates(tokens: np.ndarray, k: int, min_n: int, max_n: int, count: int) -> tuple[list[list[int]], int]:
+    """Up to `count` distinct continuations (up to k tokens each) of earlier matches of a suffix of
+    `tokens`: the longest suffix's matches first, latest first, then shorter ones'; and the length of
+    the longest suffix matched (0: none, and no continuations)."""
     length = len(tokens)
     if length <= min_n or k <= 0:
         return [], 0
@@ -51,11 +59,17 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[list[int
         matched[:j] = False
         matched[j:] &= tokens[:length - 1 - j] == tokens[length - 1 - j]
         run += matched
-    best = run.max()
-    if best < min_n:
+    ends = np.flatnonzero(run >= min_n)
+    if not len(ends):
         return [], 0
-    end = int(np.flatnonzero(run == best)[-1])
-    return tokens[end + 1:end + 1 + k].tolist(), int(best)
+    found: list[list[int]] = []
+    for end in ends[np.lexsort((-ends, -run[ends]))][:8 * count]:
+        continuation = tokens[end + 1:end + 1 + k].tolist()
+        if continuation not in found:
+            found.append(continuation)
+            if len(found) == count:
+                break
+    return found, int(run[ends].max())
 
 
 class NgramProposer:
@@ -66,11 +80,11 @@ class NgramProposer:
         self.histories: dict[int, TokenHistory] = {}
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        return [drafts for drafts, _ in self.lookups(seqs, ks)]
+        return [found[0] if found else [] for found, _ in self.lookups(seqs, ks)]
 
-    def lookups(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], int]]:
-        """(drafts, matched suffix length) per sequence."""
-        return [lookup(self._history(s).sync(), k, self.min_n, self.max_n) for s, k in zip(seqs, ks)]
+    def lookups(self, seqs: list[Sequence], ks: list[int], count: int = 1) -> list[tuple[list[list[int]], int]]:
+        """(up to `count` candidate continuations, matched suffix length) per sequence."""
+        return [candidates(self._history(s).sync(), k, self.min_n, self.max_n, count) for s, k in zip(seqs, ks)]
 
     def _history(self, seq: Sequence) -> TokenHistory:
         history = self.histories.get(seq.seq_id)

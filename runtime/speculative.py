@@ -12,8 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.draft_tree import DraftTree, merge_candidates
 from llmc.runtime.metrics import SpeculativeMetrics
 from llmc.runtime.ngram_proposer import NgramProposer
+from llmc.runtime.paged_attention import PagedAttention
 from llmc.runtime.rejection_sampler import rejection_sample
 from llmc.runtime.sampler import Sampler, SamplingState, filtered_probs
 from llmc.runtime.sequence import Sequence
@@ -75,6 +78,9 @@ class Speculator:
         self.draft_forward_cost = 0.0 if config.method == "ngram" else \
             _weight_bytes(self.proposer.runner.executor) / _weight_bytes(engine.executor)
         self.metrics = SpeculativeMetrics()
+        self.cache = engine.cache
+        if config.tree_candidates > 1:
+            _check_trees_run(engine)
 
     # -- before the step -----------------------------------------------------------------
     def propose(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
@@ -95,11 +101,13 @@ class Speculator:
         self._draft_probs = {}
         limits = [self._limit(seq, state) for seq, state in zip(seqs, states)]
         out = {}
-        for seq, state, (drafts, n) in zip(seqs, states, self.proposer.lookups(seqs, limits)):
-            if drafts:
+        count = self.config.tree_candidates
+        for seq, state, (found, n) in zip(seqs, states, self.proposer.lookups(seqs, limits, count)):
+            if found:
                 k = self._k(seq, state, len(seqs), long_match=n >= self.config.prompt_lookup_max)
-                if k > 0:
-                    out[seq.seq_id] = drafts[:k]
+                if k > 0:   # a sampled request verifies one chain: see rejection_sample
+                    found = found if state.params.greedy else found[:1]
+                    out[seq.seq_id] = merge_candidates([c[:k] for c in found], k * len(found))
         return out
 
     def _limit(self, seq: Sequence, state: SamplingState) -> int:
@@ -146,9 +154,46 @@ class Speculator:
                drafts: dict[int, list[int]]) -> list[list[int]]:
         """The tokens each sequence keeps: its accepted drafts and one more. `logits` holds
         1 + k rows per sequence, in order (ModelRunner.execute's layout)."""
+        starts = np.cumsum([0] + [len(drafts[s.seq_id]) + 1 for s in seqs[:-1]])
+        kept: list[list[int]] = [[] for _ in seqs]
+        chains = [i for i, s in enumerate(seqs) if not isinstance(drafts[s.seq_id], DraftTree)]
+        if chains:
+            rows = self._verify_chains([seqs[i] for i in chains], logits, [starts[i] for i in chains],
+                                       [states[i] for i in chains], drafts)
+            for i, row in zip(chains, rows):
+                kept[i] = row
+        for i, seq in enumerate(seqs):
+            tree = drafts[seq.seq_id]
+            if isinstance(tree, DraftTree):
+                kept[i] = self._verify_tree(seq, tree, logits[starts[i]:starts[i] + len(tree) + 1])
+        return kept
+
+    def _verify_tree(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> list[int]:
+        """A greedy request's token tree: the path the target's argmax follows, its KV moved from
+        the path's rows to the positions its tokens now hold (the first candidate's are in place)."""
+        kept, path = tree.accept_greedy(logits.argmax(dim=-1).tolist())
+        depths = tree.depths()
+        moved = [(node + 1, depths[node]) for node in path if node + 1 != depths[node]]
+        if moved:
+            start = seq.num_computed_tokens
+            self.cache.copy_slots([self._slot(seq, start + row) for row, _ in moved],
+                                  [self._slot(seq, start + depth) for _, depth in moved])
+        self._record(seq, max(depths), len(path))
+        return kept
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        size = self.cache.block_size
+        return seq.block_table[position // size] * size + position % size
+
+    def _record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        self.metrics.on_verified(num_drafts, num_accepted)
+        self.acceptance.setdefault(seq.seq_id, _Acceptance(seq)).update(num_drafts, num_accepted)
+
+    def _verify_chains(self, seqs: list[Sequence], logits: torch.Tensor, starts: list[int],
+                       states: list[SamplingState], drafts: dict[int, list[int]]) -> list[list[int]]:
+        """Rejection sampling over chains of drafts whose rows begin at `starts`."""
         ks = [len(drafts[s.seq_id]) for s in seqs]
         width, device = max(ks), logits.device
-        starts = np.cumsum([0] + [k + 1 for k in ks[:-1]])
         index = torch.tensor([[s + min(j, k) for j in range(width + 1)] for s, k in zip(starts, ks)], device=device)
         target = self._target_probs(logits.float(), index, states)
         tokens = torch.tensor([drafts[s.seq_id] + [0] * (width - k) for s, k in zip(seqs, ks)], device=device)
@@ -157,8 +202,7 @@ class Speculator:
                                         tokens, torch.tensor(ks, device=device), uniform, noise)
         kept = [row[:n] for row, n in zip(out.tolist(), emitted.tolist())]
         for seq, k, row in zip(seqs, ks, kept):
-            self.metrics.on_verified(k, len(row) - 1)
-            self.acceptance.setdefault(seq.seq_id, _Acceptance(seq)).update(k, len(row) - 1)
+            self._record(seq, k, len(row) - 1)
         return kept
 
     def _target_probs(self, logits: torch.Tensor, index: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -202,6 +246,17 @@ class Speculator:
         for seq_id in [i for i, acc in self.acceptance.items() if acc.seq.is_finished]:
             del self.acceptance[seq_id]
         self.proposer.forget_finished()
+
+
+def _check_trees_run(engine) -> None:
+    """Token trees need the CPU paged attention (its tree masks) and full attention (a node's
+    position is its depth, not its row)."""
+    if not isinstance(getattr(engine.runner, "attention", None), PagedAttention):
+        raise RuntimeLlmcError("speculative tree_candidates > 1 runs on the CPU kernels' paged attention, "
+                               "not this artifact's; use tree_candidates=1")
+    if any(step.attrs.get("window") for step in engine.executor.plan.attention_steps()):
+        raise RuntimeLlmcError("speculative tree_candidates > 1 is not supported with sliding-window "
+                               "attention; use tree_candidates=1")
 
 
 def _weight_bytes(executor) -> int:

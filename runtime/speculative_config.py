@@ -21,12 +21,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     adaptive: bool = True                # lower k, or stop drafting, for requests where it does not pay
+    # n-gram continuations merged into a token tree (runtime/draft_tree.py) for greedy requests, each
+    # up to k tokens; 1: one chain. Sampled requests verify the first as a chain.
+    tree_candidates: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise RuntimeLlmcError(f"speculative method {self.method!r} is unknown; use 'ngram' or "
                                    "'draft' (with model=PATH of a draft artifact)")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "tree_candidates"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RuntimeLlmcError(f"speculative {name}={value!r} must be an integer >= 1")
@@ -38,6 +41,9 @@ class SpeculativeConfig:
         self._check_model()
 
     def _check_model(self) -> None:
+        if self.method == "draft" and self.tree_candidates != 1:
+            raise RuntimeLlmcError(f"speculative tree_candidates={self.tree_candidates} needs method 'ngram' "
+                                   "(a draft model proposes one chain); drop it or use method 'ngram'")
         if self.method == "ngram":
             if self.model is not None:
                 raise RuntimeLlmcError("speculative method 'ngram' takes no model; drop it, or use "
