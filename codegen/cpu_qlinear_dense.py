@@ -25,8 +25,11 @@ import torch.nn.functional as F
 from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token
 from llmc.errors import RuntimeLlmcError
 
-# row counts timed per shape; timing stops once the dense GEMM has won twice in a row
-PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+# row counts timed per shape (a prefill chunk or a batch of 64 decodes is hundreds of rows); timing
+# stops once the dense GEMM has won twice in a row
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# dense_from when the packed kernel still won at the largest probe: more rows than any plan batches
+NEVER_DENSE = 1 << 20
 DISPATCH_META = "qlinear_dispatch"
 DENSE_FROM_ENV = "LLMC_QLINEAR_DENSE_FROM"
 NIBBLE_SCHEMES = ("int4", "affine4")
@@ -176,36 +179,48 @@ def choose_dense_from(meta: dict | None, key: str, packed_run, src: DenseSource)
     return MEASURED[(key, threads)]["dense_from"]
 
 
-def _time_us(fn, x, repeats: int) -> float:
-    fn(x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _time_us(runs, x, repeats: int) -> list[float]:
+    """Best microseconds per call of each of `runs` on x, their calls alternated so that both meet
+    the same machine (a burst of other work slows both, not one)."""
+    for fn in runs:
         fn(x)
-        best = min(best, time.perf_counter() - start)
-    return round(best * 1e6, 1)
+    best = [float("inf")] * len(runs)
+    for _ in range(repeats):
+        for i, fn in enumerate(runs):
+            start = time.perf_counter()
+            fn(x)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [round(b * 1e6, 1) for b in best]
 
 
-def measure_shape(packed_run, src: DenseSource, repeats: int = 3) -> dict:
+def measure_shape(packed_run, src: DenseSource, repeats: int = 5) -> dict:
     """Microseconds per call of the packed kernel and of dequantise + fp32 GEMM at PROBE_ROWS
     (interleaved, minimum of `repeats`), and the row count from which the dense GEMM is chosen:
-    the first probe from which it won at every later probe timed."""
+    the first probe from which it won at every later probe timed (NEVER_DENSE if it lost at the
+    last). Timed on one thread: threads that share their cores with other processes wait for each
+    other at every barrier, which on this 2-core host under load made 80 us calls take 100 ms and
+    chose dense w8a8 from 64 rows (its int8 GEMM is 4x faster there); which kernel wins is a
+    property of the kernels, not of the thread count."""
     us: dict[str, dict[int, float]] = {"packed": {}, "dense": {}}
-    dense_from, wins = PROBE_ROWS[-1] * 2, 0
-    for rows in PROBE_ROWS:
-        x = torch.randn(rows, src.in_features)
-        us["packed"][rows] = _time_us(packed_run, x, repeats)
-        us["dense"][rows] = _time_us(lambda h: run_dense(h, src), x, repeats)
-        if us["dense"][rows] <= us["packed"][rows]:
-            dense_from, wins = min(dense_from, rows), wins + 1
-            if wins == 2:
-                break
-        else:
-            dense_from, wins = PROBE_ROWS[-1] * 2, 0
+    dense_from, wins = NEVER_DENSE, 0
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, src.in_features)
+            us["packed"][rows], us["dense"][rows] = _time_us((packed_run, lambda h: run_dense(h, src)), x, repeats)
+            if us["dense"][rows] <= us["packed"][rows]:
+                dense_from, wins = min(dense_from, rows), wins + 1
+                if wins == 2:
+                    break
+            else:
+                dense_from, wins = NEVER_DENSE, 0
+    finally:
+        torch.set_num_threads(previous)
     return {"us": {name: {str(r): t for r, t in times.items()} for name, times in us.items()},
             "dense_from": dense_from}
 
 
 __all__ = ["DenseSource", "DispatchedWeights", "dense_source", "dequantize_into", "run_dense", "rows_of",
            "shape_key", "choose_dense_from", "dispatch_record", "recorded", "measure_shape", "MEASURED",
-           "DENSE_FROM_ENV", "DISPATCH_META", "PROBE_ROWS"]
+           "DENSE_FROM_ENV", "DISPATCH_META", "PROBE_ROWS", "NEVER_DENSE"]
