@@ -49,7 +49,7 @@ def resolve_group_size(in_features: int, group_size: int, where: str) -> int:
 
 def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
                          group_size: int = 128, act_order: bool = False, damp: float = 0.01,
-                         block_size: int = 128, tokens: int | None = None
+                         block_size: int = 128, tokens: int | None = None, clip: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K], hessian [K, K] (XᵀX / n) -> (q uint8 [N, K], scales, zeros fp32 [N, K/g]).
 
@@ -65,7 +65,9 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, *, bits: i
     most-used inputs first, while many columns remain to absorb their error), but the groups
     stay the contiguous K-slices of the storage format ("static groups": there is no g_idx
     permutation in our format); a group's scale and zero are fixed when the first of its
-    columns comes up, from the group's error-updated weights at that moment."""
+    columns comes up, from the group's error-updated weights at that moment. With `clip` that
+    grid's range is shrunk to the factor that minimises the group's rounding error weighted by
+    the Hessian diagonal (see clipped_grid); without it, it is the min/max grid RTN uses."""
     _check_gptq_args(weight, hessian, bits, damp, block_size)
     n, k = weight.shape
     g = resolve_group_size(k, group_size, "gptq_quantize_weight")
@@ -79,7 +81,9 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, *, bits: i
         else torch.arange(k, device=w.device)
     w, h = w[:, perm], h[perm][:, perm]
     hinv = _inverse_hessian_factor(h, damp + (k / tokens if tokens else 0.0)).to(dtype)
-    codes, scales, zeros = _quantize_columns(w, hinv, perm, g, bits, block_size)
+    grid_of = (lambda cols, x: clipped_grid(x, h.diagonal()[cols].to(dtype), bits)) if clip \
+        else (lambda cols, x: int4_grid(x, bits))
+    codes, scales, zeros = _quantize_columns(w, hinv, perm, g, bits, block_size, grid_of)
     return codes[:, torch.argsort(perm)].to(torch.uint8), scales, zeros
 
 
@@ -120,7 +124,26 @@ def _group_starts(perm: torch.Tensor, g: int) -> dict[int, tuple[int, torch.Tens
     return starts
 
 
-def _quantize_columns(w, hinv, perm, g, bits, block_size):
+def clipped_grid(x: torch.Tensor, importance: torch.Tensor, bits: int = 4, steps: int = 100,
+                 max_shrink: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zeros) [N] of the min/max grid of x [N, g] shrunk, per row, by the factor in
+    {1, 1 - 1/steps, ...} (above 1 - max_shrink) minimising Σ_j importance_j (x_j - x̂_j)²:
+    a weight's rounding error costs the layer output in proportion to its input's energy
+    H_jj, and clipping a rare outlier buys every other weight of the group a finer step."""
+    best = None
+    for step in range(int(max_shrink * steps)):
+        s, z = int4_grid(x * (1 - step / steps), bits)
+        x_hat = (quantize_to_grid(x, s, z, bits) - z.to(x.dtype)[:, None]) * s.to(x.dtype)[:, None]
+        err = ((x - x_hat).pow(2) * importance).sum(1)
+        if best is None:
+            best = err, s, z
+            continue
+        better = err < best[0]
+        best = tuple(torch.where(better, new, old) for new, old in zip((err, s, z), best))
+    return best[1], best[2]
+
+
+def _quantize_columns(w, hinv, perm, g, bits, block_size, grid_of):
     """The GPTQ loop over columns in visiting order, with lazy batch updates: inside a block
     only the block's columns are updated, the rest once per block with one matmul.
     w [N, K] (visiting order) -> codes [N, K] (visiting order), scales, zeros [N, K/g]."""
@@ -137,7 +160,7 @@ def _quantize_columns(w, hinv, perm, g, bits, block_size):
             if i1 + i in starts:
                 grp, cols = starts[i1 + i]
                 current = _current_columns(w, w1, err[:, :i], hinv, i1, cols)
-                scales[:, grp], zeros[:, grp] = int4_grid(current, bits)
+                scales[:, grp], zeros[:, grp] = grid_of(cols, current)
             # the grid as stored (fp32 scales), so compensation sees the error actually made
             s, z = (t[:, group_of[i1 + i]].to(w.dtype) for t in (scales, zeros))
             codes[:, i1 + i] = quantize_to_grid(w1[:, i:i + 1], s, z, bits)[:, 0]
@@ -149,12 +172,14 @@ def _quantize_columns(w, hinv, perm, g, bits, block_size):
 
 def _current_columns(w, w1, err, hinv, i1, cols):
     """Up-to-date values [N, len(cols)] of not-yet-quantised columns (visiting positions
-    `cols`): those in the block live in w1; those after it still lack the block's pending
-    update, which is applied here for just these columns."""
+    `cols`, in that order): those in the block live in w1; those after it still lack the
+    block's pending update, which is applied here for just these columns."""
     i2 = i1 + w1.shape[1]
-    inside, after = cols[cols < i2], cols[cols >= i2]
-    pending = err @ hinv[i1:i1 + err.shape[1]][:, after]
-    return torch.cat([w1[:, inside - i1], w[:, after] - pending], dim=1)
+    inside = cols < i2
+    current = w.new_empty(w.shape[0], cols.numel())
+    current[:, inside] = w1[:, cols[inside] - i1]
+    current[:, ~inside] = w[:, cols[~inside]] - err @ hinv[i1:i1 + err.shape[1]][:, cols[~inside]]
+    return current
 
 
-__all__ = ["HessianAccumulator", "gptq_quantize_weight", "resolve_group_size"]
+__all__ = ["HessianAccumulator", "gptq_quantize_weight", "clipped_grid", "resolve_group_size"]

@@ -7,7 +7,7 @@ import torch
 
 from llmc.compiler.quant import dequantize_int4_codes, int4_grid, quantize_int4
 from llmc.errors import PassError
-from llmc.passes.gptq import HessianAccumulator, gptq_quantize_weight
+from llmc.passes.gptq import HessianAccumulator, clipped_grid, gptq_quantize_weight
 
 
 def make_layer(seed, n=128, k=256, outliers=4, dtype=torch.float64):
@@ -38,7 +38,7 @@ def output_error(x, weight, q_weight):
     return torch.linalg.norm(x @ weight.double().T - x @ q_weight.double().T).item()
 
 
-def obs_reference(weight, hessian, bits, g, act_order, damp):
+def obs_reference(weight, hessian, bits, g, act_order, damp, grid=None):
     """GPTQ without Cholesky or lazy batches, in float64: after fixing column c, update every
     remaining column by the OBS formula and eliminate c from the explicit inverse Hessian."""
     w, h = weight.double().clone(), hessian.double().clone()
@@ -47,6 +47,7 @@ def obs_reference(weight, hessian, bits, g, act_order, damp):
     w[:, dead] = 0.0
     order = torch.argsort(h.diagonal(), descending=True, stable=True).tolist() if act_order \
         else list(range(w.shape[1]))
+    energy = h.diagonal().clone()
     h.diagonal().add_(damp * h.diagonal().mean())
     hinv = torch.linalg.inv(h)
     n, k = w.shape
@@ -56,7 +57,8 @@ def obs_reference(weight, hessian, bits, g, act_order, damp):
         grp = c // g
         if grp not in started:
             started.add(grp)
-            scales[:, grp], zeros[:, grp] = int4_grid(w[:, grp * g:(grp + 1) * g], bits)
+            cols = slice(grp * g, (grp + 1) * g)
+            scales[:, grp], zeros[:, grp] = (grid or (lambda x, _: int4_grid(x, bits)))(w[:, cols], energy[cols])
         s, z = scales[:, grp].double(), zeros[:, grp].double()
         q[:, c] = torch.clamp(torch.round(w[:, c] / s) + z, 0, 2 ** bits - 1).float()
         e = (w[:, c] - (q[:, c].double() - z) * s) / hinv[c, c]
@@ -95,6 +97,58 @@ def test_gptq_matches_unbatched_obs_reference(act_order, block_size):
     torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
     assert torch.equal(zeros, ref_zeros)
     assert torch.equal(q, ref_q)
+
+
+def brute_force_clip(x, importance, steps=100, max_shrink=0.8):
+    """Per row, every shrink factor tried on its own in float64; the first of the least
+    weighted squared errors wins."""
+    scales, zeros = torch.zeros(x.shape[0]), torch.zeros(x.shape[0])
+    for r in range(x.shape[0]):
+        best = None
+        for step in range(int(max_shrink * steps)):
+            row = x[r].double() * (1 - step / steps)
+            lo, hi = min(row.min().item(), 0.0), max(row.max().item(), 0.0)
+            s = torch.tensor((hi - lo) / 15).float().double()
+            z = torch.clamp(torch.round(-lo / s), 0, 15)
+            x_hat = (torch.clamp(torch.round(x[r].double() / s) + z, 0, 15) - z) * s
+            err = ((x[r].double() - x_hat) ** 2 * importance.double()).sum().item()
+            if best is None or err < best[0]:
+                best = err, s, z
+        scales[r], zeros[r] = best[1], best[2]
+    return scales, zeros
+
+
+def test_clipped_grid_is_the_least_weighted_error_shrink_of_each_row():
+    gen = torch.Generator().manual_seed(3)
+    x = 0.02 * torch.randn(12, 32, generator=gen, dtype=torch.float64)
+    x[:4, 5] = 0.2                                   # an outlier worth clipping in some rows
+    importance = torch.rand(32, generator=gen, dtype=torch.float64) + 0.1
+    scales, zeros = clipped_grid(x, importance)
+    ref_scales, ref_zeros = brute_force_clip(x, importance)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    assert torch.equal(zeros, ref_zeros)
+    assert bool((scales[:4] < int4_grid(x[:4])[0]).all())   # the outlier rows were clipped
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_with_clip_matches_obs_reference_with_brute_force_clip(act_order):
+    weight, sample = make_layer(2, n=16, k=64)
+    hessian = hessian_of(sample(512))
+    q, scales, zeros = gptq_quantize_weight(weight, hessian, group_size=32, act_order=act_order, clip=True)
+    ref_q, ref_scales, ref_zeros = obs_reference(weight, hessian, 4, 32, act_order, 0.01, grid=brute_force_clip)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    assert torch.equal(zeros, ref_zeros) and torch.equal(q, ref_q)
+
+
+def test_clip_lowers_gptq_held_out_error_on_average():
+    ratios = []
+    for seed in range(50, 54):
+        weight, sample = make_layer(seed)
+        hessian, held_out = hessian_of(sample(2048)), sample(512)
+        errors = [output_error(held_out, weight, dequantize_int4_codes(*gptq_quantize_weight(
+            weight.float(), hessian, group_size=64, act_order=True, clip=c))) for c in (False, True)]
+        ratios.append(errors[1] / errors[0])
+    assert sum(ratios) / len(ratios) < 0.8, f"clip/min-max error ratios {ratios}"
 
 
 @pytest.mark.parametrize("seed", [10, 11, 12])
