@@ -45,6 +45,12 @@ def moe_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dt
     return list(render_moe(target, x.dtype, x.shape[-1], down.shape[-1]))
 
 
+def qmoe_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
+    scheme = attrs["scheme"]
+    return list(render_moe(target, ins[0].dtype, ins[0].shape[-1], attrs["intermediate"], scheme,
+                           attrs.get("group_size", -1) if scheme == "int4" else 0))
+
+
 def qlinear_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
     """As triton_kernels.qlinear launches them: w8a8 through w8a8_gemm (per-token quantiser, then
     the int8 GEMM), the other schemes through dequant_gemm."""
@@ -84,7 +90,7 @@ def attention_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_ca
 KERNEL_OPS: dict[str, Callable[..., list[RenderedKernel]]] = {
     "rms_norm": rms_norm_kernels, "add_rms_norm": rms_norm_kernels, "swiglu": swiglu_kernels,
     "rope": rope_kernels, "qlinear": qlinear_kernels, "attention": attention_kernels,
-    "flash_attention": attention_kernels, "moe": moe_kernels,
+    "flash_attention": attention_kernels, "moe": moe_kernels, "qmoe": qmoe_kernels,
 }
 
 

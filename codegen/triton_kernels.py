@@ -17,7 +17,8 @@ from llmc.codegen.triton_elementwise import rotary
 from llmc.codegen.triton_elementwise import swiglu as launch_swiglu
 from llmc.codegen.triton_gemm import GROUPED_SCHEMES, dequant_gemm, w8a8_gemm
 from llmc.codegen.triton_moe import moe as launch_moe
-from llmc.compiler.ops import OPS, qlinear_inputs, split_kv_scales
+from llmc.codegen.triton_moe import qmoe as launch_qmoe
+from llmc.compiler.ops import OPS, qlinear_inputs, qmoe_inputs, split_kv_scales
 from llmc.errors import ArtifactError, RuntimeLlmcError
 
 TRITON_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -67,6 +68,13 @@ def rope(x, positions, inv_freq, *, head_dim, scaling=1.0, target, **attrs):
 @kernel("moe", context=("target",))
 def moe(x, router, gate_up, down, *, top_k, target, **attrs):
     return [launch_moe(x, router, gate_up, down, top_k=top_k, target=target)]
+
+
+@kernel("qmoe", context=("target",))
+def qmoe(*inputs, top_k, scheme, intermediate, target, group_size=-1, **attrs):
+    x, router, gate_up, down = qmoe_inputs(list(inputs), scheme)
+    return [launch_qmoe(x, router, gate_up, down, top_k=top_k, scheme=scheme, intermediate=intermediate,
+                        group_size=group_size, target=target)]
 
 
 @kernel("qlinear", context=("target", "launch_configs"))

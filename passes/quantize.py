@@ -300,7 +300,7 @@ class QuantizeInt8(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         fmt = WeightFormat("int8", "rtn", 8)
         total_before = param_bytes(graph)
-        experts = quantize_experts(graph, ctx, "int8", lambda k: -1)
+        experts = quantize_experts(graph, "int8", lambda k: -1)
         nodes, skipped, tables = select_weights(self, graph)
         result = quantize_linears(self, graph, ctx, fmt, nodes, skipped, rtn_int8, embeddings=tables)
         return with_experts(result, graph, fmt, experts, total_before)
@@ -361,7 +361,7 @@ class QuantizeInt4(Pass):
             return None
         table_g = self.options.embedding_group_size
         total_before = param_bytes(graph)
-        experts = quantize_experts(graph, ctx, "int4", lambda k: group_size_for(k, g, self.options.shrink_groups))
+        experts = quantize_experts(graph, "int4", lambda k: group_size_for(k, g, self.options.shrink_groups))
         nodes, skipped, tables = select_weights(
             self, graph, check, lambda dim: group_size_for(dim, table_g, self.options.shrink_groups))
         method_fn = int4_method(method, graph, ctx, nodes, self.options, lambda node: groups[node.name])

@@ -1,7 +1,9 @@
 """Expert weights of Mixtral-style `moe` ops under the weight-only int8 and int4 passes: each moe
 becomes a qmoe over its experts' codes and scales (and int4 zero points), stored as qlinear stores one
-weight, per expert; the router stays float. Experts are rounded to nearest whatever the pass's method
-(GPTQ and AWQ calibrate linears one by one; an expert sees only the tokens routed to it)."""
+weight, per expert; the router stays float. The CPU kernel and the Triton kernels dequantise only the
+chosen experts' weights (codegen/cpu_moe.py, codegen/triton_moe.py). Experts are rounded to nearest
+whatever the pass's method (GPTQ and AWQ calibrate linears one by one; an expert sees only the tokens
+routed to it)."""
 
 from __future__ import annotations
 
@@ -13,22 +15,11 @@ from llmc.compiler.ir import Graph, Node, QuantScheme, TensorType
 from llmc.compiler.ops import DTYPE_NAMES
 from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
 from llmc.errors import PassError
-from llmc.passes.base import PassContext
 
 
-def refuse_experts_on_gpu(graph: Graph, ctx: PassContext) -> None:
-    """The Triton moe kernels read float experts only: a quantised moe would have no GPU kernel."""
-    moe = next((n for n in graph.nodes if n.op == "moe"), None)
-    if moe is not None and ctx.target.device == "cuda":
-        raise PassError(f"node {moe.name} (moe): target {ctx.target.name} has no Triton kernel for quantised "
-                        "experts; compile it without weight quantisation, or for target cpu")
-
-
-def quantize_experts(graph: Graph, ctx: PassContext, scheme: str, group_of: Callable[[int], int | None]
-                     ) -> tuple[int, int, int]:
+def quantize_experts(graph: Graph, scheme: str, group_of: Callable[[int], int | None]) -> tuple[int, int, int]:
     """Rewrite every moe into a qmoe over `scheme` ("int8", or "int4" in groups of group_of(K) along
     K, None: no usable group size) experts. Returns (moe ops, float bytes, quantised bytes)."""
-    refuse_experts_on_gpu(graph, ctx)
     nodes = [n for n in graph.nodes if n.op == "moe"]
     before = after = 0
     for node in nodes:
@@ -84,4 +75,4 @@ def _quantize_expert(weight: torch.Tensor, scheme: str, group: int) -> tuple:
     return pack_int4(codes), scales, zeros
 
 
-__all__ = ["quantize_experts", "refuse_experts_on_gpu"]
+__all__ = ["quantize_experts"]
