@@ -5,6 +5,7 @@ nothing; a prefix cached by a sequence that dropped it is reused only with the r
 manager's own state machine runs again with a window (its fake KV store checks every live slot)."""
 
 import pytest
+import tiny_hf_models as tiny
 import torch
 from hypothesis import settings
 from hypothesis.stateful import invariant
@@ -107,6 +108,29 @@ def test_a_prefix_whose_blocks_its_first_holder_dropped_is_served_with_the_right
     got = llm.generate({"prompt_token_ids": second}, SamplingParams(max_tokens=20, **GREEDY))[0]
     assert got.metrics.num_cached_tokens >= 64
     assert got.outputs[0].token_ids == hf_greedy(module, second, 20)
+
+
+def test_speculative_decoding_drops_blocks_and_keeps_hf_s_tokens(mistral):
+    module, path = mistral
+    llm = llmc.load(path, block_size=BLOCK, kv_memory="128KiB",
+                    speculative={"method": "ngram", "num_speculative_tokens": 3})
+    ids = prompt_ids(12, seed=12) * 3   # repeats, so the n-gram proposer drafts
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=60, **GREEDY))[0].outputs[0].token_ids
+    assert out == hf_greedy(module, ids, 60)
+    assert llm.engine.metrics.speculative.num_drafts > 0 and llm.engine.block_manager.total_dropped_blocks > 15
+
+
+@pytest.mark.triton
+def test_a_gpu_artifact_drops_blocks_and_decodes_hf_s_tokens_through_the_triton_interpreter(mistral, tmp_path):
+    module, _ = mistral
+    source = tmp_path / "hf"
+    module.save_pretrained(source)
+    tiny.TOKENIZER.save_pretrained(source)
+    path = llmc.compile(str(source), "h100-bf16", output=tmp_path / "gpu.llmc", disable=["cast_bf16"])
+    llm = llmc.load(path, device="cpu", kv_memory="1MiB")
+    ids = prompt_ids(20, seed=13)
+    assert tiny.llmc_greedy(llm, ids, 40) == hf_greedy(module, ids, 40)
+    assert llm.engine.block_manager.total_dropped_blocks >= 2   # 60 tokens in blocks of 16, window 16
 
 
 class WindowedBlockManagerMachine(BlockManagerMachine):
