@@ -1,14 +1,16 @@
 """Speculative against plain decoding at batch 1, interleaved request by request on one engine (the
-speculator detached for the plain runs, the order alternating), so a busy machine slows both alike.
+speculator detached for the plain runs, the order rotating), so a busy machine slows both alike.
 Decode tok/s counts the tokens after the first over the time from the first token to the last, so
-the prefill, the same in both, does not dilute the ratio.
+the prefill, the same in both, does not dilute the ratio. With --tree N, n-gram token trees of N
+candidates run as a third mode beside the chains. The load average is printed with the result.
 Usage: python bench/speculative.py ART [--workload grounded|open] [-n 8] [--output-len 64] [-k 5]
-       [--draft DRAFT_ART] [--threads 1]"""
+       [--draft DRAFT_ART] [--tree N] [--threads 1]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from llmc.runtime.bench_workloads import text_prompts
@@ -36,28 +38,39 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--draft", default=None)
+    parser.add_argument("--tree", type=int, default=1, help="n-gram candidates per token tree (1: chains only)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     spec = ({"method": "draft", "model": args.draft} if args.draft else {"method": "ngram"}) | \
-        {"num_speculative_tokens": args.k}
+        {"num_speculative_tokens": args.k} | ({} if args.draft else {"tree_candidates": args.tree})
     engine = Engine(args.artifact, EngineConfig(max_num_seqs=1, threads=args.threads, kv_memory="512MiB",
                                                 enable_prefix_caching=False, speculative=spec))
     speculator = engine.speculator
     decode_run(engine, "warm up", 8)
-    totals = {"plain": [0, 0.0], "speculative": [0, 0.0]}
-    speculator.metrics.__init__()
+    modes = ["plain", "speculative"] + (["tree"] if args.tree > 1 else [])
+    totals = {mode: [0, 0.0] for mode in modes}
+    metrics = {mode: type(speculator.metrics)() for mode in modes[1:]}
+    load_before = os.getloadavg()
     for i, prompt in enumerate(text_prompts(args.workload, args.n, args.seed)):
-        for mode in (("plain", "speculative") if i % 2 == 0 else ("speculative", "plain")):
-            engine.speculator = speculator if mode == "speculative" else None
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            engine.speculator = None if mode == "plain" else speculator
+            if mode != "plain":
+                speculator.metrics = metrics[mode]
+                speculator.config.tree_candidates = args.tree if mode == "tree" else 1
             tokens, seconds = decode_run(engine, prompt, args.output_len)
             totals[mode][0] += tokens
             totals[mode][1] += seconds
     rate = {mode: tokens / seconds for mode, (tokens, seconds) in totals.items()}
-    print(json.dumps({"workload": args.workload, "requests": args.n, "output_len": args.output_len,
-                      "method": spec["method"], "k": args.k, "plain_decode_tok_s": rate["plain"],
-                      "speculative_decode_tok_s": rate["speculative"],
-                      "speedup": rate["speculative"] / rate["plain"], **speculator.metrics.to_dict()}))
+    result = {"workload": args.workload, "requests": args.n, "output_len": args.output_len,
+              "method": spec["method"], "k": args.k, "plain_decode_tok_s": rate["plain"],
+              "speculative_decode_tok_s": rate["speculative"], "speedup": rate["speculative"] / rate["plain"],
+              **metrics["speculative"].to_dict()}
+    if args.tree > 1:
+        result["tree"] = {"candidates": args.tree, "decode_tok_s": rate["tree"],
+                          "speedup": rate["tree"] / rate["plain"], **metrics["tree"].to_dict()}
+    result["load_average_1m"] = [round(load_before[0], 1), round(os.getloadavg()[0], 1)]
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

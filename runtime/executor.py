@@ -214,17 +214,19 @@ class PlanExecutor:
     def block_linear_weights(self) -> int:
         """Give every fp32 CPU `linear` a oneDNN-blocked copy of its weight, so steps of a few rows
         (speculative verification, small batches) cost little more than one row
-        (cpu_kernels.blocked_linear_weight). Returns the bytes the copies hold."""
-        added = 0
+        (cpu_kernels.blocked_linear_weight). Returns the bytes of the weights that have one."""
+        held = 0
         for i, launch in enumerate(self._program):
-            if launch.fn is not cpu_kernels.linear or "blocked" in launch.attrs:
+            if launch.fn is not cpu_kernels.linear:
                 continue
             weight = self._params[launch.args[1]] if launch.args[1] < len(self._params) else None
-            blocked = cpu_kernels.blocked_linear_weight(weight)
-            if blocked is not None:
+            if "blocked" not in launch.attrs:
+                blocked = cpu_kernels.blocked_linear_weight(weight)
+                if blocked is None:
+                    continue
                 self._program[i] = launch._replace(attrs={**launch.attrs, "blocked": blocked})
-                added += weight.nbytes
-        return added
+            held += weight.nbytes
+        return held
 
     @torch.inference_mode()
     def run_values(self, inputs: dict[str, torch.Tensor],

@@ -31,15 +31,17 @@ PROBE_LONG_MATCH = 8     # the same, when prompt lookup matched its longest n-gr
 @dataclass(frozen=True)
 class StepCost:
     """A target step of n tokens, over a one-token decode step: 1 + jump [n > 1] + per_token (n - 1).
-    Decode reads every weight once, so more tokens ride along nearly free, except that on a CPU a
-    matrix product of 2 to 8 rows costs about twice the 1-row GEMV (measured on SmolLM2's shapes,
-    fp32, one thread). Fixed per device rather than timed, so that k, and with it which random
-    draws a seeded request makes, does not depend on the machine's load."""
+    Decode reads every weight once, so more tokens ride along nearly free, except that on a CPU
+    MKL's matrix product of 2 to 8 rows costs about twice the 1-row GEMV; on oneDNN-blocked fp32
+    weights (cpu_kernels.blocked_linear_weight) a 2-row step cost 1.3x a decode step, a 9-row one
+    1.65x (SmolLM2, one thread). Fixed per device rather than timed, so that k, and with it which
+    random draws a seeded request makes, does not depend on the machine's load."""
     jump: float
     per_token: float
 
 
-STEP_COSTS = {"cpu": StepCost(jump=1.0, per_token=0.1), "cuda": StepCost(jump=0.0, per_token=0.02)}
+STEP_COSTS = {"cpu": StepCost(jump=1.0, per_token=0.1), "cpu-blocked": StepCost(jump=0.25, per_token=0.05),
+              "cuda": StepCost(jump=0.0, per_token=0.02)}
 
 
 @dataclass
@@ -72,8 +74,9 @@ class Speculator:
         self.max_model_len = engine.max_model_len
         self.acceptance: dict[int, _Acceptance] = {}
         self.step_cost = STEP_COSTS.get(engine.device.type, STEP_COSTS["cuda"])
-        if engine.device.type == "cpu":   # verification multiplies k + 1 rows: see StepCost
-            engine.executor.block_linear_weights()
+        # verification multiplies k + 1 rows: see StepCost
+        if engine.device.type == "cpu" and engine.executor.block_linear_weights() > _weight_bytes(engine.executor) / 2:
+            self.step_cost = STEP_COSTS["cpu-blocked"]
         # a draft forward over a target one: both read their weights once
         self.draft_forward_cost = 0.0 if config.method == "ngram" else \
             _weight_bytes(self.proposer.runner.executor) / _weight_bytes(engine.executor)

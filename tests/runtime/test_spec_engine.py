@@ -195,6 +195,7 @@ def test_k_follows_acceptance_and_speculation_stops_where_it_would_not_pay(artif
     for _ in range(30):
         speculator.acceptance[sample.seq.seq_id].update(5, 5)
     assert speculator._k(sample.seq, sample.state, 1) == 5
-    # on a CPU a step of 2 tokens costs about twice one of 1: drafting alone pays only when most are kept
+    # on a CPU a step of 2 tokens costs 1.3x one of 1 (2x where the linears are not blocked, see
+    # StepCost): drafting alone pays where most drafts are kept, not where few are
     assert speculator.tokens_per_cost(0.8, 4, 1) > 1.3 * speculator.tokens_per_cost(0.8, 0, 1)
-    assert speculator.tokens_per_cost(0.5, 4, 1) < speculator.tokens_per_cost(0.5, 0, 1)
+    assert speculator.tokens_per_cost(0.2, 4, 1) < speculator.tokens_per_cost(0.2, 0, 1)
