@@ -59,12 +59,15 @@ class SpeculativeConfig:
 
 
 def speculative_config(value) -> SpeculativeConfig | None:
-    """None, a SpeculativeConfig, a dict of its fields, or the CLI's 'ngram' / 'draft:PATH'."""
+    """None, a SpeculativeConfig, a dict of its fields, or the CLI's 'ngram' / 'ngram:tree=N' /
+    'draft:PATH'."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     if isinstance(value, str):
-        method, _, model = value.partition(":")
-        return SpeculativeConfig(method, model=model or None)
+        method, _, rest = value.partition(":")
+        if method == "ngram" and rest:
+            return SpeculativeConfig(method, tree_candidates=_tree_candidates(rest))
+        return SpeculativeConfig(method, model=rest or None)
     if not isinstance(value, dict):
         raise RuntimeLlmcError(f"speculative={value!r:.80} must be a dict such as {{'method': 'ngram', "
                                "'num_speculative_tokens': 5}, 'ngram' or 'draft:PATH'")
@@ -75,3 +78,11 @@ def speculative_config(value) -> SpeculativeConfig | None:
         raise RuntimeLlmcError(f"speculative: {problem}; the keys are {', '.join(sorted(known))} "
                                "(method is required)")
     return SpeculativeConfig(**value)
+
+
+def _tree_candidates(option: str) -> int:
+    name, _, number = option.partition("=")
+    if name != "tree" or not number.isdigit():
+        raise RuntimeLlmcError(f"speculative 'ngram:{option}': the n-gram method takes only tree=N (N candidate "
+                               "continuations merged into a token tree), e.g. 'ngram:tree=3'")
+    return int(number)

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from llmc_cli import error_line, llmc_in_process
 from test_spec_engine import assert_no_blocks_held, greedy, repetitive_prompts, run
 
 from llmc.errors import RuntimeLlmcError
@@ -137,6 +138,18 @@ def test_no_kv_block_outlives_tree_requests_preemption_and_aborts(artifact):
         engine.block_manager.check_invariants()
     assert engine.metrics.preemptions > 0 and engine.metrics.speculative.num_drafts > 0
     assert_no_blocks_held(engine)
+
+
+def test_cli_runs_token_trees_and_refuses_bad_tree_options(artifact, capsys):
+    args = ["run", artifact, "--prompt", "the cat sat on the mat. the cat sat on the hat. the cat",
+            "--max-tokens", 24, "--kv-memory", "4MiB"]
+    code, plain, _ = llmc_in_process(capsys, *args)
+    assert code == 0
+    code, out, _ = llmc_in_process(capsys, *args, "--speculative", "ngram:tree=3")
+    assert code == 0 and out == plain
+    for bad, fragment in (("ngram:trees=3", "takes only tree=N"), ("ngram:tree=0", "tree_candidates=0 must be")):
+        code, _, err = llmc_in_process(capsys, *args, "--speculative", bad)
+        assert code == 2 and fragment in error_line(err)
 
 
 def test_trees_are_refused_for_a_draft_model(artifact):
