@@ -53,7 +53,7 @@ def import_method(module: str, names: list[str], method: str) -> list:
 
 # -- GPTQ -------------------------------------------------------------------------------------
 def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Callable[[Node], int],
-                *, act_order: bool, damp: float):
+                *, act_order: bool, damp: float, clip: bool):
     """GPTQ layer by layer, as in the paper: the linears are taken in graph order, grouped by
     the input they share (q/k/v, gate/up), and each group's Hessian comes from the calibration
     text run up to it with every earlier linear already quantised, so later layers see (and
@@ -76,7 +76,7 @@ def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Cal
         # GPTQ treats rows independently: the linears sharing this Hessian go in one call
         codes, scales, zeros = quantize(torch.cat([w.float() for w in weights]), hessian.hessian(),
                                         group_size=group_of(todo[0]), act_order=act_order, damp=damp,
-                                        tokens=hessian.tokens)
+                                        tokens=hessian.tokens, clip=clip)
         rows = [w.shape[0] for w in weights]
         for n, w, c, s, z in zip(todo, weights, codes.split(rows), scales.split(rows), zeros.split(rows)):
             stored[n.inputs[1]] = (c, s, z)
