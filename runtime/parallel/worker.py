@@ -46,7 +46,7 @@ def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_thres
     model = art.manifest["model"]
     dtype = TORCH_DTYPES[model["kv_cache"]["dtype"]]
     if is_quantized_kv(dtype):
-        raise RuntimeLlmcError(f"artifact '{path}': a tensor-parallel rank cannot serve a quantised KV cache; "
+        raise RuntimeLlmcError(f"artifact '{path}': a sharded (--tp, --pp) rank cannot serve a quantised KV cache; "
                                f"recompile with --kv-cache none")
     executor = PlanExecutor(verified_plan(art), art.weights, where)
     cache = PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"], model["head_dim"], dtype,

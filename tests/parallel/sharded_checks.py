@@ -1,9 +1,13 @@
 """Checks shared by the sharded-runtime tests: a sharded artifact's greedy tokens and top-5
-log-probabilities against the unsharded one's, and mixed-length requests batched against alone."""
+log-probabilities against the unsharded one's, mixed-length requests batched against alone, and
+`llmc run` refusing a copy whose rank 1 weights changed."""
+
+import shutil
 
 import torch
 
 from llmc.runtime.sampling_params import SamplingParams
+from tests.llmc_cli import error_line, llmc_in_process
 
 
 def outputs(model, prompts, max_tokens=32):
@@ -30,3 +34,17 @@ def assert_mixed_requests_batched_equal_alone(model, text, count, max_tokens):
     together = [o.outputs[0].token_ids for o in model.generate(prompts, params)]
     alone = [model.generate(p, q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     assert together == alone
+
+
+def assert_a_changed_rank_1_fails_to_load(artifact, folder, capfd, rank_name: str):
+    """`llmc run` on a copy of `artifact` with one byte of rank 1's weights flipped: exit 2, one line
+    naming the rank (`rank_name`) and the file."""
+    art = shutil.copytree(artifact, folder / "tampered.llmc")
+    weights = art / "rank1" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 1
+    weights.write_bytes(bytes(data))
+    code, _, err = llmc_in_process(capfd, "run", art, "--prompt", "hi", "--max-tokens", "2")
+    assert code == 2
+    assert error_line(err) == (f"{rank_name} failed to load: artifact '{art}': file rank1/weights.safetensors "
+                               f"fails its sha256 check (tampered or truncated); recompile")

@@ -19,6 +19,7 @@ from llmc.runtime.parallel import group
 from llmc.runtime.sampling_params import SamplingParams
 from tests.llmc_cli import error_line, llmc_in_process
 from tests.parallel.sharded_checks import (
+    assert_a_changed_rank_1_fails_to_load,
     assert_mixed_requests_batched_equal_alone,
     assert_same_tokens_and_logprobs,
     outputs,
@@ -80,17 +81,7 @@ def test_a_killed_stage_stops_the_run_with_one_error_and_no_process_left(pp2):
 
 def test_a_stage_whose_weights_changed_after_compiling_fails_to_load_naming_its_stage(pp2_artifact, ranks_free,
                                                                                        tmp_path, capfd):
-    import shutil
-
-    art = shutil.copytree(pp2_artifact, tmp_path / "tampered.llmc")
-    weights = art / "rank1" / "weights.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-5] ^= 1
-    weights.write_bytes(bytes(data))
-    code, _, err = llmc_in_process(capfd, "run", art, "--prompt", "hi", "--max-tokens", "2")
-    assert code == 2
-    assert error_line(err) == (f"pipeline stage 1 (rank 1) failed to load: artifact '{art}': file "
-                               f"rank1/weights.safetensors fails its sha256 check (tampered or truncated); recompile")
+    assert_a_changed_rank_1_fails_to_load(pp2_artifact, tmp_path, capfd, "pipeline stage 1 (rank 1)")
 
 
 def test_bad_pp_split_is_refused_at_compile(tmp_path, capsys):

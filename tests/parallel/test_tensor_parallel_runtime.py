@@ -15,6 +15,7 @@ from llmc.errors import RuntimeLlmcError
 from llmc.runtime.parallel import group
 from llmc.runtime.sampling_params import SamplingParams
 from tests.llmc_cli import error_line, llmc_in_process
+from tests.parallel.sharded_checks import assert_a_changed_rank_1_fails_to_load
 
 PROMPTS = ["The river starts as a thin stream", "Hello! How are you?", "Numbers help us count"]
 
@@ -133,17 +134,7 @@ def test_a_hung_rank_stops_the_run_when_the_collective_times_out(tp2_artifact, r
 
 def test_a_rank_whose_weights_changed_after_compiling_fails_to_load_naming_its_file(tp2_artifact, ranks_free,
                                                                                       tmp_path, capfd):
-    import shutil
-
-    art = shutil.copytree(tp2_artifact, tmp_path / "tampered.llmc")
-    weights = art / "rank1" / "weights.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-5] ^= 1
-    weights.write_bytes(bytes(data))
-    code, _, err = llmc_in_process(capfd, "run", art, "--prompt", "hi", "--max-tokens", "2")
-    assert code == 2
-    assert error_line(err) == (f"tensor-parallel rank 1 failed to load: artifact '{art}': file "
-                               f"rank1/weights.safetensors fails its sha256 check (tampered or truncated); recompile")
+    assert_a_changed_rank_1_fails_to_load(tp2_artifact, tmp_path, capfd, "tensor-parallel rank 1")
 
 
 def test_tp_that_does_not_divide_is_refused_at_compile(tmp_path, capsys):
