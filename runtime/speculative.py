@@ -159,21 +159,23 @@ class Speculator:
         1 + k rows per sequence, in order (ModelRunner.execute's layout)."""
         starts = np.cumsum([0] + [len(drafts[s.seq_id]) + 1 for s in seqs[:-1]])
         kept: list[list[int]] = [[] for _ in seqs]
-        chains = [i for i, s in enumerate(seqs) if not isinstance(drafts[s.seq_id], DraftTree)]
-        if chains:
-            rows = self._verify_chains([seqs[i] for i in chains], logits, [starts[i] for i in chains],
-                                       [states[i] for i in chains], drafts)
-            for i, row in zip(chains, rows):
+        sampled = [i for i, state in enumerate(states) if not state.params.greedy]
+        if sampled:
+            rows = self._verify_chains([seqs[i] for i in sampled], logits, [starts[i] for i in sampled],
+                                       [states[i] for i in sampled], drafts)
+            for i, row in zip(sampled, rows):
                 kept[i] = row
         for i, seq in enumerate(seqs):
-            tree = drafts[seq.seq_id]
-            if isinstance(tree, DraftTree):
+            if states[i].params.greedy:
+                tree = _as_tree(drafts[seq.seq_id])
                 kept[i] = self._verify_tree(seq, tree, logits[starts[i]:starts[i] + len(tree) + 1])
         return kept
 
     def _verify_tree(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> list[int]:
-        """A greedy request's token tree: the path the target's argmax follows, its KV moved from
-        the path's rows to the positions its tokens now hold (the first candidate's are in place)."""
+        """A greedy request's drafts (a chain is a tree of one branch): the path the target's argmax
+        follows, which is what rejection sampling keeps against a one-hot p, without building the
+        distributions; its KV moved from the path's rows to the positions its tokens now hold (a
+        chain's, and the first candidate's, are in place)."""
         kept, path = tree.accept_greedy(logits.argmax(dim=-1).tolist())
         depths = tree.depths()
         moved = [(node + 1, depths[node]) for node in path if node + 1 != depths[node]]
@@ -209,28 +211,14 @@ class Speculator:
         return kept
 
     def _target_probs(self, logits: torch.Tensor, index: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """[seqs, k + 1, vocab]: each request's filtered distribution; one-hot at the argmax for
-        greedy requests, which then keep exactly the drafts that agree with plain decoding."""
-        rows = logits[index.flatten()]
+        """[seqs, k + 1, vocab]: each (sampled) request's filtered distribution."""
         per_row = [s.params for s in states for _ in range(index.shape[1])]
-        greedy = torch.tensor([p.greedy for p in per_row], device=logits.device)
-        probs = torch.nn.functional.one_hot(rows.argmax(dim=-1), rows.shape[1]).float()
-        if not greedy.all():
-            sampled = (~greedy).nonzero().squeeze(1)
-            probs[sampled] = filtered_probs(rows[sampled], [per_row[i] for i in sampled.tolist()])
-        return probs.view(*index.shape, -1)
+        return filtered_probs(logits[index.flatten()], per_row).view(*index.shape, -1)
 
     def _randomness(self, states: list[SamplingState], width: int, vocab: int, device):
-        """Uniforms for the acceptance tests and Exp(1) noise for the last token; greedy rows get
-        constants (u = 0 keeps a draft exactly where p has it; noise 1 takes the argmax) and draw
-        nothing, so they leave every generator where plain decoding would."""
-        uniform, noise = torch.zeros(len(states), width, device=device), torch.ones(len(states), vocab, device=device)
-        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
-        if random_rows:
-            rows, sub = torch.tensor(random_rows, device=device), [states[i] for i in random_rows]
-            uniform[rows] = self.sampler.noise(sub, width, device, "uniform")
-            noise[rows] = self.sampler.noise(sub, vocab, device, "exponential")
-        return uniform, noise
+        """Uniforms for the acceptance tests and Exp(1) noise for the last token."""
+        return (self.sampler.noise(states, width, device, "uniform"),
+                self.sampler.noise(states, vocab, device, "exponential"))
 
     def _stacked_draft_probs(self, seqs, tokens: torch.Tensor, ks: list[int], vocab: int) -> torch.Tensor | None:
         """[seqs, width, vocab] draft distributions (one-hot rows for greedy drafts), or None
@@ -249,6 +237,10 @@ class Speculator:
         for seq_id in [i for i, acc in self.acceptance.items() if acc.seq.is_finished]:
             del self.acceptance[seq_id]
         self.proposer.forget_finished()
+
+
+def _as_tree(drafts: list[int]) -> DraftTree:
+    return drafts if isinstance(drafts, DraftTree) else DraftTree(drafts, list(range(-1, len(drafts) - 1)))
 
 
 def _check_trees_run(engine) -> None:
