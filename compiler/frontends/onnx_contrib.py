@@ -5,13 +5,15 @@ decoders with them, with torch reference semantics in the forms lowering raises:
   rotate-half rope over an inv_freq param when `do_rotary`, k/v repeated per query group, then
   causal SDPA. Its past_key/past_value inputs are read as the empty past: llmc traces a forward
   without a cache and runs its own paged one, so the present outputs are never read.
-- RotaryEmbedding feeding a GroupQueryAttention's q or k: folded into that attention's rotary.
+  Folded into it as HF writes them: RotaryEmbedding nodes turning its q and k, per-head RMS norms
+  of q and k (Qwen3), and a packed qkv projection, split into q, k and v linears (bias too).
 - SkipSimplifiedLayerNormalization / SimplifiedLayerNormalization: the residual add, then HF's
   RMSNorm.
 - MatMulNBits (4 bits): a linear over the weight dequantised as w = (q - zero_point) * scale,
   whose codes and scales are also kept (OnnxGraphModule.stored) as llmc params that dequantise to
   exactly those values: symmetric weights (no zero points: 8) as affine4's (q - 8) * s, others as
-  int4's (q - z) * s.
+  int4's (q - z) * s. accuracy_level (ORT's leave to round activations to int8) is read as the
+  op's float reference.
 
 Attributes and inputs outside these semantics are refused, naming the node and op. A rotary cache
 holds no inv_freq, so it is read off the table (`cache_inv_freq`) and checked against every row."""
@@ -139,14 +141,14 @@ def prepare_gqa(step, module):
             raise refuse(step, f"reads its past KV '{past}' from inside the graph (llmc reads the past "
                                f"only as the graph's own input, which it treats as empty)")
     inputs = (step.inputs + [""] * 9)[:9]
-    inv_freq = register_rotary(step, module, inputs[7], inputs[8]) if step.attrs.get("do_rotary", 0) else ""
-    if step.attrs.get("do_rotary", 0) and not (inputs[7] and inputs[8]):
+    rotary = step.attrs.get("do_rotary", 0)
+    if rotary and not (inputs[7] and inputs[8]):
         raise refuse(step, "has do_rotary=1 without cos_cache and sin_cache")
-    step.inputs = inputs[:3] + [inv_freq]
+    step.inputs = inputs[:3] + [register_rotary(step, module, inputs[7], inputs[8]) if rotary else ""]
     return step
 
 
-def group_query_attention(ctx, step, query, key, value, inv_freq):
+def group_query_attention(ctx, step, query, key, value, inv_freq, q_gain=None, k_gain=None):
     at = step.attrs
     heads, kv_heads = at["num_heads"], at["kv_num_heads"]
     if key is None:  # packed: each token's features are q, then k, then v
@@ -154,7 +156,8 @@ def group_query_attention(ctx, step, query, key, value, inv_freq):
         query, key, value = (query[..., a * d:b * d] for a, b in ((0, heads), (heads, heads + kv_heads),
                                                                   (heads + kv_heads, heads + 2 * kv_heads)))
     d = query.shape[-1] // heads
-    q, k, v = (split_heads(x, d) for x in (query, key, value))
+    eps = at.get("head_norm_eps", (0.0, 0.0))
+    q, k, v = split_heads(query, d, q_gain, eps[0]), split_heads(key, d, k_gain, eps[1]), split_heads(value, d)
     if inv_freq is not None:
         positions = positions_of(ctx, q.shape[2])
         scaling = ctx.module.rope_scaling[step.inputs[3]]
@@ -164,9 +167,10 @@ def group_query_attention(ctx, step, query, key, value, inv_freq):
     return out.transpose(1, 2).reshape(*query.shape[:2], heads * d), k, v
 
 
-def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """[B, T, H * D] -> [B, H, T, D]."""
-    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+def split_heads(x: torch.Tensor, head_dim: int, gain: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """[B, T, H * D] -> [B, H, T, D], each head RMS-normed by `gain` [D] if given."""
+    heads = x.view(*x.shape[:2], -1, head_dim)
+    return (heads if gain is None else rms_norm(heads, gain, eps)).transpose(1, 2)
 
 
 def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -177,32 +181,89 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unsqueeze(2).expand(b, kv_heads, heads // kv_heads, t, d).reshape(b, heads, t, d)
 
 
-def split_packed_qkv(steps: list, module) -> list:
-    """A GroupQueryAttention reading q, k and v packed from one Linear nothing else reads -> three
-    Linears over the row blocks of its weight (and bias, and stored codes), as HF's separate
-    projections: lowering then finds each projection whole, so a stored int4 weight stays stored."""
+def fold_head_norms(steps: list, module) -> list:
+    """reshape(rms_norm(reshape(x, [.., heads, head_dim]), w [head_dim]), [.., heads * head_dim]) read
+    by a GroupQueryAttention's q or k alone (Qwen3's q_norm/k_norm) -> that attention's own head norm
+    (inputs 4 and 5: the gains; attr head_norm_eps), as HF applies it between head split and rotary."""
+    readers = reader_counts(steps)
+    producers = {o: s for s in steps for o in s.outputs}
+    folded = set()
+    for s in steps:
+        if s.op != "GroupQueryAttention":
+            continue
+        s.inputs += ["", ""]
+        eps = [0.0, 0.0]
+        for i in (0, 1):
+            chain = head_norm_chain(s.inputs[i], producers, readers, module)
+            if chain is not None:
+                (r1, norm, r2), s.inputs[i] = chain, chain[0].inputs[0]
+                s.inputs[4 + i], eps[i] = norm.inputs[1], norm.attrs.get("epsilon", 1e-5)
+                folded.update((id(r1), id(norm), id(r2)))
+        s.attrs["head_norm_eps"] = tuple(eps)
+    return [s for s in steps if id(s) not in folded]
+
+
+def head_norm_chain(value: str, producers: dict, readers: dict, module):
+    """(reshape to heads, SimplifiedLayerNormalization over head_dim, reshape back) giving `value`, or None."""
+    r2 = producers.get(value)
+    norm = producers.get(r2.inputs[0]) if r2 is not None and r2.op == "Reshape" else None
+    r1 = producers.get(norm.inputs[0]) if norm is not None and norm.op == "SimplifiedLayerNormalization" else None
+    if r1 is None or r1.op != "Reshape" or any(readers[s.outputs[0]] != 1 for s in (r1, norm, r2)):
+        return None
+    gain = module.tensors.get(norm.inputs[1])
+    target = module.consts.get(r1.inputs[1])
+    if gain is None or gain.ndim != 1 or target is None or target.values[-1] != len(gain):
+        return None
+    return r1, norm, r2
+
+
+def reader_counts(steps: list) -> dict[str, int]:
     readers: dict[str, int] = {}
     for s in steps:
         for i in s.inputs:
             readers[i] = readers.get(i, 0) + 1
+    return readers
+
+
+def split_packed_qkv(steps: list, module) -> list:
+    """A GroupQueryAttention reading q, k and v packed from one Linear (plus a bias Add) nothing else
+    reads -> three Linears over the row blocks of its weight (and bias, and stored codes), as HF's
+    separate projections: lowering then finds each projection whole, so a stored int4 weight stays stored."""
+    readers = reader_counts(steps)
     producers = {o: s for s in steps for o in s.outputs}
-    splits = {}
+    splits, dropped = {}, set()
     for s in steps:
         lin = producers.get(s.inputs[0]) if s.op == "GroupQueryAttention" and not s.inputs[1] else None
+        add = None
+        if lin is not None and lin.op == "Add":
+            add, lin = lin, with_bias(lin, producers, readers, module)
         if lin is not None and lin.op == "Linear" and readers[lin.outputs[0]] == 1 and all(
                 i in module.tensors for i in lin.inputs[1:]):
-            splits[id(lin)] = projections(lin, s, module)
+            splits[id(lin)] = projections(lin, s, module, add.inputs[1] if add else None)
             s.inputs = [p.outputs[0] for p in splits[id(lin)]] + s.inputs[3:]
-    return [p for s in steps for p in splits.get(id(s), [s])]
+            dropped.add(id(add))  # its bias went into the Linears
+    return [p for s in steps if id(s) not in dropped for p in splits.get(id(s), [s])]
 
 
-def projections(lin, attention, module) -> list:
-    """The q, k and v Linears of the packed projection `lin`, feeding `attention`."""
+def with_bias(add, producers: dict, readers: dict, module):
+    """The bias-free Linear `add` adds a bias to (its inputs put in that order), else None."""
+    for x, bias in (add.inputs, add.inputs[::-1]):
+        lin = producers.get(x)
+        if lin is not None and lin.op == "Linear" and len(lin.inputs) == 1 and bias in module.tensors \
+                and module.tensors[bias].ndim == 1:
+            add.inputs = [x, bias]
+            return lin
+    return None
+
+
+def projections(lin, attention, module, bias: str | None) -> list:
+    """The q, k and v Linears of the packed projection `lin` (with its bias, or `bias`), feeding `attention`."""
     heads, kv_heads = attention.attrs["num_heads"], attention.attrs["kv_num_heads"]
     weight = lin.attrs["weight"]
     d = module.tensors[weight].shape[1] // (heads + 2 * kv_heads)   # stored [K, N], as MatMul's
     bounds = {"q": (0, heads * d), "k": (heads * d, (heads + kv_heads) * d),
               "v": ((heads + kv_heads) * d, (heads + 2 * kv_heads) * d)}
+    bias = lin.inputs[1] if len(lin.inputs) > 1 else bias
     out = []
     for part, (a, b) in bounds.items():
         name = f"{weight}.{part}"
@@ -210,9 +271,9 @@ def projections(lin, attention, module) -> list:
         if weight in module.stored:
             module.stored[name] = module.stored[weight].rows(torch.arange(a, b))
         inputs = lin.inputs[:1]
-        if len(lin.inputs) > 1:
-            module.tensors[f"{lin.inputs[1]}.{part}"] = module.tensors[lin.inputs[1]][a:b]
-            inputs = inputs + [f"{lin.inputs[1]}.{part}"]
+        if bias is not None:
+            module.tensors[f"{bias}.{part}"] = module.tensors[bias][a:b]
+            inputs = inputs + [f"{bias}.{part}"]
         out.append(type(lin)("Linear", f"{lin.name}/{part}", inputs, [f"{lin.outputs[0]}/{part}"], {"weight": name}))
     return out
 

@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
 
-from llmc.compiler.frontends.onnx_contrib import CONTRIB_DOMAIN, CONTRIB_OPS, PREPARE, fold_rotary, split_packed_qkv
+from llmc.compiler.frontends.onnx_contrib import (
+    CONTRIB_DOMAIN,
+    CONTRIB_OPS,
+    PREPARE,
+    fold_head_norms,
+    fold_rotary,
+    split_packed_qkv,
+)
 from llmc.errors import UnsupportedModelError
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -91,7 +98,7 @@ def _steps(graph: onnx.GraphProto, module) -> list[Step]:
             raise UnsupportedModelError(f"ONNX node '{step.name}' is op {n.op_type}, which llmc cannot read; "
                                         f"export the model without it")
         steps.append(PREPARE[n.op_type](step, module) if contrib or n.op_type in PREPARE else step)
-    return split_packed_qkv(fold_rotary(steps, module), module)
+    return fold_rotary(steps, module)
 
 
 class OnnxGraphModule(torch.nn.Module):
@@ -614,7 +621,8 @@ OPS = {**dict.fromkeys(("Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Les
 
 # -- rewrites -----------------------------------------------------------------------------
 def plan_steps(steps: list[Step], module: OnnxGraphModule) -> list[Step]:
-    """The rewrites of the module docstring, then only the steps the graph outputs need."""
+    """The rewrites of the module docstring (and onnx_contrib's folds of per-head norms into attention
+    and split of a packed qkv projection), then only the steps the graph outputs need."""
     steps = fold_constants(steps, module)
     prod = {o: s for s in steps for o in s.outputs}
     const = module.consts
@@ -658,7 +666,7 @@ def plan_steps(steps: list[Step], module: OnnxGraphModule) -> list[Step]:
                 and list(tr.attrs.get("perm", [])) == [0, 2, 1] and (rs := made_by(tr.inputs[0], "Reshape")):
             new = Step("SwapLastTwo", s.name, [rs.inputs[0], s.inputs[1]], s.outputs, fallback=[rs, tr, s])
         out.append(new)
-    return live(out, module)
+    return live(split_packed_qkv(fold_head_norms(out, module), module), module)
 
 
 def _plus_zero(add: Step, const: dict) -> str | None:

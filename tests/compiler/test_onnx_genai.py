@@ -1,9 +1,10 @@
-"""ONNX Runtime GenAI model-builder decoders: a tiny seeded Llama turned into ONNX by the builder
-itself (GroupQueryAttention with past KV inputs and rotary caches, SkipSimplifiedLayerNormalization,
-packed qkv; MatMulNBits int4 weights at -p int4) compiles with `llmc compile`; its logits at every
-position through the paged KV cache match HF's (fp32) and ONNX Runtime's on the same file to 1e-4,
-and its greedy tokens are HF's / ORT's; int4 weights stay int4 with the file's codes and scales;
-unsupported contrib ops and attributes are refused in one line naming the node and op."""
+"""ONNX Runtime GenAI model-builder decoders: a tiny seeded Llama (and Qwen2, Qwen3, Gemma) turned
+into ONNX by the builder itself (GroupQueryAttention with past KV inputs and rotary caches,
+SkipSimplifiedLayerNormalization, packed qkv; MatMulNBits int4 weights at -p int4) compiles with
+`llmc compile`; its logits at every position through the paged KV cache match HF's (fp32) and ONNX
+Runtime's on the same file to 1e-4, and its greedy tokens are HF's / ORT's; int4 weights stay int4
+with the file's codes, scales and zero points; unsupported contrib ops and attributes are refused in
+one line naming the node and op."""
 
 import copy
 import json
@@ -109,6 +110,19 @@ def test_fp32_16_greedy_tokens_are_hf_s(fp32):
     module, _, llm = fp32
     ids = tiny.prompt_ids(21, seed=2)
     assert tiny.llmc_greedy(llm, ids, 16) == tiny.hf_greedy(module, ids, 16)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma"])
+def test_other_builder_architectures_match_hf_through_the_paged_cache(arch, tmp_path):
+    """Qwen2 (the packed qkv's bias Add, split with it), Qwen3 (q/k norms between head split and
+    rotary, folded into the attention) and Gemma (GELU, scaled embeddings, (1 + w) norms)."""
+    module = tiny.save_checkpoint(tiny.ARCHS[arch](), tmp_path / "hf", seed=8)
+    source = build(tmp_path / "hf", tmp_path / "onnx", "fp32")
+    assert compile_to(source, tmp_path / "model.llmc") == 0
+    llm = llmc.load(tmp_path / "model.llmc", kv_memory="8MiB")
+    ids = tiny.prompt_ids(30, seed=9)
+    got = tiny.paged_logits(llm, ids, prefill_chunks=(13,))
+    assert tiny.max_relative_error(got, tiny.hf_logits(module, ids)) < 1e-4
 
 
 def test_fp16_build_for_cuda_reads_in_float32(checkpoint, tmp_path):
