@@ -21,6 +21,8 @@ def quantize_experts(graph: Graph, scheme: str, group_of: Callable[[int], int | 
     """Rewrite every moe into a qmoe over `scheme` ("int8", or "int4" in groups of group_of(K) along
     K, None: no usable group size) experts. Returns (moe ops, float bytes, quantised bytes)."""
     nodes = [n for n in graph.nodes if n.op == "moe"]
+    if not nodes:
+        return 0, 0, 0
     before = after = 0
     for node in nodes:
         x, router, gate_up, down = node.inputs
