@@ -9,8 +9,9 @@ AMD EPYC (AVX2), one thread, N=3072 K=576 (SmolLM2's gate/up), ms per call:
     M=512: fp32 80,   int4pack 134,  int8pack 149
 and dequantising the 4-bit codes into the scratch costs ~1 ms (8 ms through compiler.quant's
 allocating ops). Where the two cross is measured per weight shape and thread count at load
-(`choose_dense_from`), or at compile under `--kernels auto`, which records it in
-plan.meta["kernel_choice"]["qlinear_dispatch"] for the runtime and `llmc inspect`."""
+(`choose_dense_from`), or at compile under `--kernels auto` (the default), which records it in
+plan.meta["kernel_choice"]["qlinear_dispatch"] for the runtime and `llmc inspect` (measured once per
+machine, codegen/ort_timing_cache.py)."""
 
 from __future__ import annotations
 
@@ -127,31 +128,42 @@ def recorded(meta: dict | None) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def dispatch_record(plan, weights: dict, threads: int) -> dict:
-    """Measure each qlinear weight shape of the plan's torch steps once (with its first step's real
-    weights) at `threads` threads: the record choose_dense_from reads back from the plan."""
+def dispatch_record(steps, weights: dict, threads: int) -> dict:
+    """Measure each qlinear weight shape among `steps` ((kernel, inputs, attrs) of torch steps) once,
+    with its first step's real weights, at `threads` threads (or take what this machine measured
+    before): the record choose_dense_from reads back from the plan."""
     from llmc.codegen.cpu_kernels import packed_run, prepare_qlinear
 
     shapes: dict[str, dict] = {}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for step in plan.steps:
-            params = [weights.get(i) for i in step.inputs]
-            if step.kernel != "cpu.qlinear" or None in params[1:]:
+        for kernel, inputs, attrs in steps:
+            params = [weights.get(i) for i in inputs]
+            if kernel != "cpu.qlinear" or None in params[1:]:
                 continue
-            key = shape_key(step.attrs["scheme"], params[1], params[2])
+            key = shape_key(attrs["scheme"], params[1], params[2])
             if key not in shapes:
-                prepared = prepare_qlinear(params, step.attrs, {"kernel_choice": {DISPATCH_META: {"shapes": {
+                prepared = prepare_qlinear(params, attrs, {"kernel_choice": {DISPATCH_META: {"shapes": {
                     key: {"dense_from": 1}}}}}).get("cpu_weights")
                 if not isinstance(prepared, DispatchedWeights):
                     continue
-                with torch.inference_mode():
-                    shapes[key] = {**measure_shape(packed_run(prepared.packed), prepared.dense), "steps": 0}
+                shapes[key] = {**_recalled_measure(key, threads, packed_run(prepared.packed), prepared.dense),
+                               "steps": 0}
             shapes[key]["steps"] += 1
     finally:
         torch.set_num_threads(previous)
     return {"threads": threads, "rows": list(PROBE_ROWS), "shapes": shapes}
+
+
+def _recalled_measure(key: str, threads: int, packed_run, src: DenseSource) -> dict:
+    """measure_shape's record for this shape, from the machine's timing cache when measured before."""
+    from llmc.codegen.ort_timing_cache import recall
+
+    def run() -> dict:
+        with torch.inference_mode():
+            return measure_shape(packed_run, src)
+    return recall({"what": "qlinear dense switch", "shape": key, "threads": threads, "rows": list(PROBE_ROWS)}, run)
 
 
 # (shape key, threads) -> measure_shape's record, for the shapes measured at load in this process
@@ -160,8 +172,8 @@ MEASURED: dict[tuple[str, int], dict] = {}
 
 def choose_dense_from(meta: dict | None, key: str, packed_run, src: DenseSource) -> int:
     """The row count from which this shape runs dense: LLMC_QLINEAR_DENSE_FROM when set, else what
-    the plan records (`--kernels auto` measures at compile), else measured here once per shape and
-    thread count (kept out of the plan, so that default builds stay byte-identical)."""
+    the plan records (`--kernels auto` measures at compile), else (`--kernels cpu|ort` plans)
+    measured here once per shape and thread count."""
     forced = os.environ.get(DENSE_FROM_ENV)
     if forced:
         if not forced.isdigit() or int(forced) < 1:

@@ -13,9 +13,11 @@ from llmc.codegen.onnx_weights import initializer, integral_zeros
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
-# MatMulNBits: quantise the activations to int8 per block and multiply codes (the fast CPU path;
-# levels 0-3 dequantise the weights to float and run several times slower)
+# MatMulNBits' accuracy_level: 4 quantises the activations to int8 per block and multiplies codes
+# (the fast CPU path, ~0.5% off the fp32 product); 1 keeps them fp32 and dequantises the weights
+# block by block (exact to float rounding; MLAS has a fast 4-bit path for it, 8-bit runs ~50x slower)
 INT8_COMPUTE = 4
+FP32_COMPUTE = 1
 AFFINE_BITS = {"affine4": 4, "affine8": 8}   # GGUF-derived grouped affine schemes (compiler/quant.py)
 NBITS_INT8_BLOCKS = (32, 16)    # the block size an int8 row's K is cut into (the first that divides K)
 
@@ -26,8 +28,8 @@ class OnnxBuilder:
     translations take ORT's contrib ops; otherwise weights are embedded and ops stay standard where
     an equal standard form exists."""
 
-    def __init__(self, graph, weights: dict, segment: bool = False):
-        self.graph, self.weights, self.segment = graph, weights, segment
+    def __init__(self, graph, weights: dict, segment: bool = False, nbits_level: int = INT8_COMPUTE):
+        self.graph, self.weights, self.segment, self.nbits_level = graph, weights, segment, nbits_level
         self.env = {v.name: v.name for v in graph.inputs}
         self.nodes, self.initializers = [], []
         self.sources: dict[str, tuple[str, str]] = {}
@@ -219,7 +221,7 @@ def _qlinear(b: OnnxBuilder, n) -> None:
 
 
 def _nbits_level(b: OnnxBuilder) -> dict:
-    return {"accuracy_level": INT8_COMPUTE} if b.segment else {}
+    return {"accuracy_level": b.nbits_level} if b.segment else {}
 
 
 def _matmul_nbits4(b: OnnxBuilder, x: str, qweight: str, scales: str, zeros: str, k: int, n: int, block: int) -> str:
@@ -363,4 +365,4 @@ SEGMENT_OPS = {("", op) for op in (
     (MS_DOMAIN, "MatMulNBits"), (MS_DOMAIN, "SkipSimplifiedLayerNormalization")}
 
 __all__ = ["OnnxBuilder", "TRANSLATIONS", "SEGMENT_OPS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin",
-           "apply_rope", "nbits_int8_block"]
+           "apply_rope", "nbits_int8_block", "INT8_COMPUTE", "FP32_COMPUTE"]

@@ -1,9 +1,10 @@
 """The "ort" kernel family at compile time: a cpu plan's runs of steps that ONNX Runtime can run
 (all but attention, which reads the paged KV cache in torch, and the split feeding it, a free view)
 become ONNX graphs, one `ort.segment` step each, stored in the artifact as ort/segment_NNN.onnx.
-`--kernels ort` lowers every segment; `--kernels auto` keeps a segment in ORT only where it measured
-faster than the torch kernels on this machine (codegen/ort_timing.py), recording the choice and the
-measured alternatives in plan.meta["kernel_choice"]."""
+`--kernels ort` lowers every segment; `--kernels auto`, the cpu target's default, keeps a segment in
+ORT only where it measured faster than the torch kernels on this machine and no less accurate
+(codegen/ort_timing.py), recording the choice and the measured alternatives in
+plan.meta["kernel_choice"]; `--kernels cpu` keeps the torch kernels throughout."""
 
 from __future__ import annotations
 
@@ -12,14 +13,23 @@ import re
 from dataclasses import dataclass, field
 
 from llmc.codegen.memory_plan import MemoryPlan, assign_slots, value_lifetimes
-from llmc.codegen.onnx_ops import AFFINE_BITS, MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, nbits_int8_block
+from llmc.codegen.onnx_ops import (
+    AFFINE_BITS,
+    FP32_COMPUTE,
+    INT8_COMPUTE,
+    MS_DOMAIN,
+    OPSET,
+    TRANSLATIONS,
+    OnnxBuilder,
+    nbits_int8_block,
+)
 from llmc.codegen.plan import Plan, PlanStep
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.errors import TargetError
 
 KERNEL_MODES = ("cpu", "ort", "auto")
-DEFAULT_MODE = "cpu"
+DEFAULT_MODE = "auto"
 SEGMENT_DIR = "ort"
 ORT_SCHEMES = ("int8", "int4", "w8a8", "affine4", "affine8")
 EMBEDDING_SCHEMES = ("int8", "int4", "affine4", "affine8")
@@ -113,12 +123,12 @@ def _boundary(graph: Graph, seg: Segment, outputs: list[str]) -> None:
     seg.outputs = [v.name for n in seg.nodes for v in n.outputs if v.name in read_later]
 
 
-def build_segment(graph: Graph, seg: Segment) -> tuple[bytes, OnnxBuilder]:
-    """The segment as ONNX bytes (weights as external initializers) and the builder that made it
-    (its `sources` and `values` say what the initializers hold)."""
+def build_segment(graph: Graph, seg: Segment, nbits_level: int = INT8_COMPUTE) -> tuple[bytes, OnnxBuilder]:
+    """The segment as ONNX bytes (weights as external initializers, MatMulNBits at `nbits_level`)
+    and the builder that made it (its `sources` and `values` say what the initializers hold)."""
     from onnx import helper
 
-    b = OnnxBuilder(graph, graph.weights, segment=True)
+    b = OnnxBuilder(graph, graph.weights, segment=True, nbits_level=nbits_level)
     b.env = {i: i for i in seg.inputs}
     for node in seg.nodes:
         TRANSLATIONS[node.op](b, node)
@@ -213,7 +223,9 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     if mode == "ort":
         _refuse_torch_ops(graph, kept)
     segments = find_segments(graph, kept, plan.outputs)
-    built = [build_segment(graph, seg) for seg in segments]
+    # ort: MatMulNBits on int8 activations, the fast path asked for; auto: on fp32 activations,
+    # the only level whose outputs it may choose (ort_timing measures the other beside it)
+    built = [build_segment(graph, seg, INT8_COMPUTE if mode == "ort" else FP32_COMPUTE) for seg in segments]
     choice = {"mode": mode, "kept_in_torch": _unforced(kept)}
     if mode == "ort":
         _require_segment_ops(built)
@@ -225,7 +237,8 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     lowered = restep(plan, steps)
     if mode == "auto":
         from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
-        choice[DISPATCH_META] = dispatch_record(lowered, graph.weights, choice["measured"]["threads"])
+        choice[DISPATCH_META] = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in lowered.steps],
+                                                graph.weights, choice["measured"]["threads"])
     lowered.meta = {**plan.meta, "kernel_choice": choice}
     return lowered, files
 

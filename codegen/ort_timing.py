@@ -1,12 +1,15 @@
-"""`--kernels auto`: time each kind of plan segment on the compiling machine, as its torch kernels
-and as its ONNX Runtime session, at the plan's shapes (a decode step of one token and a prefill of
-PREFILL_TOKENS), and keep the faster of the two among those whose outputs match torch's
-(AUTO_TOLERANCE). Segments of the same ops at the same shapes (a model's layers) are timed once.
-The cost compared is one request's: a PREFILL_TOKENS prefill plus as many decode steps. Timings are
-minima over interleaved repeats, so a busy machine biases neither side."""
+"""`--kernels auto` (the cpu target's default): time each kind of plan segment on the compiling
+machine, as its torch kernels and as its ONNX Runtime session, at the plan's shapes (a decode step
+of one token and a prefill of PREFILL_TOKENS), and keep the faster of those no further from the
+reference semantics (compiler/ops.py) than the torch kernels are (or within AUTO_TOLERANCE).
+Segments of the same ops at the same shapes (a model's layers) are timed once, and what was
+measured is kept per machine (codegen/ort_timing_cache.py). The cost compared is one request's: a
+PREFILL_TOKENS prefill plus as many decode steps. Timings are minima over interleaved repeats, so a
+busy machine biases neither side."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -15,13 +18,18 @@ import torch
 
 from llmc.codegen.cpu_kernels import RopeCache, resolve_kernel
 from llmc.compiler.ir import Graph, eval_dim
-from llmc.compiler.ops import TORCH_DTYPES
+from llmc.compiler.ops import TORCH_DTYPES, run_reference
 
 PREFILL_TOKENS = 128
 REPEATS = {"decode": 15, "prefill": 3}
-# auto never trades accuracy for speed: ORT is eligible only where its outputs equal torch's up to
-# float reassociation (MatMulNBits' int8 activations, ~1e-2, are an explicit --kernels ort choice)
+# auto never trades accuracy for speed: ORT is eligible for a segment only where its outputs are as
+# close to the reference as the torch kernels' (which round activations to bf16 for packed int8/int4
+# weights), or within float reassociation of it
 AUTO_TOLERANCE = 1e-4
+# MatMulNBits on int8 activations is measured beside the fp32 level but never chosen by auto: its
+# error grows with the activations' outliers, which random inputs do not have
+INT8_ACTIVATIONS = "ort-int8"
+INT8_EXCLUDED = "rounds activations to int8 per block (only --kernels ort runs it)"
 
 
 def signature(graph: Graph, seg) -> str:
@@ -32,8 +40,9 @@ def signature(graph: Graph, seg) -> str:
 
 
 def sample_inputs(graph: Graph, names: list[str], tokens: int) -> list[torch.Tensor]:
-    """Random activations of the segment's inputs for a batch of `tokens` tokens of one sequence
-    (one logits row); index inputs are zeros, a valid row of any table."""
+    """Activations of the segment's inputs for a batch of `tokens` tokens of one sequence (one
+    logits row), random but the same on every call; index inputs are zeros, a valid row of any table."""
+    generator = torch.Generator().manual_seed(tokens)
     out = []
     for name in names:
         t = graph.type_of(name)
@@ -41,22 +50,28 @@ def sample_inputs(graph: Graph, names: list[str], tokens: int) -> list[torch.Ten
                    for s in re.findall(r"[A-Za-z_]\w*", d)}
         shape = [eval_dim(d, binding) for d in t.shape]
         dtype = TORCH_DTYPES[t.dtype]
-        out.append(torch.randn(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype))
+        out.append(torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
+                   else torch.zeros(shape, dtype=dtype))
     return out
 
 
 class TorchSegment:
-    """The segment's nodes run as the cpu plan runs them (kernels with their load-time packing)."""
+    """The segment's nodes run as the cpu plan runs them (kernels with their load-time packing, the
+    quantised linears' switch to dense GEMMs as `--kernels auto` records it)."""
 
-    def __init__(self, graph: Graph, seg):
+    def __init__(self, graph: Graph, seg, threads: int):
+        from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
+
         self.seg = seg
         self.launches = []
+        steps = [(f"cpu.{n.op}", n.inputs, n.attrs) for n in seg.nodes]
+        meta = {"kernel_choice": {DISPATCH_META: dispatch_record(steps, graph.weights, threads)}}
         for node in seg.nodes:
             fn = resolve_kernel(f"cpu.{node.op}")
             attrs = dict(node.attrs)
             if getattr(fn, "prepare", None) is not None:
                 params = [graph.weights.get(i) for i in node.inputs]
-                attrs.update(fn.prepare(params, attrs))
+                attrs.update(fn.prepare(params, attrs, meta))
             self.launches.append((node, fn, attrs))
         self.weights = graph.weights
 
@@ -68,6 +83,22 @@ class TorchSegment:
             args = [values[i] if i in values else self.weights[i] for i in node.inputs]
             extra = {c: context[c] for c in getattr(fn, "context", ())}
             for v, t in zip(node.outputs, fn(*args, **attrs, **extra)):
+                values[v.name] = t
+        return [values[o] for o in self.seg.outputs]
+
+
+class ReferenceSegment:
+    """The segment's nodes under their reference semantics, as the interpreter runs them."""
+
+    def __init__(self, graph: Graph, seg):
+        self.seg, self.weights = seg, graph.weights
+
+    @torch.inference_mode()
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        values = dict(zip(self.seg.inputs, inputs))
+        for node in self.seg.nodes:
+            args = [values[i] if i in values else self.weights[i] for i in node.inputs]
+            for v, t in zip(node.outputs, run_reference(node, args)):
                 values[v.name] = t
         return [values[o] for o in self.seg.outputs]
 
@@ -94,62 +125,91 @@ def measure(runners: dict, graph: Graph, seg) -> dict[str, dict[str, float]]:
     return us
 
 
+def errors(runners: dict, reference, graph: Graph, seg) -> dict[str, float]:
+    """Each runner's largest |out - reference| over the segment's float outputs, relative to the
+    largest |reference| output, the worse of decode and prefill shapes (the torch kernels take
+    another path from some row count on); two significant digits."""
+    worst = dict.fromkeys(runners, 0.0)
+    for tokens in (1, PREFILL_TOKENS):
+        inputs = sample_inputs(graph, seg.inputs, tokens)
+        want = [t.float() if t.is_floating_point() and t.numel() else None for t in reference(*inputs)]
+        scale = max((t.abs().max().item() for t in want if t is not None), default=0.0) or 1.0
+        for name, run in runners.items():
+            pairs = [(a.float(), b) for a, b in zip(run(*inputs), want) if b is not None]
+            off = max(((a - b).abs().max().item() for a, b in pairs), default=0.0) / scale
+            worst[name] = max(worst[name], off)
+    return {name: float(f"{off:.2g}") for name, off in worst.items()}
+
+
 def request_cost(us: dict[str, float]) -> float:
     return us["prefill"] + PREFILL_TOKENS * us["decode"]
 
 
 def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tuple[list[bool], dict]:
     """Whether each segment runs in ORT, and the record of what was measured (plan.meta)."""
-    from llmc.codegen.ort_lowering import segment_ops
-    from llmc.runtime.ort_segment import cpu_kernel_ops
     from llmc.runtime.threads import resolve_threads
 
     threads = resolve_threads()
-    have = cpu_kernel_ops()
     kinds: dict[str, dict] = {}
     chosen = []
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for seg, (model, builder) in zip(segments, built):
-            key = signature(graph, seg)
-            if key not in kinds:
-                kinds[key] = _measure_kind(graph, seg, model, builder, threads, have, segment_ops(model))
-            kinds[key]["segments"] += 1
-            chosen.append(kinds[key]["chosen"] == "ort")
-    finally:
-        torch.set_num_threads(previous)
+    for seg, (model, builder) in zip(segments, built):
+        key = signature(graph, seg)
+        if key not in kinds:
+            kinds[key] = _kind(graph, seg, model, builder, threads, key)
+        kinds[key]["segments"] += 1
+        chosen.append(kinds[key]["chosen"] == "ort")
     record = {"threads": threads, "tokens": {"decode": 1, "prefill": PREFILL_TOKENS},
               "cost": f"prefill + {PREFILL_TOKENS} x decode", "kinds": list(kinds.values())}
     return chosen, record
 
 
-def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int, have: set, ops: set) -> dict:
-    from llmc.runtime.ort_segment import OrtSegment
+def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> dict:
+    """One kind's record: what was measured (from the machine's cache when it was measured before)
+    and the choice."""
+    from llmc.codegen.ort_lowering import segment_ops
+    from llmc.codegen.ort_timing_cache import recall
+    from llmc.runtime.ort_segment import cpu_kernel_ops
 
     entry = {"first": seg.span, "ops": _op_counts(seg), "segments": 0}
-    missing = sorted(ops - have)
+    missing = sorted(segment_ops(model) - cpu_kernel_ops())
     if missing:
         return {**entry, "chosen": "cpu", "why": f"onnxruntime lacks {'.'.join(missing[0]).lstrip('.')}"}
+    measured = recall({"what": "ort segment", "signature": key, "onnx": hashlib.sha256(model).hexdigest(),
+                       "threads": threads, "tokens": PREFILL_TOKENS, "repeats": REPEATS},
+                      lambda: _measure_kind(graph, seg, model, builder, threads))
+    return {**entry, **measured, **_verdict(measured)}
+
+
+def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int) -> dict:
+    from llmc.codegen.onnx_ops import INT8_COMPUTE, MS_DOMAIN
+    from llmc.codegen.ort_lowering import build_segment, segment_ops
+    from llmc.runtime.ort_segment import OrtSegment
+
     io = lambda names: [(n, graph.type_of(n)) for n in names]
-    ort = OrtSegment(model, builder.values, io(seg.inputs), io(seg.outputs), threads, f"segment {seg.span}")
-    torch_segment = TorchSegment(graph, seg)
-    us = measure({"cpu": torch_segment, "ort": ort}, graph, seg)
-    difference = output_difference(torch_segment, ort, graph, seg)
-    entry.update(us=us, ort_vs_cpu=difference)
-    if difference > AUTO_TOLERANCE:
-        return {**entry, "chosen": "cpu", "why": f"ORT's outputs differ from torch's by {difference:.1e} of the "
-                                                 f"largest (over {AUTO_TOLERANCE:.0e}): it would change the numbers"}
-    return {**entry, "chosen": min(us, key=lambda name: request_cost(us[name]))}
+    session = lambda m, b: OrtSegment(m, b.values, io(seg.inputs), io(seg.outputs), threads, f"segment {seg.span}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runners = {"cpu": TorchSegment(graph, seg, threads), "ort": session(model, builder)}
+        if (MS_DOMAIN, "MatMulNBits") in segment_ops(model):
+            runners[INT8_ACTIVATIONS] = session(*build_segment(graph, seg, INT8_COMPUTE))
+        us = measure(runners, graph, seg)
+        error = errors(runners, ReferenceSegment(graph, seg), graph, seg)
+    finally:
+        torch.set_num_threads(previous)
+    return {"us": us, "error": error}
 
 
-def output_difference(cpu, ort, graph: Graph, seg) -> float:
-    """The largest |ort - cpu| over the segment's outputs at prefill shapes, relative to the largest
-    |cpu| output (MatMulNBits rounds activations to int8 per block where torch's kernels keep bf16)."""
-    inputs = sample_inputs(graph, seg.inputs, PREFILL_TOKENS)
-    pairs = [(a.float(), b.float()) for a, b in zip(ort(*inputs), cpu(*inputs)) if b.dtype.is_floating_point]
-    scale = max((b.abs().max().item() for _, b in pairs), default=0.0) or 1.0
-    return round(max(((a - b).abs().max().item() for a, b in pairs), default=0.0) / scale, 6)
+def _verdict(measured: dict) -> dict:
+    """The family auto runs a kind in: the cheaper request among the torch kernels and those ORT
+    sessions no further from the reference (an excluded one is recorded with its reason)."""
+    us, error = measured["us"], measured["error"]
+    out = {"excluded": {INT8_ACTIVATIONS: INT8_EXCLUDED}} if INT8_ACTIVATIONS in us else {}
+    if error["ort"] > max(AUTO_TOLERANCE, error["cpu"]):
+        return {**out, "chosen": "cpu", "why": f"ORT's outputs are {error['ort']:.1e} of the largest off the "
+                                               f"reference, the torch kernels' {error['cpu']:.1e}: it would "
+                                               f"change the numbers"}
+    return {**out, "chosen": min(("cpu", "ort"), key=lambda name: request_cost(us[name]))}
 
 
 def _op_counts(seg) -> str:
@@ -159,4 +219,5 @@ def _op_counts(seg) -> str:
     return ", ".join(f"{op} {c}" if c > 1 else op for op, c in counts.items())
 
 
-__all__ = ["choose_segments", "signature", "measure", "TorchSegment", "PREFILL_TOKENS", "request_cost"]
+__all__ = ["choose_segments", "signature", "measure", "errors", "TorchSegment", "ReferenceSegment", "PREFILL_TOKENS",
+           "request_cost", "AUTO_TOLERANCE", "INT8_ACTIVATIONS"]

@@ -219,13 +219,10 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
     if measured:
         tokens = measured["tokens"]
         lines.append(f"    measured with {measured['threads']} threads at {tokens['decode']} and {tokens['prefill']} "
-                     f"tokens (us, decode/prefill; chosen by {measured['cost']}):")
+                     f"tokens (us decode/prefill, outputs off the reference relative to their largest; chosen "
+                     f"by {measured['cost']}):")
         for kind in measured["kinds"]:
-            us = kind.get("us") or {}
-            figures = ", ".join(f"{family} {t['decode']:.0f}/{t['prefill']:.0f}" for family, t in us.items())
-            why = (figures + (f"; outputs differ by {kind['ort_vs_cpu']:.2%} of their largest"
-                              if "ort_vs_cpu" in kind else "")) or kind.get("why", "")
-            lines.append(f"    {kind['chosen']:<4} x{kind['segments']:<3} {kind['ops']}: {why}")
+            lines.append(f"    {kind['chosen']:<4} x{kind['segments']:<3} {kind['ops']}: {_kind_figures(kind)}")
     for node, why in (choice.get("kept_in_torch") or {}).items():
         lines.append(f"    torch: {node}: {why}")
     dispatch = choice.get("qlinear_dispatch") or {}
@@ -237,6 +234,15 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
                       for r in entry["us"]["packed"])
         lines.append(f"      {key} x{entry['steps']}: dense from {entry['dense_from']} rows; {us}")
     return lines
+
+
+def _kind_figures(kind: dict) -> str:
+    error, excluded = kind.get("error") or {}, kind.get("excluded") or {}
+    figures = [f"{family} {t['decode']:.0f}/{t['prefill']:.0f}"
+               + (f" off {error[family]:.1e}" if family in error else "")
+               + (f" (excluded: {excluded[family]})" if family in excluded else "")
+               for family, t in (kind.get("us") or {}).items()]
+    return "; ".join(figures + ([kind["why"]] if kind.get("why") else []))
 
 
 # -- Triton kernels (`llmc inspect ART --kernels [--source NAME]`) ---------------------------------

@@ -50,9 +50,12 @@ def smollm2_model(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory):
-    """tiny-llama compiled for cpu once per session; read-only: copy it (fixture `art`) to change it."""
+    """tiny-llama compiled for cpu once per session, with torch kernels throughout (tests read and edit
+    its plan's steps; the default, measured choice may put them in ONNX Runtime segments); read-only:
+    copy it (fixture `art`) to change it."""
     import llmc
-    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("tiny-cpu") / "tiny.llmc")
+    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("tiny-cpu") / "tiny.llmc",
+                        kernels="cpu")
 
 
 @pytest.fixture

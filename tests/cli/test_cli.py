@@ -70,7 +70,7 @@ def manifest_of(path: Path) -> dict:
 def run_plan(path: Path, token_ids: torch.Tensor) -> torch.Tensor:
     """logits [tokens, vocab] of the artifact's plan on one sequence, every row selected."""
     art = read_artifact(path)
-    executor = PlanExecutor(Plan.from_json(art.plan_json), art.weights)
+    executor = PlanExecutor(Plan.from_json(art.plan_json), art.weights, data=art.data)
     positions = torch.arange(len(token_ids))
     return executor.run_values({"input_ids": token_ids, "positions": positions,
                                 "logits_indices": positions})["logits"]

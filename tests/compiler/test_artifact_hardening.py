@@ -237,7 +237,8 @@ def test_two_compiles_are_byte_identical_with_equal_modes_and_hold_no_timings(co
     report_file = tmp_path / "report.json"
     old = os.umask(0o077)  # the second compile under a strict umask
     try:
-        again = llmc.compile("tiny-llama", target="cpu", output=tmp_path / "again.llmc", report=report_file)
+        again = llmc.compile("tiny-llama", target="cpu", output=tmp_path / "again.llmc", report=report_file,
+                             kernels="cpu")   # as `compiled` was
     finally:
         os.umask(old)
     assert files_of(again) == files_of(compiled)

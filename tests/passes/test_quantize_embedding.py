@@ -179,7 +179,7 @@ def test_compiled_tied_model_stores_the_table_once_and_tracks_fp32(tied, tied_di
         names = set(f.keys())
     assert {n for n in names if "lm_head" in n or "embed" in n} == {f"lm_head.weight.{k}" for k in keys}
     artifact = read_artifact(path)
-    executor = PlanExecutor(Plan.from_json(artifact.plan_json), artifact.weights)
+    executor = PlanExecutor(Plan.from_json(artifact.plan_json), artifact.weights, data=artifact.data)
     ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(11))
     rows = torch.arange(12)
     got = executor.run_values({"input_ids": ids, "positions": rows, "logits_indices": rows})["logits"]
