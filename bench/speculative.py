@@ -39,11 +39,13 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--draft", default=None)
     parser.add_argument("--tree", type=int, default=1, help="n-gram candidates per token tree (1: chains only)")
+    parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the config's)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     spec = ({"method": "draft", "model": args.draft} if args.draft else {"method": "ngram"}) | \
-        {"num_speculative_tokens": args.k} | ({} if args.draft else {"tree_candidates": args.tree})
+        {"num_speculative_tokens": args.k} | ({} if args.draft else {"tree_candidates": args.tree}) | \
+        ({} if args.lookup_min is None else {"prompt_lookup_min": args.lookup_min})
     engine = Engine(args.artifact, EngineConfig(max_num_seqs=1, threads=args.threads, kv_memory="512MiB",
                                                 enable_prefix_caching=False, speculative=spec))
     speculator = engine.speculator
@@ -63,7 +65,8 @@ def main() -> None:
             totals[mode][1] += seconds
     rate = {mode: tokens / seconds for mode, (tokens, seconds) in totals.items()}
     result = {"workload": args.workload, "requests": args.n, "output_len": args.output_len,
-              "method": spec["method"], "k": args.k, "plain_decode_tok_s": rate["plain"],
+              "method": spec["method"], "k": args.k, "lookup_min": speculator.config.prompt_lookup_min,
+              "plain_decode_tok_s": rate["plain"],
               "speculative_decode_tok_s": rate["speculative"], "speedup": rate["speculative"] / rate["plain"],
               **metrics["speculative"].to_dict()}
     if args.tree > 1:
