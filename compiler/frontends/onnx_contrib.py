@@ -162,9 +162,27 @@ def group_query_attention(ctx, step, query, key, value, inv_freq, q_gain=None, k
         positions = positions_of(ctx, q.shape[2])
         scaling = ctx.module.rope_scaling[step.inputs[3]]
         q, k = rotate(q, positions, inv_freq, scaling), rotate(k, positions, inv_freq, scaling)
-    out = F.scaled_dot_product_attention(q, repeat_kv(k, heads), repeat_kv(v, heads), is_causal=True,
-                                         scale=at.get("scale") or None)
+    window = at.get("window")
+    mask = None if window is None else sliding_window_mask(q.shape[2], window)
+    out = F.scaled_dot_product_attention(q, repeat_kv(k, heads), repeat_kv(v, heads), attn_mask=mask,
+                                         is_causal=mask is None, scale=at.get("scale") or None)
     return out.transpose(1, 2).reshape(*query.shape[:2], heads * d), k, v
+
+
+def sliding_window_mask(tokens, window: int) -> torch.Tensor:
+    """[T, T] True where query i sees key j: j <= i and i - j < window."""
+    i = torch.arange(tokens)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+
+def set_windows(steps: list, windows: list) -> None:
+    """Each GroupQueryAttention's sliding window (attr "window"; None: plain causal), in layer order.
+    The model builder leaves Mistral's window out of the graph (local_window_size -1) and records it
+    in genai_config.json for ORT GenAI to apply, so the config gives it."""
+    attentions = [s for s in steps if s.op == "GroupQueryAttention"]
+    if len(attentions) == len(windows):
+        for step, window in zip(attentions, windows):
+            step.attrs["window"] = window
 
 
 def split_heads(x: torch.Tensor, head_dim: int, gain: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:

@@ -16,8 +16,9 @@ import onnx
 import torch
 import transformers
 
-from llmc.compiler.frontends.config_check import check_attention_fields, check_config_values
+from llmc.compiler.frontends.config_check import attention_windows, check_attention_fields, check_config_values
 from llmc.compiler.frontends.model import LoadedModel, call_transformers, first_line, hash_files, read_json_object
+from llmc.compiler.frontends.onnx_contrib import set_windows
 from llmc.compiler.frontends.onnx_torch import ONNX_DTYPES, OnnxGraphModule
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
@@ -39,6 +40,7 @@ def load_onnx(path: Path, source: str | None = None) -> LoadedModel:
     graph = OnnxGraphModule(proto.graph)
     inputs = check_io(proto, graph, model_path)
     config = read_config(folder, proto, model_path)
+    set_windows(graph.steps, attention_windows(config))
     tokenizer = read_tokenizer(folder, model_path)
     module = OnnxCausalLM(graph, config, inputs).eval()
     files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")]
@@ -126,7 +128,8 @@ GENAI_FIELDS = {"vocab_size": ("vocab_size",), "max_position_embeddings": ("cont
                 "pad_token_id": ("pad_token_id",), "hidden_size": ("decoder", "hidden_size"),
                 "num_attention_heads": ("decoder", "num_attention_heads"),
                 "num_key_value_heads": ("decoder", "num_key_value_heads"),
-                "num_hidden_layers": ("decoder", "num_hidden_layers"), "head_dim": ("decoder", "head_size")}
+                "num_hidden_layers": ("decoder", "num_hidden_layers"), "head_dim": ("decoder", "head_size"),
+                "sliding_window": ("decoder", "sliding_window", "window_size")}
 
 
 def genai_fields(genai: dict, path: Path) -> dict:
@@ -139,6 +142,11 @@ def genai_fields(genai: dict, path: Path) -> dict:
             value = value.get(key) if isinstance(value, dict) else None
         if value is not None:
             data[field] = value
+    decoder = genai["model"].get("decoder") if isinstance(genai.get("model"), dict) else None
+    window = decoder.get("sliding_window") if isinstance(decoder, dict) else None
+    if isinstance(window, dict) and window.get("layers"):
+        raise UnsupportedModelError(f"'{path}': decoder.sliding_window.layers={window['layers']!r} gives some "
+                                    f"layers a sliding window, which llmc does not read; pass a model without it")
     return data
 
 

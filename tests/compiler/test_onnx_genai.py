@@ -1,5 +1,5 @@
-"""ONNX Runtime GenAI model-builder decoders: a tiny seeded Llama (and Qwen2, Qwen3, Gemma) turned
-into ONNX by the builder itself (GroupQueryAttention with past KV inputs and rotary caches,
+"""ONNX Runtime GenAI model-builder decoders: a tiny seeded Llama (and Qwen2, Qwen3, Gemma, Mistral)
+turned into ONNX by the builder itself (GroupQueryAttention with past KV inputs and rotary caches,
 SkipSimplifiedLayerNormalization, packed qkv; MatMulNBits int4 weights at -p int4) compiles with
 `llmc compile`; its logits at every position through the paged KV cache match HF's (fp32) and ONNX
 Runtime's on the same file to 1e-4, and its greedy tokens are HF's / ORT's; int4 weights stay int4
@@ -112,10 +112,11 @@ def test_fp32_16_greedy_tokens_are_hf_s(fp32):
     assert tiny.llmc_greedy(llm, ids, 16) == tiny.hf_greedy(module, ids, 16)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma", "mistral"])
 def test_other_builder_architectures_match_hf_through_the_paged_cache(arch, tmp_path):
     """Qwen2 (the packed qkv's bias Add, split with it), Qwen3 (q/k norms between head split and
-    rotary, folded into the attention) and Gemma (GELU, scaled embeddings, (1 + w) norms)."""
+    rotary, folded into the attention), Gemma (GELU, scaled embeddings, (1 + w) norms) and Mistral
+    (its sliding window of 16, which the builder leaves to genai_config.json, over 30 tokens)."""
     module = tiny.save_checkpoint(tiny.ARCHS[arch](), tmp_path / "hf", seed=8)
     source = build(tmp_path / "hf", tmp_path / "onnx", "fp32")
     assert compile_to(source, tmp_path / "model.llmc") == 0
