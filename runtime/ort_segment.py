@@ -110,11 +110,19 @@ class OrtSegment:
             raise ArtifactError(f"{where}: onnxruntime refuses the segment ({message}); recompile the "
                                 f"model with this llmc, or with --kernels cpu") from None
         self.binding = self.session.io_binding()
+        # the C-level binding and run: the Python wrappers re-make the device and re-check capture
+        # state on every call, which cost more than a decode step's small segments compute
+        self._bind_input = self.binding._iobinding.bind_input
+        self._bind_output = self.binding._iobinding.bind_output
+        self._run = self.session._sess.run_with_iobinding
+        self._device = onnxruntime.OrtDevice.make("cpu", 0)._get_c_device()
         self.inputs = [(name, t, NUMPY_DTYPES[TORCH_OF[t.dtype]]) for name, t in inputs]
         self.outputs = [(name, t, TORCH_OF[t.dtype]) for name, t in outputs]
+        self._shapes: tuple = ()             # the last call's input shapes ...
+        self._output_shapes: list = []       # ... and the output shapes they give
         self.where = where
 
-    def _binding(self, values) -> dict[str, int]:
+    def _sizes(self, values) -> dict[str, int]:
         """The sizes of the symbolic dims, read off the inputs' shapes."""
         sizes: dict[str, int] = {}
         for (name, t, _), value in zip(self.inputs, values):
@@ -123,17 +131,25 @@ class OrtSegment:
                     sizes[dim] = size
         return sizes
 
+    def _shapes_for(self, values) -> list[list[int]]:
+        shapes = tuple(v.shape for v in values)
+        if shapes != self._shapes:
+            sizes = self._sizes(values)
+            self._output_shapes = [[d if isinstance(d, int) else eval_dim(d, sizes) for d in t.shape]
+                                   for _, t, _ in self.outputs]
+            self._shapes = shapes
+        return self._output_shapes
+
     def __call__(self, *values: torch.Tensor, **attrs) -> list[torch.Tensor]:
         values = [v.contiguous() for v in values]   # kept alive until the run returns
         for (name, _, np_dtype), value in zip(self.inputs, values):
-            self.binding.bind_input(name, "cpu", 0, np_dtype, list(value.shape), value.data_ptr())
-        sizes = self._binding(values)
+            self._bind_input(name, self._device, np_dtype, list(value.shape), value.data_ptr())
         results = []
-        for name, t, dtype in self.outputs:
-            out = torch.empty([d if isinstance(d, int) else eval_dim(d, sizes) for d in t.shape], dtype=dtype)
-            self.binding.bind_output(name, "cpu", 0, NUMPY_DTYPES[dtype], list(out.shape), out.data_ptr())
+        for (name, _, dtype), shape in zip(self.outputs, self._shapes_for(values)):
+            out = torch.empty(shape, dtype=dtype)
+            self._bind_output(name, self._device, NUMPY_DTYPES[dtype], shape, out.data_ptr())
             results.append(out)
-        self.session.run_with_iobinding(self.binding)
+        self._run(self.binding._iobinding, None)
         return results
 
 
