@@ -24,6 +24,7 @@ from llmc.compiler.calibration import calibration_sequences, calibration_source
 from llmc.compiler.compile_report import check_report_path, timing_line, write_report
 from llmc.compiler.draft import draft_options, read_draft_target
 from llmc.compiler.frontends import load_model
+from llmc.compiler.frontends.gguf import one_thread
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node
 from llmc.compiler.layer_stamp import traced_graph
 from llmc.compiler.ops import ATTENTION_OPS
@@ -215,6 +216,12 @@ def calibrate(loaded, pipeline: list, opts: CompileOptions, log) -> list[torch.T
     return seqs
 
 
+def pass_threads(calibration: list[torch.Tensor] | None):
+    """Without calibration data no pass runs the model: the passes only slice, pack and compare
+    weights, memory-bound work that one thread does faster than several (see one_thread)."""
+    return one_thread() if calibration is None else contextlib.nullcontext()
+
+
 def budget_options(opts: CompileOptions) -> dict:
     return {} if opts.max_ppl_increase is None else {"max_ppl_increase": opts.max_ppl_increase}
 
@@ -290,7 +297,8 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
                       source_weights=loaded.stored_quant,
                       print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
-    graphs, records = run_passes(graph, configs, ctx)  # one graph per tensor-parallel rank
+    with pass_threads(calibration):
+        graphs, records = run_passes(graph, configs, ctx)  # one graph per tensor-parallel rank
     graph = graphs[0]
     note_calibration(records, calibration, opts)
     model = set_model_meta(graphs, records, loaded)

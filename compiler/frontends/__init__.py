@@ -8,7 +8,6 @@ from pathlib import Path
 from llmc.compiler.frontends.gguf import load_gguf_file
 from llmc.compiler.frontends.hf import load_hf_dir
 from llmc.compiler.frontends.model import SUPPORTED_GGUF_ARCHITECTURES, LoadedModel
-from llmc.compiler.frontends.onnx_frontend import is_onnx_source, load_onnx
 from llmc.compiler.frontends.samples import SAMPLES, load_sample
 from llmc.errors import ModelLoadError
 
@@ -24,12 +23,20 @@ def load_model(source: str) -> LoadedModel:
         return load_sample(source)
     path = Path(source).expanduser()
     if is_onnx_source(path):
+        from llmc.compiler.frontends.onnx_frontend import load_onnx  # imports onnx, which other sources never need
+
         return load_onnx(path, source=source)
     if path.is_dir():
         return load_hf_dir(path, source=source)
     if path.is_file():
         return load_file(path, source)
     raise missing_source_error(source)
+
+
+def is_onnx_source(path: Path) -> bool:
+    """A .onnx file, or a directory holding a .onnx file and no safetensors."""
+    return path.suffix.lower() == ".onnx" if path.is_file() else (
+        path.is_dir() and any(path.glob("*.onnx")) and not any(path.glob("*.safetensors")))
 
 
 def load_file(path: Path, source: str) -> LoadedModel:

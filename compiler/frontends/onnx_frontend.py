@@ -28,11 +28,6 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attent
                    "max_position_embeddings")
 
 
-def is_onnx_source(path: Path) -> bool:
-    return path.suffix.lower() == ".onnx" if path.is_file() else (
-        path.is_dir() and any(path.glob("*.onnx")) and not any(path.glob("*.safetensors")))
-
-
 def load_onnx(path: Path, source: str | None = None) -> LoadedModel:
     model_path = find_onnx(path)
     folder = model_path.parent
