@@ -1,5 +1,6 @@
 """Speculative decoding on the real SmolLM2-135M: greedy requests give plain decoding's tokens
-exactly, with n-gram prompt lookup and with a `--draft-of` draft, 20 prompts x 64 tokens batched
+exactly, with n-gram prompt lookup (chains, and token trees of 3 candidates) and with a `--draft-of`
+draft, 20 prompts x 64 tokens batched
 (x 128 with LLMC_SPEC_CHECK_TOKENS=128),
 and alone (one request in flight) on some of them. The artifacts are compiled and the target loaded
 once per module; the plain reference is computed once, batched. The target keeps float weights: with the GGUF's own
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.smollm2
 # CI runs 20 prompts x 64 tokens (the draft method alone costs minutes on 2 cores);
 # LLMC_SPEC_CHECK_TOKENS=128 runs the full 20 x 128 check
 NUM_PROMPTS, NUM_TOKENS = 20, int(os.environ.get("LLMC_SPEC_CHECK_TOKENS", "64"))
-NUM_ALONE = {"ngram": 2, "draft": 2}   # one request in flight at a time costs a step per token or so
+NUM_ALONE = {"ngram": 2, "draft": 2, "ngram-tree": 2}   # one request in flight at a time costs a step per token or so
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +62,22 @@ def _speculate(engine, config: dict) -> None:
     engine.metrics.speculative = engine.speculator.metrics
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 5},
+           "ngram-tree": {"method": "ngram", "num_speculative_tokens": 5, "tree_candidates": 3},
+           "draft": {"method": "draft", "num_speculative_tokens": 2}}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "ngram-tree"])
 def test_greedy_speculation_equals_plain_decoding(smol, llm, prompts, plain, method):
     # not adaptive: every step verifies drafts (the half-layer draft's are seldom kept, so adaptive
     # k would soon stop drafting)
-    _speculate(llm.engine, {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False} if method == "ngram"
-               else {"method": "draft", "model": str(smol[1]), "num_speculative_tokens": 2, "adaptive": False})
+    model = {"model": str(smol[1])} if method == "draft" else {}
+    _speculate(llm.engine, METHODS[method] | model | {"adaptive": False})
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy())]
     assert [i for i, (a, b) in enumerate(zip(batched, plain)) if a != b] == []
     # alone: grounded and open prompts in turn, a different few for each method
     half, n = NUM_PROMPTS // 2, NUM_ALONE[method]
-    offset = 0 if method == "ngram" else NUM_ALONE["ngram"] // 2
+    offset = {"ngram": 0, "draft": 1, "ngram-tree": 2}[method]
     chosen = [i for j in range(offset, offset + (n + 1) // 2) for i in (j, half + j)][:n]
     alone = {i: llm.generate(prompts[i], _greedy())[0].outputs[0].token_ids for i in chosen}
     assert [i for i in chosen if alone[i] != plain[i]] == []
