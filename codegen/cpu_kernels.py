@@ -133,19 +133,21 @@ def rms_norm(x, weight, *, eps, **attrs):
 
 @kernel("linear")
 def linear(x, weight, bias=None, blocked=None, **attrs):
-    if blocked is not None and x.dim() == 2 and x.shape[0] > 1:   # see blocked_linear_weight
+    if blocked is not None and x.dim() == 2 and x.shape[0] >= BLOCKED_FROM_ROWS:   # see blocked_linear_weight
         return [torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")]
     return [F.linear(x, weight, bias)]
 
 
 BLOCKED_ROWS = 6   # the row count oneDNN tunes the blocked layout for: a verification of 5 drafts
+BLOCKED_FROM_ROWS = 4
 
 
 def blocked_linear_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
     """`weight` (fp32, on the CPU) reordered into oneDNN's blocked layout, or None where that does
     not apply. MKL's GEMM of 4 to 9 rows costs 1.5-2.4x its one-row GEMV on SmolLM2's shapes (fp32,
-    one thread, weights streamed from memory); oneDNN on the blocked copy costs 1.1-1.25x at 2 to 6
-    rows and 0.9x at 64; at one row it is 8% slower, so `linear` keeps MKL there."""
+    one thread, weights streamed from memory); oneDNN on the blocked copy 1.1-1.4x at 4 to 6 rows and
+    0.9x at 64. At 1 to 3 rows MKL was as fast or faster (2 rows: 1.0x against oneDNN's 1.1-1.3x), so
+    `linear` keeps MKL below BLOCKED_FROM_ROWS."""
     if (weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
             or not torch.backends.mkldnn.is_available()):
         return None
