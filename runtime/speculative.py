@@ -32,15 +32,16 @@ PROBE_LONG_MATCH = 8     # the same, when prompt lookup matched its longest n-gr
 class StepCost:
     """A target step of n tokens, over a one-token decode step: 1 + jump [n > 1] + per_token (n - 1).
     Decode reads every weight once, so more tokens ride along nearly free, except that on a CPU
-    MKL's matrix product of 2 to 8 rows costs about twice the 1-row GEMV; on oneDNN-blocked fp32
-    weights (cpu_kernels.blocked_linear_weight) a 2-row step cost 1.3x a decode step, a 9-row one
-    1.65x (SmolLM2, one thread). Fixed per device rather than timed, so that k, and with it which
-    random draws a seeded request makes, does not depend on the machine's load."""
+    MKL's matrix product of 4 to 8 rows costs about twice the 1-row GEMV; with oneDNN-blocked fp32
+    weights from 4 rows (cpu_kernels.blocked_linear_weight) a step verifying 1 draft cost 1.06x a
+    decode step, 3 drafts 1.35x, 5 drafts 1.48x (SmolLM2, one thread, interleaved). Fixed per device
+    rather than timed, so that k, and with it which random draws a seeded request makes, does not
+    depend on the machine's load."""
     jump: float
     per_token: float
 
 
-STEP_COSTS = {"cpu": StepCost(jump=1.0, per_token=0.1), "cpu-blocked": StepCost(jump=0.25, per_token=0.05),
+STEP_COSTS = {"cpu": StepCost(jump=1.0, per_token=0.1), "cpu-blocked": StepCost(jump=0.1, per_token=0.08),
               "cuda": StepCost(jump=0.0, per_token=0.02)}
 
 
