@@ -9,6 +9,7 @@ is parsed once; transformers' metadata readers reuse that parse."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from pathlib import Path
 from unittest import mock
@@ -21,6 +22,7 @@ from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, ReaderTenso
 from gguf.quants import _type_traits as DEQUANTIZERS  # the types gguf.dequantize handles besides F32/F16
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import modeling_gguf_pytorch_utils as gguf_checkpoint
 from transformers.utils import logging as hf_logging
 
 from llmc.compiler.frontends.config_check import check_config_values
@@ -70,16 +72,27 @@ def load_gguf_file(path: Path, source: str | None = None) -> LoadedModel:
 @contextlib.contextmanager
 def parsed_once(path: Path, reader: GGUFReader):
     """transformers' GGUF metadata readers (config, tokenizer) get `reader` for `path` instead of
-    parsing the file again: parsing a 49k-token vocabulary takes seconds each time. Should
-    transformers stop calling gguf.GGUFReader, it parses the file itself: slower, same result."""
-    parse, target = gguf.GGUFReader, path.resolve()
+    parsing the file again, and its metadata conversion (every vocabulary entry into Python, asked
+    for by the config and again by the tokenizer) runs once, each caller getting its own copy:
+    either takes seconds on a 49k-token vocabulary. Should transformers stop calling these, it
+    does the work itself: slower, same result."""
+    parse, convert, target = gguf.GGUFReader, gguf_checkpoint.load_gguf_checkpoint, path.resolve()
+    converted = {}
 
     def reader_for(file, *args, **kwargs):
         if not args and not kwargs and Path(file).resolve() == target:
             return reader
         return parse(file, *args, **kwargs)
 
-    with mock.patch.object(gguf, "GGUFReader", reader_for):
+    def metadata_for(file, return_tensors=False, **kwargs):
+        if return_tensors or kwargs or Path(file).resolve() != target:
+            return convert(file, return_tensors=return_tensors, **kwargs)
+        if not converted:
+            converted["metadata"] = convert(file)
+        return copy.deepcopy(converted["metadata"])
+
+    with (mock.patch.object(gguf, "GGUFReader", reader_for),
+          mock.patch.object(gguf_checkpoint, "load_gguf_checkpoint", metadata_for)):
         yield
 
 
