@@ -1,6 +1,6 @@
 """Speculative decoding on the real SmolLM2-135M: greedy requests give plain decoding's tokens
 exactly, with n-gram prompt lookup (chains, and token trees of 3 candidates) and with a `--draft-of`
-draft, 20 prompts x 64 tokens batched
+draft, 20 prompts x 64 tokens batched (10 for trees)
 (x 128 with LLMC_SPEC_CHECK_TOKENS=128),
 and alone (one request in flight) on some of them. The artifacts are compiled and the target loaded
 once per module; the plain reference is computed once, batched. The target keeps float weights: with the GGUF's own
@@ -20,6 +20,8 @@ pytestmark = pytest.mark.smollm2
 # LLMC_SPEC_CHECK_TOKENS=128 runs the full 20 x 128 check
 NUM_PROMPTS, NUM_TOKENS = 20, int(os.environ.get("LLMC_SPEC_CHECK_TOKENS", "64"))
 NUM_ALONE = {"ngram": 2, "draft": 2, "ngram-tree": 2}   # one request in flight at a time costs a step per token or so
+# token trees verify up to 16 rows a step on the CPU: a grounded and an open quarter of the prompts
+NUM_BATCHED = {"ngram": NUM_PROMPTS, "draft": NUM_PROMPTS, "ngram-tree": NUM_PROMPTS // 2}
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +75,12 @@ def test_greedy_speculation_equals_plain_decoding(smol, llm, prompts, plain, met
     # k would soon stop drafting)
     model = {"model": str(smol[1])} if method == "draft" else {}
     _speculate(llm.engine, METHODS[method] | model | {"adaptive": False})
-    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy())]
-    assert [i for i, (a, b) in enumerate(zip(batched, plain)) if a != b] == []
+    half, quarter = NUM_PROMPTS // 2, NUM_BATCHED[method] // 2
+    some = [i for j in range(quarter) for i in (j, half + j)]
+    batched = [o.outputs[0].token_ids for o in llm.generate([prompts[i] for i in some], _greedy())]
+    assert [i for i, tokens in zip(some, batched) if tokens != plain[i]] == []
     # alone: grounded and open prompts in turn, a different few for each method
-    half, n = NUM_PROMPTS // 2, NUM_ALONE[method]
+    n = NUM_ALONE[method]
     offset = {"ngram": 0, "draft": 1, "ngram-tree": 2}[method]
     chosen = [i for j in range(offset, offset + (n + 1) // 2) for i in (j, half + j)][:n]
     alone = {i: llm.generate(prompts[i], _greedy())[0].outputs[0].token_ids for i in chosen}
