@@ -180,8 +180,9 @@ def speculative_options(f):
     f = click.option("--num-speculative-tokens", type=POSITIVE, default=None, metavar="K",
                      help="With --speculative: the most drafts verified per step (default 4).")(f)
     return click.option("--speculative", metavar="METHOD", default=None,
-                        help="Speculative decoding: ngram (prompt lookup) or draft:PATH (a draft artifact, "
-                             "see `llmc compile --draft-of`).")(f)
+                        help="Speculative decoding: ngram (prompt lookup), ngram:tree=N (N prompt-lookup "
+                             "candidates verified as one token tree; greedy requests) or draft:PATH (a draft "
+                             "artifact, see `llmc compile --draft-of`).")(f)
 
 
 def _whole_file_prompt(file) -> str:
