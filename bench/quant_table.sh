@@ -6,7 +6,8 @@
 # venv. Per scheme: weights bytes, perplexity on TEXT's first $MAX_TOKENS tokens, KL and top-1
 # agreement against fp32 (`llmc eval`), batch-1 decode tokens/s (`llmc bench`, $THREADS
 # threads), all measured in this run; int4 schemes at group $GROUP (or the largest size below
-# it that divides K). Artifacts and JSON go to bench/out/quant/ (delete it to rebuild).
+# it that divides K). Artifacts and JSON go to bench/out/quant/ and are reused when present
+# (delete a scheme's files, or the folder, to measure it again).
 set -euo pipefail
 [ $# -eq 1 ] && [ -f "$1" ] || { echo "usage: $0 TEXT  (a held-out UTF-8 text file)" >&2; exit 2; }
 TEXT=$(realpath "$1")
@@ -29,8 +30,10 @@ for q in $SCHEMES; do
 done
 for q in fp32 $SCHEMES; do
   art=$([ "$q" = fp32 ] && echo "$FP32" || echo "$OUT/$q.llmc")
-  "$LLMC" eval "$art" --text "$TEXT" --ref "$FP32" --max-tokens "$MAX_TOKENS" --threads "$THREADS" --json > "$OUT/$q.eval.json"
-  "$LLMC" bench "$art" -n 1 --input-len 128 --output-len 64 --threads "$THREADS" --json > "$OUT/$q.bench.json"
+  [ -s "$OUT/$q.eval.json" ] || "$LLMC" eval "$art" --text "$TEXT" --ref "$FP32" --max-tokens "$MAX_TOKENS" \
+    --threads "$THREADS" --json > "$OUT/$q.eval.json"
+  [ -s "$OUT/$q.bench.json" ] || "$LLMC" bench "$art" -n 1 --input-len 128 --output-len 64 --threads "$THREADS" \
+    --json > "$OUT/$q.bench.json"
 done
 python3 - "$OUT" "$FP32" "$TEXT" $SCHEMES <<'PY'
 import json, os, sys
