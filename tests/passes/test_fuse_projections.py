@@ -38,6 +38,15 @@ def run_passes(graph, names, calibration=None):
     return {r.name: r for r in PassManager([get_pass(n) for n in names], ctx).run(graph)}
 
 
+@pytest.fixture(autouse=True)
+def packed_kernels(monkeypatch):
+    """Quantised linears keep their packed kernels at every row count: where the dense switch
+    (codegen/cpu_qlinear_dense.py) starts is measured per weight shape, so a fused and an unfused
+    projection could otherwise run different (equally valid) kernels at the same row count."""
+    from llmc.codegen.cpu_qlinear_dense import DENSE_FROM_ENV, NEVER_DENSE
+    monkeypatch.setenv(DENSE_FROM_ENV, str(NEVER_DENSE))
+
+
 @pytest.fixture(scope="module")
 def lowered():
     graph = trace_and_lower(load_model("tiny-llama").module, 64, lambda *a: None)
