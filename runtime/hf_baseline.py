@@ -20,12 +20,18 @@ def _quant_weight(step, params) -> str | None:
     return q.removesuffix(".qweight") if q and "scheme" in step.attrs else None
 
 
+def kernel_steps(plan) -> list:
+    """The plan's steps with each ONNX Runtime segment replaced by the cpu steps it stands for, so
+    quantised linears are found whichever family runs them."""
+    return [inner for step in plan.steps for inner in (step.inner_steps() or [step])]
+
+
 def dequantised_weights(plan, weight: Callable[[str], torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
     """(fp32 weight per quantised name, the params they replace) for the plan's quantised steps."""
     scaled_by: dict[str, str] = {}    # value -> the AWQ inverse scale it was multiplied by
     out: dict[str, torch.Tensor] = {}
     replaced: set[str] = set()
-    for step in plan.steps:
+    for step in kernel_steps(plan):
         if len(step.inputs) == 2 and step.inputs[1].endswith(AWQ_SCALE) and step.inputs[1] in plan.params:
             scaled_by[step.outputs[0]] = step.inputs[1]
             continue
@@ -46,9 +52,9 @@ def dequantised_weights(plan, weight: Callable[[str], torch.Tensor]) -> tuple[di
 
 def baseline_name(plan) -> str:
     """How `llmc bench --baseline hf` describes what HF runs for this plan."""
-    schemes = {s.attrs["scheme"] for s in plan.steps if _quant_weight(s, plan.params)}
+    schemes = {s.attrs["scheme"] for s in kernel_steps(plan) if _quant_weight(s, plan.params)}
     if not schemes:
         return "hf"
-    act = any(s.attrs.get("scheme") == "w8a8" or s.attrs.get("has_act_scale") for s in plan.steps
+    act = any(s.attrs.get("scheme") == "w8a8" or s.attrs.get("has_act_scale") for s in kernel_steps(plan)
               if _quant_weight(s, plan.params))
     return f"hf (fp32, dequantised {'/'.join(sorted(schemes))} weights{'; ' + ACT_QUANT if act else ''})"

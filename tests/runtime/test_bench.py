@@ -164,6 +164,24 @@ def test_cli_bench_a_quantised_build_against_its_fp32_build_and_hf(artifact, tmp
     assert res.exit_code == 0 and "baseline          hf (fp32, dequantised int8 weights)" in res.stdout
 
 
+def test_hf_baseline_finds_quantised_linears_inside_onnx_runtime_segments(tmp_path):
+    """`--kernels ort` (and `auto` where it picks ORT) folds the quantised linears into ort.segment
+    steps: the baseline still dequantises every one of them."""
+    import llmc
+    from llmc.codegen.plan import Plan
+    from llmc.runtime.hf_baseline import baseline_name, dequantised_weights
+
+    path = llmc.compile("tiny-llama", output=tmp_path / "int8-ort.llmc", quant="int8", kernels="ort")
+    plan = Plan.from_json((path / "plan.json").read_text())
+    assert {s.kernel for s in plan.steps} >= {"ort.segment"}
+    from safetensors.torch import load_file
+    stored = load_file(path / "weights.safetensors")
+    weights, replaced = dequantised_weights(plan, stored.__getitem__)
+    quantised = {n.removesuffix(".qweight") for n in plan.params if n.endswith(".qweight")}
+    assert set(weights) == quantised and quantised
+    assert baseline_name(plan) == "hf (fp32, dequantised int8 weights)"
+
+
 def test_hf_baseline_rebuilds_a_pruned_and_fused_artifact(tmp_path):
     """Layer, head and FFN pruning change the shapes the source HF config states, and layer
     pruning leaves gaps in the layer numbers: the baseline rebuilds the pruned model as compiled."""
