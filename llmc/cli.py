@@ -312,7 +312,9 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @click.option("--workload", "workload_kind", type=click.Choice(["random", "grounded", "open"]), default="random",
               show_default=True, help="random token ids of --input-len; grounded: answers that quote their prompt "
               "(code edits, quotes, summaries: samples/grounded.jsonl); open: stories and open questions "
-              "(samples/open.jsonl). Text prompts keep their own length.")
+              "(samples/open.jsonl). Text prompts keep their own length, and their requests end at EOS.")
+@click.option("--ignore-eos", is_flag=True, help="Text workloads: generate --output-len tokens past EOS (random "
+              "workloads always do: their prompts have no natural end).")
 @click.option("--kv-memory", default="1GiB", show_default=True)
 @click.option("--max-num-seqs", type=POSITIVE, default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=POSITIVE, default=None)
@@ -332,7 +334,7 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @speculative_options
 @ring_attention_option
 def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
-          seed, workload_kind, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
+          seed, workload_kind, ignore_eos, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
           baseline_batch_size, as_json, plot, bandwidth, gemm_peak, device, threads, speculative,
           num_speculative_tokens, ring_attention_threshold):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
@@ -364,15 +366,15 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         check_plot_path(plot)
     speculative = _speculative(speculative, num_speculative_tokens)
     workload = Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
-                        qps_value, seed, workload_kind)
+                        qps_value, seed, workload_kind, ignore_eos)
     engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            enable_prefix_caching=not no_prefix_caching, device=device,
                                            threads=threads, ring_attention_threshold=ring_attention_threshold))
     requests = workload.build(engine.model["vocab_size"], engine.tokenizer)
     plain = None
+    warm_up(engine)
     if speculative is not None:
-        warm_up(engine)
         plain, engine = run_engine(engine, requests, progress=not as_json), None   # one model in memory at a time
         engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,
@@ -392,13 +394,15 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         from llmc.runtime.hf_baseline import baseline_name
         model, base_name = hf_model_from_artifact(engine), baseline_name(engine.executor.plan)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
-        base = run_hf_baseline(model, requests, pad, baseline_batch_size, progress=not as_json)
+        base = run_hf_baseline(model, requests, pad, engine.eos_token_ids, baseline_batch_size,
+                               progress=not as_json)
     elif baseline != "none":
         del engine   # one model in memory at a time
         other = Engine(baseline, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                               max_num_batched_tokens=max_num_batched_tokens,
                                               enable_prefix_caching=not no_prefix_caching, device=device,
                                               threads=threads))
+        warm_up(other)
         base = run_engine(other, requests, progress=not as_json)
     if base is not None:
         result["baseline"] = {**base.to_dict(), "name": base_name}

@@ -30,8 +30,10 @@ class Workload:
     qps: float = math.inf            # inf: all requests arrive at once; else Poisson arrivals
     seed: int = 0
     kind: str = "random"             # random token ids, or a text workload (runtime/bench_workloads.py)
+    ignore_eos: bool = False         # text requests end at EOS unless set; random ones have no natural end
 
     def __post_init__(self):
+        self.ignore_eos = self.ignore_eos or self.kind == "random"
         for name in ("num_requests", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise RuntimeLlmcError(f"bench: --{name.replace('_', '-')} must be at least 1")
@@ -55,7 +57,8 @@ class Workload:
             n_out = _spread(rng, self.output_len, self.output_spread)
             ids = prefix + (rng.integers(0, vocab_size, max(1, n_in - self.prefix_len)).tolist() if texts is None
                             else tokenizer(texts[i])["input_ids"])
-            reqs.append({"prompt_token_ids": ids, "max_tokens": n_out, "arrival": float(arrivals[i])})
+            reqs.append({"prompt_token_ids": ids, "max_tokens": n_out, "ignore_eos": self.ignore_eos,
+                         "arrival": float(arrivals[i])})
         return reqs
 
 
@@ -98,10 +101,13 @@ class BenchResult:
     itl_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     steps: StepTotals = field(default_factory=StepTotals)
+    output_tokens: int = 0
+    decode_tpot_s: float | None = None   # see decode_time_per_token
+    token_ids: dict[str, list[int]] = field(default_factory=dict)   # each request's output (llmc runs)
 
     def to_dict(self) -> dict:
-        keys = ("requests_per_s", "output_tokens_per_s", "total_seconds", "ttft_ms", "tpot_ms", "itl_ms",
-                "kv_waste", "prefix_hit_rate", "preemptions", "peak_kv_usage", "kv_window")
+        keys = ("requests_per_s", "output_tokens_per_s", "output_tokens", "total_seconds", "ttft_ms", "tpot_ms",
+                "itl_ms", "kv_waste", "prefix_hit_rate", "preemptions", "peak_kv_usage", "kv_window")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -115,7 +121,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
     timeline: list[tuple[float, int]] = []
     bar = tqdm(total=len(requests), desc="bench", unit="req", disable=not progress)
     start = time.perf_counter()
-    total_tokens, totals = 0, StepTotals()
+    total_tokens, totals, finished = 0, StepTotals(), []
     bm = engine.block_manager
     dropped_before, peak_dropped = bm.total_dropped_blocks, 0
     while pending or engine.has_unfinished():
@@ -123,7 +129,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
         while pending and pending[0][1]["arrival"] <= now:
             i, r = pending.pop(0)
             rid = f"bench-{i}"
-            params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=r["ignore_eos"])
             engine.add_request(rid, prompt_token_ids=r["prompt_token_ids"], params=params,
                                arrival_time=time.monotonic())
             arrival[rid], token_times[rid] = now, []
@@ -140,6 +146,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
             token_times[out.request_id] += [t] * n
             step_tokens += n
             if out.finished:
+                finished.append(out)
                 bar.update(1)
         total_tokens += step_tokens
         timeline.append((t, step_tokens))
@@ -147,6 +154,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
         peak_dropped = max(peak_dropped, bm.num_dropped_blocks)
     total = time.perf_counter() - start
     bar.close()
+    token_ids = {out.request_id: list(out.outputs[0].token_ids) for out in finished}
     ttft = [ts[0] - arrival[r] for r, ts in token_times.items() if ts]
     itl = [b - a for ts in token_times.values() for a, b in zip(ts, ts[1:])]
     tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in token_times.values() if len(ts) > 1]
@@ -155,7 +163,16 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
                        percentiles(tpot, 1e3), percentiles(itl, 1e3), m.kv_waste, m.prefix_hit_rate,
                        m.preemptions, m.peak_kv_usage,
                        window_report(engine, bm.total_dropped_blocks - dropped_before, peak_dropped),
-                       timeline, ttft, itl, tpot, totals)
+                       timeline, ttft, itl, tpot, totals, total_tokens, decode_time_per_token(token_times.values()),
+                       token_ids)
+
+
+def decode_time_per_token(token_times) -> float | None:
+    """Seconds per output token after each request's first, weighted by tokens: the mean of the
+    requests' TPOTs would weigh a request that stopped early at EOS as much as a long one."""
+    spans = [(ts[-1] - ts[0], len(ts) - 1) for ts in token_times if len(ts) > 1]
+    tokens = sum(n for _, n in spans)
+    return sum(s for s, _ in spans) / tokens if tokens else None
 
 
 def window_report(engine, dropped: int, peak: int) -> dict | None:
@@ -181,15 +198,18 @@ def warm_up(engine) -> None:
 
 
 def speculative_summary(engine, ours: BenchResult, plain: BenchResult) -> dict:
-    """A speculative run against the plain run of the same workload: acceptance and speedup."""
+    """A speculative run against the plain run of the same workload: acceptance and speedup.
+    Greedy speculation gives plain decoding's tokens, so both runs did the same work; whether
+    they did is reported, and the speedups divide tokens per second either way."""
     config = engine.config.speculative
     return {**engine.metrics.speculative.to_dict(), "method": config.method,
             "num_speculative_tokens": config.num_speculative_tokens, "draft": config.model,
             "plain_output_tokens_per_s": plain.output_tokens_per_s, "plain_tpot_ms": plain.tpot_ms,
+            "same_tokens_as_plain": ours.token_ids == plain.token_ids,
             "speedup": ours.output_tokens_per_s / plain.output_tokens_per_s,
             # decode alone (time per output token): the prefill, the same in both, left out
-            "decode_speedup": plain.tpot_ms["mean"] / ours.tpot_ms["mean"]
-            if ours.tpot_ms["mean"] and plain.tpot_ms["mean"] else None}
+            "decode_speedup": plain.decode_tpot_s / ours.decode_tpot_s
+            if ours.decode_tpot_s and plain.decode_tpot_s else None}
 
 
 # fused projection (passes/fuse_projections.py names it <prefix>.<kind>_proj) -> its parts, in order
@@ -263,13 +283,15 @@ def hf_model_from_artifact(engine) -> torch.nn.Module:
     return model
 
 
-def run_hf_baseline(model, requests: list[dict], pad_id: int, batch_size: int | None = None,
-                    progress: bool = True) -> BenchResult:
-    """HF `generate`, left-padded batches of `batch_size` (all at once by default), greedy."""
+def run_hf_baseline(model, requests: list[dict], pad_id: int, eos_token_ids: list[int],
+                    batch_size: int | None = None, progress: bool = True) -> BenchResult:
+    """HF `generate`, left-padded batches of `batch_size` (all at once by default), greedy, after an
+    untimed warm-up; requests that honour EOS stop at any of `eos_token_ids`, as the engine's do."""
     from tqdm import tqdm
 
     batch_size = batch_size or len(requests)
     bar = tqdm(total=len(requests), desc="hf baseline", unit="req", disable=not progress)
+    warm_up_hf(model, pad_id, eos_token_ids)
     start = time.perf_counter()
     tokens, ttft = 0, []
     for b in range(0, len(requests), batch_size):
@@ -282,14 +304,32 @@ def run_hf_baseline(model, requests: list[dict], pad_id: int, batch_size: int | 
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         n_out = max(r["max_tokens"] for r in chunk)
+        fixed = all(r["ignore_eos"] for r in chunk)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
-                                 do_sample=False, pad_token_id=pad_id)
-        tokens += sum(min(r["max_tokens"], out.shape[1] - width) for r in chunk)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out if fixed else 0,
+                                 do_sample=False, pad_token_id=pad_id, eos_token_id=eos_token_ids)
+        tokens += sum(produced(row[width:].tolist(), r["max_tokens"], () if fixed else eos_token_ids)
+                      for row, r in zip(out, chunk))
         ttft += [time.perf_counter() - t0] * len(chunk)   # no streaming: tokens arrive at the end
         bar.update(len(chunk))
     total = time.perf_counter() - start
     bar.close()
     none = percentiles([])
-    return BenchResult(len(requests) / total, tokens / total, total, percentiles(ttft, 1e3), none, none)
+    return BenchResult(len(requests) / total, tokens / total, total, percentiles(ttft, 1e3), none, none,
+                       output_tokens=tokens)
+
+
+def produced(generated: list[int], max_tokens: int, eos_token_ids) -> int:
+    """Tokens a request got from a batched `generate`: up to and including its first EOS (HF pads
+    a finished row until the batch ends), at most its own max_tokens."""
+    end = next((i + 1 for i, t in enumerate(generated) if t in eos_token_ids), len(generated))
+    return min(end, max_tokens)
+
+
+def warm_up_hf(model, pad_id: int, eos_token_ids: list[int]) -> None:
+    """A short untimed `generate`, so the baseline starts as warm as the engine (warm_up)."""
+    ids = torch.full((1, 16), eos_token_ids[0] ^ 1)
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                       do_sample=False, pad_token_id=pad_id)

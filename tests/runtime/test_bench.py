@@ -88,7 +88,8 @@ def test_hf_model_from_artifact_reproduces_the_engine_logits(engine):
 
 def test_hf_baseline_runs_the_workload(engine, engine_run):
     requests, _ = engine_run
-    result = run_hf_baseline(hf_model_from_artifact(engine), requests, pad_id=0, batch_size=4, progress=False)
+    result = run_hf_baseline(hf_model_from_artifact(engine), requests, pad_id=0,
+                             eos_token_ids=engine.eos_token_ids, batch_size=4, progress=False)
     assert result.requests_per_s > 0 and result.output_tokens_per_s > 0
     assert result.output_tokens_per_s == pytest.approx(
         sum(r["max_tokens"] for r in requests) / result.total_seconds)
