@@ -49,8 +49,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     ap.add_argument("--by-kernel", action="store_true", help="also split the plan walk per kernel")
+    ap.add_argument("--kv-memory", default="1GiB", help="KV cache budget; every sequence must fit to its last step")
     args = ap.parse_args()
-    engine = Engine(args.artifact, EngineConfig(kv_memory="256MiB", seed=0))
+    engine = Engine(args.artifact, EngineConfig(kv_memory=args.kv_memory, seed=0))
     if args.threads:   # after the engine, which applies its own thread count
         torch.set_num_threads(args.threads)
     vocab = engine.model["vocab_size"]
@@ -72,6 +73,9 @@ def main() -> None:
     if args.by_kernel:
         _time_kernels(engine.executor, kernels)
     engine.step()  # warm-up decode
+    if len(engine.scheduler.running) != args.batch:   # a tight cache would time a smaller batch unawares
+        raise SystemExit(f"only {len(engine.scheduler.running)} of {args.batch} sequences run in "
+                         f"--kv-memory {args.kv_memory}; give a larger one")
     totals.clear()
     kernels.clear()
     t0 = time.perf_counter()
