@@ -29,11 +29,11 @@ SERVING_INPUTS = ("input_ids", "positions", "logits_indices")
 
 class Launch(NamedTuple):
     fn: Any
-    args: list[int]         # register indices of the inputs
-    outs: list[int]         # register indices the outputs go to
+    args: tuple[int, ...]   # register indices of the inputs
+    outs: tuple[int, ...]   # register indices the outputs go to
     attrs: dict[str, Any]
     context: tuple[str, ...]
-    frees: list[int]        # registers whose value dies at this step
+    frees: tuple[int, ...]  # registers whose value dies at this step
     recorded: frozenset[str]  # sha256 of the Triton kernels the step records it launches
     where: str
 
@@ -172,19 +172,19 @@ class PlanExecutor:
             fn = resolve_kernel(step.kernel)
         except ArtifactError as e:
             raise ArtifactError(f"{where}: {e}") from None
-        args = [self._register(i, where) for i in step.inputs]
+        args = tuple(self._register(i, where) for i in step.inputs)
         attrs = {k: v for k, v in step.attrs.items() if k != "kernels"}
         recorded = frozenset(k["sha256"] for k in step.attrs.get("kernels", ()))
-        return Launch(fn, args, [self._register(o, where) for o in step.outputs],
+        return Launch(fn, args, tuple(self._register(o, where) for o in step.outputs),
                       self._prepared_attrs(fn, args, attrs),
                       getattr(fn, "context", ()), self._dying(index, step), recorded, where)
 
-    def _dying(self, index: int, step) -> list[int]:
+    def _dying(self, index: int, step) -> tuple[int, ...]:
         """Registers whose value is last used at step `index`."""
         lifetimes, outputs = self.plan.memory.lifetimes, set(self.plan.outputs)
         dying = [v for v in step.outputs + step.inputs
                  if v in lifetimes and lifetimes[v][1] == index and v not in outputs]
-        return sorted({self._registers[v] for v in dying})
+        return tuple(sorted({self._registers[v] for v in dying}))
 
     def _segment_launch(self, index: int, step, where: str) -> Launch:
         """An ONNX Runtime session over the step's ONNX file, its weights taken from the params."""
@@ -195,12 +195,12 @@ class PlanExecutor:
                                 f"artifact on the CPU or compile it for this device's target")
         weights = {name: self._params[self._registers[name]] for name in self.plan.params}
         segment = load_segment(step, self._data, weights, self.plan.type_of, where)
-        return Launch(segment, [self._register(i, where) for i in step.inputs],
-                      [self._register(o, where) for o in step.outputs], {}, (), self._dying(index, step),
+        return Launch(segment, tuple(self._register(i, where) for i in step.inputs),
+                      tuple(self._register(o, where) for o in step.outputs), {}, (), self._dying(index, step),
                       frozenset(), where)
 
     @torch.inference_mode()
-    def _prepared_attrs(self, fn, args: list[int], attrs: dict) -> dict:
+    def _prepared_attrs(self, fn, args: tuple[int, ...], attrs: dict) -> dict:
         """A kernel's `prepare` sees its param inputs and the plan's meta once, here (packing
         quantised weights, choosing their kernel by the row counts meta records); what it
         returns is passed on every launch alongside the step's attrs."""
@@ -237,12 +237,17 @@ class PlanExecutor:
             regs[self._registers[name]] = self._check_input(name, inputs)
         context = {"backend": backend or self.no_cache_backend(), "rope_cache": RopeCache(),
                    "target": self.plan.target, "launch_configs": self.launch_configs}
-        for launch in self._program:
-            fn, args, outs, attrs, ctx, frees, _, _ = launch
-            if self.check_kernels:
-                results = self._run_checked(launch, regs, context)
-            elif ctx:
-                results = fn(*[regs[i] for i in args], **attrs, **{c: context[c] for c in ctx})
+        if self.check_kernels:
+            for launch in self._program:
+                self._store(regs, launch, self._run_checked(launch, regs, context))
+            return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
+        by_context: dict[tuple, dict] = {}   # each launch's context keyword args, built once a forward
+        for fn, args, outs, attrs, ctx, frees, _, _ in self._program:
+            if ctx:
+                kwargs = by_context.get(ctx)
+                if kwargs is None:
+                    kwargs = by_context[ctx] = {c: context[c] for c in ctx}
+                results = fn(*[regs[i] for i in args], **attrs, **kwargs)
             else:
                 results = fn(*[regs[i] for i in args], **attrs)
             for i, t in zip(outs, results):
@@ -250,6 +255,13 @@ class PlanExecutor:
             for i in frees:
                 regs[i] = None
         return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
+
+    @staticmethod
+    def _store(regs: list, launch: Launch, results) -> None:
+        for i, t in zip(launch.outs, results):
+            regs[i] = t
+        for i in launch.frees:
+            regs[i] = None
 
     def _run_checked(self, launch: Launch, regs: list, context: dict) -> list:
         """Run one launch, failing if it launched a Triton kernel its step does not record."""

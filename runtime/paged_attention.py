@@ -37,7 +37,7 @@ class PagedKVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [tokens, kv_heads, head_dim] at cache `slots` [tokens] of `layer`."""
         for cache, x, which in ((self.k_cache[layer], k, 0), (self.v_cache[layer], v, 1)):
-            flat = cache.view(-1, *cache.shape[2:])
+            flat = cache.flatten(0, 1)   # a view: the cache is contiguous
             if self.quantized:
                 codes = quantize_kv(x, self.kv_scales[layer][which], self.dtype)
                 # CPU torch has no index_copy_ for float8; both code dtypes are one byte
