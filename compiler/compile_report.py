@@ -1,6 +1,8 @@
 """A compile's wall-clock timings: printed as one line and, with `llmc compile --report FILE`,
 written as JSON beside the artifact. They are never part of the artifact, whose bytes depend on
-its inputs alone."""
+its inputs alone. The stages (load, trace, calibrate, passes, plan, write) cover the compile's
+`seconds`; `startup_seconds` is the process's life before the compile began (for `llmc compile`,
+the interpreter's start and the imports of torch, transformers and the compiler)."""
 
 from __future__ import annotations
 
@@ -51,8 +53,21 @@ def write_report(path: str | Path, report: dict) -> None:
         raise
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (from Linux's /proc), None where that cannot be read."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])   # field 22, starttime, after "pid (comm)"
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
 def timing_line(report: dict) -> str:
-    """One line: the total, then each stage and the passes together."""
-    parts = [f"{s['name']} {s['seconds']:.2f} s" for s in report["stages"]]
-    parts.append(f"{len(report['passes'])} passes {sum(p['seconds'] for p in report['passes']):.2f} s")
-    return f"llmc: compiled in {report['seconds']:.1f} s ({', '.join(parts)})"
+    """One line: the total, then each stage (the passes by their count), then the startup before it."""
+    parts = [f"{len(report['passes'])} passes {s['seconds']:.2f} s" if s["name"] == "passes"
+             else f"{s['name']} {s['seconds']:.2f} s" for s in report["stages"]]
+    startup = report.get("startup_seconds")
+    after = f", after {startup:.1f} s of process startup" if startup is not None else ""
+    return f"llmc: compiled in {report['seconds']:.1f} s ({', '.join(parts)}){after}"

@@ -21,7 +21,7 @@ from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
 from llmc.compiler.artifact import RankFiles, staged_output, write_contents
 from llmc.compiler.calibration import calibration_sequences, calibration_source
-from llmc.compiler.compile_report import check_report_path, timing_line, write_report
+from llmc.compiler.compile_report import check_report_path, process_age, timing_line, write_report
 from llmc.compiler.draft import draft_options, read_draft_target
 from llmc.compiler.frontends import load_model
 from llmc.compiler.frontends.gguf import one_thread
@@ -255,10 +255,13 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     opts = options or CompileOptions()
     output = Path(output)
     check_report_path(opts.report)
+    startup = process_age()
     start = time.perf_counter()
     with staged_output(output, opts.force) as staging:
         report = build_into(staging, source, target, opts, echo)
     report["seconds"] = round(time.perf_counter() - start, 4)
+    if startup is not None:
+        report["startup_seconds"] = round(startup, 4)
     if not opts.quiet:
         (echo or echo_stderr)(timing_line(report))
     if opts.report is not None:
@@ -297,8 +300,10 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
                       source_weights=loaded.stored_quant,
                       print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
                       quiet=opts.quiet, **({"echo": echo} if echo else {}))
+    t = time.perf_counter()
     with pass_threads(calibration):
         graphs, records = run_passes(graph, configs, ctx)  # one graph per tensor-parallel rank
+    log("passes", time.perf_counter() - t, {"count": len(records)})
     graph = graphs[0]
     note_calibration(records, calibration, opts)
     model = set_model_meta(graphs, records, loaded)

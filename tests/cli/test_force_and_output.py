@@ -156,6 +156,8 @@ def test_compile_prints_its_timings_and_writes_them_only_to_the_report(tmp_path,
     assert "llmc: compiled in" in err and "passes" in err
     timings = json.loads(report.read_text())
     assert timings["seconds"] > 0 and [s["name"] for s in timings["stages"]][0] == "load"
+    passes = next(s for s in timings["stages"] if s["name"] == "passes")
+    assert passes["details"]["count"] == len(timings["passes"]) and timings["startup_seconds"] > 0
     assert "compile time" not in stdout and not (tmp_path / "x.llmc" / "timings.json").exists()
 
 

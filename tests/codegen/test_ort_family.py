@@ -139,7 +139,7 @@ def test_auto_is_the_default_and_records_what_it_measured_and_inspect_shows_it(c
 
 def _faked(faster: str):
     """ort_timing.measure with `faster` the faster family everywhere (accuracy is still measured)."""
-    def measure(runners, graph, seg):
+    def measure(runners, graph, seg, outputs=None):
         return {name: {"decode": 1.0 if name == faster else 2.0, "prefill": 1.0 if name == faster else 2.0}
                 for name in runners}
     return measure
