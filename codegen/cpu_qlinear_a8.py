@@ -68,8 +68,9 @@ def w8a8_matmul(x2: torch.Tensor, w: W8A8Weights) -> torch.Tensor:
     if INT_MM is None:
         return F.linear(q.to(torch.bfloat16), w.qweight.to(torch.bfloat16)).float() * x_scales * w.scales
     acc = INT_MM(q, w.qweight.t())     # exact while K·127² < 2³¹ (K < 133,000)
-    # one pass that widens int32 to fp32 (as .float() would) and scales, then one in place
-    return torch.mul(acc, x_scales).mul_(w.scales)
+    # widen, then scale in place: torch.mul(acc, x_scales) does the same in one pass but through
+    # torch's unvectorised mixed-dtype path, 5x slower at M=512 N=3072 (6.1 ms against 1.1 ms)
+    return acc.float().mul_(x_scales).mul_(w.scales)
 
 
 PACKERS = {"fp8": pack_fp8, "w8a8": pack_w8a8}
