@@ -2,7 +2,8 @@
 written as JSON beside the artifact. They are never part of the artifact, whose bytes depend on
 its inputs alone. The stages (load, trace, calibrate, passes, plan, write) cover the compile's
 `seconds`; `startup_seconds` is the process's life before the compile began (for `llmc compile`,
-the interpreter's start and the imports of torch, transformers and the compiler)."""
+the interpreter's start and the imports of torch, transformers and the compiler; in a longer-lived
+Python process, everything it did before)."""
 
 from __future__ import annotations
 
@@ -65,9 +66,9 @@ def process_age() -> float | None:
 
 
 def timing_line(report: dict) -> str:
-    """One line: the total, then each stage (the passes by their count), then the startup before it."""
+    """One line: the total, then each stage (the passes by their count), then the process's time before it."""
     parts = [f"{len(report['passes'])} passes {s['seconds']:.2f} s" if s["name"] == "passes"
              else f"{s['name']} {s['seconds']:.2f} s" for s in report["stages"]]
     startup = report.get("startup_seconds")
-    after = f", after {startup:.1f} s of process startup" if startup is not None else ""
+    after = f", after {startup:.1f} s in this process before it" if startup is not None else ""
     return f"llmc: compiled in {report['seconds']:.1f} s ({', '.join(parts)}){after}"
