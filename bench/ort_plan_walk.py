@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from llmc.codegen.ort_lowering import restep
+from llmc.codegen.ort_lowering import torch_plan
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.runtime.executor import PlanExecutor
@@ -37,7 +37,7 @@ def main() -> None:
     apply_threads(resolve_threads())
     a = read_artifact(args.artifact)
     plan = Plan.from_json(a.plan_json)
-    flat = restep(plan, [s for step in plan.steps for s in (step.inner_steps() or [step])])
+    flat = torch_plan(plan)
     executors = {"ort segments": PlanExecutor(plan, a.weights, data=a.data), "torch": PlanExecutor(flat, a.weights)}
     vocab = a.manifest["model"]["vocab_size"]
     shapes = {"decode": inputs(1, vocab), "prefill": inputs(args.prefill, vocab)}

@@ -359,9 +359,10 @@ TRANSLATIONS = {
 
 # (domain, op) of every node a segment's translations emit: what the runtime lets a segment run
 SEGMENT_OPS = {("", op) for op in (
-    "Abs", "Add", "Cast", "Clip", "Concat", "Cos", "Div", "Gather", "Gemm", "Greater", "Identity", "MatMul",
-    "MatMulInteger", "Mul", "Neg", "ReduceMax", "ReduceMean", "ReduceSum", "Reciprocal", "Reshape", "Round", "Sigmoid",
-    "SimplifiedLayerNormalization", "Sin", "Split", "Sqrt", "Sub", "Unsqueeze", "Where")} | {
+    "Abs", "Add", "And", "Cast", "Clip", "Concat", "Cos", "Div", "Gather", "Gemm", "Greater", "GreaterOrEqual",
+    "Identity", "Less", "MatMul", "MatMulInteger", "Mul", "Neg", "Range", "ReduceMax", "ReduceMean", "ReduceSum",
+    "Reciprocal", "Reshape", "Round", "Shape", "Sigmoid", "SimplifiedLayerNormalization", "Sin", "Softmax", "Split",
+    "Sqrt", "Sub", "Transpose", "Unsqueeze", "Where")} | {
     (MS_DOMAIN, "MatMulNBits"), (MS_DOMAIN, "SkipSimplifiedLayerNormalization")}
 
 __all__ = ["OnnxBuilder", "TRANSLATIONS", "SEGMENT_OPS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin",

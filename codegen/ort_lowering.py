@@ -190,6 +190,13 @@ def restep(plan: Plan, steps: list[PlanStep]) -> Plan:
                 params=plan.params, types=plan.types, meta=plan.meta)
 
 
+def torch_plan(plan: Plan) -> Plan:
+    """`plan` as its torch kernels run it: each segment's cpu steps, and no decode graph."""
+    flat = restep(plan, [s for step in plan.steps for s in (step.inner_steps() or [step])])
+    flat.meta = {k: v for k, v in plan.meta.items() if k != "decode_graph"}
+    return flat
+
+
 def check_kernels_option(mode: str | None, target: str, device: str) -> None:
     """Refuse a --kernels value the target cannot take (checked before any work)."""
     if mode is not None and mode not in KERNEL_MODES:
@@ -240,6 +247,9 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
         choice[DISPATCH_META] = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in lowered.steps],
                                                 graph.weights, choice["measured"]["threads"])
     lowered.meta = {**plan.meta, "kernel_choice": choice}
+    from llmc.codegen.ort_decode import plan_decode_graph
+    lowered.meta["decode_graph"] = plan_decode_graph(graph, lowered, files, mode,
+                                                     INT8_COMPUTE if mode == "ort" else FP32_COMPUTE)
     return lowered, files
 
 

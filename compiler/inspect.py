@@ -81,6 +81,7 @@ def report(artifact: str | Path) -> dict:
         "torch_version": manifest["torch_version"],
         "draft_of": manifest.get("draft_of"),   # the target artifact a speculative-decoding draft serves
         "kernel_choice": _rank0_plan(path, manifest)["meta"].get("kernel_choice"),  # cpu: --kernels
+        "decode_graph": _decode_graph_summary(_rank0_plan(path, manifest)["meta"].get("decode_graph")),
         "parallel": manifest.get("parallel"),   # tensor parallel: what each rank holds and runs per step
     }
 
@@ -190,7 +191,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
                      f"target manifest sha256 {d['manifest_sha256'][:16]}")
     lines += _quant_lines(r["quant"]) + _parallel_lines(r["parallel"])
     if r["target"] == "cpu":
-        lines += kernel_choice_lines(r["kernel_choice"])
+        lines += kernel_choice_lines(r["kernel_choice"]) + decode_graph_lines(r["decode_graph"])
     if brief:
         return "\n".join(lines)
     lines.append("  passes:")
@@ -234,6 +235,24 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
                       for r in entry["us"]["packed"])
         lines.append(f"      {key} x{entry['steps']}: dense from {entry['dense_from']} rows; {us}")
     return lines
+
+
+def _decode_graph_summary(record) -> dict | None:
+    """plan.meta's decode-graph record without its initializer list."""
+    return {k: v for k, v in record.items() if k != "initializers"} if isinstance(record, dict) else None
+
+
+def decode_graph_lines(record: dict | None) -> list[str]:
+    """Whether decode-only steps run as one ONNX Runtime session (codegen/ort_decode.py), and why not."""
+    if not record:
+        return []
+    if not record.get("chosen"):
+        return [f"  decode graph: none ({record.get('why')})"]
+    us = record.get("decode_us")
+    measured = (f"; its segments {us['graph_segments']:.0f} us a decode step in ORT, {us['plan_segments']:.0f} us "
+                f"as the plan walk runs them" if us else "")
+    return [f"  decode graph: decode-only steps run as one ONNX Runtime session ({record['file']}, attention "
+            f"over the paged KV cache inside it){measured}"]
 
 
 def _kind_figures(kind: dict) -> str:

@@ -69,6 +69,7 @@ class PlanExecutor:
         self._program = [self._launch(i, step) for i, step in enumerate(plan.steps)]
         self._outputs = [self._register(o, "graph output") for o in plan.outputs]
         self._check_registers()
+        self.decode_graph = self._load_decode_graph()
 
     def weight(self, name: str) -> torch.Tensor:
         """The plan parameter `name` as the executor holds it (on its device)."""
@@ -178,6 +179,18 @@ class PlanExecutor:
         return Launch(fn, args, tuple(self._register(o, where) for o in step.outputs),
                       self._prepared_attrs(fn, args, attrs),
                       getattr(fn, "context", ()), self._dying(index, step), recorded, where)
+
+    def _load_decode_graph(self):
+        """The plan's decode graph (runtime/ort_decode.py), its weights the executor's params."""
+        if "decode_graph" not in self.plan.meta:
+            return None
+        from llmc.runtime.ort_decode import load_decode_graph
+
+        if self.device.type != "cpu":
+            raise ArtifactError(f"plan.json meta.decode_graph: ONNX Runtime runs on the CPU, not {self.device}; "
+                                f"load the artifact on the CPU or compile it for this device's target")
+        weights = {name: self._params[self._registers[name]] for name in self.plan.params}
+        return load_decode_graph(self.plan, self._data, weights)
 
     def _dying(self, index: int, step) -> tuple[int, ...]:
         """Registers whose value is last used at step `index`."""

@@ -40,7 +40,7 @@ class ModelRunner:
             last_row[seq.seq_id] = len(ids) - 1
             layout.append((seq.block_table, start, n))
         device = self.executor.device
-        self.attention.metadata = StepMetadata.build(layout, self.cache.block_size, device)
+        self.attention.metadata = meta = StepMetadata.build(layout, self.cache.block_size, device)
         for chunk in self.attention.metadata.prefills:
             if chunk.q_start in trees:
                 tree, start = trees[chunk.q_start]
@@ -50,6 +50,10 @@ class ModelRunner:
             wanted += range(last_row[seq_id] - len(tokens), last_row[seq_id] + 1)
         rows = torch.tensor(wanted, dtype=torch.long, device=device)
         inputs = {"input_ids": torch.tensor(ids), "positions": torch.tensor(positions), "logits_indices": rows}
+        graph = self.executor.decode_graph
+        if graph is not None and not trees and graph.serves(meta, self.cache):   # one ORT run for the step
+            logits = graph(inputs, meta, self.cache)
+            return logits if "logits_indices" in graph.plan_inputs else logits[rows]
         if "logits_indices" not in self.executor.plan.inputs:  # plans whose LM head could not be split
             return self.executor.run(inputs["input_ids"], inputs["positions"], self.attention)[rows]
         return self.executor.run_values(inputs, self.attention)["logits"]

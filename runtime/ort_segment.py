@@ -86,6 +86,8 @@ def session_options(threads: int):
     # Workers sleep between runs instead of spinning: a plan has a session per segment, each with its
     # own pool, and torch's attention runs between them. SmolLM2 fp32 decode, 2 threads on a
     # 2-core host under load 15: 0.19 tok/s spinning, 0.7 not (torch kernels: 0.64).
+    # The decode graph too: spinning, its worker took a core from torch's sampling between steps
+    # (SmolLM2 fp32, quiet 2-core host: sampling 0.7 -> 6.1 ms a step, the graph's run no faster).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
@@ -156,10 +158,17 @@ class OrtSegment:
 def load_segment(step, data: dict[str, bytes], weights: dict[str, torch.Tensor], type_of, where: str) -> OrtSegment:
     """The session of an `ort.segment` plan step: its ONNX file from `data` (checked against the
     step's sha256 and by check_segment_model), its initializers made from `weights`."""
+    io = lambda names: [(n, type_of(n)) for n in names]
+    return load_session(step.attrs, io(step.inputs), io(step.outputs), data, weights, where)
+
+
+def load_session(attrs: dict, inputs: list[tuple[str, TensorType]], outputs: list[tuple[str, TensorType]],
+                 data: dict[str, bytes], weights: dict[str, torch.Tensor], where: str) -> OrtSegment:
+    """An OrtSegment over the ONNX file `attrs` names ({file, sha256, initializers}),
+    with those inputs and outputs."""
     from llmc.codegen.onnx_weights import initializer
     from llmc.runtime.threads import current_threads
 
-    attrs = step.attrs
     model = data.get(attrs["file"])
     if model is None:
         raise ArtifactError(f"{where}: its ONNX file {attrs['file']} was not given; load the artifact with "
@@ -167,7 +176,8 @@ def load_segment(step, data: dict[str, bytes], weights: dict[str, torch.Tensor],
     if hashlib.sha256(model).hexdigest() != attrs["sha256"]:
         raise ArtifactError(f"{where}: {attrs['file']} differs from the file the plan records (edited after "
                             f"compiling?); {RECOMPILE}")
-    declared = check_segment_model(model, step.inputs, step.outputs, attrs["initializers"], where)
+    declared = check_segment_model(model, [n for n, _ in inputs], [n for n, _ in outputs], attrs["initializers"],
+                                   where)
     initializers = {}
     for name, (param, transform) in sorted(attrs["initializers"].items()):
         dims, dtype = declared[name]
@@ -179,9 +189,8 @@ def load_segment(step, data: dict[str, bytes], weights: dict[str, torch.Tensor],
             raise ArtifactError(f"{where}: initializer {name!r} is declared {dtype}, param {param!r} under "
                                 f"{transform} gives {value.dtype}; {RECOMPILE}")
         initializers[name] = value
-    io = lambda names: [(n, type_of(n)) for n in names]
-    return OrtSegment(model, initializers, io(step.inputs), io(step.outputs), current_threads(), where)
+    return OrtSegment(model, initializers, inputs, outputs, current_threads(), where)
 
 
-__all__ = ["load_segment", "OrtSegment", "check_segment_model", "require_ops", "cpu_kernel_ops", "session_options",
-           "ORT_FIX"]
+__all__ = ["load_segment", "load_session", "OrtSegment", "check_segment_model", "require_ops", "cpu_kernel_ops",
+           "session_options", "ORT_FIX"]

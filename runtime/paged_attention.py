@@ -30,8 +30,10 @@ class PagedKVCache:
         assert kv_scales is None or len(kv_scales) == num_layers, (len(kv_scales), num_layers)
         self.kv_scales = None if kv_scales is None else [s.to(device=device, dtype=torch.float32)
                                                          for s in kv_scales]
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # every layer's cache is a view into one tensor, so a step's keys for all layers are one copy
+        self._k_layers = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
+        self._v_layers = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
+        self.k_cache, self.v_cache = list(self._k_layers.unbind(0)), list(self._v_layers.unbind(0))
         self._scratch = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]   # see read
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -44,6 +46,12 @@ class PagedKVCache:
                 flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
             else:
                 flat.index_copy_(0, slots, x)
+
+    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store every layer's k/v [layers, tokens, kv_heads, head_dim] at cache `slots` [tokens]
+        (an unquantised cache)."""
+        for cache, x in ((self._k_layers, k), (self._v_layers, v)):
+            cache.view(cache.shape[0], -1, *cache.shape[3:]).index_copy_(1, slots, x)
 
     def read(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype,
              scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

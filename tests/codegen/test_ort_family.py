@@ -17,7 +17,7 @@ import torch
 from llmc_cli import error_line, llmc_in_process
 
 import llmc
-from llmc.codegen.ort_lowering import restep
+from llmc.codegen.ort_lowering import torch_plan
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.errors import ArtifactError, RuntimeLlmcError
@@ -44,8 +44,7 @@ def _executors(path) -> tuple[PlanExecutor, PlanExecutor]:
     """(the artifact's plan with its ORT segments, the same plan with each segment's cpu steps)."""
     a = read_artifact(path)
     plan = Plan.from_json(a.plan_json)
-    torch_plan = restep(plan, [s for step in plan.steps for s in (step.inner_steps() or [step])])
-    return PlanExecutor(plan, a.weights, data=a.data), PlanExecutor(torch_plan, a.weights)
+    return PlanExecutor(plan, a.weights, data=a.data), PlanExecutor(torch_plan(plan), a.weights)
 
 
 def _greedy(executor: PlanExecutor, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -66,7 +65,7 @@ def test_plan_runs_ort_segments_beside_torch_attention(artifacts):
     kernels = [s.kernel for s in plan.steps]
     assert kernels.count("ort.segment") == 3 and kernels.count("cpu.flash_attention") == 2
     assert set(kernels) == {"ort.segment", "cpu.split", "cpu.flash_attention"}
-    assert sorted(a.data) == [f"ort/segment_00{i}.onnx" for i in range(3)]
+    assert sorted(a.data) == ["ort/decode.onnx"] + [f"ort/segment_00{i}.onnx" for i in range(3)]
     assert set(a.data) <= set(a.manifest["files"])
     model = onnx.load_from_string(a.data["ort/segment_001.onnx"])
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]

@@ -1,0 +1,182 @@
+"""The decode graph: a cpu plan's whole forward for decode-only steps (every sequence feeding one
+token) as ONE ONNX Runtime session, attention included. A decode step through the plan walk pays
+for ~60 Python launches and 30 small torch attentions around its GEMVs; as one session it pays for
+one run. Attention reads the paged KV cache itself: each layer's cache is an input bound to the
+runtime's memory, gathered through the block tables, and the step's rotated keys and values come
+out (new_keys / new_values) for the runtime to write into the cache after the run. Stored as
+ort/decode.onnx with a `decode_graph` record in plan.meta; `--kernels auto` keeps it only where the
+segments it is made of measured as fast in ORT as the plan walk runs them, on this machine."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, apply_rope, cos_sin
+from llmc.compiler.ir import Graph
+from llmc.compiler.ops import ATTENTION_OPS
+
+DECODE_FILE = "ort/decode.onnx"
+DECODE_KERNEL = "ort.decode"
+BLOCK_TABLES = "block_tables"      # int64 [tokens, blocks]: each decode's cache blocks in order, padded
+NEW_KEYS, NEW_VALUES = "new_keys", "new_values"   # float32 [layers, tokens, kv_heads, head_dim]
+
+
+def cache_inputs(num_layers: int) -> list[str]:
+    return [f"{kind}_cache.{layer}" for kind in ("k", "v") for layer in range(num_layers)]
+
+
+def decode_refusal(graph: Graph) -> str | None:
+    """Why the graph has no decode graph (None: it can have one)."""
+    from llmc.codegen.ort_lowering import ort_refusal
+
+    attention = [n for n in graph.nodes if n.op in ATTENTION_OPS]
+    if not attention or "positions" not in [v.name for v in graph.inputs]:
+        return "the graph has no attention or no positions input"
+    layers = sorted(n.attrs["layer"] for n in attention)
+    if layers != list(range(len(layers))):
+        return f"attention layers {layers[:6]} are not 0 .. {len(layers) - 1} once each"
+    if len({(n.attrs["num_kv_heads"], n.attrs["head_dim"]) for n in attention}) > 1:
+        return "attention layers differ in KV heads or head size"
+    for n in attention:
+        a = n.attrs
+        why = ("a quantised KV cache" if a.get("kv_cache") is not None else
+               "attention logit soft-capping" if a.get("softcap") is not None else
+               "non-causal attention" if not a.get("causal", True) else
+               "attention inputs with leading batch dims" if any(len(graph.type_of(i).shape) != 2
+                                                                for i in n.inputs[:3]) else None)
+        if why:
+            return f"node {n.name}: {why} has no decode-graph lowering"
+    users = graph.users()
+    for n in graph.nodes:
+        if n.op in ATTENTION_OPS or (n.op == "split" and any(
+                u.op in ATTENTION_OPS for v in n.outputs for u in users.get(v.name, []))):
+            continue
+        why = ort_refusal(n, graph)
+        if why:
+            return f"node {n.name} ({n.op}): {why}"
+    return None
+
+
+def build_decode_graph(graph: Graph, nbits_level: int) -> tuple[bytes, OnnxBuilder, dict]:
+    """(ONNX bytes, the builder (its `sources` and `values` name the initializers), the plan.meta
+    record without file hash) for `graph`'s decode graph."""
+    from onnx import TensorProto, helper
+
+    b = OnnxBuilder(graph, graph.weights, segment=True, nbits_level=nbits_level)
+    inputs = [v.name for v in graph.inputs]
+    b.env = {i: i for i in inputs}
+    attention = [n for n in graph.nodes if n.op in ATTENTION_OPS]
+    kv_heads, head_dim = attention[0].attrs["num_kv_heads"], attention[0].attrs["head_dim"]
+    new_kv: dict[int, tuple[str, str]] = {}
+    for node in graph.nodes:
+        if node.op in ATTENTION_OPS:
+            new_kv[node.attrs["layer"]] = _paged_decode_attention(b, node)
+        else:
+            TRANSLATIONS[node.op](b, node)
+    outputs = list(graph.outputs)
+    for out in outputs:
+        b.add("Identity", [b.env[out]], [out])
+    layers = range(len(attention))
+    for name, which in ((NEW_KEYS, 0), (NEW_VALUES, 1)):
+        b.add("Concat", [b.one("Unsqueeze", new_kv[layer][which], b.ints(0)) for layer in layers], [name], axis=0)
+
+    def info(name, elem, shape):
+        return helper.make_tensor_value_info(name, elem, shape)
+    elem = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32}
+    onnx_inputs = [info(i, elem[graph.type_of(i).dtype], list(graph.type_of(i).shape)) for i in inputs]
+    onnx_inputs.append(info(BLOCK_TABLES, TensorProto.INT64, ["tokens", "blocks"]))
+    onnx_inputs += [info(name, TensorProto.FLOAT, ["cache_blocks", "block_size", kv_heads, head_dim])
+                    for name in cache_inputs(len(attention))]
+    onnx_outputs = [info(o, elem[graph.type_of(o).dtype], list(graph.type_of(o).shape)) for o in outputs]
+    onnx_outputs += [info(name, TensorProto.FLOAT, [len(attention), "tokens", kv_heads, head_dim])
+                     for name in (NEW_KEYS, NEW_VALUES)]
+    onnx_graph = helper.make_graph(b.nodes, f"{graph.name or 'llmc'}.decode", onnx_inputs, onnx_outputs,
+                                   b.initializers)
+    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if b.uses_ms else [])
+    model = helper.make_model(onnx_graph, opset_imports=opsets, producer_name="llmc")
+    model.ir_version = 8
+    record = {"file": DECODE_FILE, "num_layers": len(attention), "num_kv_heads": kv_heads, "head_dim": head_dim,
+              "inputs": inputs, "outputs": outputs,
+              "initializers": {name: list(source) for name, source in sorted(b.sources.items())}}
+    return model.SerializeToString(), b, record
+
+
+def _paged_decode_attention(b: OnnxBuilder, n) -> tuple[str, str]:
+    """One decode token per row: q [b, heads * hd] attends its sequence's cached keys (gathered from
+    k_cache.L through block_tables, visible below its position, and within the sliding window) and
+    its own key. Returns this layer's rotated keys and values [b, kv_heads, hd]."""
+    a = n.attrs
+    heads, kv, hd, layer = a["num_heads"], a["num_kv_heads"], a["head_dim"], a["layer"]
+    q, k, v = (b.value(i) for i in n.inputs[:3])
+    q3, k3 = b.one("Reshape", q, b.ints(0, heads, hd)), b.one("Reshape", k, b.ints(0, kv, hd))
+    if n.op == "flash_attention" and a.get("rope") is not None:
+        cos, sin = cos_sin(b, n.inputs[3], n.inputs[4], a["rope"]["scaling"])
+        q3, k3 = apply_rope(b, q3, cos, sin, hd), apply_rope(b, k3, cos, sin, hd)
+    v3 = b.one("Reshape", v, b.ints(0, kv, hd))
+    past = [b.one("Reshape", b.one("Gather", f"{kind}_cache.{layer}", BLOCK_TABLES, axis=0), b.ints(0, -1, kv, hd))
+            for kind in ("k", "v")]   # [b, blocks * block_size, kv, hd]
+    keys, values = (b.one("Concat", p, b.one("Unsqueeze", x, b.ints(1)), axis=1) for p, x in zip(past, (k3, v3)))
+    # GQA without repeating K/V: q as [b, kv, group, hd] against k as [b, kv, hd, ctx]
+    qg = b.one("Reshape", q3, b.ints(0, kv, heads // kv, hd))
+    kt = b.one("Transpose", keys, perm=[0, 2, 3, 1])
+    vt = b.one("Transpose", values, perm=[0, 2, 1, 3])
+    scores = b.one("Add", b.one("Mul", b.one("MatMul", qg, kt), b.scalar(float(a["scale"]))),
+                   _decode_bias(b, past[0], a.get("window")))
+    out = b.one("MatMul", b.one("Softmax", scores, axis=-1), vt)
+    b.bind(n, b.one("Reshape", out, b.ints(0, heads * hd)))
+    return k3, v3
+
+
+def _decode_bias(b: OnnxBuilder, past: str, window: int | None) -> str:
+    """Additive mask [b, 1, 1, ctx + 1]: gathered key j (position j) is visible to the decode at
+    position p when j < p (and j > p - window), its own key (the last) always. Built once per graph."""
+    def make():
+        zero, one = b.const("const/i64s/0", np.array(0, np.int64)), b.const("const/i64s/1", np.array(1, np.int64))
+        ctx = b.one("Gather", b.one("Shape", past), one, axis=0)
+        keys = b.one("Unsqueeze", b.one("Range", zero, ctx, one), b.ints(0))      # [1, ctx]
+        p = b.one("Unsqueeze", "positions", b.ints(1))                              # [b, 1]
+        visible = b.one("Less", keys, p)
+        if window is not None:
+            first = b.one("Sub", p, b.const(f"const/i64s/{window - 1}", np.array(window - 1, np.int64)))
+            visible = b.one("And", visible, b.one("GreaterOrEqual", keys, first))
+        bias = b.one("Where", visible, b.scalar(0.0), b.scalar(float("-inf")))       # [b, ctx]
+        own = b.one("Mul", b.one("Cast", p, to=1), b.scalar(0.0))                   # [b, 1] zeros
+        return b.one("Unsqueeze", b.one("Concat", bias, own, axis=1), b.ints(1, 2))
+    return b.cached(("decode_bias", window), make)
+
+
+def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nbits_level: int) -> dict:
+    """The plan.meta record of the decode graph `mode` gives the lowered `plan` (its ONNX bytes
+    added to `files`), or a record saying why there is none ({"chosen": False, "why": ...})."""
+    why = decode_refusal(graph)
+    verdict = {"chosen": True} if why or mode == "ort" else choose_decode_graph(plan.meta["kernel_choice"])
+    if why or not verdict["chosen"]:
+        return {"chosen": False, "why": why or verdict["why"]}
+    model, _, record = build_decode_graph(graph, nbits_level)
+    files[DECODE_FILE] = model
+    return {**record, **verdict, "sha256": hashlib.sha256(model).hexdigest()}
+
+
+def choose_decode_graph(choice: dict) -> dict:
+    """auto's verdict from what it measured of the segment kinds (codegen/ort_timing.py): the decode
+    graph runs every kind in ORT, so it is kept where ORT was eligible for every kind (no further
+    from the reference than torch) and its kinds' decode steps cost no more in ORT than in the
+    families the plan walk runs them in; what it saves beyond that (a Python launch per segment
+    and attention, 30 small torch attentions) it saves on every decode step."""
+    kinds = choice["measured"]["kinds"]
+    for kind in kinds:
+        if "us" not in kind or "ORT's outputs" in kind.get("why", ""):
+            return {"chosen": False, "why": f"segments like {kind['first']} do not run in ORT: {kind.get('why')}"}
+    cost = {family: sum(k["segments"] * k["us"][family if family == "ort" else k["chosen"]]["decode"]
+                        for k in kinds) for family in ("ort", "plan")}
+    record = {"decode_us": {"graph_segments": round(cost["ort"], 1), "plan_segments": round(cost["plan"], 1)}}
+    if cost["ort"] > cost["plan"]:
+        return {**record, "chosen": False, "why": f"its segments' decode steps measured {cost['ort']:.0f} us in ORT "
+                                                  f"against {cost['plan']:.0f} us as the plan walk runs them"}
+    return {**record, "chosen": True}
+
+
+__all__ = ["build_decode_graph", "decode_refusal", "plan_decode_graph", "cache_inputs", "DECODE_FILE",
+           "BLOCK_TABLES", "NEW_KEYS", "NEW_VALUES"]
