@@ -49,9 +49,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     ap.add_argument("--by-kernel", action="store_true", help="also split the plan walk per kernel")
+    ap.add_argument("--no-decode-graph", action="store_true",
+                    help="walk the plan on decode steps too (the artifact's decode graph unused), for an A/B")
     ap.add_argument("--kv-memory", default="1GiB", help="KV cache budget; every sequence must fit to its last step")
     args = ap.parse_args()
     engine = Engine(args.artifact, EngineConfig(kv_memory=args.kv_memory, seed=0))
+    if args.no_decode_graph:
+        engine.executor.decode_graph = None
     if args.threads:   # after the engine, which applies its own thread count
         torch.set_num_threads(args.threads)
     vocab = engine.model["vocab_size"]
