@@ -9,18 +9,21 @@
 # of the batched row (default 64), which every artifact runs (HF's batched generate beside fp32's).
 # The compile-time row times one fresh GGUF compile (`--report`: its load stage is GGUF read +
 # dequantise), unless $DIR/compile.json is there already.
-# KERNELS="cpu ort" adds rows of artifacts compiled with --kernels ort (ONNX Runtime segments; default
-# KERNELS=cpu: torch kernels only); each family's artifacts are named $q.llmc (cpu) or $q-ort.llmc.
+# KERNELS="auto cpu ort" adds rows of artifacts compiled with --kernels cpu (torch kernels only) and ort
+# (ONNX Runtime segments and decode graph throughout); default KERNELS=auto, the cpu target's default
+# (families chosen by measurement); each family's artifacts are named $q.llmc (auto) or $q-$k.llmc.
+# HF's baseline runs beside the first family's fp32 rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LLMC=${LLMC:-.venv/bin/llmc}
 DIR=${DIR:-bench/out/cpu_speed}
 mkdir -p "$DIR"
 EXTRA=()
-KERNELS=${KERNELS:-cpu}
+KERNELS=${KERNELS:-auto}
+FIRST=${KERNELS%% *}
 QUANTS=${QUANTS:-fp32 int8 int4-awq gguf w8a8}
 BATCH=${BATCH:-64}
-suffix() { [ "$1" = cpu ] && echo "" || echo "-$1"; }
+suffix() { [ "$1" = auto ] && echo "" || echo "-$1"; }
 [ -n "${THREADS:-}" ] && EXTRA+=(--threads "$THREADS")
 [ -n "${BANDWIDTH:-}" ] && EXTRA+=(--bandwidth "$BANDWIDTH")
 
@@ -51,19 +54,19 @@ bench() {  # name artifact [llmc bench flags...]
 # interleaved: each quantised row runs right after the fp32 row of the same workload
 for k in $KERNELS; do
   for q in $QUANTS; do
-    base=(); [ "$q$k" = fp32cpu ] && base=(--baseline hf)
+    base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
     bench "decode_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 128 --output-len 128 "${base[@]}"
   done
 done
 for k in $KERNELS; do
   for q in $QUANTS; do
-    base=(); [ "$q$k" = fp32cpu ] && base=(--baseline hf)
+    base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
     bench "prefill_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 512 --output-len 1 "${base[@]}"
   done
 done
 for k in $KERNELS; do
   for q in $QUANTS; do
-    base=(); [ "$q$k" = fp32cpu ] && base=(--baseline hf)
+    base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
     bench "batch_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n "$BATCH" --input-len 128 --output-len 128 "${base[@]}"
   done
 done
@@ -72,14 +75,15 @@ QUANTS="$QUANTS" BATCH="$BATCH" python3 - "$DIR" $KERNELS <<'PY'
 import json, os, sys
 d, kernels = sys.argv[1], sys.argv[2:]
 r = {n[:-5]: json.load(open(f"{d}/{n}")) for n in os.listdir(d) if n.endswith(".json") and n != "compile-report.json"}
-roof = r["decode_fp32"]["roofline"]
+fp32 = "fp32" + ("" if kernels[0] == "auto" else f"-{kernels[0]}")   # the rows HF ran beside
+roof = r[f"decode_{fp32}"]["roofline"]
 bw, peak = roof["bandwidth_gbps"], roof["gemm_peak_gflops"]
 fp32_bytes = roof["weight_bytes"]
 
 
 def decode(q):
     x = r[f"decode_{q}"]
-    hf = r["decode_fp32"]["baseline"]["output_tokens_per_s"]
+    hf = r[f"decode_{fp32}"]["baseline"]["output_tokens_per_s"]
     ro = x["roofline"]
     return (f"{x['output_tokens_per_s']:.1f} ({x['output_tokens_per_s'] / hf:.2f}x HF, "
             f"{ro['fraction']:.0%} of roofline {bw * 1e9 / ro['weight_bytes']:.0f} tok/s)")
@@ -87,15 +91,15 @@ def decode(q):
 
 def prefill(q):
     x = r[f"prefill_{q}"]
-    hf = 512 / r["prefill_fp32"]["baseline"]["total_seconds"]
+    hf = 512 / r[f"prefill_{fp32}"]["baseline"]["total_seconds"]
     tps = 512 / x["total_seconds"]
     return f"{tps:.0f} ({tps / hf:.2f}x HF, GEMM {x['roofline']['gemm_fraction']:.0%} of peak)"
 
 
-hf_dec = r["decode_fp32"]["baseline"]["output_tokens_per_s"]
-hf_pre = 512 / r["prefill_fp32"]["baseline"]["total_seconds"]
-b = r["batch_fp32"]
-qs = [q + ("" if k == "cpu" else f"-{k}") for k in kernels for q in os.environ["QUANTS"].split()]
+hf_dec = r[f"decode_{fp32}"]["baseline"]["output_tokens_per_s"]
+hf_pre = 512 / r[f"prefill_{fp32}"]["baseline"]["total_seconds"]
+b = r[f"batch_{fp32}"]
+qs = [q + ("" if k == "auto" else f"-{k}") for k in kernels for q in os.environ["QUANTS"].split()]
 print(f"threads {roof['threads']} · memory bandwidth {bw:.1f} GB/s · fp32 GEMM peak {peak:.0f} GFLOP/s (measured)")
 print("| figure | HF eager fp32 | " + " | ".join(f"llmc {q}" for q in qs) + " |")
 print("|---|---|" + "---|" * len(qs))
@@ -105,7 +109,7 @@ print(f"| prefill 512 tok/s | {hf_pre:.0f} | " + " | ".join(prefill(q) for q in 
 hf_batch = b["baseline"]["output_tokens_per_s"]
 batch = {q: f"{r[f'batch_{q}']['output_tokens_per_s']:.0f} ({r[f'batch_{q}']['output_tokens_per_s'] / hf_batch:.2f}x HF)"
          for q in qs if f"batch_{q}" in r}
-batch["fp32"] += f", GEMM {b['roofline']['achieved_gflops']:.0f} GFLOP/s = {b['roofline']['gemm_fraction']:.0%} of peak"
+batch[fp32] += f", GEMM {b['roofline']['achieved_gflops']:.0f} GFLOP/s = {b['roofline']['gemm_fraction']:.0%} of peak"
 print(f"| {os.environ['BATCH']} x (128 in, 128 out) output tok/s | {hf_batch:.0f} | "
       + " | ".join(batch.get(q, "") for q in qs) + " |")
 c = r.get("compile")

@@ -361,8 +361,8 @@ TRANSLATIONS = {
 SEGMENT_OPS = {("", op) for op in (
     "Abs", "Add", "And", "Cast", "Clip", "Concat", "Cos", "Div", "Gather", "Gemm", "Greater", "GreaterOrEqual",
     "Identity", "Less", "MatMul", "MatMulInteger", "Mul", "Neg", "Range", "ReduceMax", "ReduceMean", "ReduceSum",
-    "Reciprocal", "Reshape", "Round", "Shape", "Sigmoid", "SimplifiedLayerNormalization", "Sin", "Softmax", "Split",
-    "Sqrt", "Sub", "Transpose", "Unsqueeze", "Where")} | {
+    "Reciprocal", "Reshape", "Round", "Shape", "Sigmoid", "Slice", "SimplifiedLayerNormalization", "Sin", "Softmax",
+    "Split", "Sqrt", "Sub", "Transpose", "Unsqueeze", "Where")} | {
     (MS_DOMAIN, "MatMulNBits"), (MS_DOMAIN, "SkipSimplifiedLayerNormalization")}
 
 __all__ = ["OnnxBuilder", "TRANSLATIONS", "SEGMENT_OPS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin",

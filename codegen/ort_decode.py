@@ -105,33 +105,53 @@ def build_decode_graph(graph: Graph, nbits_level: int) -> tuple[bytes, OnnxBuild
 
 def _paged_decode_attention(b: OnnxBuilder, n) -> tuple[str, str]:
     """One decode token per row: q [b, heads * hd] attends its sequence's cached keys (gathered from
-    k_cache.L through block_tables, visible below its position, and within the sliding window) and
-    its own key. Returns this layer's rotated keys and values [b, kv_heads, hd]."""
+    k_cache.L through block_tables, visible below its position and within the sliding window) and its
+    own key. Returns this layer's rotated keys and values [b, kv_heads, hd].
+
+    The gathered keys and values are read as they lie, [b, ctx, kv_heads * hd], never transposed or
+    concatenated (at batch 64 those copies cost more than the GEMMs): scores are one MatMul against the
+    queries laid out block-diagonally, [b, kv_heads * hd, heads] with query head h (of KV head h //
+    group, HF's repeat_kv order) in KV head h // group's rows, and the output's off-diagonal blocks are
+    masked out of a [b, heads, kv_heads * hd] product. The own key and value are attended apart."""
     a = n.attrs
     heads, kv, hd, layer = a["num_heads"], a["num_kv_heads"], a["head_dim"], a["layer"]
+    group, scale = heads // kv, b.scalar(float(a["scale"]))
     q, k, v = (b.value(i) for i in n.inputs[:3])
     q3, k3 = b.one("Reshape", q, b.ints(0, heads, hd)), b.one("Reshape", k, b.ints(0, kv, hd))
     if n.op == "flash_attention" and a.get("rope") is not None:
         cos, sin = cos_sin(b, n.inputs[3], n.inputs[4], a["rope"]["scaling"])
         q3, k3 = apply_rope(b, q3, cos, sin, hd), apply_rope(b, k3, cos, sin, hd)
     v3 = b.one("Reshape", v, b.ints(0, kv, hd))
-    past = [b.one("Reshape", b.one("Gather", f"{kind}_cache.{layer}", BLOCK_TABLES, axis=0), b.ints(0, -1, kv, hd))
-            for kind in ("k", "v")]   # [b, blocks * block_size, kv, hd]
-    keys, values = (b.one("Concat", p, b.one("Unsqueeze", x, b.ints(1)), axis=1) for p, x in zip(past, (k3, v3)))
-    # GQA without repeating K/V: q as [b, kv, group, hd] against k as [b, kv, hd, ctx]
-    qg = b.one("Reshape", q3, b.ints(0, kv, heads // kv, hd))
-    kt = b.one("Transpose", keys, perm=[0, 2, 3, 1])
-    vt = b.one("Transpose", values, perm=[0, 2, 1, 3])
-    scores = b.one("Add", b.one("Mul", b.one("MatMul", qg, kt), b.scalar(float(a["scale"]))),
-                   _decode_bias(b, past[0], a.get("window")))
-    out = b.one("MatMul", b.one("Softmax", scores, axis=-1), vt)
+    past_k, past_v = (b.one("Reshape", b.one("Gather", f"{kind}_cache.{layer}", BLOCK_TABLES, axis=0),
+                            b.ints(0, -1, kv * hd)) for kind in ("k", "v"))      # [b, ctx, kv * hd]
+    eye = b.const(f"const/f32/eye{kv}", np.eye(kv, dtype=np.float32).reshape(kv, 1, kv, 1))
+    qg = b.one("Reshape", q3, b.ints(0, kv, group, hd))
+    q_diag = b.one("Mul", b.one("Unsqueeze", b.one("Transpose", qg, perm=[0, 1, 3, 2]), b.ints(3)), eye)
+    q_diag = b.one("Reshape", q_diag, b.ints(0, kv * hd, heads))                 # [b, kv * hd, heads]
+    scores = b.one("Add", b.one("Mul", b.one("MatMul", past_k, q_diag), scale),
+                   _decode_bias(b, past_k, a.get("window")))                     # [b, ctx, heads]
+    own = b.one("ReduceSum", b.one("Mul", qg, b.one("Unsqueeze", k3, b.ints(2))), b.ints(-1), keepdims=0)
+    own = b.one("Reshape", b.one("Mul", own, scale), b.ints(0, 1, heads))        # [b, 1, heads]
+    probs = b.one("Softmax", b.one("Concat", scores, own, axis=1), axis=1)       # [b, ctx + 1, heads]
+    p_past, p_own = b.add("Split", [probs, _ctx_and_one(b, past_k)], [b.fresh("p_past"), b.fresh("p_own")], axis=1)
+    out = b.one("MatMul", b.one("Transpose", p_past, perm=[0, 2, 1]), past_v)   # [b, heads, kv * hd]
+    out = b.one("ReduceSum", b.one("Mul", b.one("Reshape", out, b.ints(0, kv, group, kv, hd)), eye),
+                b.ints(3), keepdims=0)                                          # [b, kv, group, hd]
+    out = b.one("Add", out, b.one("Mul", b.one("Reshape", p_own, b.ints(0, kv, group, 1)),
+                                  b.one("Unsqueeze", v3, b.ints(2))))
     b.bind(n, b.one("Reshape", out, b.ints(0, heads * hd)))
     return k3, v3
 
 
+def _ctx_and_one(b: OnnxBuilder, past: str) -> str:
+    """[ctx, 1]: the split of [past keys, own key] along the key axis."""
+    return b.cached("ctx_and_one", lambda: b.one("Concat", b.one("Slice", b.one("Shape", past), b.ints(1), b.ints(2)),
+                                                 b.ints(1), axis=0))
+
+
 def _decode_bias(b: OnnxBuilder, past: str, window: int | None) -> str:
-    """Additive mask [b, 1, 1, ctx + 1]: gathered key j (position j) is visible to the decode at
-    position p when j < p (and j > p - window), its own key (the last) always. Built once per graph."""
+    """Additive mask [b, ctx, 1]: gathered key j (position j) is visible to the decode at position p
+    when j < p (and j > p - window); its own key is attended apart. Built once per graph."""
     def make():
         zero, one = b.const("const/i64s/0", np.array(0, np.int64)), b.const("const/i64s/1", np.array(1, np.int64))
         ctx = b.one("Gather", b.one("Shape", past), one, axis=0)
@@ -142,8 +162,7 @@ def _decode_bias(b: OnnxBuilder, past: str, window: int | None) -> str:
             first = b.one("Sub", p, b.const(f"const/i64s/{window - 1}", np.array(window - 1, np.int64)))
             visible = b.one("And", visible, b.one("GreaterOrEqual", keys, first))
         bias = b.one("Where", visible, b.scalar(0.0), b.scalar(float("-inf")))       # [b, ctx]
-        own = b.one("Mul", b.one("Cast", p, to=1), b.scalar(0.0))                   # [b, 1] zeros
-        return b.one("Unsqueeze", b.one("Concat", bias, own, axis=1), b.ints(1, 2))
+        return b.one("Unsqueeze", bias, b.ints(2))
     return b.cached(("decode_bias", window), make)
 
 
