@@ -4,8 +4,8 @@ for ~60 Python launches and 30 small torch attentions around its GEMVs; as one s
 one run. Attention reads the paged KV cache itself: each layer's cache is an input bound to the
 runtime's memory, gathered through the block tables, and the step's rotated keys and values come
 out (new_keys / new_values) for the runtime to write into the cache after the run. Stored as
-ort/decode.onnx with a `decode_graph` record in plan.meta; `--kernels auto` keeps it only where the
-segments it is made of measured as fast in ORT as the plan walk runs them, on this machine."""
+ort/decode.onnx with a `decode_graph` record in plan.meta; `--kernels auto` keeps it where it measured
+faster than the plan walk on this machine (choose_decode_graph)."""
 
 from __future__ import annotations
 
@@ -166,24 +166,35 @@ def _decode_bias(b: OnnxBuilder, past: str, window: int | None) -> str:
     return b.cached(("decode_bias", window), make)
 
 
+CLOSE_CALL = 2.0   # segments costing up to this many times the plan walk's in ORT: time a whole decode step
+
+
 def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nbits_level: int) -> dict:
     """The plan.meta record of the decode graph `mode` gives the lowered `plan` (its ONNX bytes
     added to `files`), or a record saying why there is none ({"chosen": False, "why": ...})."""
     why = decode_refusal(graph)
-    verdict = {"chosen": True} if why or mode == "ort" else choose_decode_graph(plan.meta["kernel_choice"])
-    if why or not verdict["chosen"]:
-        return {"chosen": False, "why": why or verdict["why"]}
+    if why:
+        return {"chosen": False, "why": why}
     model, _, record = build_decode_graph(graph, nbits_level)
+    verdict = {"chosen": True}
+    if mode == "auto":
+        verdict = choose_decode_graph(plan.meta["kernel_choice"])
+        if verdict.get("close_call"):
+            from llmc.codegen.ort_decode_timing import measure_decode_step
+            verdict = _step_verdict(verdict["decode_us"], measure_decode_step(graph, plan, files, model, record))
+    if not verdict["chosen"]:
+        return {"chosen": False, **{k: v for k, v in verdict.items() if k != "chosen"}}
     files[DECODE_FILE] = model
     return {**record, **verdict, "sha256": hashlib.sha256(model).hexdigest()}
 
 
 def choose_decode_graph(choice: dict) -> dict:
-    """auto's verdict from what it measured of the segment kinds (codegen/ort_timing.py): the decode
-    graph runs every kind in ORT, so it is kept where ORT was eligible for every kind (no further
-    from the reference than torch) and its kinds' decode steps cost no more in ORT than in the
-    families the plan walk runs them in; what it saves beyond that (a Python launch per segment
-    and attention, 30 small torch attentions) it saves on every decode step."""
+    """auto's verdict from what it measured of the segment kinds (codegen/ort_timing.py). The decode
+    graph runs every kind in ORT, so ORT must have been eligible for every kind (no further from the
+    reference than torch). It is kept where those kinds' decode steps cost no more in ORT than in the
+    families the plan walk runs them in (it saves a Python launch per segment and attention, and the
+    torch attentions, on every decode step besides); refused where they cost over CLOSE_CALL times
+    as much; in between, a close call, a whole decode step is timed both ways."""
     kinds = choice["measured"]["kinds"]
     for kind in kinds:
         if "us" not in kind or "ORT's outputs" in kind.get("why", ""):
@@ -191,10 +202,20 @@ def choose_decode_graph(choice: dict) -> dict:
     cost = {family: sum(k["segments"] * k["us"][family if family == "ort" else k["chosen"]]["decode"]
                         for k in kinds) for family in ("ort", "plan")}
     record = {"decode_us": {"graph_segments": round(cost["ort"], 1), "plan_segments": round(cost["plan"], 1)}}
-    if cost["ort"] > cost["plan"]:
-        return {**record, "chosen": False, "why": f"its segments' decode steps measured {cost['ort']:.0f} us in ORT "
-                                                  f"against {cost['plan']:.0f} us as the plan walk runs them"}
-    return {**record, "chosen": True}
+    if cost["ort"] <= cost["plan"]:
+        return {**record, "chosen": True}
+    if cost["ort"] <= CLOSE_CALL * cost["plan"]:
+        return {**record, "chosen": False, "close_call": True}
+    return {**record, "chosen": False, "why": f"its segments' decode steps measured {cost['ort']:.0f} us in ORT "
+                                              f"against {cost['plan']:.0f} us as the plan walk runs them"}
+
+
+def _step_verdict(decode_us: dict, step_us: dict) -> dict:
+    record = {"decode_us": {**decode_us, "graph_step": step_us["graph"], "plan_step": step_us["plan"]}}
+    if step_us["graph"] < step_us["plan"]:
+        return {**record, "chosen": True}
+    return {**record, "chosen": False, "why": f"a decode step through it measured {step_us['graph']:.0f} us against "
+                                              f"the plan walk's {step_us['plan']:.0f} us"}
 
 
 __all__ = ["build_decode_graph", "decode_refusal", "plan_decode_graph", "cache_inputs", "DECODE_FILE",

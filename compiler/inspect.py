@@ -248,9 +248,11 @@ def decode_graph_lines(record: dict | None) -> list[str]:
         return []
     if not record.get("chosen"):
         return [f"  decode graph: none ({record.get('why')})"]
-    us = record.get("decode_us")
+    us = record.get("decode_us") or {}
     measured = (f"; its segments {us['graph_segments']:.0f} us a decode step in ORT, {us['plan_segments']:.0f} us "
                 f"as the plan walk runs them" if us else "")
+    if "graph_step" in us:
+        measured += f"; a whole decode step {us['graph_step']:.0f} us through it, {us['plan_step']:.0f} us walked"
     return [f"  decode graph: decode-only steps run as one ONNX Runtime session ({record['file']}, attention "
             f"over the paged KV cache inside it){measured}"]
 

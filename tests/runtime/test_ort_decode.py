@@ -14,6 +14,8 @@ from tiny_hf_models import ARCHS, hf_greedy, max_relative_error, prompt_ids, sav
 
 import llmc
 from llmc import SamplingParams
+from llmc.codegen.ort_decode import CLOSE_CALL, choose_decode_graph
+from llmc.codegen.ort_decode_timing import measure_decode_step
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.inspect import summarize
@@ -144,11 +146,40 @@ def test_auto_records_its_verdict_and_inspect_shows_it(tmp_path):
     record = json.loads(read_artifact(path).plan_json)["meta"]["decode_graph"]
     assert isinstance(record["chosen"], bool)
     assert ("ort/decode.onnx" in read_artifact(path).data) == record["chosen"]
+    us = record.get("decode_us", {})
     if record["chosen"]:
-        assert record["decode_us"]["graph_segments"] <= record["decode_us"]["plan_segments"]
+        assert us["graph_segments"] <= us["plan_segments"] or us["graph_step"] < us["plan_step"]
     else:
         assert record["why"]
     assert "decode graph:" in summarize(path)
     cpu = llmc.compile("tiny-llama", output=tmp_path / "cpu.llmc", kernels="cpu", quiet=True)
     assert "decode_graph" not in json.loads(read_artifact(cpu).plan_json)["meta"]
     assert llmc.load(cpu).engine.executor.decode_graph is None
+
+
+def _kinds(ort_us: float, cpu_us: float, chosen: str = "cpu", why: str | None = None) -> dict:
+    kind = {"first": "embedding_0", "segments": 3, "chosen": chosen,
+            "us": {"cpu": {"decode": cpu_us, "prefill": 1.0}, "ort": {"decode": ort_us, "prefill": 1.0}}}
+    return {"measured": {"kinds": [kind | ({"why": why} if why else {})]}}
+
+
+def test_auto_keeps_the_graph_where_its_segments_cost_no_more_and_times_a_step_on_a_close_call():
+    assert choose_decode_graph(_kinds(10.0, 12.0))["chosen"] is True
+    assert choose_decode_graph(_kinds(12.0, 12.0, chosen="ort"))["chosen"] is True
+    close = choose_decode_graph(_kinds(13.0, 12.0))
+    assert close["chosen"] is False and close["close_call"]
+    far = choose_decode_graph(_kinds(CLOSE_CALL * 12.0 + 1, 12.0))
+    assert far["chosen"] is False and "against 36 us" in far["why"] and "close_call" not in far
+    refused = choose_decode_graph(_kinds(1.0, 12.0, why="ORT's outputs are 1e-2 of the largest off the reference"))
+    assert refused["chosen"] is False and "do not run in ORT" in refused["why"]
+
+
+def test_a_close_call_times_a_whole_decode_step_both_ways(artifacts, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMC_CACHE", str(tmp_path))   # measured afresh, not recalled
+    a = read_artifact(artifacts["fp32"])
+    plan, graph = Plan.from_json(a.plan_json), Graph.from_json(a.graph_json)
+    graph.weights = a.weights
+    record = plan.meta.pop("decode_graph")   # the lowered plan, as the compile measures it
+    files = {name: data for name, data in a.data.items() if name != record["file"]}
+    us = measure_decode_step(graph, plan, files, a.data[record["file"]], record)
+    assert set(us) == {"plan", "graph"} and all(0 < t < 1e6 for t in us.values())
