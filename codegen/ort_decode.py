@@ -176,6 +176,7 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
     if why:
         return {"chosen": False, "why": why}
     model, _, record = build_decode_graph(graph, nbits_level)
+    record["sha256"] = hashlib.sha256(model).hexdigest()
     verdict = {"chosen": True}
     if mode == "auto":
         verdict = choose_decode_graph(plan.meta["kernel_choice"])
@@ -185,7 +186,7 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
     if not verdict["chosen"]:
         return {"chosen": False, **{k: v for k, v in verdict.items() if k != "chosen"}}
     files[DECODE_FILE] = model
-    return {**record, **verdict, "sha256": hashlib.sha256(model).hexdigest()}
+    return {**record, **verdict}
 
 
 def choose_decode_graph(choice: dict) -> dict:

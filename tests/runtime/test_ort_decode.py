@@ -14,7 +14,8 @@ from tiny_hf_models import ARCHS, hf_greedy, max_relative_error, prompt_ids, sav
 
 import llmc
 from llmc import SamplingParams
-from llmc.codegen.ort_decode import CLOSE_CALL, choose_decode_graph
+from llmc.codegen.onnx_ops import FP32_COMPUTE
+from llmc.codegen.ort_decode import CLOSE_CALL, choose_decode_graph, plan_decode_graph
 from llmc.codegen.ort_decode_timing import measure_decode_step
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
@@ -183,3 +184,8 @@ def test_a_close_call_times_a_whole_decode_step_both_ways(artifacts, tmp_path, m
     files = {name: data for name, data in a.data.items() if name != record["file"]}
     us = measure_decode_step(graph, plan, files, a.data[record["file"]], record)
     assert set(us) == {"plan", "graph"} and all(0 < t < 1e6 for t in us.values())
+    plan.meta["kernel_choice"] = _kinds(13.0, 12.0)   # what auto measured of the segments: a close call
+    verdict = plan_decode_graph(graph, plan, files, "auto", FP32_COMPUTE)
+    assert {"graph_step", "plan_step"} <= set(verdict["decode_us"])
+    assert verdict["chosen"] == (verdict["decode_us"]["graph_step"] < verdict["decode_us"]["plan_step"])
+    assert (record["file"] in files) == verdict["chosen"]
