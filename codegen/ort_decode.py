@@ -29,8 +29,6 @@ def cache_inputs(num_layers: int) -> list[str]:
 
 def decode_refusal(graph: Graph) -> str | None:
     """Why the graph has no decode graph (None: it can have one)."""
-    from llmc.codegen.ort_lowering import ort_refusal
-
     attention = [n for n in graph.nodes if n.op in ATTENTION_OPS]
     if not attention or "positions" not in [v.name for v in graph.inputs]:
         return "the graph has no attention or no positions input"
@@ -48,20 +46,16 @@ def decode_refusal(graph: Graph) -> str | None:
                                                                 for i in n.inputs[:3]) else None)
         if why:
             return f"node {n.name}: {why} has no decode-graph lowering"
-    users = graph.users()
-    for n in graph.nodes:
-        if n.op in ATTENTION_OPS or (n.op == "split" and any(
-                u.op in ATTENTION_OPS for v in n.outputs for u in users.get(v.name, []))):
-            continue
-        why = ort_refusal(n, graph)
-        if why:
-            return f"node {n.name} ({n.op}): {why}"
+    from llmc.codegen.ort_lowering import _unforced, kept_in_torch
+
+    ops = {n.name: n.op for n in graph.nodes}
+    for name, why in _unforced(kept_in_torch(graph)).items():   # ops ORT cannot run, in graph order
+        return f"node {name} ({ops[name]}): {why}"
     return None
 
 
-def build_decode_graph(graph: Graph, nbits_level: int) -> tuple[bytes, OnnxBuilder, dict]:
-    """(ONNX bytes, the builder (its `sources` and `values` name the initializers), the plan.meta
-    record without file hash) for `graph`'s decode graph."""
+def build_decode_graph(graph: Graph, nbits_level: int) -> tuple[bytes, dict]:
+    """(ONNX bytes, the plan.meta record without file hash) for `graph`'s decode graph."""
     from onnx import TensorProto, helper
 
     b = OnnxBuilder(graph, graph.weights, segment=True, nbits_level=nbits_level)
@@ -100,7 +94,7 @@ def build_decode_graph(graph: Graph, nbits_level: int) -> tuple[bytes, OnnxBuild
     record = {"file": DECODE_FILE, "num_layers": len(attention), "num_kv_heads": kv_heads, "head_dim": head_dim,
               "inputs": inputs, "outputs": outputs,
               "initializers": {name: list(source) for name, source in sorted(b.sources.items())}}
-    return model.SerializeToString(), b, record
+    return model.SerializeToString(), record
 
 
 def _paged_decode_attention(b: OnnxBuilder, n) -> tuple[str, str]:
@@ -175,7 +169,7 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
     why = decode_refusal(graph)
     if why:
         return {"chosen": False, "why": why}
-    model, _, record = build_decode_graph(graph, nbits_level)
+    model, record = build_decode_graph(graph, nbits_level)
     record["sha256"] = hashlib.sha256(model).hexdigest()
     verdict = {"chosen": True}
     if mode == "auto":

@@ -63,6 +63,7 @@ def report(artifact: str | Path) -> dict:
     path = Path(artifact)
     manifest = _read_manifest(path)
     rep = manifest["report"]
+    plan_meta = _rank0_plan(path, manifest)["meta"]
     return {
         "target": manifest["target"]["name"],
         "model": manifest["model"],
@@ -80,8 +81,8 @@ def report(artifact: str | Path) -> dict:
         "llmc_version": manifest["llmc_version"],
         "torch_version": manifest["torch_version"],
         "draft_of": manifest.get("draft_of"),   # the target artifact a speculative-decoding draft serves
-        "kernel_choice": _rank0_plan(path, manifest)["meta"].get("kernel_choice"),  # cpu: --kernels
-        "decode_graph": _decode_graph_summary(_rank0_plan(path, manifest)["meta"].get("decode_graph")),
+        "kernel_choice": plan_meta.get("kernel_choice"),  # cpu: --kernels
+        "decode_graph": _decode_graph_summary(plan_meta.get("decode_graph")),
         "parallel": manifest.get("parallel"),   # tensor parallel: what each rank holds and runs per step
     }
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from llmc.codegen.ort_decode import BLOCK_TABLES, NEW_KEYS, NEW_VALUES, cache_inputs
 from llmc.codegen.plan import RECOMPILE
 from llmc.compiler.ir import TensorType
 from llmc.errors import ArtifactError
 from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 
-BLOCK_TABLES, NEW_KEYS, NEW_VALUES = "block_tables", "new_keys", "new_values"
 RECORD_FIELDS = {"file": str, "sha256": str, "initializers": dict, "inputs": list, "outputs": list,
                  "num_layers": int, "num_kv_heads": int, "head_dim": int}
 
@@ -31,12 +31,13 @@ class DecodeGraph:
         self.plan_inputs = list(record["inputs"])
         inputs = [(name, plan.type_of(name)) for name in self.plan_inputs]
         inputs.append((BLOCK_TABLES, TensorType(("tokens", "blocks"), "int64")))
-        inputs += [(f"{kind}_cache.{layer}", TensorType(("cache_blocks", "block_size", kv, hd), "float32"))
-                   for kind in ("k", "v") for layer in range(layers)]
+        inputs += [(name, TensorType(("cache_blocks", "block_size", kv, hd), "float32"))
+                   for name in cache_inputs(layers)]
         outputs = [(name, plan.type_of(name)) for name in record["outputs"]]
         outputs += [(name, TensorType((layers, "tokens", kv, hd), "float32")) for name in (NEW_KEYS, NEW_VALUES)]
         self.session = load_session(record, inputs, outputs, data, weights, where)
-        self.outputs = list(record["outputs"])
+        outs = record["outputs"]
+        self._logits = outs.index("logits") if "logits" in outs else 0   # the output the runner samples
 
     def serves(self, meta: StepMetadata, cache: PagedKVCache) -> bool:
         """Whether this step is one the graph computes: decodes only, over an unquantised fp32
@@ -50,8 +51,7 @@ class DecodeGraph:
         values.append(meta.decode_blocks)
         *outs, new_keys, new_values = self.session(*values, *cache.k_cache, *cache.v_cache)
         cache.write_layers(meta.slot_mapping, new_keys, new_values)
-        values = dict(zip(self.outputs, outs))
-        return values["logits"] if "logits" in values else outs[0]
+        return outs[self._logits]
 
 
 def check_record(record, plan, where: str) -> None:
