@@ -78,7 +78,8 @@ class CompileOptions:
                                  "CUDA GPU).", is_flag=True)
     kernels: str | None = flag(None, "cpu target's kernel family: cpu (torch), ort (ONNX Runtime sessions over the "
                                      "plan's runs of non-attention ops), auto (time both here at the plan's shapes, "
-                                     "keep the faster per segment; recorded in the plan). Default: cpu.",
+                                     "keep the faster per segment, and the decode graph where it wins; recorded in "
+                                     "the plan). Default: auto.",
                                choices=KERNEL_MODES)
     quiet: bool = flag(False, "No progress or notes on stderr.", short="-q", is_flag=True)
 
