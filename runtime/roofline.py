@@ -86,9 +86,9 @@ def weight_bytes(manifest: dict) -> int:
 
 def gemm_weights(plan) -> tuple[int, int]:
     """Weights multiplied per token run and per sampled row (the LM head after select_rows), from
-    the plan's linear steps: in_features x out_features each."""
+    the plan's linear steps (those inside ONNX Runtime segments too): in_features x out_features each."""
     per_token = per_row = 0
-    for step in plan.steps:
+    for step in (s for top in plan.steps for s in (top.inner_steps() or [top])):
         if not step.kernel.endswith("linear"):
             continue
         out = plan.type_of(step.outputs[0]).shape

@@ -145,3 +145,14 @@ def test_bench_reads_the_cached_peaks(artifact, tmp_path):
                                                                          "gemm_peak_gflops": 33.0}}))
     r = _bench_json(artifact, "--threads", "1")["roofline"]
     assert (r["bandwidth_gbps"], r["gemm_peak_gflops"]) == (12.5, 33.0)
+
+
+def test_gemm_count_sees_the_linears_inside_onnx_runtime_segments(tmp_path):
+    # an ort plan holds its projections inside segments: the GEMM figure must count them as a torch plan's
+    from llmc.codegen.plan import Plan
+    plans = {k: Plan.from_dict(json.loads((llmc.compile("tiny-llama", output=tmp_path / f"{k}.llmc", kernels=k,
+                                                        quiet=True) / "plan.json").read_text()))
+             for k in ("cpu", "ort")}
+    assert any(s.inner_steps() for s in plans["ort"].steps)
+    assert roofline.gemm_weights(plans["ort"]) == roofline.gemm_weights(plans["cpu"])
+    assert roofline.gemm_weights(plans["cpu"])[0] > 0
