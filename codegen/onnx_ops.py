@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.codegen.onnx_weights import initializer, integral_zeros
+from llmc.codegen.ort_int8 import signed_int8_exact
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -277,16 +278,20 @@ def _affine_matmul(b: OnnxBuilder, x: str, attrs: dict, qweight: str, scales: st
 def _w8a8_matmul(b: OnnxBuilder, x: str, qweight: str, scales: str) -> str:
     """compiler.quant.fake_quant_int8_per_token's codes, multiplied exactly: per-token scale
     max|x| / 127 (1 where a row is zero), codes round(x / s) in -127..127, int32 sums times both
-    scales. Both sides' codes are carried as uint8 + 128 (zero points 128): MLAS's u8 x s8 kernel
-    saturates int16 pair sums on AVX2 machines without VNNI (measured: sums off by 10^5), u8 x u8
-    does not."""
+    scales. The activations' codes are carried as uint8 + 128 (zero point 128); the weights' as
+    int8 in a segment on a machine where u8 x s8 is exact (codegen/ort_int8.py), else as uint8 + 128
+    too: MLAS's u8 x s8 kernel saturates int16 pair sums on AVX2 machines without VNNI (measured:
+    sums off by 10^5), u8 x u8 does not."""
     amax = b.one("ReduceMax", b.one("Abs", x), axes=[-1], keepdims=1)
     s = b.one("Div", amax, b.scalar(127.0))
     s = b.one("Where", b.one("Greater", s, b.scalar(0.0)), s, b.scalar(1.0))
     codes = b.one("Clip", b.one("Round", b.one("Div", x, s)), b.scalar(-127.0), b.scalar(127.0))
     unsigned = b.one("Cast", b.one("Add", codes, b.scalar(128.0)), to=2)   # 2: uint8
     zero = b.const("const/u8/128", np.array(128, np.uint8))
-    acc = b.one("MatMulInteger", unsigned, b.weight(qweight, "T_u8"), zero, zero)
+    if b.segment and signed_int8_exact():   # the weights' own int8 codes: VNNI's u8 x s8 kernel
+        acc = b.one("MatMulInteger", unsigned, b.weight(qweight, "T"), zero)
+    else:
+        acc = b.one("MatMulInteger", unsigned, b.weight(qweight, "T_u8"), zero, zero)
     return b.one("Mul", b.one("Mul", b.one("Cast", acc, to=1), s), b.weight(scales, "f32"))
 
 

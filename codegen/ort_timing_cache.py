@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 # bump when what is measured, or how, changes: older entries then stop matching
-TIMING_FORMAT = 2
+TIMING_FORMAT = 3
 
 _memo: dict[Path, dict | None] = {}   # this process's entries (also when the cache folder is not writable)
 

@@ -17,6 +17,7 @@ import torch
 from llmc_cli import error_line, llmc_in_process
 
 import llmc
+from llmc.codegen.ort_int8 import signed_int8_exact
 from llmc.codegen.ort_lowering import torch_plan
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
@@ -108,6 +109,39 @@ def test_tampered_onnx_file_is_refused_at_load(artifacts, tmp_path):
     segment.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="ort/segment_001.onnx fails its sha256 check"):
         llmc.load(path)
+
+
+def _matmul_integer_weight_types(path) -> set[int]:
+    types = set()
+    for f in (path / "ort").glob("*.onnx"):
+        g = onnx.load(f, load_external_data=False).graph
+        inits = {t.name: t.data_type for t in g.initializer}
+        types |= {inits[n.input[1]] for n in g.node if n.op_type == "MatMulInteger"}
+    return types
+
+
+@pytest.mark.skipif(not signed_int8_exact(), reason="this CPU's ONNX Runtime rounds uint8 x int8 (no VNNI)")
+def test_w8a8_segments_multiply_the_int8_codes_where_that_is_exact_and_refuse_to_load_where_not(artifacts,
+                                                                                             monkeypatch):
+    # on a VNNI machine the segments take the weights' int8 codes (u8 x s8, 2.6x the u8 x u8 kernel);
+    # the logits test above holds them to the torch kernels' exact int8 products
+    assert _matmul_integer_weight_types(artifacts["w8a8"]) == {onnx.TensorProto.INT8}
+    monkeypatch.setattr("llmc.codegen.ort_int8.signed_int8_exact", lambda: False)
+    with pytest.raises(ArtifactError, match=r"segment_\d+.*multiplies uint8 x int8 codes.*recompile the model on "
+                                            r"this machine"):
+        llmc.load(artifacts["w8a8"])
+
+
+def test_w8a8_segments_carry_uint8_weights_where_uint8_x_int8_is_not_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr("llmc.codegen.onnx_ops.signed_int8_exact", lambda: False)
+    monkeypatch.setattr("llmc.codegen.ort_int8.signed_int8_exact", lambda: False)
+    path = llmc.compile("tiny-llama", output=tmp_path / "u8.llmc", kernels="ort", quant="w8a8", quiet=True)
+    assert _matmul_integer_weight_types(path) == {onnx.TensorProto.UINT8}
+    ort_plan, torch_plan = _executors(path)
+    t = int(torch.randint(2, 40, ()))
+    inputs = {"input_ids": torch.randint(0, 512, (t,)), "positions": torch.arange(t), "logits_indices": torch.arange(t)}
+    torch.testing.assert_close(ort_plan.run_values(inputs)["logits"], torch_plan.run_values(inputs)["logits"],
+                               atol=ATOL["w8a8"], rtol=0)
 
 
 def test_kernels_on_a_gpu_target_is_refused_in_one_line(capsys, tmp_path):
