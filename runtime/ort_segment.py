@@ -5,6 +5,7 @@ output tensors' memory to the session (IOBinding), so nothing is copied in or ou
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -96,7 +97,22 @@ def session_options(threads: int):
     # The decode graph too: spinning, its worker took a core from torch's sampling between steps
     # (SmolLM2 fp32, quiet 2-core host: sampling 0.7 -> 6.1 ms a step, the graph's run no faster).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # One arena for all of them: a session's own grows to its largest activations on the first run at
+    # a new size and keeps them, 31 arenas for SmolLM2's segments; one shared arena grows once
+    # (SmolLM2 w8a8 first 512-token prefill: 2.1 s -> 0.8 s; later ones as before)
+    _share_cpu_arena()
+    options.add_session_config_entry("session.use_env_allocators", "1")
     return options
+
+
+@functools.lru_cache(maxsize=1)
+def _share_cpu_arena() -> None:
+    """Register one CPU arena allocator with ONNX Runtime's process-wide environment."""
+    import onnxruntime
+
+    info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                     onnxruntime.OrtMemType.DEFAULT)
+    onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, -1, -1, -1))
 
 
 class OrtSegment:
