@@ -206,7 +206,7 @@ def _qlinear(b: OnnxBuilder, n) -> None:
     if scheme == "int4":
         y = _matmul_nbits4(b, b.value(x), qweight, scales, zeros, k, out, n.attrs["group_size"])
     elif scheme == "w8a8":
-        y = _w8a8_matmul(b, b.value(x), qweight, scales)
+        y = _w8a8_matmul(b, b.value(x), qweight, scales, k)
     elif scheme in AFFINE_BITS:
         y = _affine_matmul(b, b.value(x), n.attrs, qweight, scales, zeros)
     elif b.segment:
@@ -275,7 +275,7 @@ def _affine_matmul(b: OnnxBuilder, x: str, attrs: dict, qweight: str, scales: st
     return b.one("Add", y, b.one("Gemm", group_sums, b.weight(mins, "f32"), transB=1))
 
 
-def _w8a8_matmul(b: OnnxBuilder, x: str, qweight: str, scales: str) -> str:
+def _w8a8_matmul(b: OnnxBuilder, x: str, qweight: str, scales: str, k: int) -> str:
     """compiler.quant.fake_quant_int8_per_token's codes, multiplied exactly: per-token scale
     max|x| / 127 (1 where a row is zero), codes round(x / s) in -127..127, int32 sums times both
     scales. The activations' codes are carried as uint8 + 128 (zero point 128); the weights' as
@@ -285,14 +285,34 @@ def _w8a8_matmul(b: OnnxBuilder, x: str, qweight: str, scales: str) -> str:
     amax = b.one("ReduceMax", b.one("Abs", x), axes=[-1], keepdims=1)
     s = b.one("Div", amax, b.scalar(127.0))
     s = b.one("Where", b.one("Greater", s, b.scalar(0.0)), s, b.scalar(1.0))
-    codes = b.one("Clip", b.one("Round", b.one("Div", x, s)), b.scalar(-127.0), b.scalar(127.0))
-    unsigned = b.one("Cast", b.one("Add", codes, b.scalar(128.0)), to=2)   # 2: uint8
+    unsigned = _codes_per_token(b, x, s, k)
     zero = b.const("const/u8/128", np.array(128, np.uint8))
     if b.segment and signed_int8_exact():   # the weights' own int8 codes: VNNI's u8 x s8 kernel
-        acc = b.one("MatMulInteger", unsigned, b.weight(qweight, "T"), zero)
+        codes, zeros = [b.weight(qweight, "T")], [zero]
     else:
-        acc = b.one("MatMulInteger", unsigned, b.weight(qweight, "T_u8"), zero, zero)
+        codes, zeros = [b.weight(qweight, "T_u8")], [zero, zero]
+    if b.segment:   # the int32 sums times the weights' scales in the GEMM's epilogue (1.2x the Cast/Mul)
+        y = b.add("MatMulIntegerToFloat", [unsigned, *codes, b.scalar(1.0), b.weight(scales, "f32"), *zeros],
+                  domain=MS_DOMAIN)[0]
+        return b.one("Mul", y, s)
+    acc = b.one("MatMulInteger", unsigned, *codes, *zeros)
     return b.one("Mul", b.one("Mul", b.one("Cast", acc, to=1), s), b.weight(scales, "f32"))
+
+
+def _codes_per_token(b: OnnxBuilder, x: str, s: str, k: int) -> str:
+    """uint8 round(x / s) + 128 for each token's row of x and its scale s [.., 1], in one
+    QuantizeLinear along the token axis (4x the Div/Round/Clip/Add/Cast chain at 512 x 576). Its
+    division and round-half-to-even are the chain's, and |x / s| <= 127 by s's construction, so
+    its saturation at 0..255 never binds: the codes are the same."""
+    rows = b.one("Reshape", x, b.ints(-1, k))
+    scale = b.one("Reshape", s, b.ints(-1))
+    zeros = b.one("ConstantOfShape", b.one("Shape", scale), value=_uint8_tensor(128))
+    return b.one("Reshape", b.one("QuantizeLinear", rows, scale, zeros, axis=0), b.one("Shape", x))
+
+
+def _uint8_tensor(value: int):
+    from onnx import TensorProto, helper
+    return helper.make_tensor("value", TensorProto.UINT8, [1], [value])
 
 
 def _elementwise(op: str):
@@ -364,11 +384,11 @@ TRANSLATIONS = {
 
 # (domain, op) of every node a segment's translations emit: what the runtime lets a segment run
 SEGMENT_OPS = {("", op) for op in (
-    "Abs", "Add", "And", "Cast", "Clip", "Concat", "Cos", "Div", "Gather", "Gemm", "Greater", "GreaterOrEqual",
-    "Identity", "Less", "MatMul", "MatMulInteger", "Mul", "Neg", "Range", "ReduceMax", "ReduceMean", "ReduceSum",
+    "Abs", "Add", "And", "Cast", "Clip", "Concat", "ConstantOfShape", "Cos", "Div", "Gather", "Gemm", "Greater", "GreaterOrEqual",
+    "Identity", "Less", "MatMul", "MatMulInteger", "Mul", "Neg", "QuantizeLinear", "Range", "ReduceMax", "ReduceMean", "ReduceSum",
     "Reciprocal", "Reshape", "Round", "Shape", "Sigmoid", "Slice", "SimplifiedLayerNormalization", "Sin", "Softmax",
     "Split", "Sqrt", "Sub", "Transpose", "Unsqueeze", "Where")} | {
-    (MS_DOMAIN, "MatMulNBits"), (MS_DOMAIN, "SkipSimplifiedLayerNormalization")}
+    (MS_DOMAIN, "MatMulIntegerToFloat"), (MS_DOMAIN, "MatMulNBits"), (MS_DOMAIN, "SkipSimplifiedLayerNormalization")}
 
 __all__ = ["OnnxBuilder", "TRANSLATIONS", "SEGMENT_OPS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin",
            "apply_rope", "nbits_int8_block", "INT8_COMPUTE", "FP32_COMPUTE"]

@@ -73,8 +73,8 @@ def check_segment_model(model: bytes, inputs: list[str], outputs: list[str], sou
             {e.key: e.value for e in t.external_data}.get("location") != EXTERNAL_LOCATION for t in external.values()):
         raise ArtifactError(f"{where}: the ONNX file's external initializers are not the ones the step supplies; "
                             f"{RECOMPILE}")
-    signed = [n.name for n in g.node if n.op_type == "MatMulInteger" and n.input[1] in external
-              and external[n.input[1]].data_type == onnx.TensorProto.INT8]
+    signed = [n.name for n in g.node if n.op_type in ("MatMulInteger", "MatMulIntegerToFloat")
+              and n.input[1] in external and external[n.input[1]].data_type == onnx.TensorProto.INT8]
     if signed and not signed_int8_exact():
         raise ArtifactError(f"{where}: node {signed[0]!r} multiplies uint8 x int8 codes, which ONNX Runtime on "
                             f"this CPU (no VNNI) sums in saturating int16; recompile the model on this machine "

@@ -116,7 +116,7 @@ def _matmul_integer_weight_types(path) -> set[int]:
     for f in (path / "ort").glob("*.onnx"):
         g = onnx.load(f, load_external_data=False).graph
         inits = {t.name: t.data_type for t in g.initializer}
-        types |= {inits[n.input[1]] for n in g.node if n.op_type == "MatMulInteger"}
+        types |= {inits[n.input[1]] for n in g.node if n.op_type.startswith("MatMulInteger")}
     return types
 
 
