@@ -187,6 +187,24 @@ def test_sigterm_during_a_compile_removes_its_staging_directory(tmp_path):
     assert list(work.iterdir()) == []
 
 
+def test_a_sigterm_that_lands_in_a_finalizer_still_exits():
+    # Python drops an exception raised inside __del__: the handler must take the signal again after
+    from llmc.cli import _sigterm_exits
+
+    class SignalsInItsFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)   # the handler runs here, in the finalizer's frame
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGALRM)
+    with pytest.raises(SystemExit) as exc, _sigterm_exits():
+        SignalsInItsFinalizer()
+        for _ in range(500):   # the compile going on
+            time.sleep(0.01)
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGALRM)) == before
+
+
 def test_two_forced_compiles_racing_for_one_output_leave_one_whole_artifact(compiled, tmp_path):
     out = Path(shutil.copytree(compiled, tmp_path / "x.llmc"))
     procs = [subprocess.Popen([str(LLMC), "compile", "tiny-llama", "-o", str(out), "--force", "-q"],
