@@ -287,15 +287,14 @@ def _w8a8_matmul(b: OnnxBuilder, x: str, qweight: str, scales: str, k: int) -> s
     s = b.one("Where", b.one("Greater", s, b.scalar(0.0)), s, b.scalar(1.0))
     unsigned = _codes_per_token(b, x, s, k)
     zero = b.const("const/u8/128", np.array(128, np.uint8))
-    if b.segment and signed_int8_exact():   # the weights' own int8 codes: VNNI's u8 x s8 kernel
-        codes, zeros = [b.weight(qweight, "T")], [zero]
-    else:
-        codes, zeros = [b.weight(qweight, "T_u8")], [zero, zero]
+    signed = b.segment and signed_int8_exact()   # the weights' own int8 codes: VNNI's u8 x s8 kernel
+    codes = b.weight(qweight, "T" if signed else "T_u8")
+    zeros = [zero] if signed else [zero, zero]
     if b.segment:   # the int32 sums times the weights' scales in the GEMM's epilogue (1.2x the Cast/Mul)
-        y = b.add("MatMulIntegerToFloat", [unsigned, *codes, b.scalar(1.0), b.weight(scales, "f32"), *zeros],
+        y = b.add("MatMulIntegerToFloat", [unsigned, codes, b.scalar(1.0), b.weight(scales, "f32"), *zeros],
                   domain=MS_DOMAIN)[0]
         return b.one("Mul", y, s)
-    acc = b.one("MatMulInteger", unsigned, *codes, *zeros)
+    acc = b.one("MatMulInteger", unsigned, codes, *zeros)
     return b.one("Mul", b.one("Mul", b.one("Cast", acc, to=1), s), b.weight(scales, "f32"))
 
 
@@ -304,15 +303,11 @@ def _codes_per_token(b: OnnxBuilder, x: str, s: str, k: int) -> str:
     QuantizeLinear along the token axis (4x the Div/Round/Clip/Add/Cast chain at 512 x 576). Its
     division and round-half-to-even are the chain's, and |x / s| <= 127 by s's construction, so
     its saturation at 0..255 never binds: the codes are the same."""
+    from onnx import numpy_helper
     rows = b.one("Reshape", x, b.ints(-1, k))
     scale = b.one("Reshape", s, b.ints(-1))
-    zeros = b.one("ConstantOfShape", b.one("Shape", scale), value=_uint8_tensor(128))
+    zeros = b.one("ConstantOfShape", b.one("Shape", scale), value=numpy_helper.from_array(np.array([128], np.uint8)))
     return b.one("Reshape", b.one("QuantizeLinear", rows, scale, zeros, axis=0), b.one("Shape", x))
-
-
-def _uint8_tensor(value: int):
-    from onnx import TensorProto, helper
-    return helper.make_tensor("value", TensorProto.UINT8, [1], [value])
 
 
 def _elementwise(op: str):
@@ -384,11 +379,11 @@ TRANSLATIONS = {
 
 # (domain, op) of every node a segment's translations emit: what the runtime lets a segment run
 SEGMENT_OPS = {("", op) for op in (
-    "Abs", "Add", "And", "Cast", "Clip", "Concat", "ConstantOfShape", "Cos", "Div", "Gather", "Gemm", "Greater", "GreaterOrEqual",
-    "Identity", "Less", "MatMul", "MatMulInteger", "Mul", "Neg", "QuantizeLinear", "Range", "ReduceMax", "ReduceMean", "ReduceSum",
-    "Reciprocal", "Reshape", "Round", "Shape", "Sigmoid", "Slice", "SimplifiedLayerNormalization", "Sin", "Softmax",
-    "Split", "Sqrt", "Sub", "Transpose", "Unsqueeze", "Where")} | {
-    (MS_DOMAIN, "MatMulIntegerToFloat"), (MS_DOMAIN, "MatMulNBits"), (MS_DOMAIN, "SkipSimplifiedLayerNormalization")}
+    "Abs", "Add", "And", "Cast", "Clip", "Concat", "ConstantOfShape", "Cos", "Div", "Gather", "Gemm", "Greater",
+    "GreaterOrEqual", "Identity", "Less", "MatMul", "MatMulInteger", "Mul", "Neg", "QuantizeLinear", "Range",
+    "ReduceMax", "ReduceMean", "ReduceSum", "Reciprocal", "Reshape", "Round", "Shape", "Sigmoid", "Slice",
+    "SimplifiedLayerNormalization", "Sin", "Softmax", "Split", "Sqrt", "Sub", "Transpose", "Unsqueeze", "Where")} | {
+    (MS_DOMAIN, op) for op in ("MatMulIntegerToFloat", "MatMulNBits", "SkipSimplifiedLayerNormalization")}
 
 __all__ = ["OnnxBuilder", "TRANSLATIONS", "SEGMENT_OPS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin",
            "apply_rope", "nbits_int8_block", "INT8_COMPUTE", "FP32_COMPUTE"]

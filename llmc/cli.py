@@ -83,7 +83,7 @@ def _sigterm_exits():
             signal.setitimer(signal.ITIMER_REAL, 0.01)
             return
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signal.SIGTERM)
+        raise SystemExit(128 + signum)
 
     try:
         previous = signal.signal(signal.SIGTERM, terminate)
