@@ -66,6 +66,7 @@ def report(artifact: str | Path) -> dict:
     plan_meta = _rank0_plan(path, manifest)["meta"]
     return {
         "target": manifest["target"]["name"],
+        "target_device": manifest["target"]["device"],
         "model": manifest["model"],
         "op_counts": rep["op_counts"],
         "weight_bytes": rep["weight_bytes"],
@@ -191,7 +192,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
         lines.append(f"  draft of: {d['model']} ({d['num_layers']} layers; this draft has {m['num_layers']}), "
                      f"target manifest sha256 {d['manifest_sha256'][:16]}")
     lines += _quant_lines(r["quant"]) + _parallel_lines(r["parallel"])
-    if r["target"] == "cpu":
+    if r["target_device"] == "cpu":
         lines += kernel_choice_lines(r["kernel_choice"]) + decode_graph_lines(r["decode_graph"])
     if brief:
         return "\n".join(lines)
@@ -225,8 +226,12 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
                      f"by {measured['cost']}):")
         for kind in measured["kinds"]:
             lines.append(f"    {kind['chosen']:<4} x{kind['segments']:<3} {kind['ops']}: {_kind_figures(kind)}")
+    by_reason: dict[str, list[str]] = {}
     for node, why in (choice.get("kept_in_torch") or {}).items():
-        lines.append(f"    torch: {node}: {why}")
+        by_reason.setdefault(why, []).append(node)
+    for why, nodes in by_reason.items():
+        named = ", ".join(nodes[:3]) + (f" and {len(nodes) - 3} more" if len(nodes) > 3 else "")
+        lines.append(f"    torch: {named}: {why}")
     dispatch = choice.get("qlinear_dispatch") or {}
     if dispatch.get("shapes"):
         lines.append(f"    torch qlinear, packed low-bit kernel vs dequantise + fp32 GEMM ({dispatch['threads']} "

@@ -30,6 +30,7 @@ from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
 from llmc.runtime.speculative_config import SpeculativeConfig, speculative_config
 from llmc.runtime.stop import StopChecker
+from llmc.runtime.host_memory import keep_freed_memory
 from llmc.runtime.threads import apply_threads, resolve_threads
 
 # Forked samples get ids far from Sequence's own counter.
@@ -130,6 +131,8 @@ class Engine:
         art = read_artifact(artifact)
         # first: running a GPU artifact on the CPU must choose Triton's interpreter before triton loads
         self.device = resolve_device(art.manifest, config.device, artifact)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.manifest = art.manifest
         self.model = art.manifest["model"]
         self.tokenizer = load_tokenizer(art)

@@ -47,7 +47,9 @@ class SamplingState:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # raw logprob of each sampled token
+    # raw logprob of each sampled token; None when no row asked for logprobs (a log-softmax over the
+    # vocabulary costs ~0.2 ms a row on the CPU: 13 ms of a batch-64 decode step)
+    logprobs: list[float] | None
     # per row, its `params.logprobs` most likely (token_id, logprob), best first; [] for
     # rows that asked for none; None when no row asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -205,12 +207,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                  num_top: list[int | None]) -> SamplerOutput:
     """Logprobs of the sampled tokens, and the top ones where asked, under log_softmax of
-    the unprocessed logits; without a full log_softmax when no row asks for top ones."""
+    the unprocessed logits; none when no row asks for logprobs, and without a full log_softmax
+    when no row asks for top ones."""
+    if all(k is None for k in num_top):
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
     log_norm = torch.logsumexp(logits, dim=-1)
     chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     out = SamplerOutput(token_ids=token_ids.tolist(), logprobs=(chosen - log_norm).tolist())
-    if all(k is None for k in num_top):
-        return out
     out.ranks = ((logits > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
     widest = min(max(k or 0 for k in num_top), logits.shape[1])
     top_values, top_ids = logits.topk(widest, dim=-1)

@@ -27,7 +27,7 @@ from llmc.passes.lowering import LOWERING
 from llmc.runtime.executor import PlanExecutor
 
 LLMC = Path(sys.executable).parent / "llmc"
-ISSUE_TARGETS = ["cpu", "h100-fp8", "h100-bf16", "a100-bf16", "a100-int8", "rtx4090-int4", "orin-int4"]
+ISSUE_TARGETS = ["cpu", "cpu-bf16", "h100-fp8", "h100-bf16", "a100-bf16", "a100-int8", "rtx4090-int4", "orin-int4"]
 CPU_PIPELINE = list(get_target("cpu").default_pipeline)   # cleanup, then the fusions
 GREEDY_8 = ["--max-tokens", "8", "--temperature", "0"]
 

@@ -10,7 +10,8 @@ from llmc.errors import TargetError
 from llmc.passes.base import build_pipeline
 
 GiB = 2**30
-NAMES = ["cpu", "h100-fp8", "h100-bf16", "a100-bf16", "a100-int8", "rtx4090-int4", "orin-int4"]
+NAMES = ["cpu", "cpu-bf16", "h100-fp8", "h100-bf16", "a100-bf16", "a100-int8", "rtx4090-int4", "orin-int4"]
+GPU_NAMES = NAMES[2:]
 
 
 def test_all_targets_are_listed():
@@ -19,7 +20,7 @@ def test_all_targets_are_listed():
 
 
 def test_unknown_target_lists_valid_ones():
-    with pytest.raises(TargetError, match="unknown target 'h200'; valid targets: cpu, h100-fp8, .*orin-int4"):
+    with pytest.raises(TargetError, match="unknown target 'h200'; valid targets: cpu, cpu-bf16, h100-fp8, .*orin-int4"):
         get_target("h200")
 
 
@@ -38,7 +39,15 @@ def test_cpu_target_is_ready_with_cleanup_then_fusions():
     assert cpu.memory_bytes == host_memory_bytes() > 0
 
 
-@pytest.mark.parametrize("name", NAMES[1:])
+def test_cpu_bf16_target_casts_to_bf16_before_the_cpu_fusions():
+    bf16, cpu = get_target("cpu-bf16"), get_target("cpu")
+    bf16.check_ready()
+    assert bf16.device == "cpu" and bf16.weight_ir_dtype == bf16.activation_ir_dtype == "bfloat16"
+    assert [p for p in bf16.default_pipeline if p != "cast_bf16"] == cpu.default_pipeline
+    assert [p.name for p in build_pipeline(bf16.full_pipeline())] == bf16.default_pipeline
+
+
+@pytest.mark.parametrize("name", GPU_NAMES)
 def test_gpu_targets_are_ready_with_registered_passes(name):
     target = get_target(name)
     target.check_ready()

@@ -24,15 +24,19 @@ def read_context(cache_layer: torch.Tensor, table: list[int], length: int) -> to
     return torch.stack([cache_layer[table[p // BLOCK], p % BLOCK] for p in range(length)])
 
 
-def float64_attention(q, k, v, start):
-    """q: [t, heads*hd] at positions start..; k/v: [ctx, kv_heads, hd]. One head at a time."""
+def float64_attention(q, k, v, start, window=None):
+    """q: [t, heads*hd] at positions start..; k/v: [ctx, kv_heads, hd]; a query at position p sees
+    keys 0..p, or with `window` keys p - window + 1 .. p. One head at a time."""
     q, k, v = q.double(), k.double(), v.double()
     t, group = q.shape[0], HEADS // KV_HEADS
     out = torch.empty(t, HEADS * HEAD_DIM, dtype=torch.float64)
     for h in range(HEADS):
         qh, kh, vh = q[:, h * HEAD_DIM:(h + 1) * HEAD_DIM], k[:, h // group], v[:, h // group]
         scores = qh @ kh.T * SCALE
-        visible = torch.arange(k.shape[0])[None, :] <= (start + torch.arange(t))[:, None]
+        positions = (start + torch.arange(t))[:, None]
+        visible = torch.arange(k.shape[0])[None, :] <= positions
+        if window is not None:
+            visible &= torch.arange(k.shape[0])[None, :] > positions - window
         weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[:, h * HEAD_DIM:(h + 1) * HEAD_DIM] = weights @ vh
     return out
@@ -83,6 +87,30 @@ def test_mixed_batch_matches_float64_attention_over_whole_context(seed):
         assert torch.equal(read_context(cache.v_cache[layer], table, start + n), torch.cat([old_v, new_v]))
         row += n
     assert torch.equal(cache.k_cache[0], untouched_layer)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_bf16_decodes_match_float64_attention(window):
+    """A decode-only bf16 batch takes the block-diagonal GEMM path (every KV head scored at once, the
+    bias keeping each query head's own): within bf16 rounding of float64 attention over the same
+    bf16 cache, sliding window included."""
+    gen = torch.Generator().manual_seed(11)
+    cache = PagedKVCache(LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    for t in cache.k_cache + cache.v_cache:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    starts = [3, 16, 29, 9]                       # tokens already cached; one decode token each
+    tables = random_tables(gen, [s + 1 for s in starts])
+    q, k, v = (torch.randn(len(starts), h * HEAD_DIM, generator=gen).bfloat16()
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    backend = PagedAttention(cache)
+    backend.metadata = StepMetadata.build([(t, s, 1) for t, s in zip(tables, starts)], BLOCK)
+    out = backend.forward(0, q, k, v, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                          scale=SCALE, causal=True, window=window)
+    assert out.dtype == torch.bfloat16
+    for i, (table, start) in enumerate(zip(tables, starts)):
+        keys, values = (read_context(c[0], table, start + 1) for c in (cache.k_cache, cache.v_cache))
+        expected = float64_attention(q[i:i + 1], keys, values, start, window)
+        torch.testing.assert_close(out[i:i + 1].double(), expected, atol=3e-2, rtol=2e-2)
 
 
 def test_writes_touch_only_the_scheduled_slots():
