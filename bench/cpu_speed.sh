@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 12's table in one run: SmolLM2-135M on the cpu target, fp32 / int8 / int4-awq / the GGUF's own
-# Q4_1 kept (gguf) / w8a8 (SmoothQuant, int8 activations per token: torch._int_mm) against HF
+# Issue 12's table in one run: SmolLM2-135M on the cpu target, fp32 / bf16 (the cpu-bf16 target) / int8 /
+# int4-awq / the GGUF's own Q4_1 kept (gguf) / w8a8 (SmoothQuant, int8 activations per token) against HF
 # eager fp32 measured in the same run: batch-1 decode (128 in, 128 out), prefill of 512 tokens,
 # and 64 requests x (128 in, 128 out) against batched HF generate; tok/s, ratios vs HF and
 # roofline fractions (`llmc bench`'s roofline block). Artifacts are compiled once into $DIR.
 # THREADS=N sets the thread count (default: the runtime's); BANDWIDTH=GBPS skips measuring it.
-# QUANTS="fp32 gguf" limits the artifacts (default all five; fp32 is always needed), BATCH=N the requests
+# QUANTS="fp32 gguf" limits the artifacts (default all six; fp32 is always needed), BATCH=N the requests
 # of the batched row (default 64), which every artifact runs (HF's batched generate beside fp32's).
 # The compile-time row times one fresh GGUF compile (`--report`: its load stage is GGUF read +
 # dequantise), unless $DIR/compile.json is there already.
@@ -21,9 +21,10 @@ mkdir -p "$DIR"
 EXTRA=()
 KERNELS=${KERNELS:-auto}
 FIRST=${KERNELS%% *}
-QUANTS=${QUANTS:-fp32 int8 int4-awq gguf w8a8}
+QUANTS=${QUANTS:-fp32 bf16 int8 int4-awq gguf w8a8}
 BATCH=${BATCH:-64}
 suffix() { [ "$1" = auto ] && echo "" || echo "-$1"; }
+skip() { [ "$1" = bf16 ] && [ "$2" = ort ]; }   # ONNX Runtime segments take fp32 activations only
 [ -n "${THREADS:-}" ] && EXTRA+=(--threads "$THREADS")
 [ -n "${BANDWIDTH:-}" ] && EXTRA+=(--bandwidth "$BANDWIDTH")
 
@@ -38,10 +39,13 @@ if [ ! -f "$DIR/compile.json" ]; then
 fi
 for k in $KERNELS; do
   for q in $QUANTS; do
+    skip "$q" "$k" && continue
     art="$DIR/$q$(suffix "$k").llmc"
     if [ ! -d "$art" ]; then
-      flags=(--quant "$q"); [ "$q" = fp32 ] && flags=(--quant none)
-      "$LLMC" compile smollm2-135m --target cpu "${flags[@]}" --kernels "$k" -o "$art" -q
+      flags=(--target cpu --quant "$q")
+      [ "$q" = fp32 ] && flags=(--target cpu --quant none)
+      [ "$q" = bf16 ] && flags=(--target cpu-bf16 --quant none)
+      "$LLMC" compile smollm2-135m "${flags[@]}" --kernels "$k" -o "$art" -q
     fi
   done
 done
@@ -54,18 +58,21 @@ bench() {  # name artifact [llmc bench flags...]
 # interleaved: each quantised row runs right after the fp32 row of the same workload
 for k in $KERNELS; do
   for q in $QUANTS; do
+    skip "$q" "$k" && continue
     base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
     bench "decode_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 128 --output-len 128 "${base[@]}"
   done
 done
 for k in $KERNELS; do
   for q in $QUANTS; do
+    skip "$q" "$k" && continue
     base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
     bench "prefill_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 512 --output-len 1 "${base[@]}"
   done
 done
 for k in $KERNELS; do
   for q in $QUANTS; do
+    skip "$q" "$k" && continue
     base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
     bench "batch_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n "$BATCH" --input-len 128 --output-len 128 "${base[@]}"
   done
@@ -100,6 +107,7 @@ hf_dec = r[f"decode_{fp32}"]["baseline"]["output_tokens_per_s"]
 hf_pre = 512 / r[f"prefill_{fp32}"]["baseline"]["total_seconds"]
 b = r[f"batch_{fp32}"]
 qs = [q + ("" if k == "auto" else f"-{k}") for k in kernels for q in os.environ["QUANTS"].split()]
+qs = [q for q in qs if f"decode_{q}" in r]   # bf16 has no ort row
 print(f"threads {roof['threads']} · memory bandwidth {bw:.1f} GB/s · fp32 GEMM peak {peak:.0f} GFLOP/s (measured)")
 print("| figure | HF eager fp32 | " + " | ".join(f"llmc {q}" for q in qs) + " |")
 print("|---|---|" + "---|" * len(qs))

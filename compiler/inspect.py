@@ -219,7 +219,7 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
         return ["  kernels: cpu (torch)"]
     lines = [f"  kernels: {choice['mode']} (ONNX Runtime segments where chosen, torch attention)"]
     measured = choice.get("measured")
-    if measured:
+    if measured and measured["kinds"]:
         tokens = measured["tokens"]
         lines.append(f"    measured with {measured['threads']} threads at {tokens['decode']} and {tokens['prefill']} "
                      f"tokens (us decode/prefill, outputs off the reference relative to their largest; chosen "

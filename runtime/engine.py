@@ -18,6 +18,7 @@ from llmc.runtime import request_values
 from llmc.runtime.block_manager import BlockManager, droppable_window, num_blocks_for_budget, parse_bytes
 from llmc.runtime.device import resolve_device
 from llmc.runtime.executor import PlanExecutor
+from llmc.runtime.host_memory import keep_freed_memory
 from llmc.runtime.kernel_check import verified_plan
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.metrics import EngineMetrics
@@ -30,7 +31,6 @@ from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
 from llmc.runtime.speculative_config import SpeculativeConfig, speculative_config
 from llmc.runtime.stop import StopChecker
-from llmc.runtime.host_memory import keep_freed_memory
 from llmc.runtime.threads import apply_threads, resolve_threads
 
 # Forked samples get ids far from Sequence's own counter.

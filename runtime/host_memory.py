@@ -9,7 +9,6 @@ again anyway."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 ENV_VAR = "LLMC_KEEP_FREED_MEMORY"   # "0" leaves the C heap's settings alone
@@ -31,8 +30,7 @@ def keep_freed_memory() -> bool:
     if os.environ.get(ENV_VAR, "1").strip() == "0":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt   # the process's own symbols: libc is loaded already
     except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to tune
         return False
     _done = all(mallopt(param, value) == 1 for param, value in

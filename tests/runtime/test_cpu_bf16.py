@@ -11,6 +11,7 @@ import llmc
 from llmc.codegen.cpu_kernels import linear, prepare_linear
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.inspect import report as inspect_report
+from llmc.compiler.inspect import summarize
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph
 from llmc.runtime.engine import Engine, EngineConfig
@@ -54,6 +55,9 @@ def test_tiny_bf16_artifact_is_bf16_throughout(tiny_bf16):
     assert report["target"] == "cpu-bf16"
     assert set(report["weight_bytes"]) == {"bfloat16", "float32"}   # float32: rotary inv_freq only
     assert report["weight_bytes"]["float32"] < 1024
+    # the steps stay in torch for two reasons, each shown once rather than once per node
+    kept = [line for line in summarize(tiny_bf16).splitlines() if line.strip().startswith("torch: ")]
+    assert len(kept) == 2 and "more: only float32 activations run in ONNX Runtime segments" in kept[0]
 
 
 def test_batched_bf16_decode_follows_the_reference_interpreter(tiny_bf16):
