@@ -211,6 +211,14 @@ def test_parallel_samples_of_a_seeded_request_differ():
 
 # ---------------------------------------------------------------- logprobs
 
+def test_no_logprobs_are_computed_when_no_row_asks():
+    logits = random_logits(3, 40, seed=9)
+    states = [state(SamplingParams(temperature=t), [1, 2], [3]) for t in (0.0, 0.7, 1.0)]
+    out = Sampler(None, seed=3).sample(logits, states)
+    assert out.logprobs is None and out.ranks is None and out.top_logprobs is None
+    assert out.token_ids[0] == int(logits[0].argmax())
+
+
 def test_logprobs_are_the_raw_model_logprobs():
     logits = random_logits(4, 40, seed=8)
     params = [SamplingParams(temperature=0.5, top_k=4, logprobs=5, repetition_penalty=1.5),
