@@ -89,6 +89,34 @@ def test_mixed_batch_matches_float64_attention_over_whole_context(seed):
     assert torch.equal(cache.k_cache[0], untouched_layer)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equal_fresh_prefills_attend_as_one_batch_and_match_float64(dtype):
+    """Three 7-token prompts side by side run as one batched attention (fresh_prefill_runs); a decode, a
+    5-token prompt and a chunk from mid-sequence around them keep their own paths."""
+    gen = torch.Generator().manual_seed(5)
+    cache = PagedKVCache(LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    for t in cache.k_cache + cache.v_cache:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    shapes = [(0, 7), (0, 7), (0, 7), (9, 1), (0, 5), (6, 3)]
+    tables = random_tables(gen, [start + n for start, n in shapes])
+    tokens = sum(n for _, n in shapes)
+    q, k, v = (torch.randn(tokens, h * HEAD_DIM, generator=gen).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    before = [(read_context(cache.k_cache[0], t, s), read_context(cache.v_cache[0], t, s))
+              if s else (torch.empty(0, KV_HEADS, HEAD_DIM, dtype=dtype),) * 2 for t, (s, _) in zip(tables, shapes)]
+    backend = PagedAttention(cache)
+    backend.metadata = StepMetadata.build([(t, s, n) for t, (s, n) in zip(tables, shapes)], BLOCK)
+    assert backend.metadata.fresh_prefill_runs() == [(0, 3, 7)]
+    out = backend.forward(0, q, k, v, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                          scale=SCALE, causal=True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    row = 0
+    for (start, n), (old_k, old_v) in zip(shapes, before):
+        new_k, new_v = (x[row:row + n].reshape(n, KV_HEADS, HEAD_DIM) for x in (k, v))
+        expected = float64_attention(q[row:row + n], torch.cat([old_k, new_k]), torch.cat([old_v, new_v]), start)
+        torch.testing.assert_close(out[row:row + n].double(), expected, **tol)
+        row += n
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_bf16_decodes_match_float64_attention(window):
     """A decode-only bf16 batch takes the block-diagonal GEMM path (every KV head scored at once, the
