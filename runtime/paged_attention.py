@@ -5,6 +5,7 @@ with `kv_scales` stores int8/fp8 codes, quantised on write and dequantised on re
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -166,6 +167,7 @@ class StepMetadata:
             self._decode_biases[key] = bias = bias.reshape(b, num_heads, -1).contiguous()
         return bias
 
+    @functools.cached_property   # read by every attention layer of the step
     def fresh_prefill_runs(self) -> list[tuple[int, int, int]]:
         """(first chunk, chunks, tokens each) for each run of two or more prefill chunks that lie side by
         side in the batch, start at position 0, have the same length and a causal mask: each run is one
@@ -248,7 +250,7 @@ class PagedAttention(AttentionBackend):
         out = q.new_empty(q.shape[0], num_heads * head_dim)
         batched = set()
         if window is None and softcap is None and causal and not self.cache.quantized:
-            for first, count, length in meta.fresh_prefill_runs():
+            for first, count, length in meta.fresh_prefill_runs:
                 rows = slice(meta.prefills[first].q_start, meta.prefills[first].q_start + count * length)
                 out[rows] = _attend_fresh(q[rows], k[rows], v[rows], count, num_heads, num_kv_heads, head_dim, scale)
                 batched.update(range(first, first + count))

@@ -105,7 +105,7 @@ def test_equal_fresh_prefills_attend_as_one_batch_and_match_float64(dtype):
               if s else (torch.empty(0, KV_HEADS, HEAD_DIM, dtype=dtype),) * 2 for t, (s, _) in zip(tables, shapes)]
     backend = PagedAttention(cache)
     backend.metadata = StepMetadata.build([(t, s, n) for t, (s, n) in zip(tables, shapes)], BLOCK)
-    assert backend.metadata.fresh_prefill_runs() == [(0, 3, 7)]
+    assert backend.metadata.fresh_prefill_runs == [(0, 3, 7)]
     out = backend.forward(0, q, k, v, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                           scale=SCALE, causal=True)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
