@@ -9,7 +9,6 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from llmc.compiler.ops import scaled_dot_product
 from llmc.runtime.attention import AttentionBackend, attend
@@ -171,7 +170,7 @@ class StepMetadata:
     def fresh_prefill_runs(self) -> list[tuple[int, int, int]]:
         """(first chunk, chunks, tokens each) for each run of two or more prefill chunks that lie side by
         side in the batch, start at position 0, have the same length and a causal mask: each run is one
-        batched attention (torch's CPU flash kernel costs ~1.5-2x more as one call per sequence)."""
+        batched attention (attend's `sequences`)."""
         runs: list[tuple[int, int, int]] = []
         for i, c in enumerate(self.prefills):
             fresh = c.start == 0 and c.visible is None
@@ -252,7 +251,8 @@ class PagedAttention(AttentionBackend):
         if window is None and softcap is None and causal and not self.cache.quantized:
             for first, count, length in meta.fresh_prefill_runs:
                 rows = slice(meta.prefills[first].q_start, meta.prefills[first].q_start + count * length)
-                out[rows] = _attend_fresh(q[rows], k[rows], v[rows], count, num_heads, num_kv_heads, head_dim, scale)
+                out[rows] = attend(q[rows], k[rows], v[rows], start=0, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                   head_dim=head_dim, scale=scale, causal=True, sequences=count)
                 batched.update(range(first, first + count))
         for i, c in enumerate(meta.prefills):
             if i in batched:
@@ -308,16 +308,6 @@ class PagedAttention(AttentionBackend):
         values = values.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
         o = scaled_dot_product(_group_queries(q, num_kv_heads, head_dim), keys, values, None, scale, softcap)
         return o.reshape(1, num_heads * head_dim)
-
-
-def _attend_fresh(q, k, v, count: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-    """Causal attention of `count` sequences of equal length that start at position 0, laid side by side:
-    q [count * t, heads * hd], k/v [count * t, kv_heads * hd]; each sees only its own keys."""
-    t = q.shape[0] // count
-    qh = q.reshape(count, t, num_heads, head_dim).transpose(1, 2)
-    kh, vh = (x.reshape(count, t, num_kv_heads, head_dim).transpose(1, 2) for x in (k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
-    return out.transpose(1, 2).reshape(count * t, num_heads * head_dim)
 
 
 # _decode_block_diagonal does kv_heads times per-head attention's FLOPs and its bias grows with kv_heads^2:
