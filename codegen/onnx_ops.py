@@ -383,7 +383,8 @@ SEGMENT_OPS = {("", op) for op in (
     "GreaterOrEqual", "Identity", "Less", "MatMul", "MatMulInteger", "Mul", "Neg", "QuantizeLinear", "Range",
     "ReduceMax", "ReduceMean", "ReduceSum", "Reciprocal", "Reshape", "Round", "Shape", "Sigmoid", "Slice",
     "SimplifiedLayerNormalization", "Sin", "Softmax", "Split", "Sqrt", "Sub", "Transpose", "Unsqueeze", "Where")} | {
-    (MS_DOMAIN, op) for op in ("MatMulIntegerToFloat", "MatMulNBits", "SkipSimplifiedLayerNormalization")}
+    (MS_DOMAIN, op) for op in ("FusedMatMul", "MatMulIntegerToFloat", "MatMulNBits", "RotaryEmbedding",
+                               "SkipSimplifiedLayerNormalization")}
 
 __all__ = ["OnnxBuilder", "TRANSLATIONS", "SEGMENT_OPS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin",
            "apply_rope", "nbits_int8_block", "INT8_COMPUTE", "FP32_COMPUTE"]

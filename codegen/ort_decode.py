@@ -73,8 +73,9 @@ def build_decode_graph(graph: Graph, nbits_level: int) -> tuple[bytes, dict]:
     for out in outputs:
         b.add("Identity", [b.env[out]], [out])
     layers = range(len(attention))
-    for name, which in ((NEW_KEYS, 0), (NEW_VALUES, 1)):
-        b.add("Concat", [b.one("Unsqueeze", new_kv[layer][which], b.ints(0)) for layer in layers], [name], axis=0)
+    for name, which in ((NEW_KEYS, 0), (NEW_VALUES, 1)):   # [b, 1, kv * hd] a layer, stacked layer-major
+        b.add("Reshape", [b.one("Concat", *(new_kv[layer][which] for layer in layers), axis=0),
+                          b.ints(len(attention), -1, kv_heads, head_dim)], [name])
 
     def info(name, elem, shape):
         return helper.make_tensor_value_info(name, elem, shape)
@@ -102,39 +103,56 @@ def _paged_decode_attention(b: OnnxBuilder, n) -> tuple[str, str]:
     k_cache.L through block_tables, visible below its position and within the sliding window) and its
     own key. Returns this layer's rotated keys and values [b, kv_heads, hd].
 
+    Few, large nodes: every node is a dispatch, and a small one costs more than its arithmetic (an
+    earlier lowering of ~60 nodes a layer spent about as long around SmolLM2's int4 GEMVs as in them).
     The gathered keys and values are read as they lie, [b, ctx, kv_heads * hd], never transposed or
-    concatenated (at batch 64 those copies cost more than the GEMMs): scores are one MatMul against the
-    queries laid out block-diagonally, [b, kv_heads * hd, heads] with query head h (of KV head h //
-    group, HF's repeat_kv order) in KV head h // group's rows, and the output's off-diagonal blocks are
-    masked out of a [b, heads, kv_heads * hd] product. The own key and value are attended apart."""
+    concatenated with the own key (at batch 64 those copies cost more than the GEMMs). The queries
+    are laid out block-diagonally, [b, heads, kv_heads * hd] with query head h (of KV head h // group,
+    HF's repeat_kv order) in KV head h // group's columns and the softmax scale folded in, so scores
+    are one MatMul against the keys transposed in place (FusedMatMul transB), and the output's
+    off-diagonal blocks are masked out of a [b, heads, kv_heads * hd] product."""
     a = n.attrs
     heads, kv, hd, layer = a["num_heads"], a["num_kv_heads"], a["head_dim"], a["layer"]
-    group, scale = heads // kv, b.scalar(float(a["scale"]))
+    group = heads // kv
     q, k, v = (b.value(i) for i in n.inputs[:3])
-    q3, k3 = b.one("Reshape", q, b.ints(0, heads, hd)), b.one("Reshape", k, b.ints(0, kv, hd))
+    q, k = b.one("Reshape", q, b.ints(0, 1, heads * hd)), b.one("Reshape", k, b.ints(0, 1, kv * hd))
     if n.op == "flash_attention" and a.get("rope") is not None:
-        cos, sin = cos_sin(b, n.inputs[3], n.inputs[4], a["rope"]["scaling"])
-        q3, k3 = apply_rope(b, q3, cos, sin, hd), apply_rope(b, k3, cos, sin, hd)
-    v3 = b.one("Reshape", v, b.ints(0, kv, hd))
+        cos, sin, rows = _rotary_tables(b, n.inputs[3], n.inputs[4], a["rope"]["scaling"])
+        q, k = (b.one("RotaryEmbedding", x, rows, cos, sin, domain=MS_DOMAIN, num_heads=count)
+                for x, count in ((q, heads), (k, kv)))                            # [b, 1, n * hd]
+    v = b.one("Reshape", v, b.ints(0, 1, kv * hd))
     past_k, past_v = (b.one("Reshape", b.one("Gather", f"{kind}_cache.{layer}", BLOCK_TABLES, axis=0),
                             b.ints(0, -1, kv * hd)) for kind in ("k", "v"))      # [b, ctx, kv * hd]
-    eye = b.const(f"const/f32/eye{kv}", np.eye(kv, dtype=np.float32).reshape(kv, 1, kv, 1))
-    qg = b.one("Reshape", q3, b.ints(0, kv, group, hd))
-    q_diag = b.one("Mul", b.one("Unsqueeze", b.one("Transpose", qg, perm=[0, 1, 3, 2]), b.ints(3)), eye)
-    q_diag = b.one("Reshape", q_diag, b.ints(0, kv * hd, heads))                 # [b, kv * hd, heads]
-    scores = b.one("Add", b.one("Mul", b.one("MatMul", past_k, q_diag), scale),
-                   _decode_bias(b, past_k, a.get("window")))                     # [b, ctx, heads]
-    own = b.one("ReduceSum", b.one("Mul", qg, b.one("Unsqueeze", k3, b.ints(2))), b.ints(-1), keepdims=0)
-    own = b.one("Reshape", b.one("Mul", own, scale), b.ints(0, 1, heads))        # [b, 1, heads]
-    probs = b.one("Softmax", b.one("Concat", scores, own, axis=1), axis=1)       # [b, ctx + 1, heads]
-    p_past, p_own = b.add("Split", [probs, _ctx_and_one(b, past_k)], [b.fresh("p_past"), b.fresh("p_own")], axis=1)
-    out = b.one("MatMul", b.one("Transpose", p_past, perm=[0, 2, 1]), past_v)   # [b, heads, kv * hd]
+    eye = np.eye(kv, dtype=np.float32).reshape(kv, 1, kv, 1)
+    scaled_eye = b.const(f"const/f32/eye{kv}x{a['scale']!r}", eye * np.float32(a["scale"]))
+    q_diag = b.one("Reshape", b.one("Mul", b.one("Reshape", q, b.ints(0, kv, group, 1, hd)), scaled_eye),
+                   b.ints(0, heads, kv * hd))                                     # [b, heads, kv * hd]
+    scores = b.one("Add", b.one("FusedMatMul", q_diag, past_k, domain=MS_DOMAIN, transB=1),
+                   _decode_bias(b, past_k, a.get("window")))                      # [b, heads, ctx]
+    own = b.one("FusedMatMul", q_diag, k, domain=MS_DOMAIN, transB=1)             # [b, heads, 1]
+    probs = b.one("Softmax", b.one("Concat", scores, own, axis=-1), axis=-1)     # [b, heads, ctx + 1]
+    p_past, p_own = b.add("Split", [probs, _ctx_and_one(b, past_k)], [b.fresh("p_past"), b.fresh("p_own")], axis=-1)
+    out = b.one("Add", b.one("MatMul", p_past, past_v), b.one("MatMul", p_own, v))  # [b, heads, kv * hd]
+    eye = b.const(f"const/f32/eye{kv}", eye)
     out = b.one("ReduceSum", b.one("Mul", b.one("Reshape", out, b.ints(0, kv, group, kv, hd)), eye),
-                b.ints(3), keepdims=0)                                          # [b, kv, group, hd]
-    out = b.one("Add", out, b.one("Mul", b.one("Reshape", p_own, b.ints(0, kv, group, 1)),
-                                  b.one("Unsqueeze", v3, b.ints(2))))
+                b.ints(3), keepdims=0)                                            # [b, kv, group, hd]
     b.bind(n, b.one("Reshape", out, b.ints(0, heads * hd)))
-    return k3, v3
+    return k, v
+
+
+def _rotary_tables(b: OnnxBuilder, positions: str, inv_freq: str, scaling: float) -> tuple[str, str, str]:
+    """com.microsoft.RotaryEmbedding's inputs for the step's tokens, once per graph: cos and sin
+    [b, hd / 2] of each token's own position (times the rope's attention scaling) as the caches, and
+    position ids [b, 1] = the row, so token i reads row i (no table of every position)."""
+    def make():
+        freqs = b.one("Mul", b.one("Unsqueeze", b.one("Cast", b.value(positions), to=1), b.ints(1)),
+                      b.value(inv_freq))
+        cos, sin = (b.one("Mul", b.one(f, freqs), b.scalar(scaling)) for f in ("Cos", "Sin"))
+        zero, one = b.const("const/i64s/0", np.array(0, np.int64)), b.const("const/i64s/1", np.array(1, np.int64))
+        tokens = b.one("Gather", b.one("Shape", b.value(positions)), zero, axis=0)
+        rows = b.one("Unsqueeze", b.one("Range", zero, tokens, one), b.ints(1))
+        return cos, sin, rows
+    return b.cached(("rotary_tables", positions, inv_freq, scaling), make)
 
 
 def _ctx_and_one(b: OnnxBuilder, past: str) -> str:
@@ -144,7 +162,7 @@ def _ctx_and_one(b: OnnxBuilder, past: str) -> str:
 
 
 def _decode_bias(b: OnnxBuilder, past: str, window: int | None) -> str:
-    """Additive mask [b, ctx, 1]: gathered key j (position j) is visible to the decode at position p
+    """Additive mask [b, 1, ctx]: gathered key j (position j) is visible to the decode at position p
     when j < p (and j > p - window); its own key is attended apart. Built once per graph."""
     def make():
         zero, one = b.const("const/i64s/0", np.array(0, np.int64)), b.const("const/i64s/1", np.array(1, np.int64))
@@ -156,7 +174,7 @@ def _decode_bias(b: OnnxBuilder, past: str, window: int | None) -> str:
             first = b.one("Sub", p, b.const(f"const/i64s/{window - 1}", np.array(window - 1, np.int64)))
             visible = b.one("And", visible, b.one("GreaterOrEqual", keys, first))
         bias = b.one("Where", visible, b.scalar(0.0), b.scalar(float("-inf")))       # [b, ctx]
-        return b.one("Unsqueeze", bias, b.ints(2))
+        return b.one("Unsqueeze", bias, b.ints(1))
     return b.cached(("decode_bias", window), make)
 
 

@@ -35,7 +35,7 @@ class DecodeGraph:
                    for name in cache_inputs(layers)]
         outputs = [(name, plan.type_of(name)) for name in record["outputs"]]
         outputs += [(name, TensorType((layers, "tokens", kv, hd), "float32")) for name in (NEW_KEYS, NEW_VALUES)]
-        self.session = load_session(record, inputs, outputs, data, weights, where)
+        self.session = load_session(record, inputs, outputs, data, weights, where, spin=True)
         outs = record["outputs"]
         self._logits = outs.index("logits") if "logits" in outs else 0   # the output the runner samples
 

@@ -83,7 +83,7 @@ def check_segment_model(model: bytes, inputs: list[str], outputs: list[str], sou
             for name, t in external.items()}
 
 
-def session_options(threads: int):
+def session_options(threads: int, spin: bool = False):
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -91,12 +91,16 @@ def session_options(threads: int):
     options.inter_op_num_threads = 1
     options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
-    # Workers sleep between runs instead of spinning: a plan has a session per segment, each with its
-    # own pool, and torch's attention runs between them. SmolLM2 fp32 decode, 2 threads on a
-    # 2-core host under load 15: 0.19 tok/s spinning, 0.7 not (torch kernels: 0.64).
-    # The decode graph too: spinning, its worker took a core from torch's sampling between steps
-    # (SmolLM2 fp32, quiet 2-core host: sampling 0.7 -> 6.1 ms a step, the graph's run no faster).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Plan segments' workers sleep between ops instead of spinning: a plan has a session per segment,
+    # each with its own pool, and torch's attention runs between them. SmolLM2 fp32 decode, 2 threads
+    # on a 2-core host under load 15: 0.19 tok/s spinning, 0.7 not (torch kernels: 0.64).
+    # The decode graph (`spin`) is one run of ~1,800 small ops a step: its workers spin while it runs,
+    # since waking one for each op cost more than the op (SmolLM2 int4, 121 MatMulNBits, batch-1
+    # decode step 10.5 -> 7.4 ms, batch 64 180 -> 167 ms), and stop when the run returns: left
+    # spinning, they took a core from torch's sampling between steps (sampling 0.7 -> 6.1 ms a step).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     # One arena for all of them: a session's own grows to its largest activations on the first run at
     # a new size and keeps them, 31 arenas for SmolLM2's segments; one shared arena grows once
     # (SmolLM2 w8a8 first 512-token prefill: 2.1 s -> 0.8 s; later ones as before)
@@ -120,10 +124,10 @@ class OrtSegment:
     and `outputs` name the ONNX graph's values with their plan types."""
 
     def __init__(self, model: bytes, initializers: dict[str, torch.Tensor], inputs: list[tuple[str, TensorType]],
-                 outputs: list[tuple[str, TensorType]], threads: int, where: str):
+                 outputs: list[tuple[str, TensorType]], threads: int, where: str, spin: bool = False):
         import onnxruntime
 
-        options = session_options(threads)
+        options = session_options(threads, spin)
         self._initializers = initializers   # ORT reads their memory for the session's lifetime
         names = sorted(initializers)
         options.add_external_initializers(names, [onnxruntime.OrtValue.ortvalue_from_numpy(initializers[n].numpy())
@@ -186,9 +190,10 @@ def load_segment(step, data: dict[str, bytes], weights: dict[str, torch.Tensor],
 
 
 def load_session(attrs: dict, inputs: list[tuple[str, TensorType]], outputs: list[tuple[str, TensorType]],
-                 data: dict[str, bytes], weights: dict[str, torch.Tensor], where: str) -> OrtSegment:
+                 data: dict[str, bytes], weights: dict[str, torch.Tensor], where: str,
+                 spin: bool = False) -> OrtSegment:
     """An OrtSegment over the ONNX file `attrs` names ({file, sha256, initializers}),
-    with those inputs and outputs."""
+    with those inputs and outputs (`spin`: see session_options)."""
     from llmc.codegen.onnx_weights import initializer
     from llmc.runtime.threads import current_threads
 
@@ -212,7 +217,7 @@ def load_session(attrs: dict, inputs: list[tuple[str, TensorType]], outputs: lis
             raise ArtifactError(f"{where}: initializer {name!r} is declared {dtype}, param {param!r} under "
                                 f"{transform} gives {value.dtype}; {RECOMPILE}")
         initializers[name] = value
-    return OrtSegment(model, initializers, inputs, outputs, current_threads(), where)
+    return OrtSegment(model, initializers, inputs, outputs, current_threads(), where, spin)
 
 
 __all__ = ["load_segment", "load_session", "OrtSegment", "check_segment_model", "require_ops", "cpu_kernel_ops",
