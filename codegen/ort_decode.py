@@ -189,6 +189,9 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
         return {"chosen": False, "why": why}
     model, record = build_decode_graph(graph, nbits_level)
     record["sha256"] = hashlib.sha256(model).hexdigest()
+    missing = _missing_ops(model, mode)
+    if missing:
+        return {"chosen": False, "why": f"onnxruntime lacks {missing}"}
     verdict = {"chosen": True}
     if mode == "auto":
         verdict = choose_decode_graph(plan.meta["kernel_choice"])
@@ -199,6 +202,19 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
         return {"chosen": False, **{k: v for k, v in verdict.items() if k != "chosen"}}
     files[DECODE_FILE] = model
     return {**record, **verdict}
+
+
+def _missing_ops(model: bytes, mode: str) -> str | None:
+    """The first op of the decode graph this onnxruntime cannot run on the CPU (--kernels ort, which
+    asked for ORT throughout, raises instead)."""
+    from llmc.codegen.ort_lowering import segment_ops
+    from llmc.runtime.ort_segment import cpu_kernel_ops, require_ops
+
+    ops = segment_ops(model)
+    if mode == "ort":
+        require_ops(ops, "--kernels ort (the decode graph)")
+    missing = sorted(ops - cpu_kernel_ops())
+    return ".".join(missing[0]).lstrip(".") if missing else None
 
 
 def choose_decode_graph(choice: dict) -> dict:

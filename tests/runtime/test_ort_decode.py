@@ -3,9 +3,12 @@ session reading the paged KV cache. Its logits for a batch of decodes over shuff
 the reference interpreter's over each whole sequence (fp32, 1e-4); through llmc.load its greedy tokens
 and log-probs equal the plan walk's (fp32, int8, int4, w8a8) while steps holding a prefill still walk
 the plan; a sliding-window model decoding past its window (blocks dropped) gives HF's tokens; a record
-or ONNX file that was tampered with is refused at load; auto records its verdict and inspect shows it."""
+or ONNX file that was tampered with is refused at load; auto records its verdict and inspect shows it.
+The graph stays a few large nodes a layer, its session spins only while it runs, and an onnxruntime
+without one of its ops gets no decode graph under auto and a one-line error under --kernels ort."""
 
 import json
+from collections import Counter
 
 import pytest
 import tiny_hf_models as tiny
@@ -22,9 +25,10 @@ from llmc.compiler.artifact import read_artifact
 from llmc.compiler.inspect import summarize
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph
-from llmc.errors import ArtifactError
+from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.ort_decode import DecodeGraph
+from llmc.runtime.ort_segment import OrtSegment
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata
 
 QUANTS = {"fp32": {}, "int8": {"quant": "int8"}, "int4": {"quant": "int4-rtn", "group_size": 32},
@@ -189,3 +193,40 @@ def test_a_close_call_times_a_whole_decode_step_both_ways(artifacts, tmp_path, m
     assert {"graph_step", "plan_step"} <= set(verdict["decode_us"])
     assert verdict["chosen"] == (verdict["decode_us"]["graph_step"] < verdict["decode_us"]["plan_step"])
     assert (record["file"] in files) == verdict["chosen"]
+
+
+def test_the_decode_graph_is_a_few_large_nodes_a_layer_and_spins_only_while_it_runs(artifacts):
+    import onnx
+
+    a = read_artifact(artifacts["int4"])
+    plan = Plan.from_json(a.plan_json)
+    model = onnx.load_from_string(a.data["ort/decode.onnx"])
+    layers = plan.kv_layout()["num_layers"]
+    ops = Counter(n.op_type for n in model.graph.node)
+    # each node is a dispatch: the rotary and the scores are one contrib op each, not ~20 small ones
+    assert ops["RotaryEmbedding"] == 2 * layers and ops["FusedMatMul"] == 2 * layers
+    # ~37 a layer for SmolLM2 (61 before: 1,837 nodes for 30 layers), besides the embedding, head and tables
+    assert len(model.graph.node) <= 40 * layers + 40
+    executor = PlanExecutor(plan, a.weights, data=a.data)
+    options = executor.decode_graph.session.session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+    segment = next(launch.fn for launch in executor._program if isinstance(launch.fn, OrtSegment))
+    assert segment.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_an_onnxruntime_without_the_decode_graph_s_ops_gets_none_under_auto_and_an_error_under_ort(
+        artifacts, monkeypatch):
+    import llmc.runtime.ort_segment as ort_segment
+
+    a = read_artifact(artifacts["fp32"])
+    plan, graph = Plan.from_json(a.plan_json), Graph.from_json(a.graph_json)
+    graph.weights = a.weights
+    plan.meta.pop("decode_graph")
+    have = ort_segment.cpu_kernel_ops()
+    monkeypatch.setattr(ort_segment, "cpu_kernel_ops", lambda: have - {("com.microsoft", "RotaryEmbedding")})
+    files = {}
+    verdict = plan_decode_graph(graph, plan, files, "auto", FP32_COMPUTE)
+    assert verdict == {"chosen": False, "why": "onnxruntime lacks com.microsoft.RotaryEmbedding"} and not files
+    with pytest.raises(RuntimeLlmcError, match="decode graph.*no CPU kernel for com.microsoft.RotaryEmbedding"):
+        plan_decode_graph(graph, plan, files, "ort", FP32_COMPUTE)
