@@ -6,25 +6,31 @@
 # roofline fractions (`llmc bench`'s roofline block). Artifacts are compiled once into $DIR.
 # THREADS=N sets the thread count (default: the runtime's); BANDWIDTH=GBPS skips measuring it.
 # QUANTS="fp32 gguf" limits the artifacts (default all six; fp32 is always needed), BATCH=N the requests
-# of the batched row (default 64), which every artifact runs (HF's batched generate beside fp32's).
+# of the batched row (default 64), which the artifacts in BATCH_QUANTS run (default "fp32 bf16", the
+# issue's row; HF's batched generate beside fp32's).
 # The compile-time row times one fresh GGUF compile (`--report`: its load stage is GGUF read +
 # dequantise), unless $DIR/compile.json is there already.
-# KERNELS="auto cpu ort" adds rows of artifacts compiled with --kernels cpu (torch kernels only) and ort
-# (ONNX Runtime segments and decode graph throughout); default KERNELS=auto, the cpu target's default
-# (families chosen by measurement); each family's artifacts are named $q.llmc (auto) or $q-$k.llmc.
-# HF's baseline runs beside the first family's fp32 rows.
+# KERNELS="auto cpu ort" gives rows of artifacts compiled with --kernels auto (the cpu target's default:
+# families chosen by measurement, never trading accuracy), cpu (torch kernels only) and ort (ONNX
+# Runtime segments and decode graph throughout, MatMulNBits on int8 activations: the fast int4/int8
+# path, at the accuracy `llmc eval` measures); default "auto ort". Each family's artifacts are named
+# $q.llmc (auto) or $q-$k.llmc. HF's baseline runs beside the first family's fp32 rows; fp32 and bf16
+# have no ort row after an auto one (fp32's auto already decodes through ORT; ORT has no bf16 kernels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LLMC=${LLMC:-.venv/bin/llmc}
 DIR=${DIR:-bench/out/cpu_speed}
 mkdir -p "$DIR"
 EXTRA=()
-KERNELS=${KERNELS:-auto}
+KERNELS=${KERNELS:-auto ort}
 FIRST=${KERNELS%% *}
 QUANTS=${QUANTS:-fp32 bf16 int8 int4-awq gguf w8a8}
 BATCH=${BATCH:-64}
+BATCH_QUANTS=${BATCH_QUANTS:-fp32 bf16}
 suffix() { [ "$1" = auto ] && echo "" || echo "-$1"; }
-skip() { [ "$1" = bf16 ] && [ "$2" = ort ]; }   # ONNX Runtime segments take fp32 activations only
+skip() {  # quant kernels: no row
+  [ "$2" = ort ] && { [ "$1" = bf16 ] || { [ "$1" = fp32 ] && [ "$FIRST" != ort ]; }; }
+}
 [ -n "${THREADS:-}" ] && EXTRA+=(--threads "$THREADS")
 [ -n "${BANDWIDTH:-}" ] && EXTRA+=(--bandwidth "$BANDWIDTH")
 
@@ -73,6 +79,7 @@ done
 for k in $KERNELS; do
   for q in $QUANTS; do
     skip "$q" "$k" && continue
+    [[ " $BATCH_QUANTS " == *" $q "* ]] || [ "$q$k" = "fp32$FIRST" ] || continue
     base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
     bench "batch_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n "$BATCH" --input-len 128 --output-len 128 "${base[@]}"
   done
