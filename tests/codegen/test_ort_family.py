@@ -28,10 +28,13 @@ from llmc.runtime.sampling_params import SamplingParams
 
 QUANTS = {"fp32": {}, "int8": {"quant": "int8"}, "int4": {"quant": "int4-rtn", "group_size": 32},
           "w8a8": {"quant": "w8a8"}}
-# fp32 and w8a8 multiply the same exact values as the torch kernels (w8a8: the same int8 codes per
-# token); int8/int4 MatMulNBits (accuracy level 4) rounds activations to int8 per block of 32 where
-# torch's packed kernels round them to bf16: both are about 0.5% off the fp32 product.
-ATOL = {"fp32": 1e-4, "w8a8": 1e-4, "int8": 0.15, "int4": 0.15}
+# fp32 multiplies the same values as the torch kernels. w8a8 multiplies the same int8 codes exactly,
+# but a code is round(x / s): where ORT's fused skip + RMS norm and torch's differ in x's last bit, a
+# code can round the other way. Traced 2026-12-03: 4 prompts in 40 part by 0.013-0.038 in the logits,
+# each from one flipped code (the same segment fed the torch plan's inputs agrees to 1e-6). int8/int4
+# MatMulNBits (accuracy level 4) rounds activations to int8 per block of 32 where torch's packed
+# kernels round them to bf16: both are about 0.5% off the fp32 product.
+ATOL = {"fp32": 1e-4, "w8a8": 0.05, "int8": 0.15, "int4": 0.15}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +92,7 @@ def test_segment_logits_equal_the_torch_plans(artifacts, quant):
 @pytest.mark.parametrize("quant", list(QUANTS))
 def test_greedy_tokens_through_load_equal_the_torch_plans(artifacts, quant):
     """Through the engine (paged KV cache, one token a step) against a cache-free loop over the torch
-    plan; int8/int4 may part only at a near tie of the torch plan's top two logits."""
+    plan; the quantised ones may part only at a near tie of the torch plan's top two logits."""
     prompt = torch.randint(3, 512, (7,)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ours = list(llmc.load(artifacts[quant]).generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids)
@@ -97,7 +100,7 @@ def test_greedy_tokens_through_load_equal_the_torch_plans(artifacts, quant):
     if ours != want:
         first = next(i for i, (a, b) in enumerate(zip(ours, want)) if a != b)
         top2 = logits[first].sort().values[-2:]
-        assert quant in ("int8", "int4") and top2[1] - top2[0] < 2 * ATOL[quant], \
+        assert quant != "fp32" and top2[1] - top2[0] < 2 * ATOL[quant], \
             f"{quant}: token {first} differs ({ours[first]} vs {want[first]}) at no near tie"
 
 
@@ -138,15 +141,14 @@ def test_w8a8_segments_carry_uint8_weights_where_uint8_x_int8_is_not_exact(tmp_p
     path = llmc.compile("tiny-llama", output=tmp_path / "u8.llmc", kernels="ort", quant="w8a8", quiet=True)
     assert _matmul_integer_weight_types(path) == {onnx.TensorProto.UINT8}
     ort_plan, torch_plan = _executors(path)
-    # a fixed draw: on a few random prompts in forty (found 2026-12-03, the test drew from the global
-    # generator and failed in a full run) the uint8 segments and the torch plan part by up to 0.03 in
-    # the logits; the cause is not found yet (the stop note of that day says so)
+    # on a few random prompts in forty the two part by up to 0.04 in the logits: one activation code
+    # rounded the other way (see ATOL); a fixed draw keeps the check at 1e-4 here
     gen = torch.Generator().manual_seed(0)
     t = int(torch.randint(2, 40, (), generator=gen))
     inputs = {"input_ids": torch.randint(0, 512, (t,), generator=gen), "positions": torch.arange(t),
               "logits_indices": torch.arange(t)}
     torch.testing.assert_close(ort_plan.run_values(inputs)["logits"], torch_plan.run_values(inputs)["logits"],
-                               atol=ATOL["w8a8"], rtol=0)
+                               atol=1e-4, rtol=0)
 
 
 def test_kernels_on_a_gpu_target_is_refused_in_one_line(capsys, tmp_path):

@@ -33,9 +33,11 @@ from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetad
 
 QUANTS = {"fp32": {}, "int8": {"quant": "int8"}, "int4": {"quant": "int4-rtn", "group_size": 32},
           "w8a8": {"quant": "w8a8"}}
-# int8/int4 MatMulNBits (--kernels ort: int8 activations per block) may round a value the other way
-# when attention's float sums differ in their last bit; fp32 and w8a8 stay at float rounding
-LOGPROB_ATOL = {"fp32": 1e-4, "w8a8": 1e-4, "int8": 0.05, "int4": 0.05}
+# int8/int4 MatMulNBits (--kernels ort: int8 activations per block) and w8a8's per-token codes may
+# round a value the other way when attention's float sums differ in their last bit (one flipped w8a8
+# code moved tiny-llama's logits by up to 0.04, tests/codegen/test_ort_family.py); fp32 stays at float
+# rounding
+LOGPROB_ATOL = {"fp32": 1e-4, "w8a8": 0.05, "int8": 0.05, "int4": 0.05}
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
