@@ -8,8 +8,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, apply_rope, cos_sin
 from llmc.compiler.artifact import OutputKind, read_artifact, staged_output
 from llmc.errors import LlmcError
@@ -131,7 +129,7 @@ def _mask(b: OnnxBuilder, past: str, q: str, window) -> str:
     """Additive mask [tokens, past_len + tokens]: query i (position past_len + i) sees keys
     0..past_len + i, and with a window only the last `window` of them."""
     def make():
-        zero, one = b.const("const/i64s/0", np.array(0, np.int64)), b.const("const/i64s/1", np.array(1, np.int64))
+        zero, one = b.i64(0), b.i64(1)
         past_len = b.one("Gather", b.one("Shape", past), zero, axis=0)
         tokens = b.one("Gather", b.one("Shape", q), zero, axis=0)
         qpos = b.one("Unsqueeze", b.one("Add", b.one("Range", zero, tokens, one), past_len), b.ints(1))
@@ -139,8 +137,7 @@ def _mask(b: OnnxBuilder, past: str, q: str, window) -> str:
         diff = b.one("Sub", qpos, kpos)
         allowed = b.one("GreaterOrEqual", diff, zero)
         if window is not None:
-            allowed = b.one("And", allowed, b.one("Less", diff, b.const(f"const/i64s/{window}",
-                                                                       np.array(window, np.int64))))
+            allowed = b.one("And", allowed, b.one("Less", diff, b.i64(window)))
         return b.one("Where", allowed, b.scalar(0.0), b.scalar(float("-inf")))
     return b.cached(("mask", window), make)
 

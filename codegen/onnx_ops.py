@@ -64,6 +64,10 @@ class OnnxBuilder:
     def ints(self, *values: int) -> str:
         return self.const(f"const/i64/{'_'.join(map(str, values))}", np.array(values, dtype=np.int64))
 
+    def i64(self, value: int) -> str:
+        """A scalar int64 constant (Range and Gather's index take scalars, not ints' 1-d tensors)."""
+        return self.const(f"const/i64s/{value}", np.array(value, dtype=np.int64))
+
     def scalar(self, value: float) -> str:
         return self.const(f"const/f32/{value!r}", np.array(value, dtype=np.float32))
 
@@ -342,11 +346,16 @@ def _select_rows(b: OnnxBuilder, n) -> None:
     b.bind(n, b.value(n.inputs[0]))  # the export returns the logits of every token
 
 
+def rope_angles(b: OnnxBuilder, positions: str, inv_freq: str) -> str:
+    """position x inv_freq, [tokens, head_dim / 2] (once per graph)."""
+    return b.cached(("rope_angles", positions, inv_freq), lambda: b.one(
+        "Mul", b.one("Unsqueeze", b.one("Cast", b.value(positions), to=1), b.ints(1)), b.value(inv_freq)))
+
+
 def cos_sin(b: OnnxBuilder, positions: str, inv_freq: str, scaling: float) -> tuple[str, str]:
     """cos/sin [tokens, 1, head_dim] as rope_cos_sin makes them (rotate-half tables)."""
     def make():
-        freqs = b.one("Mul", b.one("Unsqueeze", b.one("Cast", b.value(positions), to=1), b.ints(1)),
-                      b.value(inv_freq))
+        freqs = rope_angles(b, positions, inv_freq)
         emb = b.one("Concat", freqs, freqs, axis=-1)
         cos, sin = (b.one("Unsqueeze", b.one("Mul", b.one(f, emb), b.scalar(scaling)), b.ints(1))
                     for f in ("Cos", "Sin"))
@@ -387,4 +396,4 @@ SEGMENT_OPS = {("", op) for op in (
                                "SkipSimplifiedLayerNormalization")}
 
 __all__ = ["OnnxBuilder", "TRANSLATIONS", "SEGMENT_OPS", "OPSET", "MS_DOMAIN", "EXTERNAL_LOCATION", "cos_sin",
-           "apply_rope", "nbits_int8_block", "INT8_COMPUTE", "FP32_COMPUTE"]
+           "apply_rope", "rope_angles", "nbits_int8_block", "INT8_COMPUTE", "FP32_COMPUTE"]

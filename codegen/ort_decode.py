@@ -13,7 +13,7 @@ import hashlib
 
 import numpy as np
 
-from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, apply_rope, cos_sin
+from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, rope_angles
 from llmc.compiler.ir import Graph
 from llmc.compiler.ops import ATTENTION_OPS
 
@@ -145,10 +145,9 @@ def _rotary_tables(b: OnnxBuilder, positions: str, inv_freq: str, scaling: float
     [b, hd / 2] of each token's own position (times the rope's attention scaling) as the caches, and
     position ids [b, 1] = the row, so token i reads row i (no table of every position)."""
     def make():
-        freqs = b.one("Mul", b.one("Unsqueeze", b.one("Cast", b.value(positions), to=1), b.ints(1)),
-                      b.value(inv_freq))
+        freqs = rope_angles(b, positions, inv_freq)
         cos, sin = (b.one("Mul", b.one(f, freqs), b.scalar(scaling)) for f in ("Cos", "Sin"))
-        zero, one = b.const("const/i64s/0", np.array(0, np.int64)), b.const("const/i64s/1", np.array(1, np.int64))
+        zero, one = b.i64(0), b.i64(1)
         tokens = b.one("Gather", b.one("Shape", b.value(positions)), zero, axis=0)
         rows = b.one("Unsqueeze", b.one("Range", zero, tokens, one), b.ints(1))
         return cos, sin, rows
@@ -165,13 +164,13 @@ def _decode_bias(b: OnnxBuilder, past: str, window: int | None) -> str:
     """Additive mask [b, 1, ctx]: gathered key j (position j) is visible to the decode at position p
     when j < p (and j > p - window); its own key is attended apart. Built once per graph."""
     def make():
-        zero, one = b.const("const/i64s/0", np.array(0, np.int64)), b.const("const/i64s/1", np.array(1, np.int64))
+        zero, one = b.i64(0), b.i64(1)
         ctx = b.one("Gather", b.one("Shape", past), one, axis=0)
         keys = b.one("Unsqueeze", b.one("Range", zero, ctx, one), b.ints(0))      # [1, ctx]
         p = b.one("Unsqueeze", "positions", b.ints(1))                              # [b, 1]
         visible = b.one("Less", keys, p)
         if window is not None:
-            first = b.one("Sub", p, b.const(f"const/i64s/{window - 1}", np.array(window - 1, np.int64)))
+            first = b.one("Sub", p, b.i64(window - 1))
             visible = b.one("And", visible, b.one("GreaterOrEqual", keys, first))
         bias = b.one("Where", visible, b.scalar(0.0), b.scalar(float("-inf")))       # [b, ctx]
         return b.one("Unsqueeze", bias, b.ints(1))
