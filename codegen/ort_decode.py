@@ -14,6 +14,7 @@ import hashlib
 import numpy as np
 
 from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, rope_angles
+from llmc.codegen.ort_timing import INT8_ACTIVATIONS
 from llmc.compiler.ir import Graph
 from llmc.compiler.ops import ATTENTION_OPS
 
@@ -54,10 +55,12 @@ def decode_refusal(graph: Graph) -> str | None:
     return None
 
 
-def build_decode_graph(graph: Graph, nbits_level: int) -> tuple[bytes, dict]:
-    """(ONNX bytes, the plan.meta record without file hash) for `graph`'s decode graph."""
+def build_decode_graph(graph: Graph, nbits_level: int, levels: dict[str, int] | None = None) -> tuple[bytes, dict]:
+    """(ONNX bytes, the plan.meta record without file hash) for `graph`'s decode graph; MatMulNBits
+    at `nbits_level`, or at `levels[node]` for the nodes named there."""
     from onnx import TensorProto, helper
 
+    levels = levels or {}
     b = OnnxBuilder(graph, graph.weights, segment=True, nbits_level=nbits_level)
     inputs = [v.name for v in graph.inputs]
     b.env = {i: i for i in inputs}
@@ -68,6 +71,7 @@ def build_decode_graph(graph: Graph, nbits_level: int) -> tuple[bytes, dict]:
         if node.op in ATTENTION_OPS:
             new_kv[node.attrs["layer"]] = _paged_decode_attention(b, node)
         else:
+            b.nbits_level = levels.get(node.name, nbits_level)
             TRANSLATIONS[node.op](b, node)
     outputs = list(graph.outputs)
     for out in outputs:
@@ -180,13 +184,15 @@ def _decode_bias(b: OnnxBuilder, past: str, window: int | None) -> str:
 CLOSE_CALL = 2.0   # segments costing up to this many times the plan walk's in ORT: time a whole decode step
 
 
-def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nbits_level: int) -> dict:
+def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nbits_level: int,
+                      levels: dict[str, int] | None = None) -> dict:
     """The plan.meta record of the decode graph `mode` gives the lowered `plan` (its ONNX bytes
-    added to `files`), or a record saying why there is none ({"chosen": False, "why": ...})."""
+    added to `files`), or a record saying why there is none ({"chosen": False, "why": ...}).
+    MatMulNBits runs at `nbits_level`, or `levels[node]` (the nodes auto put on int8 activations)."""
     why = decode_refusal(graph)
     if why:
         return {"chosen": False, "why": why}
-    model, record = build_decode_graph(graph, nbits_level)
+    model, record = build_decode_graph(graph, nbits_level, levels)
     record["sha256"] = hashlib.sha256(model).hexdigest()
     missing = _missing_ops(model, mode)
     if missing:
@@ -224,11 +230,13 @@ def choose_decode_graph(choice: dict) -> dict:
     torch attentions, on every decode step besides); refused where they cost over CLOSE_CALL times
     as much; in between, a close call, a whole decode step is timed both ways."""
     kinds = choice["measured"]["kinds"]
+    int8 = lambda kind: kind["chosen"] == INT8_ACTIVATIONS   # the decode graph runs such kinds on int8 too
     for kind in kinds:
-        if "us" not in kind or "ORT's outputs" in kind.get("why", ""):
+        if "us" not in kind or ("ORT's outputs" in kind.get("why", "") and not int8(kind)):
             return {"chosen": False, "why": f"segments like {kind['first']} do not run in ORT: {kind.get('why')}"}
-    cost = {family: sum(k["segments"] * k["us"][family if family == "ort" else k["chosen"]]["decode"]
-                        for k in kinds) for family in ("ort", "plan")}
+    in_graph = lambda kind: kind["us"][INT8_ACTIVATIONS if int8(kind) else "ort"]["decode"]
+    cost = {"ort": sum(k["segments"] * in_graph(k) for k in kinds),
+            "plan": sum(k["segments"] * k["us"][k["chosen"]]["decode"] for k in kinds)}
     record = {"decode_us": {"graph_segments": round(cost["ort"], 1), "plan_segments": round(cost["plan"], 1)}}
     if cost["ort"] <= cost["plan"]:
         return {**record, "chosen": True}

@@ -207,7 +207,7 @@ def check_kernels_option(mode: str | None, target: str, device: str) -> None:
 
 
 def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None,
-                echo=None) -> tuple[list[Plan], dict[str, bytes]]:
+                echo=None, reference=None) -> tuple[list[Plan], dict[str, bytes]]:
     """lower_kernels for the compile driver: one plan per tensor-parallel rank (the ORT family runs
     single-rank plans); returns the plans and the ONNX files to store."""
     if len(plans) > 1 and mode not in (None, "cpu"):
@@ -215,13 +215,15 @@ def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None
                           f"tensor-parallel ranks: drop --kernels or compile without sharding")
     if len(plans) > 1:
         return plans, {}
-    plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo)
+    plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo, reference)
     return [plan], files
 
 
-def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=None) -> tuple[Plan, dict[str, bytes]]:
+def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=None,
+                  reference=None) -> tuple[Plan, dict[str, bytes]]:
     """The plan with its segments lowered to ORT as `mode` says (None: the target's default), and
-    the ONNX files to store ({path in the artifact: bytes})."""
+    the ONNX files to store ({path in the artifact: bytes}). `reference` (an ort_accuracy
+    CalibrationReference, or None) is what auto checks int8 activations on."""
     check_kernels_option(mode, plan.target, device)
     mode = mode or DEFAULT_MODE
     if device != "cpu" or mode == "cpu":
@@ -234,12 +236,19 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     # the only level whose outputs it may choose (ort_timing measures the other beside it)
     built = [build_segment(graph, seg, INT8_COMPUTE if mode == "ort" else FP32_COMPUTE) for seg in segments]
     choice = {"mode": mode, "kept_in_torch": _unforced(kept)}
+    int8: set[int] = set()
     if mode == "ort":
         _require_segment_ops(built)
         chosen = [True] * len(segments)
     else:
+        from llmc.codegen.ort_accuracy import gate_int8_activations
         from llmc.codegen.ort_timing import choose_segments
-        chosen, choice["measured"] = choose_segments(graph, segments, built, echo)
+        kinds, choice["measured"] = choose_segments(graph, segments, built, echo)
+        int8, gate = gate_int8_activations(graph, plan, segments, built, kinds, reference,
+                                           lambda models, keep: _trial_plan(plan, graph, segments, models, keep))
+        if gate is not None:
+            choice["int8_activations"] = gate
+        chosen = [kind["chosen"] != "cpu" for kind in kinds]
     steps, files = _lowered_steps(plan, segments, built, chosen)
     lowered = restep(plan, steps)
     if mode == "auto":
@@ -248,9 +257,23 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
                                                 graph.weights, choice["measured"]["threads"])
     lowered.meta = {**plan.meta, "kernel_choice": choice}
     from llmc.codegen.ort_decode import plan_decode_graph
+    levels = {node.name: INT8_COMPUTE for i in int8 for node in segments[i].nodes}
     lowered.meta["decode_graph"] = plan_decode_graph(graph, lowered, files, mode,
-                                                     INT8_COMPUTE if mode == "ort" else FP32_COMPUTE)
+                                                     INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels)
     return lowered, files
+
+
+def _trial_plan(plan: Plan, graph: Graph, segments: list[Segment], built: list, chosen: list[bool]):
+    """(plan, files) as auto would lower it with segment models `built` where `chosen`, for
+    codegen/ort_accuracy.py to score."""
+    from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
+    from llmc.runtime.threads import resolve_threads
+
+    steps, files = _lowered_steps(plan, segments, built, chosen)
+    trial = restep(plan, steps)
+    trial.meta = {**plan.meta, "kernel_choice": {DISPATCH_META: dispatch_record(
+        [(s.kernel, s.inputs, s.attrs) for s in steps], graph.weights, resolve_threads())}}
+    return trial, files
 
 
 def _lowered_steps(plan: Plan, segments: list[Segment], built: list, chosen: list[bool]):

@@ -31,8 +31,10 @@ CLEAR_LOSS = 4.0
 # close to the reference as the torch kernels' (which round activations to bf16 for packed int8/int4
 # weights), or within float reassociation of it
 AUTO_TOLERANCE = 1e-4
-# MatMulNBits on int8 activations is measured beside the fp32 level but never chosen by auto: its
-# error grows with the activations' outliers, which random inputs do not have
+# MatMulNBits on int8 activations is measured beside the fp32 level, but random inputs cannot say
+# what it costs in accuracy (its error grows with the activations' outliers, which they do not
+# have): where it is the fastest, it is a candidate that the whole model's logits on the compile's
+# calibration text accept or refuse (codegen/ort_accuracy.py)
 INT8_ACTIVATIONS = "ort-int8"
 INT8_EXCLUDED = "rounds activations to int8 per block (only --kernels ort runs it)"
 
@@ -161,8 +163,10 @@ def request_cost(us: dict[str, float]) -> float:
     return us["prefill"] + PREFILL_TOKENS * us["decode"]
 
 
-def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tuple[list[bool], dict]:
-    """Whether each segment runs in ORT, and the record of what was measured (plan.meta)."""
+def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tuple[list[dict], dict]:
+    """Each segment's kind (one dict shared by the segments of a kind: what was measured, the family
+    `chosen` for it, `int8_candidate` where ORT on int8 activations would be faster still), and
+    the record of what was measured (plan.meta)."""
     from llmc.runtime.threads import resolve_threads
 
     threads = resolve_threads()
@@ -173,7 +177,7 @@ def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tup
         if key not in kinds:
             kinds[key] = _kind(graph, seg, model, builder, threads, key)
         kinds[key]["segments"] += 1
-        chosen.append(kinds[key]["chosen"] == "ort")
+        chosen.append(kinds[key])
     record = {"threads": threads, "tokens": {"decode": 1, "prefill": PREFILL_TOKENS},
               "cost": f"prefill + {PREFILL_TOKENS} x decode", "kinds": list(kinds.values())}
     return chosen, record
@@ -224,10 +228,13 @@ def _verdict(measured: dict) -> dict:
     us, error = measured["us"], measured["error"]
     out = {"excluded": {INT8_ACTIVATIONS: INT8_EXCLUDED}} if INT8_ACTIVATIONS in us else {}
     if error["ort"] > max(AUTO_TOLERANCE, error["cpu"]):
-        return {**out, "chosen": "cpu", "why": f"ORT's outputs are {error['ort']:.1e} of the largest off the "
-                                               f"reference, the torch kernels' {error['cpu']:.1e}: it would "
-                                               f"change the numbers"}
-    return {**out, "chosen": min(("cpu", "ort"), key=lambda name: request_cost(us[name]))}
+        out.update(chosen="cpu", why=f"ORT's outputs are {error['ort']:.1e} of the largest off the reference, "
+                                     f"the torch kernels' {error['cpu']:.1e}: it would change the numbers")
+    else:
+        out["chosen"] = min(("cpu", "ort"), key=lambda name: request_cost(us[name]))
+    if INT8_ACTIVATIONS in us and request_cost(us[INT8_ACTIVATIONS]) < request_cost(us[out["chosen"]]):
+        out["int8_candidate"] = True
+    return out
 
 
 def _op_counts(seg) -> str:
@@ -238,4 +245,4 @@ def _op_counts(seg) -> str:
 
 
 __all__ = ["choose_segments", "signature", "measure", "errors", "TorchSegment", "ReferenceSegment", "PREFILL_TOKENS",
-           "request_cost", "AUTO_TOLERANCE", "INT8_ACTIVATIONS"]
+           "request_cost", "AUTO_TOLERANCE", "INT8_ACTIVATIONS", "INT8_EXCLUDED"]

@@ -226,6 +226,7 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
                      f"by {measured['cost']}):")
         for kind in measured["kinds"]:
             lines.append(f"    {kind['chosen']:<4} x{kind['segments']:<3} {kind['ops']}: {_kind_figures(kind)}")
+    lines += _int8_gate_lines(choice.get("int8_activations"))
     by_reason: dict[str, list[str]] = {}
     for node, why in (choice.get("kept_in_torch") or {}).items():
         by_reason.setdefault(why, []).append(node)
@@ -241,6 +242,19 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
                       for r in entry["us"]["packed"])
         lines.append(f"      {key} x{entry['steps']}: dense from {entry['dense_from']} rows; {us}")
     return lines
+
+
+def _int8_gate_lines(gate: dict | None) -> list[str]:
+    """auto's check of int8 activations on the calibration text (codegen/ort_accuracy.py)."""
+    if not gate:
+        return []
+    if "exact" not in gate:
+        return [f"    int8 activations: not checked: {gate['why']}"]
+    exact = gate["exact"]
+    tried = "; ".join(f"{t['segments']} segments on int8: KL {t['kl']:.4g}, top-1 {t['top1']:.3f}"
+                      f" ({'kept' if t['kept'] else 'refused'})" for t in gate["tried"])
+    return [f"    int8 activations, checked over {gate['tokens']} calibration tokens against the source model: "
+            f"exact kernels KL {exact['kl']:.4g}, top-1 {exact['top1']:.3f}; {tried}"]
 
 
 def _decode_graph_summary(record) -> dict | None:

@@ -16,6 +16,7 @@ import torch
 import llmc
 from llmc.codegen.autotune import autotune
 from llmc.codegen.kernel_sources import kernel_sources
+from llmc.codegen.ort_accuracy import CalibrationReference
 from llmc.codegen.ort_lowering import check_kernels_option, lower_plans
 from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
@@ -308,7 +309,9 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     note_calibration(records, calibration, opts)
     model = set_model_meta(graphs, records, loaded)
     t = time.perf_counter()
-    plans, ort_files = lower_plans(graphs, [rank_plan(g, tgt, opts, echo) for g in graphs], tgt, opts.kernels, echo)
+    reference = None if ctx.reference_logits is None else CalibrationReference(calibration, ctx.reference_logits)
+    plans, ort_files = lower_plans(graphs, [rank_plan(g, tgt, opts, echo) for g in graphs], tgt, opts.kernels, echo,
+                                   reference)
     plan = plans[0]
     kernels, kernel_index = kernel_sources(plan)
     log("plan", time.perf_counter() - t, {"steps": len(plan.steps), **({"kernels": len(kernels)} if kernels else {})})

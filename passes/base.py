@@ -115,6 +115,9 @@ class PassContext:
     target: Any = None                  # a compiler.targets.Target or its name
     options: dict = field(default_factory=dict)
     calibration: Any = None
+    # the calibration's next-token logits before the first lossy pass (set by the run that measured
+    # them): what the cpu target's kernel choice checks int8 activations against (codegen/ort_accuracy.py)
+    reference_logits: Any = None
     source_weights: dict = field(default_factory=dict)       # param name -> its stored quantised form
     print_ir_after: set[str] = field(default_factory=set)   # pass names, or "all"
     dump_ir: str | Path | None = None
@@ -183,6 +186,8 @@ class PassManager:
                 continue
             bar.set_postfix_str(p.name)
             records.append(self._run_one(index, p, graph))
+        if self._meter is not None and self._meter.ref_logits is not None:
+            self.ctx.reference_logits = self._meter.ref_logits
         return records
 
     def _run_one(self, index: int, p: Pass, graph: Graph) -> PassRecord:
