@@ -11,9 +11,10 @@
 # The compile-time row times one fresh GGUF compile (`--report`: its load stage is GGUF read +
 # dequantise), unless $DIR/compile.json is there already.
 # KERNELS="auto cpu ort" gives rows of artifacts compiled with --kernels auto (the cpu target's default:
-# families chosen by measurement, never trading accuracy), cpu (torch kernels only) and ort (ONNX
-# Runtime segments and decode graph throughout, MatMulNBits on int8 activations: the fast int4/int8
-# path, at the accuracy `llmc eval` measures); default "auto ort". Each family's artifacts are named
+# families chosen by measurement, int8 activations only where the calibration text shows they cost
+# the model no KL or top-1), cpu (torch kernels only) and ort (ONNX Runtime segments and decode graph
+# throughout, MatMulNBits on int8 activations: the fast int4/int8 path, at the accuracy `llmc eval`
+# measures); default "auto ort". Each family's artifacts are named
 # $q.llmc (auto) or $q-$k.llmc. HF's baseline runs beside the first family's fp32 rows; fp32 and bf16
 # have no ort row after an auto one (fp32's auto already decodes through ORT; ORT has no bf16 kernels).
 set -euo pipefail
