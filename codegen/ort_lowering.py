@@ -3,7 +3,8 @@
 become ONNX graphs, one `ort.segment` step each, stored in the artifact as ort/segment_NNN.onnx.
 `--kernels ort` lowers every segment; `--kernels auto`, the cpu target's default, keeps a segment in
 ORT only where it measured faster than the torch kernels on this machine and no less accurate
-(codegen/ort_timing.py), recording the choice and the measured alternatives in
+(codegen/ort_timing.py; MatMulNBits on int8 activations only where the calibration text shows the
+model unchanged, codegen/ort_accuracy.py), recording the choice and the measured alternatives in
 plan.meta["kernel_choice"]; `--kernels cpu` keeps the torch kernels throughout."""
 
 from __future__ import annotations
