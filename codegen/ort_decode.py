@@ -225,8 +225,9 @@ def _missing_ops(model: bytes, mode: str) -> str | None:
 def choose_decode_graph(choice: dict) -> dict:
     """auto's verdict from what it measured of the segment kinds (codegen/ort_timing.py). The decode
     graph runs every kind in ORT, so ORT must have been eligible for every kind (no further from the
-    reference than torch; a kind auto put on int8 activations runs on them in the graph too). It is kept where those kinds' decode steps cost no more in ORT than in the
-    families the plan walk runs them in (it saves a Python launch per segment and attention, and the
+    reference than torch; a kind auto put on int8 activations runs on them in the graph too). It is
+    kept where those kinds' decode steps cost no more in ORT than in the families the plan walk runs
+    them in (it saves a Python launch per segment and attention, and the
     torch attentions, on every decode step besides); refused where they cost over CLOSE_CALL times
     as much; in between, a close call, a whole decode step is timed both ways."""
     kinds = choice["measured"]["kinds"]
