@@ -98,7 +98,7 @@ def score(plan, files: dict[str, bytes], graph: Graph, reference: CalibrationRef
 
 
 def _why(exact: dict, trial: dict) -> str:
-    return (f"{INT8_EXCLUDED.split(' (')[0]}, and on the calibration text it took the model's KL to its source "
+    return (f"{INT8_EXCLUDED.split(';')[0]}, and on the calibration text it took the model's KL to its source "
             f"from {exact['kl']:.4g} to {trial['kl']:.4g} and top-1 agreement from {exact['top1']:.3f} to "
             f"{trial['top1']:.3f}")
 

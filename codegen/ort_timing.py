@@ -36,7 +36,8 @@ AUTO_TOLERANCE = 1e-4
 # have): where it is the fastest, it is a candidate that the whole model's logits on the compile's
 # calibration text accept or refuse (codegen/ort_accuracy.py)
 INT8_ACTIVATIONS = "ort-int8"
-INT8_EXCLUDED = "rounds activations to int8 per block (only --kernels ort runs it)"
+INT8_EXCLUDED = ("rounds activations to int8 per block; auto takes it only where it is fastest and passes the "
+                 "calibration check")
 
 
 def signature(graph: Graph, seg) -> str:
