@@ -9,6 +9,7 @@ plan.meta["kernel_choice"]; `--kernels cpu` keeps the torch kernels throughout."
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -233,8 +234,8 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     if mode == "ort":
         _refuse_torch_ops(graph, kept)
     segments = find_segments(graph, kept, plan.outputs)
-    # ort: MatMulNBits on int8 activations, the fast path asked for; auto: on fp32 activations,
-    # the only level whose outputs it may choose (ort_timing measures the other beside it)
+    # ort: MatMulNBits on int8 activations, the fast path asked for; auto: on fp32 activations, the
+    # level it may choose on timing alone (the int8 one also needs the calibration check, ort_accuracy)
     built = [build_segment(graph, seg, INT8_COMPUTE if mode == "ort" else FP32_COMPUTE) for seg in segments]
     choice = {"mode": mode, "kept_in_torch": _unforced(kept)}
     int8: set[int] = set()
@@ -242,18 +243,21 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
         _require_segment_ops(built)
         chosen = [True] * len(segments)
     else:
+        from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
         from llmc.codegen.ort_accuracy import gate_int8_activations
         from llmc.codegen.ort_timing import choose_segments
         kinds, choice["measured"] = choose_segments(graph, segments, built, echo)
-        int8, gate = gate_int8_activations(graph, plan, segments, built, kinds, reference,
-                                           lambda models, keep: _trial_plan(plan, graph, segments, models, keep))
+        trial_meta = functools.cache(lambda: {**plan.meta, "kernel_choice": {DISPATCH_META: dispatch_record(
+            [(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, choice["measured"]["threads"])}})
+        int8, gate = gate_int8_activations(
+            graph, plan, segments, built, kinds, reference,
+            lambda models, keep: _trial_plan(plan, trial_meta(), segments, models, keep))
         if gate is not None:
             choice["int8_activations"] = gate
         chosen = [kind["chosen"] != "cpu" for kind in kinds]
     steps, files = _lowered_steps(plan, segments, built, chosen)
     lowered = restep(plan, steps)
     if mode == "auto":
-        from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
         choice[DISPATCH_META] = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in lowered.steps],
                                                 graph.weights, choice["measured"]["threads"])
     lowered.meta = {**plan.meta, "kernel_choice": choice}
@@ -264,16 +268,13 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     return lowered, files
 
 
-def _trial_plan(plan: Plan, graph: Graph, segments: list[Segment], built: list, chosen: list[bool]):
+def _trial_plan(plan: Plan, meta: dict, segments: list[Segment], built: list, chosen: list[bool]):
     """(plan, files) as auto would lower it with segment models `built` where `chosen`, for
-    codegen/ort_accuracy.py to score."""
-    from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
-    from llmc.runtime.threads import resolve_threads
-
+    codegen/ort_accuracy.py to score; `meta` records the torch qlinears' dense switch (measured once
+    over every step, whichever stay in torch)."""
     steps, files = _lowered_steps(plan, segments, built, chosen)
     trial = restep(plan, steps)
-    trial.meta = {**plan.meta, "kernel_choice": {DISPATCH_META: dispatch_record(
-        [(s.kernel, s.inputs, s.attrs) for s in steps], graph.weights, resolve_threads())}}
+    trial.meta = meta
     return trial, files
 
 
