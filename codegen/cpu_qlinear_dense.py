@@ -191,17 +191,27 @@ def choose_dense_from(meta: dict | None, key: str, packed_run, src: DenseSource)
     return MEASURED[(key, threads)]["dense_from"]
 
 
+# a probe's repeats stop early once MIN_REPEATS have run and they took PROBE_BUDGET_S: the best of two
+# or three calls of many milliseconds is as steady as of five, and five at 256 and 512 rows took a
+# second of SmolLM2's compile
+MIN_REPEATS = 2
+PROBE_BUDGET_S = 0.03
+
+
 def _time_us(runs, x, repeats: int) -> list[float]:
     """Best microseconds per call of each of `runs` on x, their calls alternated so that both meet
     the same machine (a burst of other work slows both, not one)."""
     for fn in runs:
         fn(x)
     best = [float("inf")] * len(runs)
-    for _ in range(repeats):
+    began = time.perf_counter()
+    for repeat in range(repeats):
         for i, fn in enumerate(runs):
             start = time.perf_counter()
             fn(x)
             best[i] = min(best[i], time.perf_counter() - start)
+        if repeat + 1 >= MIN_REPEATS and time.perf_counter() - began > PROBE_BUDGET_S:
+            break
     return [round(b * 1e6, 1) for b in best]
 
 

@@ -36,26 +36,27 @@ class CalibrationReference:
     logits: list[torch.Tensor]
 
 
-def gate_int8_activations(graph: Graph, plan, segments: list, built: list, kinds: list[dict],
+def gate_int8_activations(graph: Graph, plan, segments: list, built, kinds: list[dict],
                           reference: CalibrationReference | None, lower) -> tuple[set[int], dict | None]:
     """The segments (indices) to run on int8 activations, and the record of the check (None when no
     segment is a candidate). `lower(built, chosen)` gives (plan, ONNX files) for segment models
-    `built` where `chosen`. `kinds` are updated (an accepted kind is chosen as INT8_ACTIVATIONS, a
-    refused one says why in its `excluded`), and so is `built` (the accepted segments' models)."""
+    `built` (an ort_lowering.SegmentModels) where `chosen`. `kinds` are updated (an accepted kind is
+    chosen as INT8_ACTIVATIONS, a refused one says why in its `excluded`), and so is `built` (the
+    accepted segments' models)."""
     candidates = [i for i, kind in enumerate(kinds) if kind.get("int8_candidate")]
     if not candidates:
         return set(), None
     if reference is None:
         _refuse(kinds, candidates, NO_CALIBRATION)
         return set(), {"accepted": 0, "why": NO_CALIBRATION}
-    from llmc.codegen.ort_lowering import build_segment
+    from llmc.codegen.ort_lowering import SegmentModels
 
-    int8_built = {i: build_segment(graph, segments[i], INT8_COMPUTE) for i in candidates}
+    int8_built = SegmentModels(graph, segments, INT8_COMPUTE)
     exact_chosen = [kind["chosen"] == "ort" for kind in kinds]
     exact = score(*lower(built, exact_chosen), graph, reference)
     record = {"tokens": sum(len(s) - 1 for s in reference.seqs), "exact": exact, "tried": []}
     for subset in _subsets(candidates, segments, plan):
-        trial = [int8_built[i] if i in subset else b for i, b in enumerate(built)]
+        trial = built.overlay({i: int8_built[i] for i in subset})
         chosen = [c or i in subset for i, c in enumerate(exact_chosen)]
         figures = score(*lower(trial, chosen), graph, reference)
         kept = figures["kl"] <= exact["kl"] * (1 + KL_SLACK) and figures["top1"] >= exact["top1"] - TOP1_SLACK
@@ -66,7 +67,8 @@ def gate_int8_activations(graph: Graph, plan, segments: list, built: list, kinds
                 kinds[i].pop("excluded", None)
             _refuse(kinds, [i for i in candidates if i not in subset],
                     "computes the logits: " + _why(exact, record["tried"][0]))
-            built[:] = trial
+            for i in subset:
+                built[i] = int8_built[i]
             return set(subset), {**record, "accepted": len(subset)}
     _refuse(kinds, candidates, _why(exact, record["tried"][0]))
     return set(), {**record, "accepted": 0}

@@ -22,11 +22,13 @@ from llmc.compiler.ops import TORCH_DTYPES, run_reference
 
 PREFILL_TOKENS = 128
 REPEATS = {"decode": 15, "prefill": 3}
-# after CLEAR_AFTER interleaved repeats, a runner whose best is CLEAR_LOSS times a choosable rival's
-# at that shape is timed no more there: no noise brings it within reach, and a slow session (ORT
-# dequantising a tied head per call) would otherwise spend most of the compile losing
-CLEAR_AFTER = 5
-CLEAR_LOSS = 4.0
+# (repeats, loss, slowest us): after that many interleaved repeats, a runner whose best is `loss`
+# times a choosable rival's at that shape, and above `slowest` microseconds, is timed no more there:
+# no noise brings it within reach, and a slow session (ORT dequantising an 8-bit head on every call,
+# ~80 ms a call for SmolLM2's) would otherwise spend most of the compile losing. One repeat already
+# tells an 8x loser whose calls take many milliseconds; a one-off stall can make a 70 us call look
+# 15x slower, so faster calls get five.
+CLEAR_CUTS = ((1, 8.0, 10_000.0), (5, 4.0, 0.0))
 # auto never trades accuracy for speed: ORT is eligible for a segment only where its outputs are as
 # close to the reference as the torch kernels' (which round activations to bf16 for packed int8/int4
 # weights), or within float reassociation of it
@@ -133,9 +135,10 @@ def measure(runners: dict, graph: Graph, seg, outputs: dict | None = None) -> di
         for repeat in range(REPEATS[shape]):
             for name in timed:
                 best[name] = min(best[name], _time(runners[name], inputs))
-            if repeat + 1 == CLEAR_AFTER:
-                fastest = min(best[name] for name in rivals)
-                timed = [name for name in timed if best[name] <= CLEAR_LOSS * fastest]
+            for after, loss, slowest in CLEAR_CUTS:
+                if repeat + 1 == after:
+                    fastest = min(best[name] for name in rivals)
+                    timed = [name for name in timed if best[name] <= max(loss * fastest, slowest)]
         for name in runners:
             us[name][shape] = round(best[name], 1)
     return us
@@ -173,10 +176,10 @@ def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tup
     threads = resolve_threads()
     kinds: dict[str, dict] = {}
     chosen = []
-    for seg, (model, builder) in zip(segments, built):
+    for i, seg in enumerate(segments):
         key = signature(graph, seg)
         if key not in kinds:
-            kinds[key] = _kind(graph, seg, model, builder, threads, key)
+            kinds[key] = _kind(graph, seg, *built[i], threads, key)
         kinds[key]["segments"] += 1
         chosen.append(kinds[key])
     record = {"threads": threads, "tokens": {"decode": 1, "prefill": PREFILL_TOKENS},
@@ -197,7 +200,7 @@ def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> d
         return {**entry, "chosen": "cpu", "why": f"onnxruntime lacks {'.'.join(missing[0]).lstrip('.')}"}
     measured = recall({"what": "ort segment", "signature": key, "onnx": hashlib.sha256(model).hexdigest(),
                        "threads": threads, "tokens": PREFILL_TOKENS, "repeats": REPEATS,
-                       "clear_loss": [CLEAR_AFTER, CLEAR_LOSS]},
+                       "clear_cuts": CLEAR_CUTS},
                       lambda: _measure_kind(graph, seg, model, builder, threads))
     return {**entry, **measured, **_verdict(measured)}
 

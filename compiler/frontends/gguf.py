@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 from accelerate import init_empty_weights
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, ReaderTensor, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor, get_tensor_name_map
 from gguf.quants import _type_traits as DEQUANTIZERS  # the types gguf.dequantize handles besides F32/F16
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -136,6 +136,39 @@ class PlainArrayReader(GGUFReader):
         array = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
         order = self.byte_order if override_order is None else override_order
         return array if order == "I" else array.view(array.dtype.newbyteorder(order))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        """gguf's parse of one field, its parts alike, with arrays of scalars or strings (a vocabulary:
+        ~100k entries) cut in one pass over the bytes rather than one recursive call per entry."""
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I" or sys.byteorder != "little":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        itype, count, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is not None:
+            entries = list(self._get(offs, nptype, count).reshape(count, 1))
+            end = offs + np.dtype(nptype).itemsize * count
+        elif itype == GGUFValueType.STRING:
+            entries, end = self._string_parts(offs, count)
+        else:   # arrays of arrays
+            return super()._get_field_parts(orig_offs, raw_type)
+        step = 2 if itype == GGUFValueType.STRING else 1
+        data = list(range(2 + step - 1, 2 + len(entries), step))
+        return end - orig_offs, [raw_itype, alen, *entries], data, [GGUFValueType.ARRAY, itype]
+
+    def _string_parts(self, offs: int, count: int) -> tuple[list[np.ndarray], int]:
+        """(length, bytes) parts of `count` consecutive GGUF strings from `offs`, and where they end."""
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        raw, parts = plain.data, []
+        for _ in range(count):
+            length = int.from_bytes(raw[offs:offs + 8], "little")
+            parts += (plain[offs:offs + 8].view(np.uint64), plain[offs + 8:offs + 8 + length])
+            offs += 8 + length
+        if offs > len(plain):
+            raise ValueError(f"a string array runs past the end of the file (to byte {offs} of {len(plain)})")
+        return parts, offs
 
 
 def read_architecture(reader: GGUFReader, path: Path) -> str:
