@@ -236,6 +236,47 @@ def test_auto_int4_segments_equal_the_reference_interpreter(auto_int4):
     torch.testing.assert_close(ours, want, atol=1e-4 * want.abs().max().item(), rtol=0)
 
 
+def test_timing_stops_for_a_clear_loser_after_one_repeat_when_its_calls_are_slow_and_after_five_when_fast():
+    import time
+    from types import SimpleNamespace
+
+    from llmc.codegen.ort_timing import REPEATS, measure
+
+    calls = {"fast": 0, "slow": 0, "tiny_loser": 0}
+
+    def runner(name, seconds):
+        def run():
+            calls[name] += 1
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+            return []
+        return run
+    runners = {"cpu": runner("fast", 0.0), "ort": runner("slow", 0.02), "ort-int8": runner("tiny_loser", 0.0005)}
+    us = measure(runners, None, SimpleNamespace(inputs=[]))
+    assert us["ort"]["decode"] >= 20_000 and us["ort-int8"]["decode"] >= 500
+    # warm call + 1 repeat at each shape; warm + 5 decode repeats, warm + all prefill repeats
+    assert calls == {"fast": 2 + REPEATS["decode"] + REPEATS["prefill"], "slow": 4,
+                     "tiny_loser": 1 + 5 + 1 + REPEATS["prefill"]}
+
+
+def test_segment_models_are_built_once_each_and_only_when_asked_for(monkeypatch):
+    from llmc.codegen import ort_lowering
+
+    built = []
+    monkeypatch.setattr(ort_lowering, "build_segment", lambda graph, seg, level: built.append(seg) or (
+        f"{seg} at {level}".encode(), None))
+    models = ort_lowering.SegmentModels(None, ["s0", "s1", "s2", "s3"], 1)
+    assert len(models) == 4 and built == []
+    assert models[2] == (b"s2 at 1", None) and models[2] == (b"s2 at 1", None) and built == ["s2"]
+    trial = models.overlay({1: (b"other", None)})
+    assert trial[1] == (b"other", None) and trial[2] == (b"s2 at 1", None) and built == ["s2"]
+    assert models[1] == (b"s1 at 1", None) and built == ["s2", "s1"]
+    models[3] = (b"kept", None)
+    assert [m for m, _ in models] == [b"s0 at 1", b"s1 at 1", b"s2 at 1", b"kept"]
+    assert built == ["s2", "s1", "s0"]
+
+
 def test_verdict_keeps_torch_where_ort_is_further_from_the_reference():
     from llmc.codegen.ort_timing import _verdict
 
@@ -255,14 +296,20 @@ def timing_cache(tmp_path, monkeypatch):
 
 def test_torch_qlinears_auto_keeps_get_their_dense_switch_recorded_and_used(capsys, tmp_path, timing_cache,
                                                                             monkeypatch):
-    from llmc.codegen import ort_timing
+    from llmc.codegen import ort_lowering, ort_timing
     from llmc.codegen.cpu_qlinear_dense import DispatchedWeights
+    from llmc.codegen.onnx_ops import FP32_COMPUTE
 
     monkeypatch.setattr(ort_timing, "measure", _faked("cpu"))
+    built, build = [], ort_lowering.build_segment
+    monkeypatch.setattr(ort_lowering, "build_segment", lambda graph, seg, level: built.append(level) or build(
+        graph, seg, level))
     path = llmc.compile("tiny-llama", output=tmp_path / "auto-int4.llmc", kernels="auto", quant="int4-rtn",
                         quiet=True)
     choice = json.loads((path / "plan.json").read_text())["meta"]["kernel_choice"]
     assert {k["chosen"] for k in choice["measured"]["kinds"]} == {"cpu"}
+    # each kind's timed segment is lowered to ONNX once, and nothing more: none of them is stored
+    assert built.count(FP32_COMPUTE) == len(choice["measured"]["kinds"])
     shapes = choice["qlinear_dispatch"]["shapes"]
     assert shapes and all(e["dense_from"] >= 1 and e["steps"] >= 1 for e in shapes.values())
     artifact = read_artifact(path)

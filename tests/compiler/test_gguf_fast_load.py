@@ -13,8 +13,9 @@ from gguf_files import finish, llama_writer, write_tensors
 from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from llmc.compiler.frontends.gguf import PlainArrayReader, load_gguf_file, unpermute_rows
+from llmc.compiler.frontends.gguf import PlainArrayReader, load_gguf_file, read_gguf, unpermute_rows
 from llmc.compiler.frontends.gguf_dequant import dequantize
+from llmc.errors import ModelLoadError
 
 QUANTISABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16]  # gguf-py can quantise these itself
 # byte offsets of each block's fp16 scale fields, made finite in random blocks
@@ -61,7 +62,11 @@ def test_plain_array_reader_parses_what_gguf_reader_parses(tmp_path):
     rng = np.random.default_rng()
     path = tmp_path / "t.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_token_list([f"tok{i}" for i in range(50)])
+    # string and scalar arrays (PlainArrayReader cuts those itself): multi-byte and empty entries too
+    writer.add_token_list([f"tok{i}" for i in range(50)] + ["", "é漢🙂"])
+    writer.add_token_scores(rng.standard_normal(52).astype(np.float32).tolist())
+    writer.add_token_types(rng.integers(1, 6, 52).tolist())
+    writer.add_array("test.flags", [True, False, True])
     writer.add_head_count(4)
     writer.add_rope_freq_base(10000.0)
     writer.add_tensor("a", rng.standard_normal((4, 32)).astype(np.float32))
@@ -74,10 +79,27 @@ def test_plain_array_reader_parses_what_gguf_reader_parses(tmp_path):
     assert list(ours.fields) == list(theirs.fields)
     for mine, ref in zip(ours.fields.values(), theirs.fields.values()):
         assert (mine.types, mine.data, mine.offset) == (ref.types, ref.data, ref.offset)
-        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, ref.parts, strict=True))
+        assert all(a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+                   for a, b in zip(mine.parts, ref.parts, strict=True))
+        assert mine.contents() == ref.contents()
     for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
         assert (mine.name, mine.tensor_type, mine.data_offset) == (ref.name, ref.tensor_type, ref.data_offset)
         assert mine.data.dtype == ref.data.dtype and np.array_equal(mine.data, ref.data)
+
+
+def test_a_file_cut_inside_its_vocabulary_is_refused(tmp_path):
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"token-{i:03d}" for i in range(100)])
+    writer.add_tensor("a", np.ones((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:data.index(b"token-050")])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        read_gguf(path)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3)])
