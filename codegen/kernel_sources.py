@@ -6,7 +6,6 @@ its kernels again and checks them against the plan (runtime/kernel_check.py)."""
 from __future__ import annotations
 
 from llmc.codegen.plan import Plan
-from llmc.codegen.triton_render import render_kernel
 
 
 def kernel_file(record: dict) -> str:
@@ -24,6 +23,8 @@ def kernel_sources(plan: Plan) -> tuple[dict[str, str], list[dict]]:
                                                          "steps": []})
             entry["steps"].append(step.node)
     sources = {}
+    if by_sha:   # a cpu plan records none: the renderer (and triton, ~0.1 s to import) is not needed
+        from llmc.codegen.triton_render import render_kernel
     for digest, entry in by_sha.items():
         kernel = render_kernel(entry["template"], entry["name"], entry["constants"])
         assert kernel.sha256 == digest, f"kernel {entry['file']} renders to {kernel.sha256}, recorded {digest}"

@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 
 import llmc
-from llmc.codegen.autotune import autotune
 from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.ort_accuracy import CalibrationReference
 from llmc.codegen.ort_lowering import check_kernels_option, lower_plans
@@ -245,6 +244,8 @@ def launch_configs(graph: Graph, tgt: Target, opts: CompileOptions, echo) -> tup
         if opts.autotune and not opts.quiet:
             echo(f"llmc: target {tgt.name} launches no Triton kernels; --autotune has nothing to tune")
         return {}, None
+    from llmc.codegen.autotune import autotune  # Triton kernels: imported for GPU targets only
+
     return autotune(graph, tgt.name, opts.autotune, (lambda _: None) if opts.quiet else echo)
 
 

@@ -9,6 +9,7 @@ import torch
 
 import llmc
 from llmc.cli import main
+from llmc.codegen import autotune as autotuning
 from llmc.codegen.autotune import default_configs, record
 from llmc.codegen.plan import Plan
 from llmc.codegen.triton_configs import (
@@ -18,7 +19,6 @@ from llmc.codegen.triton_configs import (
     gemm_candidates,
     tile_config,
 )
-from llmc.compiler import pipeline
 from llmc.compiler.artifact import read_artifact
 from llmc.errors import ArtifactError
 from llmc.runtime.engine import Engine, EngineConfig
@@ -51,7 +51,7 @@ def compile_tiny(path, chosen: dict | None = None):
     def simulated_autotune(graph, target, requested, echo):
         return chosen, record({**default_configs(target), **chosen}, True, device="simulated GPU")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline, "autotune", simulated_autotune)
+        mp.setattr(autotuning, "autotune", simulated_autotune)
         return llmc.compile("tiny-llama", target=TARGET, output=path, autotune=True, **FAST)
 
 
