@@ -5,6 +5,9 @@
 # and 64 requests x (128 in, 128 out) against batched HF generate; tok/s, ratios vs HF and
 # roofline fractions (`llmc bench`'s roofline block). Artifacts are compiled once into $DIR.
 # THREADS=N sets the thread count (default: the runtime's); BANDWIDTH=GBPS skips measuring it.
+# REPEAT=N (default 3) runs each decode and prefill row N times, alternating with HF where HF runs
+# beside it, and reports the median run (`llmc bench --repeat`): one run on a busy host can be off 2x.
+# The batched rows run once (REPEAT_BATCH=N to repeat them too: each takes minutes with HF).
 # QUANTS="fp32 gguf" limits the artifacts (default all six; fp32 is always needed), BATCH=N the requests
 # of the batched row (default 64), which the artifacts in BATCH_QUANTS run (default "fp32 bf16", the
 # issue's row; HF's batched generate beside fp32's).
@@ -67,14 +70,16 @@ for k in $KERNELS; do
   for q in $QUANTS; do
     skip "$q" "$k" && continue
     base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
-    bench "decode_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 128 --output-len 128 "${base[@]}"
+    bench "decode_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 128 --output-len 128 \
+      --repeat "${REPEAT:-3}" "${base[@]}"
   done
 done
 for k in $KERNELS; do
   for q in $QUANTS; do
     skip "$q" "$k" && continue
     base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
-    bench "prefill_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 512 --output-len 1 "${base[@]}"
+    bench "prefill_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n 1 --input-len 512 --output-len 1 \
+      --repeat "${REPEAT:-3}" "${base[@]}"
   done
 done
 for k in $KERNELS; do
@@ -82,7 +87,8 @@ for k in $KERNELS; do
     skip "$q" "$k" && continue
     [[ " $BATCH_QUANTS " == *" $q "* ]] || [ "$q$k" = "fp32$FIRST" ] || continue
     base=(); [ "$q$k" = "fp32$FIRST" ] && base=(--baseline hf)
-    bench "batch_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n "$BATCH" --input-len 128 --output-len 128 "${base[@]}"
+    bench "batch_$q$(suffix "$k")" "$DIR/$q$(suffix "$k").llmc" -n "$BATCH" --input-len 128 --output-len 128 \
+      --repeat "${REPEAT_BATCH:-1}" "${base[@]}"
   done
 done
 

@@ -350,21 +350,27 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
               help="Memory bandwidth for the roofline (default: measured once per machine and cached).")
 @click.option("--gemm-peak", type=FiniteFloat(min=0.0, min_open=True), default=None, metavar="GFLOPS",
               help="fp32 GEMM peak for the roofline (default: measured once per machine and cached).")
+@click.option("--repeat", type=POSITIVE, default=1, show_default=True,
+              help="Run the workload (and the baseline, alternating with it) this many times and report the "
+                   "median run of each: on a busy machine one run can be off by 2x.")
 @device_option
 @threads_option
 @speculative_options
 @ring_attention_option
 def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
           seed, workload_kind, ignore_eos, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
-          baseline_batch_size, as_json, plot, bandwidth, gemm_peak, device, threads, speculative,
+          baseline_batch_size, as_json, plot, bandwidth, gemm_peak, repeat, device, threads, speculative,
           num_speculative_tokens, ring_attention_threshold):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
     from llmc.runtime.bench import (
         Workload,
+        fresh_run,
         hf_model_from_artifact,
+        median_run,
         run_engine,
+        run_engine_repeated,
         run_hf_baseline,
         speculative_summary,
         warm_up,
@@ -386,6 +392,9 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         from llmc.runtime.bench_plot import check_plot_path
         check_plot_path(plot)
     speculative = _speculative(speculative, num_speculative_tokens)
+    if speculative is not None and repeat > 1:
+        raise LlmcError("--repeat does not combine with --speculative (which already runs the workload twice); "
+                        "repeat the command instead")
     workload = Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
                         qps_value, seed, workload_kind, ignore_eos)
     engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
@@ -403,29 +412,39 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                                                threads=threads, speculative=speculative,
                                                ring_attention_threshold=ring_attention_threshold))
         warm_up(engine)
-    ours = run_engine(engine, requests, progress=not as_json)
+    base, base_name, base_runs, hf_model = None, baseline, [], None
+    if baseline == "hf":   # built first, so that its runs alternate with the engine's
+        from llmc.runtime.hf_baseline import baseline_name
+        hf_model, base_name = hf_model_from_artifact(engine), baseline_name(engine.executor.plan)
+        pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
+    runs = []
+    for i in range(repeat):
+        if i:
+            fresh_run(engine)
+        runs.append(run_engine(engine, requests, progress=not as_json))
+        if hf_model is not None:
+            base_runs.append(run_hf_baseline(hf_model, requests, pad, engine.eos_token_ids, baseline_batch_size,
+                                             progress=not as_json))
+    ours = median_run(runs)
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
               "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives
               "speculative": speculative_summary(engine, ours, plain) if plain else None,
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
               "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak)
               if engine.device.type == "cpu" else None}
-    base, base_name = None, baseline
-    if baseline == "hf":
-        from llmc.runtime.hf_baseline import baseline_name
-        model, base_name = hf_model_from_artifact(engine), baseline_name(engine.executor.plan)
-        pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
-        base = run_hf_baseline(model, requests, pad, engine.eos_token_ids, baseline_batch_size,
-                               progress=not as_json)
-    elif baseline != "none":
+    if baseline not in ("hf", "none"):
         del engine   # one model in memory at a time
         other = Engine(baseline, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                               max_num_batched_tokens=max_num_batched_tokens,
                                               enable_prefix_caching=not no_prefix_caching, device=device,
                                               threads=threads))
         warm_up(other)
-        base = run_engine(other, requests, progress=not as_json)
-    if base is not None:
+        base_runs = run_engine_repeated(other, requests, repeat, progress=not as_json)
+    if repeat > 1:
+        result["repeats"] = {"output_tokens_per_s": [r.output_tokens_per_s for r in runs],
+                             "baseline_output_tokens_per_s": [r.output_tokens_per_s for r in base_runs] or None}
+    if base_runs:
+        base = median_run(base_runs)
         result["baseline"] = {**base.to_dict(), "name": base_name}
         result["ratio"] = ours.output_tokens_per_s / base.output_tokens_per_s
     # the results first: a plot that fails to save must not lose the run
@@ -485,6 +504,12 @@ def _bench_table(r: dict) -> str:
         lines += [f"baseline          {name}: {b['output_tokens_per_s']:.1f} output tokens/s, "
                   f"{b['requests_per_s']:.2f} req/s, TPOT ms {pct(b['tpot_ms'])}",
                   f"ratio             {r['ratio']:.2f}x output tokens/s (ours / baseline)"]
+    if r.get("repeats"):
+        runs = r["repeats"]
+        lines.append(f"repeats           {len(runs['output_tokens_per_s'])} runs, the median shown: output tokens/s "
+                     + " / ".join(f"{x:.1f}" for x in runs["output_tokens_per_s"])
+                     + ("" if not runs["baseline_output_tokens_per_s"] else
+                        "; baseline " + " / ".join(f"{x:.1f}" for x in runs["baseline_output_tokens_per_s"])))
     return "\n".join(lines)
 
 

@@ -104,6 +104,7 @@ class BenchResult:
     output_tokens: int = 0
     decode_tpot_s: float | None = None   # see decode_time_per_token
     token_ids: dict[str, list[int]] = field(default_factory=dict)   # each request's output (llmc runs)
+    metrics: EngineMetrics | None = None   # the engine's over this run (llmc runs)
 
     def to_dict(self) -> dict:
         keys = ("requests_per_s", "output_tokens_per_s", "output_tokens", "total_seconds", "ttft_ms", "tpot_ms",
@@ -164,7 +165,39 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
                        m.preemptions, m.peak_kv_usage,
                        window_report(engine, bm.total_dropped_blocks - dropped_before, peak_dropped),
                        timeline, ttft, itl, tpot, totals, total_tokens, decode_time_per_token(token_times.values()),
-                       token_ids)
+                       token_ids, m)
+
+
+def median_run(runs: list[BenchResult]) -> BenchResult:
+    """The run with the median output tokens/s (the faster middle one of an even count): every
+    figure reported comes from that one run, so latencies and throughput agree."""
+    return sorted(runs, key=lambda r: r.output_tokens_per_s)[len(runs) // 2]
+
+
+def run_engine_repeated(engine, requests: list[dict], repeats: int, progress: bool = True) -> list[BenchResult]:
+    """`repeats` runs of the same requests, each from an empty prefix cache and fresh metrics (a
+    later run must not find the earlier one's prompts cached)."""
+    runs = []
+    for i in range(repeats):
+        if i:
+            fresh_run(engine)
+        runs.append(run_engine(engine, requests, progress))
+    return runs
+
+
+def fresh_run(engine) -> None:
+    """Ready `engine` to run a workload again as the first time: an empty prefix cache, fresh metrics."""
+    if not engine.block_manager.reset_prefix_cache():
+        raise RuntimeLlmcError("bench: a run left sequences holding KV blocks; cannot repeat it cleanly")
+    _fresh_metrics(engine)
+
+
+def _fresh_metrics(engine) -> None:
+    """Metrics that count from now (the scheduler's cumulative counters, which they copy, too)."""
+    engine.scheduler.reset_counters()
+    engine.metrics = EngineMetrics(speculative=SpeculativeMetrics() if engine.speculator else None)
+    if engine.speculator:
+        engine.speculator.metrics = engine.metrics.speculative
 
 
 def decode_time_per_token(token_times) -> float | None:
@@ -192,9 +225,7 @@ def warm_up(engine) -> None:
     engine.add_request("warm-up", prompt_token_ids=[engine.eos_token_ids[0] ^ 1] * 16, params=params)
     while engine.has_unfinished():
         engine.step()
-    engine.metrics = EngineMetrics(speculative=SpeculativeMetrics() if engine.speculator else None)
-    if engine.speculator:
-        engine.speculator.metrics = engine.metrics.speculative
+    _fresh_metrics(engine)
 
 
 def speculative_summary(engine, ours: BenchResult, plain: BenchResult) -> dict:

@@ -256,6 +256,18 @@ class BlockManager:
         seq.block_table = []
         seq.num_dropped_blocks = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache), so the next request computes its
+        whole prompt; only while no sequence holds blocks. Returns whether it was reset."""
+        if self.seqs:
+            return False
+        for block_id in self.evictable_block_ids:
+            self.blocks[block_id].forget()
+            self.free_block_ids.append(block_id)
+        self.evictable_block_ids.clear()
+        self.hash_to_block.clear()
+        return True
+
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"block {block_id} freed more often than taken"

@@ -107,7 +107,7 @@ def bench_roofline(engine, result, threads: int, bandwidth_gbps: float | None = 
     token) against the fp32 GEMM peak; peaks not given are measured once and cached."""
     bandwidth_gbps = bandwidth_gbps or machine_figure("bandwidth_gbps", threads, measure_bandwidth)
     gemm_peak_gflops = gemm_peak_gflops or machine_figure("gemm_peak_gflops", threads, measure_gemm_peak)
-    wbytes, st, m = weight_bytes(engine.manifest), result.steps, engine.metrics
+    wbytes, st, m = weight_bytes(engine.manifest), result.steps, result.metrics or engine.metrics
     steps_per_s = st.decode_steps / st.decode_seconds if st.decode_steps and st.decode_seconds > 0 else None
     achieved = wbytes * steps_per_s / 1e9 if steps_per_s else None
     per_token, per_row = gemm_weights(engine.executor.plan)

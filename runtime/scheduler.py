@@ -93,6 +93,10 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
         self.num_admitted_tokens = 0  # prompt tokens looked up in the prefix cache
 
+    def reset_counters(self) -> None:
+        """Zero the cumulative counters EngineMetrics reads (preemptions, prefix-cache lookups)."""
+        self.num_preemptions = self.num_prefix_hit_tokens = self.num_admitted_tokens = 0
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

@@ -13,7 +13,14 @@ from click.testing import CliRunner
 from llmc.cli import cli
 from llmc.compiler.frontends import load_model
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime.bench import Workload, hf_model_from_artifact, run_engine, run_hf_baseline
+from llmc.runtime.bench import (
+    Workload,
+    hf_model_from_artifact,
+    median_run,
+    run_engine,
+    run_engine_repeated,
+    run_hf_baseline,
+)
 from llmc.runtime.bench_plot import plot_bench
 from llmc.runtime.engine import Engine, EngineConfig
 
@@ -121,6 +128,30 @@ def test_cli_bench_json_has_every_figure(artifact, tmp_path):
         report["output_tokens_per_s"] / report["baseline"]["output_tokens_per_s"])
     assert report["workload"]["num_requests"] == 4
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_repeated_runs_each_start_from_an_empty_prefix_cache(engine):
+    requests = Workload(1, input_len=40, output_len=3, seed=4).build(VOCAB)
+    again = [run_engine(engine, requests, progress=False) for _ in range(2)]
+    assert again[1].prefix_hit_rate > 0      # run twice as it is, the second run finds the first's prompt
+    runs = run_engine_repeated(engine, requests, 3, progress=False)
+    assert runs[0].prefix_hit_rate > 0 and [r.prefix_hit_rate for r in runs[1:]] == [0.0, 0.0]
+    assert len({json.dumps(r.token_ids, sort_keys=True) for r in runs}) == 1
+    assert median_run(runs).output_tokens_per_s == sorted(r.output_tokens_per_s for r in runs)[1]
+
+
+def test_cli_bench_repeat_reports_the_median_run_of_ours_and_of_the_baseline(artifact):
+    res = CliRunner().invoke(cli, ["bench", str(artifact), "-n", "2", "--input-len", "8", "--output-len", "3",
+                                   "--kv-memory", "4MiB", "--repeat", "3", "--baseline", "hf", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    ours, base = report["repeats"]["output_tokens_per_s"], report["repeats"]["baseline_output_tokens_per_s"]
+    assert len(ours) == len(base) == 3
+    assert report["output_tokens_per_s"] == sorted(ours)[1]
+    assert report["baseline"]["output_tokens_per_s"] == sorted(base)[1]
+    res = CliRunner().invoke(cli, ["bench", str(artifact), "-n", "1", "--input-len", "8", "--output-len", "3",
+                                   "--kv-memory", "4MiB", "--repeat", "2"])
+    assert res.exit_code == 0 and "repeats           2 runs, the median shown" in res.stdout
 
 
 def test_cli_bench_table(artifact):

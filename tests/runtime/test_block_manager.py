@@ -155,6 +155,23 @@ def test_prefix_survives_its_owner_in_the_cache():
     bm.check_invariants()
 
 
+def test_reset_prefix_cache_forgets_every_cached_block_but_only_when_nothing_is_held():
+    rng = random.Random(4)
+    bm = BlockManager(num_blocks=32, block_size=16)
+    prompt = tokens(rng, 100)
+    first = Sequence(prompt)
+    bm.allocate(first)
+    compute(bm, first)
+    assert not bm.reset_prefix_cache()        # first still holds its blocks
+    bm.free(first)
+    assert bm.num_cached_blocks == 6 and bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 32 and not bm.hash_to_block
+    again = Sequence(prompt)
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0
+    bm.check_invariants()
+
+
 def test_identical_prompt_recomputes_its_last_token():
     rng = random.Random(2)
     bm = BlockManager(num_blocks=8, block_size=16)
