@@ -35,18 +35,23 @@ class PagedKVCache:
         self._k_layers = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
         self._v_layers = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
         self.k_cache, self.v_cache = list(self._k_layers.unbind(0)), list(self._v_layers.unbind(0))
+        # each layer's cache as one row per slot, [slots, kv_heads * head_dim]: views made once, so a
+        # decode step's write and span read cost no reshaping calls per layer
+        self._rows = [[c.view(-1, num_kv_heads * head_dim) for c in layers]
+                      for layers in (self.k_cache, self.v_cache)]
         self._scratch = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]   # see read
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [tokens, kv_heads, head_dim] at cache `slots` [tokens] of `layer`."""
-        for cache, x, which in ((self.k_cache[layer], k, 0), (self.v_cache[layer], v, 1)):
-            flat = cache.flatten(0, 1)   # a view: the cache is contiguous
-            if self.quantized:
-                codes = quantize_kv(x, self.kv_scales[layer][which], self.dtype)
+        """Store k/v [tokens, kv_heads, head_dim] (or [tokens, kv_heads * head_dim]) at cache `slots`
+        [tokens] of `layer`."""
+        for rows, x, which in ((self._rows[0][layer], k, 0), (self._rows[1][layer], v, 1)):
+            if self.quantized:   # per-head scales: quantised as [tokens, kv_heads, head_dim]
+                codes = quantize_kv(x.reshape(x.shape[0], *self.k_cache[layer].shape[2:]),
+                                    self.kv_scales[layer][which], self.dtype)
                 # CPU torch has no index_copy_ for float8; both code dtypes are one byte
-                flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+                rows.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8).reshape(x.shape[0], -1))
             else:
-                flat.index_copy_(0, slots, x)
+                rows.index_copy_(0, slots, x if x.dim() == 2 else x.reshape(x.shape[0], -1))
 
     def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store every layer's k/v [layers, tokens, kv_heads, head_dim] at cache `slots` [tokens]
@@ -86,6 +91,14 @@ class PagedKVCache:
             return keys, values
         scales = self.kv_scales[layer]
         return dequantize_kv(keys, scales[0], dtype), dequantize_kv(values, scales[1], dtype)
+
+    def heads_span(self, layer: int, first_slot: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the `count` consecutive slots from `first_slot` of an unquantised cache,
+        heads first, [1, kv_heads, count, head_dim]: views, one call each."""
+        kv, hd = self.k_cache[layer].shape[2:]
+        return tuple(torch.as_strided(rows, (1, kv, count, hd), (0, hd, kv * hd, 1),
+                                      rows.storage_offset() + first_slot * kv * hd)
+                     for rows in (self._rows[0][layer], self._rows[1][layer]))
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Keys and values at cache slots `src` go to slots `dst`, in every layer (a token tree's kept
@@ -242,8 +255,7 @@ class PagedAttention(AttentionBackend):
 
     def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None, softcap=None):
         meta, cache = self.metadata, self.cache
-        cache.write(layer, meta.slot_mapping, k.reshape(-1, num_kv_heads, head_dim),
-                    v.reshape(-1, num_kv_heads, head_dim))
+        cache.write(layer, meta.slot_mapping, k, v)
         if not meta.prefills and meta.decode_rows is not None:   # decodes only: row i is decode i
             return self._decode(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap)
         out = q.new_empty(q.shape[0], num_heads * head_dim)
@@ -303,6 +315,11 @@ class PagedAttention(AttentionBackend):
         first_block, num_blocks, ctx = meta.decode_span
         # a decode at position ctx - 1 sees keys 0 .. ctx - 1, with a sliding window only the last `window`
         first_key = 0 if window is None else max(0, ctx - window)
+        if not self.cache.quantized:   # the keys as they lie, heads first, one view each
+            first_slot = first_block * self.cache.block_size + first_key
+            keys, values = self.cache.heads_span(layer, first_slot, ctx - first_key)
+            o = scaled_dot_product(_group_queries(q, num_kv_heads, head_dim), keys, values, None, scale, softcap)
+            return o.reshape(1, num_heads * head_dim)
         keys, values = self.cache.read_span(layer, first_block, num_blocks, q.dtype)
         keys = keys.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
         values = values.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
