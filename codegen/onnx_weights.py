@@ -57,10 +57,33 @@ def _nibble_zeros(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [N, K] as uint8 [N, K/2], the even k in the low nibble (MatMulNBits' B)."""
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _high_nibbles(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """int8 codes q = 16 h + l (h = floor(q / 16) in -8..7, l in 0..15): h + 8, packed, which a 4-bit
+    MatMulNBits with its default zero point 8 and scales 16 s reads as 16 h s."""
+    return _pack_nibbles((t.to(torch.int16) >> 4) + 8)
+
+
+def _low_nibbles(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """int8 codes q = 16 h + l: l, packed (read with zero point 0 as l s)."""
+    return _pack_nibbles(t.to(torch.int16) & 15)
+
+
+def _float32_times_16(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """16 s in float32: exact, a power of two."""
+    return t.float() * 16
+
+
 TRANSFORMS: dict[str, Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]] = {
     "same": _same, "T": _transposed, "f32": _float32, "int4_codes": _int4_codes, "u8": _unsigned_int8,
     "T_u8": _transposed_unsigned_int8,
     "scales_per_block": _scales_per_block, "nibble_zeros": _nibble_zeros,
+    "high_nibbles": _high_nibbles, "low_nibbles": _low_nibbles, "f32_x16": _float32_times_16,
 }
 
 

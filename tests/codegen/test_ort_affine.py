@@ -1,6 +1,7 @@
 """ORT segments over GGUF's grouped affine weights kept as stored (affine4/affine8, with and without
 minimums, groups of 32 and 16): a tiny llama whose matrices cycle through every GGUF block format,
-compiled with --kernels ort, gives the logits of the same plan's torch kernels."""
+compiled with --kernels ort, gives the logits of the same plan's torch kernels; on fp32 activations
+(auto's exact level) 8-bit codes run as two 4-bit halves and give the reference's logits."""
 
 import importlib.util
 from pathlib import Path
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 import llmc
+from llmc.codegen.onnx_weights import initializer
 from llmc.codegen.ort_lowering import torch_plan
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
@@ -40,3 +42,44 @@ def test_affine_segments_equal_the_torch_plans_logits(tmp_path):
     # bf16 or fp32 ones: on this random tiny model its logits are up to ~7% of the largest off the float
     # reference, torch's ~1.5% (a known cost of the ORT family, measured in 20 draws)
     torch.testing.assert_close(ours, want, atol=0.12 * want.abs().max().item(), rtol=0)
+
+
+def test_int8_codes_split_into_the_halves_the_4bit_matmuls_read():
+    q = torch.arange(-128, 128, dtype=torch.int8).reshape(4, 64)
+    unpack = lambda packed: torch.stack([packed & 15, packed >> 4], dim=-1).reshape(4, 64).to(torch.int32)
+    high, low = (unpack(initializer(q, t)) for t in ("high_nibbles", "low_nibbles"))
+    assert high.min() >= 0 and high.max() <= 15 and low.min() >= 0 and low.max() <= 15
+    assert torch.equal(16 * (high - 8) + low, q.to(torch.int32))
+    assert torch.equal(initializer(torch.tensor([0.5, 3.0], dtype=torch.float16), "f32_x16"), torch.tensor([8.0, 48.0]))
+
+
+def test_auto_runs_affine8_on_fp32_activations_as_two_4bit_halves_giving_the_reference_logits(tmp_path, monkeypatch):
+    from onnx import helper, load_from_string
+
+    from llmc.codegen import ort_timing
+    from llmc.compiler.interpreter import interpret
+    from llmc.compiler.ir import Graph
+
+    monkeypatch.setenv("LLMC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ort_timing, "measure", lambda runners, graph, seg, outputs=None: {
+        name: {"decode": 1.0 if name == "ort" else 2.0, "prefill": 1.0 if name == "ort" else 2.0} for name in runners})
+    gguf_quant_kept.write_model(tmp_path / "tiny.gguf", np.random.default_rng())
+    path = llmc.compile(str(tmp_path / "tiny.gguf"), target="cpu", output=tmp_path / "auto.llmc", kernels="auto",
+                        quiet=True)
+    a = read_artifact(path)
+    kinds = Plan.from_json(a.plan_json).meta["kernel_choice"]["measured"]["kinds"]
+    assert {k["chosen"] for k in kinds} == {"ort"}, kinds
+    nbits = [(helper.get_attribute_value(next(x for x in n.attribute if x.name == "bits")),
+              helper.get_attribute_value(next(x for x in n.attribute if x.name == "accuracy_level")))
+             for data in a.data.values() for n in load_from_string(data).graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and set(nbits) == {(4, 1)}
+    transforms = {t for s in Plan.from_json(a.plan_json).steps if s.kernel == "ort.segment"
+                  for _, t in s.attrs["initializers"].values()}
+    assert {"high_nibbles", "low_nibbles", "f32_x16"} <= transforms
+    graph = Graph.from_json(a.graph_json)
+    t = int(torch.randint(2, 30, ()))
+    inputs = {"input_ids": torch.randint(0, a.manifest["model"]["vocab_size"], (t,)), "positions": torch.arange(t),
+              "logits_indices": torch.arange(t)}
+    ours = PlanExecutor(Plan.from_json(a.plan_json), a.weights, data=a.data).run_values(inputs)["logits"]
+    want = interpret(graph, inputs, weights=a.weights)["logits"]
+    torch.testing.assert_close(ours, want, atol=1e-4 * want.abs().max().item(), rtol=0)
