@@ -235,8 +235,7 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
 
 def packed_run(packed) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> the low-bit kernel's result over `packed` weights."""
-    run = run_a8_qlinear if type(packed) in A8_MATMULS else run_qlinear
-    return lambda x: run(x, packed)
+    return lambda x: _run_packed(x, packed)
 
 
 @kernel("qlinear", prepare=prepare_qlinear)
@@ -244,6 +243,9 @@ def qlinear(*inputs, scheme, cpu_weights=None, **attrs):
     """int8/int4 through torch's packed kernels, fp8/w8a8 through exact-code GEMMs, each up to the
     row count where dequantising into an fp32 GEMM wins; group sizes torch does not pack run the
     reference (dequantise, fp32 GEMM)."""
+    if type(cpu_weights) is DispatchedWeights and not attrs.get("has_bias") and \
+            rows_of(inputs[0]) < cpu_weights.dense_from:   # the common case: no inputs to sort out
+        return [_run_packed(inputs[0], cpu_weights.packed)]
     x, qweight, scales, zeros, act_scale, bias = qlinear_inputs(list(inputs), attrs)
     if cpu_weights is None:
         cpu_weights = pack_for_cpu(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
@@ -253,8 +255,11 @@ def qlinear(*inputs, scheme, cpu_weights=None, **attrs):
         if rows_of(x) >= cpu_weights.dense_from:
             return [run_dense(x, cpu_weights.dense, bias)]
         cpu_weights = cpu_weights.packed
-    run = run_a8_qlinear if type(cpu_weights) in A8_MATMULS else run_qlinear
-    return [run(x, cpu_weights, bias)]
+    return [_run_packed(x, cpu_weights, bias)]
+
+
+def _run_packed(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return (run_a8_qlinear if type(packed) in A8_MATMULS else run_qlinear)(x, packed, bias)
 
 
 @kernel("silu")

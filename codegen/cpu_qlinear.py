@@ -126,7 +126,9 @@ def run_qlinear(x: torch.Tensor, weights, bias: torch.Tensor | None = None) -> t
     if isinstance(weights, DenseWeights):
         return F.linear(x.float(), weights.weight, None if bias is None else bias.float()).to(x.dtype)
     if x.dim() == 2 and x.is_contiguous():   # a decode step's [rows, K]: three dispatches fewer
-        out = MATMULS[type(weights)](x.to(torch.bfloat16), weights).to(x.dtype)
+        # .bfloat16() / .float() rather than .to(dtype): no overload resolution, ~1.3 us a call less
+        y = MATMULS[type(weights)](x.bfloat16(), weights)
+        out = y.float() if x.dtype == torch.float32 else y.to(x.dtype)
     else:
         y = MATMULS[type(weights)](x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous(), weights)
         out = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
