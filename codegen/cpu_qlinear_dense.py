@@ -128,10 +128,10 @@ def recorded(meta: dict | None) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def dispatch_record(steps, weights: dict, threads: int) -> dict:
+def dispatch_record(steps, weights: dict, threads: int, rows: tuple[int, ...] = PROBE_ROWS) -> dict:
     """Measure each qlinear weight shape among `steps` ((kernel, inputs, attrs) of torch steps) once,
-    with its first step's real weights, at `threads` threads (or take what this machine measured
-    before): the record choose_dense_from reads back from the plan."""
+    with its first step's real weights, at `threads` threads and the row counts `rows` (or take what
+    this machine measured before): the record choose_dense_from reads back from the plan."""
     from llmc.codegen.cpu_kernels import packed_run, prepare_qlinear
 
     shapes: dict[str, dict] = {}
@@ -148,22 +148,22 @@ def dispatch_record(steps, weights: dict, threads: int) -> dict:
                     key: {"dense_from": 1}}}}}).get("cpu_weights")
                 if not isinstance(prepared, DispatchedWeights):
                     continue
-                shapes[key] = {**_recalled_measure(key, threads, packed_run(prepared.packed), prepared.dense),
+                shapes[key] = {**_recalled_measure(key, threads, packed_run(prepared.packed), prepared.dense, rows),
                                "steps": 0}
             shapes[key]["steps"] += 1
     finally:
         torch.set_num_threads(previous)
-    return {"threads": threads, "rows": list(PROBE_ROWS), "shapes": shapes}
+    return {"threads": threads, "rows": list(rows), "shapes": shapes}
 
 
-def _recalled_measure(key: str, threads: int, packed_run, src: DenseSource) -> dict:
+def _recalled_measure(key: str, threads: int, packed_run, src: DenseSource, rows: tuple[int, ...]) -> dict:
     """measure_shape's record for this shape, from the machine's timing cache when measured before."""
     from llmc.codegen.ort_timing_cache import recall
 
     def run() -> dict:
         with torch.inference_mode():
-            return measure_shape(packed_run, src)
-    return recall({"what": "qlinear dense switch", "shape": key, "threads": threads, "rows": list(PROBE_ROWS)}, run)
+            return measure_shape(packed_run, src, rows=rows)
+    return recall({"what": "qlinear dense switch", "shape": key, "threads": threads, "rows": list(rows)}, run)
 
 
 # (shape key, threads) -> measure_shape's record, for the shapes measured at load in this process
@@ -215,8 +215,8 @@ def _time_us(runs, x, repeats: int) -> list[float]:
     return [round(b * 1e6, 1) for b in best]
 
 
-def measure_shape(packed_run, src: DenseSource, repeats: int = 5) -> dict:
-    """Microseconds per call of the packed kernel and of dequantise + fp32 GEMM at PROBE_ROWS
+def measure_shape(packed_run, src: DenseSource, repeats: int = 5, rows: tuple[int, ...] = PROBE_ROWS) -> dict:
+    """Microseconds per call of the packed kernel and of dequantise + fp32 GEMM at `rows`
     (interleaved, minimum of `repeats`), and the row count from which the dense GEMM is chosen:
     the first probe from which it won at every later probe timed (NEVER_DENSE if it lost at the
     last). Timed on one thread: threads that share their cores with other processes wait for each
@@ -228,11 +228,11 @@ def measure_shape(packed_run, src: DenseSource, repeats: int = 5) -> dict:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for rows in PROBE_ROWS:
-            x = torch.randn(rows, src.in_features)
-            us["packed"][rows], us["dense"][rows] = _time_us((packed_run, lambda h: run_dense(h, src)), x, repeats)
-            if us["dense"][rows] <= us["packed"][rows]:
-                dense_from, wins = min(dense_from, rows), wins + 1
+        for count in rows:
+            x = torch.randn(count, src.in_features)
+            us["packed"][count], us["dense"][count] = _time_us((packed_run, lambda h: run_dense(h, src)), x, repeats)
+            if us["dense"][count] <= us["packed"][count]:
+                dense_from, wins = min(dense_from, count), wins + 1
                 if wins == 2:
                     break
             else:

@@ -67,7 +67,8 @@ def sample_inputs(graph: Graph, names: list[str], tokens: int) -> list[torch.Ten
 
 class TorchSegment:
     """The segment's nodes run as the cpu plan runs them (kernels with their load-time packing, the
-    quantised linears' switch to dense GEMMs as `--kernels auto` records it)."""
+    quantised linears' switch to dense GEMMs, probed at the two token counts timed here: the whole
+    probe is measured for the plan only for the qlinears that stay in torch)."""
 
     def __init__(self, graph: Graph, seg, threads: int):
         from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
@@ -75,7 +76,8 @@ class TorchSegment:
         self.seg = seg
         self.launches = []
         steps = [(f"cpu.{n.op}", n.inputs, n.attrs) for n in seg.nodes]
-        meta = {"kernel_choice": {DISPATCH_META: dispatch_record(steps, graph.weights, threads)}}
+        record = dispatch_record(steps, graph.weights, threads, rows=(1, PREFILL_TOKENS))
+        meta = {"kernel_choice": {DISPATCH_META: record}}
         for node in seg.nodes:
             fn = resolve_kernel(f"cpu.{node.op}")
             attrs = dict(node.attrs)

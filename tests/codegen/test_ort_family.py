@@ -301,15 +301,26 @@ def test_torch_qlinears_auto_keeps_get_their_dense_switch_recorded_and_used(caps
     from llmc.codegen.onnx_ops import FP32_COMPUTE
 
     monkeypatch.setattr(ort_timing, "measure", _faked("cpu"))
+    from llmc.codegen import cpu_qlinear_dense
+
     built, build = [], ort_lowering.build_segment
     monkeypatch.setattr(ort_lowering, "build_segment", lambda graph, seg, level: built.append(level) or build(
         graph, seg, level))
+    probed, probe = [], cpu_qlinear_dense.measure_shape
+
+    def recorded_probe(run, src, repeats=5, rows=cpu_qlinear_dense.PROBE_ROWS):
+        probed.append(tuple(rows))
+        return probe(run, src, repeats, rows)
+    monkeypatch.setattr(cpu_qlinear_dense, "measure_shape", recorded_probe)
     path = llmc.compile("tiny-llama", output=tmp_path / "auto-int4.llmc", kernels="auto", quant="int4-rtn",
                         quiet=True)
     choice = json.loads((path / "plan.json").read_text())["meta"]["kernel_choice"]
     assert {k["chosen"] for k in choice["measured"]["kinds"]} == {"cpu"}
     # each kind's timed segment is lowered to ONNX once, and nothing more: none of them is stored
     assert built.count(FP32_COMPUTE) == len(choice["measured"]["kinds"])
+    # timing the torch kernels probes their dense switch at the two token counts timed; the plan's
+    # record, for the qlinears that stay in torch, at every probe row count
+    assert set(probed) == {(1, ort_timing.PREFILL_TOKENS), cpu_qlinear_dense.PROBE_ROWS}
     shapes = choice["qlinear_dispatch"]["shapes"]
     assert shapes and all(e["dense_from"] >= 1 and e["steps"] >= 1 for e in shapes.values())
     artifact = read_artifact(path)
