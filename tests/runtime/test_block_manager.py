@@ -140,13 +140,19 @@ def test_second_request_reuses_256_token_prefix():
     bm.check_invariants()
 
 
-def test_prefix_survives_its_owner_in_the_cache():
-    rng = random.Random(1)
+def computed_prompt(rng, length: int = 100) -> tuple[BlockManager, list[int], Sequence]:
+    """A 32-block manager holding one computed prompt of `length` random tokens."""
     bm = BlockManager(num_blocks=32, block_size=16)
-    prompt = tokens(rng, 100)
+    prompt = tokens(rng, length)
     first = Sequence(prompt)
     bm.allocate(first)
     compute(bm, first)
+    return bm, prompt, first
+
+
+def test_prefix_survives_its_owner_in_the_cache():
+    rng = random.Random(1)
+    bm, prompt, first = computed_prompt(rng)
     bm.free(first)
     assert bm.num_free_blocks == 32 and bm.num_cached_blocks == 6
     again = Sequence(prompt[:96] + tokens(rng, 5))
@@ -156,12 +162,7 @@ def test_prefix_survives_its_owner_in_the_cache():
 
 
 def test_reset_prefix_cache_forgets_every_cached_block_but_only_when_nothing_is_held():
-    rng = random.Random(4)
-    bm = BlockManager(num_blocks=32, block_size=16)
-    prompt = tokens(rng, 100)
-    first = Sequence(prompt)
-    bm.allocate(first)
-    compute(bm, first)
+    bm, prompt, first = computed_prompt(random.Random(4))
     assert not bm.reset_prefix_cache()        # first still holds its blocks
     bm.free(first)
     assert bm.num_cached_blocks == 6 and bm.reset_prefix_cache()
