@@ -154,6 +154,22 @@ def test_cli_bench_repeat_reports_the_median_run_of_ours_and_of_the_baseline(art
     assert res.exit_code == 0 and "repeats           2 runs, the median shown" in res.stdout
 
 
+def test_cli_bench_repeat_runs_another_artifact_baseline_as_often_and_refuses_speculation(artifact, capsys):
+    from llmc.cli import main
+
+    res = CliRunner().invoke(cli, ["bench", str(artifact), "-n", "1", "--input-len", "8", "--output-len", "3",
+                                   "--kv-memory", "4MiB", "--repeat", "2", "--baseline", str(artifact), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert len(report["repeats"]["baseline_output_tokens_per_s"]) == 2
+    assert report["baseline"]["output_tokens_per_s"] == max(report["repeats"]["baseline_output_tokens_per_s"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", str(artifact), "-n", "1", "--kv-memory", "4MiB", "--repeat", "2", "--speculative", "ngram"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--repeat does not combine with --speculative" in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_bench_table(artifact):
     res = CliRunner().invoke(cli, ["bench", str(artifact), "-n", "2", "--input-len", "8", "--output-len", "3",
                                    "--kv-memory", "4MiB"])
