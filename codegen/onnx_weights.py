@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from llmc.compiler.quant import unpack_int4
+from llmc.compiler.quant import pack_int4, unpack_int4
 
 NBITS_INT8_ZERO = 128     # MatMulNBits bits=8 without zero points reads codes as unsigned, zero 128
 
@@ -52,26 +52,18 @@ def _nibble_zeros(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """Integer zero points [N, blocks] packed two a byte as MatMulNBits reads them (a row's odd last
     block padded with zero)."""
     codes = t.round().to(torch.uint8)
-    if codes.shape[1] % 2:
-        codes = F.pad(codes, (0, 1))
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 [N, K] as uint8 [N, K/2], the even k in the low nibble (MatMulNBits' B)."""
-    codes = codes.to(torch.uint8)
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return pack_int4(F.pad(codes, (0, 1)) if codes.shape[1] % 2 else codes)
 
 
 def _high_nibbles(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """int8 codes q = 16 h + l (h = floor(q / 16) in -8..7, l in 0..15): h + 8, packed, which a 4-bit
     MatMulNBits with its default zero point 8 and scales 16 s reads as 16 h s."""
-    return _pack_nibbles((t.to(torch.int16) >> 4) + 8)
+    return pack_int4((t.to(torch.int16) >> 4) + 8)
 
 
 def _low_nibbles(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """int8 codes q = 16 h + l: l, packed (read with zero point 0 as l s)."""
-    return _pack_nibbles(t.to(torch.int16) & 15)
+    return pack_int4(t.to(torch.int16) & 15)
 
 
 def _float32_times_16(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -302,7 +302,7 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     return lowered, files
 
 
-def _trial_plan(plan: Plan, meta: dict, segments: list[Segment], built: list, chosen: list[bool]):
+def _trial_plan(plan: Plan, meta: dict, segments: list[Segment], built: SegmentModels, chosen: list[bool]):
     """(plan, files) as auto would lower it with segment models `built` where `chosen`, for
     codegen/ort_accuracy.py to score; `meta` records the torch qlinears' dense switch (measured once
     over every step, whichever stay in torch)."""
@@ -312,7 +312,7 @@ def _trial_plan(plan: Plan, meta: dict, segments: list[Segment], built: list, ch
     return trial, files
 
 
-def _lowered_steps(plan: Plan, segments: list[Segment], built: list, chosen: list[bool]):
+def _lowered_steps(plan: Plan, segments: list[Segment], built: SegmentModels, chosen: list[bool]):
     """The plan's steps with each chosen segment's run replaced by its ort.segment step, and the
     ONNX files those steps read."""
     starts = {seg.first: (seg, *built[i]) for i, (seg, keep) in enumerate(zip(segments, chosen)) if keep}

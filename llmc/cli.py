@@ -366,7 +366,6 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     acceptance figures and the speedup."""
     from llmc.runtime.bench import (
         Workload,
-        fresh_run,
         hf_model_from_artifact,
         median_run,
         run_engine,
@@ -417,14 +416,9 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         from llmc.runtime.hf_baseline import baseline_name
         hf_model, base_name = hf_model_from_artifact(engine), baseline_name(engine.executor.plan)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
-    runs = []
-    for i in range(repeat):
-        if i:
-            fresh_run(engine)
-        runs.append(run_engine(engine, requests, progress=not as_json))
-        if hf_model is not None:
-            base_runs.append(run_hf_baseline(hf_model, requests, pad, engine.eos_token_ids, baseline_batch_size,
-                                             progress=not as_json))
+    hf_run = None if hf_model is None else lambda: base_runs.append(run_hf_baseline(
+        hf_model, requests, pad, engine.eos_token_ids, baseline_batch_size, progress=not as_json))
+    runs = run_engine_repeated(engine, requests, repeat, progress=not as_json, after_each=hf_run)
     ours = median_run(runs)
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
               "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives

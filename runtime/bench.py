@@ -8,6 +8,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -174,14 +175,18 @@ def median_run(runs: list[BenchResult]) -> BenchResult:
     return sorted(runs, key=lambda r: r.output_tokens_per_s)[len(runs) // 2]
 
 
-def run_engine_repeated(engine, requests: list[dict], repeats: int, progress: bool = True) -> list[BenchResult]:
+def run_engine_repeated(engine, requests: list[dict], repeats: int, progress: bool = True,
+                        after_each: Callable[[], None] | None = None) -> list[BenchResult]:
     """`repeats` runs of the same requests, each from an empty prefix cache and fresh metrics (a
-    later run must not find the earlier one's prompts cached)."""
+    later run must not find the earlier one's prompts cached); `after_each` runs after each (a
+    baseline alternating with them)."""
     runs = []
     for i in range(repeats):
         if i:
             fresh_run(engine)
         runs.append(run_engine(engine, requests, progress))
+        if after_each is not None:
+            after_each()
     return runs
 
 
