@@ -60,23 +60,30 @@ def _steps(doc) -> list:
     return steps if isinstance(steps, list) and steps and all(isinstance(x, dict) for x in steps) else []
 
 
+def _pick(data, items: list, label: str):
+    """One of `items`, drawn as an index in a fixed range: the lists come from the document as earlier
+    edits left it, and a draw whose bounds follow their length made hypothesis report "inconsistent
+    data generation" (a 646- against a 653-path manifest) when it replayed a prefix."""
+    return items[data.draw(st.integers(0, 1 << 16), label=label) % len(items)]
+
+
 def _mutate(data, doc):
     """One random edit of a JSON document, in place: anywhere (replace, delete, duplicate), or aimed
     at what the runtime interprets (a step's op, attrs, aten target and arguments, a value's shape)."""
     steps = _steps(doc)
     aimed = ["aten", "attr", "kernel", "shape"] if steps else []
-    kind = data.draw(st.sampled_from(["replace", "delete", "duplicate"] + aimed), label="kind")
+    kind = _pick(data, ["replace", "delete", "duplicate"] + aimed, "kind")
     if kind in ("replace", "delete", "duplicate"):
-        path = data.draw(st.sampled_from([p for p in _paths(doc) if p]), label="path")
+        path = _pick(data, [p for p in _paths(doc) if p], "path")
         parent, key = _parent(doc, path), path[-1]
         if kind == "delete":
             del parent[key]
         elif kind == "duplicate" and isinstance(parent, list):
-            parent.insert(data.draw(st.integers(0, len(parent))), parent[key])
+            parent.insert(_pick(data, range(len(parent) + 1), "position"), parent[key])
         else:
             parent[key] = data.draw(_json, label="value")
         return
-    step = data.draw(st.sampled_from(steps), label="step")
+    step = _pick(data, steps, "step")
     attrs = step["attrs"] = step["attrs"] if isinstance(step.get("attrs"), dict) else {}
     if kind == "aten":
         name = data.draw(st.sampled_from(ATEN_NAMES), label="aten op")
@@ -90,7 +97,7 @@ def _mutate(data, doc):
                                                       _json, max_size=2), label="kwargs"))
         step.update({"kernel": "cpu.aten"} if "kernel" in step else {"op": "aten"})
     elif kind == "attr":
-        key = data.draw(st.sampled_from(sorted(attrs) + ["layer", "head_dim", "extra"]), label="attr")
+        key = _pick(data, sorted(attrs) + ["layer", "head_dim", "extra"], "attr")
         attrs[key] = data.draw(st.one_of(_numbers, _json), label="attr value")
     elif kind == "kernel":
         op = data.draw(st.sampled_from(KERNEL_OPS), label="op")
@@ -98,7 +105,7 @@ def _mutate(data, doc):
     else:
         names = [v for v in step.get("outputs", []) + step.get("inputs", []) if isinstance(v, str)]
         types = doc.get("types") if isinstance(doc.get("types"), dict) else {}
-        name = data.draw(st.sampled_from(names), label="value") if names else None
+        name = _pick(data, names, "value") if names else None
         if isinstance(types.get(name), dict):
             types[name]["shape"] = data.draw(st.lists(st.one_of(_numbers, st.sampled_from(SYMBOLS)), max_size=4),
                                              label="shape")
