@@ -420,7 +420,9 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         hf_model, requests, pad, engine.eos_token_ids, baseline_batch_size, progress=not as_json))
     runs = run_engine_repeated(engine, requests, repeat, progress=not as_json, after_each=hf_run)
     ours = median_run(runs)
+    from llmc.codegen.cpu_native import status as native_status
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
+              "native_kernels": native_status() if engine.device.type == "cpu" else None,
               "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives
               "speculative": speculative_summary(engine, ours, plain) if plain else None,
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
@@ -485,7 +487,9 @@ def _bench_table(r: dict) -> str:
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
              *_window_lines(r.get("kv_window")),
-             f"threads           {r['threads']}", *(format_roofline(r["roofline"]) if r["roofline"] else []),
+             f"threads           {r['threads']}",
+             *([f"native kernels    {r['native_kernels']}"] if r.get("native_kernels") else []),
+             *(format_roofline(r["roofline"]) if r["roofline"] else []),
              *format_ranks(r["ranks"])]
     if r["speculative"]:
         sp = r["speculative"]

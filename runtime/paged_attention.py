@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmc.codegen import cpu_native
 from llmc.compiler.ops import scaled_dot_product
 from llmc.runtime.attention import AttentionBackend, attend
 from llmc.runtime.kv_quant import dequantize_kv, is_quantized_kv, quantize_kv
@@ -40,6 +41,11 @@ class PagedKVCache:
         self._rows = [[c.view(-1, num_kv_heads * head_dim) for c in layers]
                       for layers in (self.k_cache, self.v_cache)]
         self._scratch = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]   # see read
+        # what the native decode attention writes and reads (codegen/cpu_native.py), per layer
+        self._native = [None if self.quantized else cpu_native.cache_pointers(k, v) for k, v in zip(*self._rows)]
+
+    def native_pointers(self, layer: int) -> tuple[int, int, int] | None:
+        return self._native[layer]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [tokens, kv_heads, head_dim] (or [tokens, kv_heads * head_dim]) at cache `slots`
@@ -149,6 +155,15 @@ class StepMetadata:
     # one decode whose blocks are consecutive in the cache: (first block, blocks, keys it sees)
     decode_span: tuple[int, int, int] | None = None
     _decode_biases: dict = field(default_factory=dict, repr=False)  # by (window, dtype)
+    _native_step: list = field(default_factory=list, repr=False)    # [native_step's answer] once made
+
+    def native_step(self, block_size: int) -> "cpu_native.DecodeStep | None":
+        """The native decode attention's view of a decode-only step (None: not one, or too many
+        rows); made once a step, read by every layer."""
+        if not self._native_step:
+            self._native_step.append(None if self.prefills or self.decode_rows is None else cpu_native.decode_step(
+                self.slot_mapping, self.decode_blocks, self.decode_lens, self.max_context_len, block_size))
+        return self._native_step[0]
 
     def decode_bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """decode_mask as an additive 0/-inf mask of `dtype`, narrowed to a sliding `window` (a
@@ -283,6 +298,18 @@ class PagedAttention(AttentionBackend):
             out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta,
                                                  num_heads, num_kv_heads, head_dim, scale, window, softcap)
         return out
+
+    def decode_native(self, layer, q, k, v, rotary, *, num_heads, num_kv_heads, head_dim, scale, causal=True,
+                      window=None, softcap=None) -> torch.Tensor | None:
+        """`forward` for a step of decodes only, with the rotary (cos, sin [decodes, head_dim]) on q and
+        k folded in, as one native call (codegen/cpu_native.py); None where it does not apply: the
+        caller rotates and runs `forward`. Nothing is written to the cache unless it applies."""
+        step = self.metadata.native_step(self.cache.block_size)
+        cache = self.cache.native_pointers(layer)
+        if step is None or cache is None or softcap is not None or not causal:
+            return None
+        return cpu_native.decode_attention(q, k, v, rotary, cache, step, window, num_heads, num_kv_heads,
+                                           head_dim, scale)
 
     def _prefill_context(self, layer, c: PrefillChunk, k, v, dtype, num_kv_heads, head_dim):
         """Keys and values [start + q_len, kv_heads, head_dim] a prefill chunk attends to. A chunk

@@ -1,0 +1,185 @@
+"""llmc's native CPU kernels (codegen/native/decode_kernels.c) for decode-sized work: built with the
+machine's C compiler at first use, cached per source, compiler and CPU, and called through ctypes.
+A decode step runs ~10 small torch operators a layer around its GEMVs (norms, rotary, the cache write,
+attention), each costing 2-5 us of dispatch for under a microsecond of arithmetic; one call each
+here. Without a compiler (or with LLMC_NATIVE=0) the torch kernels run instead: both compute the same
+function to fp32 rounding, and `llmc bench` prints which ran (`status`).
+
+What the C code trusts, these wrappers check: dtype float32, the strides it reads, sizes."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
+F32 = torch.float32
+MAX_ROWS = 8    # more rows than this go to torch: its kernels thread, these do not
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F],
+    "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
+                              _I, _I, _I, _I, _F, _P, _P],
+}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc")) / "native"
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        return "\n".join(sorted({line for line in text.splitlines() if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
+    target = _cache_dir() / f"decode_kernels-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[:300]}")
+        os.replace(tmp, target)   # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("LLMC_NATIVE", "1") == "0":
+        return None, "off (LLMC_NATIVE=0)"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None, "off (no C compiler: set CC or install gcc)"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"off ({e})"
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib, f"on ({Path(compiler).name}, {' '.join(FLAGS[:2])})"
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def status() -> str:
+    """'on (...)' or 'off (why)', for `llmc bench`."""
+    return _load()[1]
+
+
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    """fp32 2-d [rows <= MAX_ROWS, n] with unit column stride: what the C loops index."""
+    return all(t.dtype == torch.float32 and t.dim() == 2 and t.shape[0] <= MAX_ROWS and t.stride(1) == 1
+               and t.device.type == "cpu" for t in tensors)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rms_norm(x + residual) * weight, x + residual); None where the native kernel does not apply."""
+    lib = _load()[0]
+    if (lib is None or not _rows_ok(x, residual) or x.shape != residual.shape or not x.is_contiguous()
+            or not residual.is_contiguous() or weight.dtype != torch.float32 or weight.shape != (x.shape[1],)
+            or not weight.is_contiguous()):
+        return None
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    lib.llmc_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), summed.data_ptr(),
+                          x.shape[0], x.shape[1], eps)
+    return out, summed
+
+
+class DecodeStep(NamedTuple):
+    """A decode-only step's cache addressing as the attention kernel reads it, checked once a step."""
+    slots: int          # pointers: int64 [b] cache slot of each new token
+    tables: int         # int64 [b, width] block tables
+    width: int
+    lens: int           # int32 [b] keys each sequence sees, its new one included
+    rows: int           # b
+    max_len: int
+    block: int
+
+
+def decode_step(slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, max_len: int,
+                block: int) -> DecodeStep | None:
+    """The step's DecodeStep; None where the native kernel does not apply (too many rows)."""
+    b = slots.shape[0]
+    if _load()[0] is None or b > MAX_ROWS:
+        return None
+    ok = (slots.dtype == tables.dtype == torch.int64 and lens.dtype == torch.int32 and slots.is_contiguous()
+          and tables.is_contiguous() and lens.is_contiguous() and tables.shape[0] == lens.shape[0] == b
+          and max_len <= tables.shape[1] * block and int(lens.max()) <= max_len)
+    if not ok:
+        raise ValueError(f"decode metadata the native attention cannot read: slots {slots.dtype} {list(slots.shape)}, "
+                         f"tables {tables.dtype} {list(tables.shape)}, lens {lens.dtype} {list(lens.shape)}, "
+                         f"max_len {max_len}, block {block}")
+    return DecodeStep(slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, max_len, block)
+
+
+def cache_pointers(k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[int, int, int] | None:
+    """(keys, values, row width) of one layer's fp32 cache rows [slots, kv_heads * hd]; None where the
+    native kernel cannot read them."""
+    if not (k_rows.dtype == v_rows.dtype == torch.float32 and k_rows.is_contiguous() and v_rows.is_contiguous()
+            and k_rows.shape == v_rows.shape and k_rows.device.type == "cpu"):
+        return None
+    return k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[1]
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: tuple | None,
+                     cache: tuple[int, int, int], step: DecodeStep, window: int | None, num_heads: int,
+                     num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor | None:
+    """One decode step's attention for q [b, heads * hd], k/v [b, kv_heads * hd] (b sequences, one
+    token each): rotary by `rotary` (cos, sin [b, hd]; None: none), k and v written to the layer's
+    `cache` (cache_pointers) at the step's slots, then attention over each sequence's keys through its
+    block table (`step`). Out [b, heads * hd]; None where the native kernel does not apply (the
+    caller then runs torch's)."""
+    b, row = step.rows, num_kv_heads * head_dim
+    if (q.dtype is not F32 or k.dtype is not F32 or v.dtype is not F32 or q.dim() != 2 or k.dim() != 2 or v.dim() != 2
+            or q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1 or q.shape[0] != b or k.shape[0] != b
+            or v.shape[0] != b or q.shape[1] != num_heads * head_dim or k.shape[1] != row or v.shape[1] != row
+            or cache[2] != row or num_heads % num_kv_heads or head_dim % 2):
+        return None
+    cos = sin = None
+    if rotary is not None:
+        c, s = rotary
+        if c.dtype is not F32 or s.dtype is not F32 or not c.is_contiguous() or not s.is_contiguous() \
+                or c.shape != (b, head_dim) or s.shape != (b, head_dim):
+            return None
+        cos, sin = c.data_ptr(), s.data_ptr()
+    out = torch.empty(b, num_heads * head_dim, dtype=F32)
+    scratch = torch.empty(num_heads * head_dim + num_heads // num_kv_heads * step.max_len, dtype=F32)
+    _load()[0].llmc_decode_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos, sin, cache[0], cache[1],
+        step.slots, step.tables, step.width, step.lens, step.block, window or 0, b, num_heads, num_kv_heads, head_dim,
+        scale, out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+__all__ = ["available", "status", "add_rms_norm", "decode_step", "cache_pointers", "decode_attention", "DecodeStep",
+           "MAX_ROWS"]

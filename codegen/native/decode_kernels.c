@@ -1,0 +1,186 @@
+/* llmc's native CPU kernels for decode-sized work: a few rows of fp32 each, where torch's eager
+ * operators cost more in dispatch (2-5 us an operator) than in arithmetic. Built on the user's machine
+ * at first use (codegen/cpu_native.py: cc -O3 -march=native) and called through ctypes with raw
+ * pointers; the Python side checks shapes, dtypes and contiguity before every call. Single-threaded:
+ * a decode row's norm or attention is microseconds of work, less than waking a thread pool.
+ * Reductions run in lanes (omp simd), so sums round differently from torch's; the tests hold them to
+ * the torch kernels within fp32 tolerance. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* summed = x + residual; out = summed / sqrt(mean(summed^2) + eps) * weight, per row of n */
+void llmc_add_rms_norm(const float *x, const float *residual, const float *weight, float *out,
+                       float *summed, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n, *rr = residual + r * n;
+        float *s = summed + r * n, *o = out + r * n;
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < n; i++) {
+            float v = xr[i] + rr[i];
+            s[i] = v;
+            squares += v * v;
+        }
+        float inv = 1.0f / sqrtf(squares / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = s[i] * inv * weight[i];
+    }
+}
+
+/* rotate-half rotary of one head: y = x * cos + [-x2, x1] * sin */
+static void rotate_head(const float *x, const float *cos, const float *sin, float *y, int64_t hd) {
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) y[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    for (int64_t i = half; i < hd; i++) y[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+/* VL floats in one vector register, loaded and stored unaligned: 16 with AVX-512, 8 with AVX (wider
+ * vector types than the machine has compile to memory round trips, 4-5x slower), else 4 */
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+typedef float vec __attribute__((vector_size(VL * 4), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+/* the sum of a vector's lanes as a tree of halves: a chain of VL scalar adds cost 3x the dot itself */
+static inline float hsum(vec x) {
+#if VL == 16
+    typedef float v8 __attribute__((vector_size(32), aligned(4)));
+    v8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 f = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#elif VL == 8
+    v4 f = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+#else
+    v4 f = x;
+#endif
+    return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
+/* scores[g * stride + i] = scale * q_g . key_i for `n` keys `row` floats apart; nv = hd / VL vectors
+ * a head (a constant where inlined, so a key's vectors stay in registers across its query heads) */
+static inline __attribute__((always_inline)) void score_keys(
+        const float *qh, int64_t group, const float *key, int64_t row, int64_t n, float scale,
+        float *scores, int64_t stride, const int nv) {
+    for (int64_t i = 0; i < n; i++, key += row) {
+        vec kv[128 / VL];
+        for (int c = 0; c < nv; c++) kv[c] = *(const vec *)(key + VL * c);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = qh + g * VL * nv;
+            vec acc = kv[0] * *(const vec *)qg;
+            for (int c = 1; c < nv; c++) acc += kv[c] * *(const vec *)(qg + VL * c);
+            scores[g * stride + i] = hsum(acc) * scale;
+        }
+    }
+}
+
+/* o_g (nv vectors each) += sum_i p[g * stride + i] * value_i, accumulated in registers */
+static inline __attribute__((always_inline)) void weigh_values(
+        float *o, int64_t group, const float *value, int64_t row, int64_t n, const float *p, int64_t stride,
+        const int nv) {
+    for (int64_t g = 0; g < group; g++) {
+        vec acc[128 / VL];
+        for (int c = 0; c < nv; c++) acc[c] = *(vec *)(o + g * VL * nv + VL * c);
+        const float *val = value, *pg = p + g * stride;
+        for (int64_t i = 0; i < n; i++, val += row)
+            for (int c = 0; c < nv; c++) acc[c] += pg[i] * *(const vec *)(val + VL * c);
+        for (int c = 0; c < nv; c++) *(vec *)(o + g * VL * nv + VL * c) = acc[c];
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* score_keys / weigh_values for head sizes other than 32, 64, 96 and 128 */
+static void score_keys_any(const float *qh, int64_t group, const float *key, int64_t row, int64_t n, int64_t hd,
+                           float scale, float *scores, int64_t stride) {
+    for (int64_t i = 0; i < n; i++, key += row)
+        for (int64_t g = 0; g < group; g++) scores[g * stride + i] = dot(qh + g * hd, key, hd) * scale;
+}
+
+static void weigh_values_any(float *o, int64_t group, const float *value, int64_t row, int64_t n, int64_t hd,
+                             const float *p, int64_t stride) {
+    for (int64_t i = 0; i < n; i++, value += row)
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t d = 0; d < hd; d++) o[g * hd + d] += p[g * stride + i] * value[d];
+}
+
+#define BY_HEAD_SIZE(hd, fast, any)                                                   \
+    switch (hd) {                                                                     \
+    case 32: fast(32 / VL); break;                                                    \
+    case 64: fast(64 / VL); break;                                                    \
+    case 96: fast(96 / VL); break;                                                    \
+    case 128: fast(128 / VL); break;                                                  \
+    default: any;                                                                     \
+    }
+
+/* One decode step of attention for `b` sequences, one new token each, over a paged KV cache of one
+ * layer (rows [slots, kv_heads * hd]). Per sequence s: its q/k/v rows (rotated by cos/sin[s] when
+ * cos is not NULL), the new key and value stored at cache slot slots[s], then each query head attends
+ * to the keys at positions first .. lens[s] - 1 (first = lens[s] - window with a sliding window),
+ * position t at slot tables[s][t / block] * block + t % block. Query head j reads KV head
+ * j / (heads / kv_heads); a KV head's query heads are scored together, so each key is read once.
+ * scratch holds heads * hd + heads / kv_heads * max(lens) floats. */
+void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                           const float *v, int64_t v_stride, const float *cos, const float *sin,
+                           float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables,
+                           int64_t table_width, const int32_t *lens, int64_t block, int64_t window,
+                           int64_t b, int64_t heads, int64_t kv_heads, int64_t hd, float scale,
+                           float *out, float *scratch) {
+    int64_t row = kv_heads * hd, group = heads / kv_heads;
+    for (int64_t s = 0; s < b; s++) {
+        const float *qs = q + s * q_stride, *ks = k + s * k_stride, *vs = v + s * v_stride;
+        float *kc = k_cache + slots[s] * row, *vc = v_cache + slots[s] * row;
+        float *qr = scratch, *scores = scratch + heads * hd;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            if (cos) rotate_head(ks + h * hd, cos + s * hd, sin + s * hd, kc + h * hd, hd);
+            else memcpy(kc + h * hd, ks + h * hd, hd * sizeof(float));
+        }
+        memcpy(vc, vs, row * sizeof(float));
+        for (int64_t j = 0; j < heads; j++) {
+            if (cos) rotate_head(qs + j * hd, cos + s * hd, sin + s * hd, qr + j * hd, hd);
+            else memcpy(qr + j * hd, qs + j * hd, hd * sizeof(float));
+        }
+        int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0, n = len - first;
+        const int64_t *table = tables + s * table_width;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *qh = qr + h * group * hd;
+            float *o = out + s * heads * hd + h * group * hd;
+            /* scores[g * n + i] for query head g of this group and key first + i, walking the blocks */
+            for (int64_t t = first; t < len;) {
+                int64_t in_block = t % block, run = block - in_block < len - t ? block - in_block : len - t;
+                const float *key = k_cache + (table[t / block] * block + in_block) * row + h * hd;
+                float *at = scores + t - first;
+#define SCORE(nv) score_keys(qh, group, key, row, run, scale, at, n, nv)
+                BY_HEAD_SIZE(hd, SCORE, score_keys_any(qh, group, key, row, run, hd, scale, at, n))
+                t += run;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * n, top = -INFINITY, total = 0.f;
+                for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
+#pragma omp simd reduction(+ : total)
+                for (int64_t i = 0; i < n; i++) total += sg[i] = expf(sg[i] - top);
+                float inv = 1.0f / total;
+                for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+            }
+            memset(o, 0, group * hd * sizeof(float));
+            for (int64_t t = first; t < len;) {
+                int64_t in_block = t % block, run = block - in_block < len - t ? block - in_block : len - t;
+                const float *value = v_cache + (table[t / block] * block + in_block) * row + h * hd;
+                const float *p = scores + t - first;
+#define WEIGH(nv) weigh_values(o, group, value, row, run, p, n, nv)
+                BY_HEAD_SIZE(hd, WEIGH, weigh_values_any(o, group, value, row, run, hd, p, n))
+                t += run;
+            }
+        }
+    }
+}
