@@ -95,19 +95,14 @@ def status() -> str:
     return _load()[1]
 
 
-def _rows_ok(*tensors: torch.Tensor) -> bool:
-    """fp32 2-d [rows <= MAX_ROWS, n] with unit column stride: what the C loops index."""
-    return all(t.dtype == torch.float32 and t.dim() == 2 and t.shape[0] <= MAX_ROWS and t.stride(1) == 1
-               and t.device.type == "cpu" for t in tensors)
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rms_norm(x + residual) * weight, x + residual); None where the native kernel does not apply."""
     lib = _load()[0]
-    if (lib is None or not _rows_ok(x, residual) or x.shape != residual.shape or not x.is_contiguous()
-            or not residual.is_contiguous() or weight.dtype != torch.float32 or weight.shape != (x.shape[1],)
-            or not weight.is_contiguous()):
+    # checks spelled out inline: this runs twice a layer on every decode step
+    if (lib is None or x.dtype is not F32 or residual.dtype is not F32 or weight.dtype is not F32 or x.dim() != 2
+            or not x.is_cpu or x.shape[0] > MAX_ROWS or x.shape != residual.shape or weight.shape != x.shape[1:]
+            or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())):
         return None
     out, summed = torch.empty_like(x), torch.empty_like(x)
     lib.llmc_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), summed.data_ptr(),
