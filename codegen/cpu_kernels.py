@@ -10,7 +10,6 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen import cpu_native
 from llmc.codegen.cpu_qlinear import DenseWeights, pack_qlinear, run_qlinear
 from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS
 from llmc.codegen.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear
@@ -286,9 +285,6 @@ def split(x, *, sizes, **attrs):
 
 @kernel("add_rms_norm")
 def add_rms_norm(x, residual, weight, *, eps, **attrs):
-    native = cpu_native.add_rms_norm(x, residual, weight, eps)
-    if native is not None:
-        return list(native)
     summed = x + residual
     return [_rms_norm(summed, weight, eps), summed]
 
@@ -351,7 +347,7 @@ def flash_attention(*inputs, backend, head_dim, rope=None, rope_cache: RopeCache
     inputs, kv_scales = split_kv_scales(inputs, attrs)
     q, k, v = inputs[:3]
     native = getattr(backend, "decode_native", None)
-    if native is not None and not kv_scales and q.dim() == 2:   # a decode step: one native call
+    if native is not None and kv_scales is None and q.dim() == 2:   # a decode step: one native call
         rotary = None if rope is None else (rope_cache or RopeCache()).cos_sin(inputs[3], inputs[4], rope["scaling"],
                                                                                q.dtype)
         out = native(attrs["layer"], q, k, v, rotary, head_dim=head_dim, **_attention_attrs(attrs))

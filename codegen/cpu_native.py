@@ -1,7 +1,7 @@
 """llmc's native CPU kernels (codegen/native/decode_kernels.c) for decode-sized work: built with the
 machine's C compiler at first use, cached per source, compiler and CPU, and called through ctypes.
-A decode step runs ~10 small torch operators a layer around its GEMVs (norms, rotary, the cache write,
-attention), each costing 2-5 us of dispatch for under a microsecond of arithmetic; one call each
+A decode step's attention runs ~15 small torch operators a layer (rotary, the cache write, the
+attention itself), each costing 2-5 us of dispatch for about a microsecond of arithmetic; one call
 here. Without a compiler (or with LLMC_NATIVE=0) the torch kernels run instead: both compute the same
 function to fp32 rounding, and `llmc bench` prints which ran (`status`).
 
@@ -29,7 +29,6 @@ MAX_ROWS = 8    # more rows than this go to torch: its kernels thread, these do 
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
-    "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F],
     "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
                               _I, _I, _I, _I, _F, _P, _P],
 }
@@ -93,21 +92,6 @@ def available() -> bool:
 def status() -> str:
     """'on (...)' or 'off (why)', for `llmc bench`."""
     return _load()[1]
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rms_norm(x + residual) * weight, x + residual); None where the native kernel does not apply."""
-    lib = _load()[0]
-    # checks spelled out inline: this runs twice a layer on every decode step
-    if (lib is None or x.dtype is not F32 or residual.dtype is not F32 or weight.dtype is not F32 or x.dim() != 2
-            or not x.is_cpu or x.shape[0] > MAX_ROWS or x.shape != residual.shape or weight.shape != x.shape[1:]
-            or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())):
-        return None
-    out, summed = torch.empty_like(x), torch.empty_like(x)
-    lib.llmc_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), summed.data_ptr(),
-                          x.shape[0], x.shape[1], eps)
-    return out, summed
 
 
 class DecodeStep(NamedTuple):
@@ -176,5 +160,5 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: 
     return out
 
 
-__all__ = ["available", "status", "add_rms_norm", "decode_step", "cache_pointers", "decode_attention", "DecodeStep",
+__all__ = ["available", "status", "decode_step", "cache_pointers", "decode_attention", "DecodeStep",
            "MAX_ROWS"]

@@ -3,31 +3,13 @@
  * at first use (codegen/cpu_native.py: cc -O3 -march=native) and called through ctypes with raw
  * pointers; the Python side checks shapes, dtypes and contiguity before every call. Single-threaded:
  * a decode row's norm or attention is microseconds of work, less than waking a thread pool.
- * Reductions run in lanes (omp simd), so sums round differently from torch's; the tests hold them to
- * the torch kernels within fp32 tolerance. */
+ * Dot products sum in vector lanes, so they round differently from torch's; the tests hold them to
+ * float64 and to the torch kernels within fp32 rounding. (Norms stay in torch: the fp32 target keeps
+ * them bitwise F.rms_norm's, which a different summation order would not be.) */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-/* summed = x + residual; out = summed / sqrt(mean(summed^2) + eps) * weight, per row of n */
-void llmc_add_rms_norm(const float *x, const float *residual, const float *weight, float *out,
-                       float *summed, int64_t rows, int64_t n, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n, *rr = residual + r * n;
-        float *s = summed + r * n, *o = out + r * n;
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < n; i++) {
-            float v = xr[i] + rr[i];
-            s[i] = v;
-            squares += v * v;
-        }
-        float inv = 1.0f / sqrtf(squares / (float)n + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = s[i] * inv * weight[i];
-    }
-}
 
 /* rotate-half rotary of one head: y = x * cos + [-x2, x1] * sin */
 static void rotate_head(const float *x, const float *cos, const float *sin, float *y, int64_t hd) {

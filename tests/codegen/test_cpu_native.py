@@ -1,6 +1,6 @@
 """The native decode kernels (codegen/cpu_native.py) against float64 references: rotary, the cache
 write and paged attention for several sequences with scattered block tables, sliding windows, GQA
-groups and head sizes on and off the vector fast path; add + rms_norm; and the torch fallback."""
+groups and head sizes on and off the vector fast path; and the torch fallback."""
 
 import os
 import subprocess
@@ -83,19 +83,6 @@ def test_decode_attention_declines_what_it_cannot_read():
                                   lens.expand(9).contiguous(), 6, BLOCK) is None
     with pytest.raises(ValueError, match="max_len 99"):
         cpu_native.decode_step(slots, tables, lens, 99, BLOCK)   # past the tables' blocks
-
-
-def test_add_rms_norm_matches_float64():
-    g = torch.Generator().manual_seed(3)
-    x, residual = torch.randn(3, 576, generator=g), torch.randn(3, 576, generator=g)
-    weight = torch.randn(576, generator=g)
-    out, summed = cpu_native.add_rms_norm(x, residual, weight, 1e-5)
-    s = x.double() + residual.double()
-    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
-    torch.testing.assert_close(summed, (x + residual))
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
-    assert cpu_native.add_rms_norm(x.bfloat16(), residual.bfloat16(), weight, 1e-5) is None
-    assert cpu_native.add_rms_norm(x[:, ::2], residual[:, ::2], weight[::2], 1e-5) is None
 
 
 def test_llmc_native_0_turns_them_off():
