@@ -350,17 +350,12 @@ def flash_attention(*inputs, backend, head_dim, rope=None, rope_cache: RopeCache
     if native is not None and kv_scales is None and q.dim() == 2:   # a decode step: one native call
         rotary = None if rope is None else (rope_cache or RopeCache()).cos_sin(inputs[3], inputs[4], rope["scaling"],
                                                                                q.dtype)
-        out = native(attrs["layer"], q, k, v, rotary, head_dim=head_dim, **_attention_attrs(attrs))
+        out = native(q, k, v, rotary, head_dim=head_dim, **attrs)
         if out is not None:
             return [out]
     if rope is not None:
         q, k = _rotate_q_k(q, k, inputs[3], inputs[4], rope["scaling"], head_dim, rope_cache)
     return attention(q, k, v, kv_scales, backend=backend, head_dim=head_dim, **attrs)
-
-
-def _attention_attrs(attrs: dict) -> dict:
-    return {name: attrs[name] for name in ("num_heads", "num_kv_heads", "scale", "causal", "window", "softcap")
-            if name in attrs}
 
 
 def _rotate_q_k(q, k, positions, inv_freq, scaling: float, head_dim: int, rope_cache: RopeCache | None):

@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from llmc.cache import cache_root
+
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
@@ -32,10 +34,6 @@ SIGNATURES = {
     "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
                               _I, _I, _I, _I, _F, _P, _P],
 }
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc")) / "native"
 
 
 def _cpu_id() -> str:
@@ -50,7 +48,7 @@ def _cpu_id() -> str:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
-    target = _cache_dir() / f"decode_kernels-{key[:16]}.so"
+    target = cache_root() / "native" / f"decode_kernels-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from llmc.cache import cache_root
+
 # bump when what is measured, or how, changes: older entries then stop matching
 TIMING_FORMAT = 3
 
@@ -23,7 +25,7 @@ _memo: dict[Path, dict | None] = {}   # this process's entries (also when the ca
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LLMC_CACHE") or "~/.cache/llmc").expanduser() / "kernel_timings"
+    return cache_root() / "kernel_timings"
 
 
 def machine() -> dict:

@@ -16,6 +16,8 @@ from typing import Iterator
 
 import jinja2
 
+from llmc.cache import cache_root
+
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
@@ -46,7 +48,7 @@ def render_kernel(template: str, name: str, constants: dict) -> RenderedKernel:
 
 
 def kernel_cache_dir() -> Path:
-    return Path(os.environ.get("LLMC_CACHE") or "~/.cache/llmc").expanduser() / "triton"
+    return cache_root() / "triton"
 
 
 def load_kernel(kernel: RenderedKernel):

@@ -299,11 +299,12 @@ class PagedAttention(AttentionBackend):
                                                  num_heads, num_kv_heads, head_dim, scale, window, softcap)
         return out
 
-    def decode_native(self, layer, q, k, v, rotary, *, num_heads, num_kv_heads, head_dim, scale, causal=True,
-                      window=None, softcap=None) -> torch.Tensor | None:
+    def decode_native(self, q, k, v, rotary, *, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
+                      window=None, softcap=None, **attrs) -> torch.Tensor | None:
         """`forward` for a step of decodes only, with the rotary (cos, sin [decodes, head_dim]) on q and
         k folded in, as one native call (codegen/cpu_native.py); None where it does not apply: the
-        caller rotates and runs `forward`. Nothing is written to the cache unless it applies."""
+        caller rotates and runs `forward`. Nothing is written to the cache unless it applies. Takes the
+        attention op's attrs as they are; those it does not read (`attrs`) do not change decoding."""
         step = self.metadata.native_step(self.cache.block_size)
         cache = self.cache.native_pointers(layer)
         if step is None or cache is None or softcap is not None or not causal:

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
+from llmc.cache import cache_root
+
 BANDWIDTH_BYTES = 512 << 20      # a buffer far beyond any last-level cache
 GEMM_SIZE = 1024
 
 
 def cache_file() -> Path:
-    return Path(os.environ.get("LLMC_CACHE") or "~/.cache/llmc").expanduser() / "bandwidth.json"
+    return cache_root() / "bandwidth.json"
 
 
 def cpu_model() -> str:

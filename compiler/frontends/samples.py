@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from llmc.cache import cache_root
 from llmc.compiler.frontends.gguf import load_gguf_file
 from llmc.compiler.frontends.model import LoadedModel, first_line
 from llmc.errors import ModelLoadError
@@ -136,7 +137,7 @@ def load_smollm2() -> LoadedModel:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LLMC_CACHE") or "~/.cache/llmc").expanduser()
+    return cache_root()
 
 
 def smollm2_path() -> Path:
