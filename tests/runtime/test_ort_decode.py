@@ -65,8 +65,9 @@ def test_batched_decode_logits_equal_the_reference_interpreter_over_shuffled_blo
     layout, block = plan.kv_layout(), 4
     cache = PagedKVCache(layout["num_layers"], 24, block, layout["num_kv_heads"], layout["head_dim"])
     blocks = torch.randperm(24, generator=torch.Generator().manual_seed(1)).tolist()
+    # 6 and 11 blocks of 4: room for the longest draws (19 and 39 tokens) and their three decodes
     lengths = (int(torch.randint(3, 20, ())), int(torch.randint(20, 40, ())))
-    seqs = [(prompt_ids(lengths[0], seed=2), blocks[:6]), (prompt_ids(lengths[1], seed=3), blocks[6:16])]
+    seqs = [(prompt_ids(lengths[0], seed=2), blocks[:6]), (prompt_ids(lengths[1], seed=3), blocks[6:17])]
     _prefilled(executor, cache, seqs, block)
     for step in range(3):   # three decode steps of both sequences together
         new = prompt_ids(2, seed=10 + step)
