@@ -39,12 +39,13 @@ def test_affine_segments_equal_the_torch_plans_logits(tmp_path):
     ours = PlanExecutor(plan, a.weights, data=a.data).run_values(inputs)["logits"]
     want = torch_kernels.run_values(inputs)["logits"]
     # MatMulNBits (accuracy level 4) rounds activations to int8 per block where torch's affine kernels keep
-    # bf16 or fp32 ones. Over 25 draws of this random tiny model the ORT logits were 1.3-5.3% off the torch
-    # plan's in L2 and one element at most 9% of the largest logit (one CI draw reached 12%): judge the whole
-    # tensor by its L2 error, and single elements only for gross faults
+    # bf16 or fp32 ones. Over 235 draws of this random tiny model the ORT logits were at most 8.3% off the
+    # torch plan's in L2 and one element at most 20% of the largest logit (one CI draw failed an earlier 12%
+    # bound on it): judge the tensor by its L2 error, single elements only for gross faults (a wrong nibble
+    # or scale is off by the logits' whole size)
     error = ours - want
-    assert (error.norm() / want.norm()).item() < 0.1
-    assert error.abs().max().item() < 0.3 * want.abs().max().item()
+    assert (error.norm() / want.norm()).item() < 0.15
+    assert error.abs().max().item() < 0.4 * want.abs().max().item()
 
 
 def test_int8_codes_split_into_the_halves_the_4bit_matmuls_read():
