@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from llmc.codegen import cpu_native
 from llmc.codegen.cpu_qlinear import DenseWeights, pack_qlinear, run_qlinear
 from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS
 from llmc.codegen.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear
@@ -150,7 +151,11 @@ def qembedding(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **att
 
 
 @kernel("rms_norm")
-def rms_norm(x, weight, *, eps, **attrs):
+def rms_norm(x, weight, *, eps, feeds_qlinear=False, **attrs):
+    if feeds_qlinear:   # see add_rms_norm
+        done = cpu_native.add_rms_norm(x, None, weight, eps)
+        if done is not None:
+            return [done[0]]
     return [_rms_norm(x, weight, eps)]
 
 
@@ -284,7 +289,14 @@ def split(x, *, sizes, **attrs):
 
 
 @kernel("add_rms_norm")
-def add_rms_norm(x, residual, weight, *, eps, **attrs):
+def add_rms_norm(x, residual, weight, *, eps, feeds_qlinear=False, **attrs):
+    """x + residual, and its rms_norm. `feeds_qlinear` (set at load where only quantised GEMMs read
+    the norm, PlanExecutor.native_norms): a few rows take the native kernel, one call for torch's
+    ~15 us of dispatch, its fp32 rounding differences far under those GEMMs' bf16 activations."""
+    if feeds_qlinear:
+        done = cpu_native.add_rms_norm(x, residual, weight, eps)
+        if done is not None:
+            return list(done)
     summed = x + residual
     return [_rms_norm(summed, weight, eps), summed]
 

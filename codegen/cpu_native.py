@@ -33,6 +33,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
                               _I, _I, _I, _I, _F, _P, _P],
+    "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
 }
 
 
@@ -158,5 +159,31 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: 
     return out
 
 
-__all__ = ["available", "status", "decode_step", "cache_pointers", "decode_attention", "DecodeStep",
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(rms_norm(x + residual) * weight, x + residual) for a few fp32 rows [rows, n] (residual None:
+    rms_norm(x) * weight, None), in one call; None where the native kernel does not apply. Its sum
+    of squares runs in vector lanes, so it is F.rms_norm's to fp32 rounding, not bitwise. (Checks
+    and allocations here cost more than the arithmetic: each torch call is ~1.4 us.)"""
+    lib = _load()[0]
+    if lib is None or x.dtype is not F32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu:
+        return None
+    rows, n = x.shape
+    if rows > MAX_ROWS or weight.dtype is not F32 or weight.dim() != 1 or weight.shape[0] != n \
+            or not weight.is_contiguous():
+        return None
+    out = torch.empty(rows, n, dtype=F32)
+    if residual is None:
+        lib.llmc_add_rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, n, x.stride(0), 0,
+                              eps)
+        return out, None
+    if residual.dtype is not F32 or residual.shape != x.shape or residual.stride(1) != 1 or not residual.is_cpu:
+        return None
+    summed = torch.empty(rows, n, dtype=F32)
+    lib.llmc_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), summed.data_ptr(),
+                          rows, n, x.stride(0), residual.stride(0), eps)
+    return out, summed
+
+
+__all__ = ["available", "status", "add_rms_norm", "decode_step", "cache_pointers", "decode_attention", "DecodeStep",
            "MAX_ROWS"]

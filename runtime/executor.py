@@ -67,6 +67,7 @@ class PlanExecutor:
         self._registers.update({v: base + s for v, s in plan.memory.slot_of.items()})
         self._num_registers = base + len(plan.memory.slot_bytes)
         self._program = [self._launch(i, step) for i, step in enumerate(plan.steps)]
+        self._mark_norms_feeding_qlinears()
         self._outputs = [self._register(o, "graph output") for o in plan.outputs]
         self._check_registers()
         self.decode_graph = self._load_decode_graph()
@@ -179,6 +180,19 @@ class PlanExecutor:
         return Launch(fn, args, tuple(self._register(o, where) for o in step.outputs),
                       self._prepared_attrs(fn, args, attrs),
                       getattr(fn, "context", ()), self._dying(index, step), recorded, where)
+
+    def _mark_norms_feeding_qlinears(self) -> None:
+        """Tell each torch norm whose result only quantised GEMMs read that it may round as the native
+        kernel does (cpu_kernels.add_rms_norm); the rest stay bitwise F.rms_norm's."""
+        readers: dict[str, set[str]] = {}
+        for step in self.plan.steps:
+            for name in step.inputs:
+                readers.setdefault(name, set()).add(step.kernel)
+        for i, step in enumerate(self.plan.steps):
+            if (step.kernel in ("cpu.rms_norm", "cpu.add_rms_norm") and step.outputs[0] not in self.plan.outputs
+                    and readers.get(step.outputs[0]) == {"cpu.qlinear"}):
+                launch = self._program[i]
+                self._program[i] = launch._replace(attrs={**launch.attrs, "feeds_qlinear": True})
 
     def _load_decode_graph(self):
         """The plan's decode graph (runtime/ort_decode.py), its weights the executor's params."""

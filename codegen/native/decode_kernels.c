@@ -4,8 +4,9 @@
  * pointers; the Python side checks shapes, dtypes and contiguity before every call. Single-threaded:
  * a decode row's norm or attention is microseconds of work, less than waking a thread pool.
  * Dot products sum in vector lanes, so they round differently from torch's; the tests hold them to
- * float64 and to the torch kernels within fp32 rounding. (Norms stay in torch: the fp32 target keeps
- * them bitwise F.rms_norm's, which a different summation order would not be.) */
+ * float64 and to the torch kernels within fp32 rounding. Norms run here only where a quantised GEMM
+ * reads them next (its bf16 activations round far coarser than the sum order); elsewhere they stay in
+ * torch, which the fp32 target needs bitwise F.rms_norm's. */
 
 #include <math.h>
 #include <stdint.h>
@@ -74,6 +75,43 @@ static inline __attribute__((always_inline)) void weigh_values(
             for (int c = 0; c < nv; c++) acc[c] += pg[i] * *(const vec *)(val + VL * c);
         for (int c = 0; c < nv; c++) *(vec *)(o + g * VL * nv + VL * c) = acc[c];
     }
+}
+
+/* e^x for x <= 0 in every lane (softmax's scores less their maximum), within 1.5 ulp on [-87, 0]:
+ * x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial, 2^n built in the exponent bits.
+ * Below -87 (where e^x leaves fp32's normal range) lanes give e^-87, ~1e-38: nothing next to the
+ * maximum's 1. glibc's expf is scalar without -ffast-math; at SmolLM2's 9 heads and 133 keys it was
+ * ~6 of a decode attention call's ~20 us. */
+static inline vec exp_nonpositive(vec x) {
+    typedef int32_t vint __attribute__((vector_size(VL * 4)));
+    const vec lo = x - x - 87.0f;
+    vint below = x < lo;   /* lanes all ones where true (C has no vector ?:) */
+    x = (vec)(((vint)x & ~below) | ((vint)lo & below));
+    vec n = x * 1.44269504088896341f + 12582912.0f;   /* round to nearest: 1.5 * 2^23 */
+    n -= 12582912.0f;
+    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;  /* ln2 in two parts, the first exact */
+    vec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+    return p * (vec)bits;
+}
+
+/* sg[i] = e^(sg[i] - top) for n scores; returns their sum */
+static float exp_shifted(float *sg, int64_t n, float top) {
+    vec acc = {0};
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        vec e = exp_nonpositive(*(vec *)(sg + i) - top);
+        *(vec *)(sg + i) = e;
+        acc += e;
+    }
+    float total = hsum(acc);
+    for (; i < n; i++) total += sg[i] = expf(sg[i] - top);
+    return total;
 }
 
 static float dot(const float *a, const float *b, int64_t n) {
@@ -147,11 +185,9 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
                 t += run;
             }
             for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * n, top = -INFINITY, total = 0.f;
+                float *sg = scores + g * n, top = -INFINITY;
                 for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
-#pragma omp simd reduction(+ : total)
-                for (int64_t i = 0; i < n; i++) total += sg[i] = expf(sg[i] - top);
-                float inv = 1.0f / total;
+                float inv = 1.0f / exp_shifted(sg, n, top);
                 for (int64_t i = 0; i < n; i++) sg[i] *= inv;
             }
             memset(o, 0, group * hd * sizeof(float));
@@ -164,5 +200,27 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
                 t += run;
             }
         }
+    }
+}
+
+/* rms_norm over `rows` rows of n floats: out = x * rsqrt(mean(x^2) + eps) * weight, normalising in
+ * fp32 as F.rms_norm does. With `residual` (not NULL), x + residual is normalised and also stored to
+ * `summed` (the residual stream's next value). Rows are `stride` floats apart in x, residual and out. */
+void llmc_add_rms_norm(const float *x, const float *residual, const float *weight, float *out, float *summed,
+                       int64_t rows, int64_t n, int64_t x_stride, int64_t r_stride, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * n;
+        if (residual) {
+            float *sr = summed + r * n;
+            const float *rr = residual + r * r_stride;
+            for (int64_t i = 0; i < n; i++) sr[i] = xr[i] + rr[i];
+            xr = sr;
+        }
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < n; i++) total += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(total / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) o[i] = (xr[i] * inv) * weight[i];
     }
 }

@@ -127,3 +127,60 @@ def test_engine_decodes_the_same_with_and_without_them(compiled, monkeypatch):
     for rid in native:
         assert native[rid][0] == torch_[rid][0], rid
         torch.testing.assert_close(torch.tensor(native[rid][1]), torch.tensor(torch_[rid][1]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,residual", [(1, True), (3, True), (cpu_native.MAX_ROWS, True), (2, False)])
+def test_add_rms_norm_matches_float64(rows, residual):
+    """x a strided view (columns of a wider buffer, as a split leaves it), residual its own."""
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 200, generator=g) * 3
+    x, res, weight = wide[:, 8:168], torch.randn(rows, 160, generator=g), torch.randn(160, generator=g)
+    got, summed = cpu_native.add_rms_norm(x, res if residual else None, weight, 1e-5)
+    s = x.double() + res.double() if residual else x.double()
+    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    if residual:
+        assert torch.equal(summed, x + res)
+    else:
+        assert summed is None
+
+
+def test_add_rms_norm_declines_what_it_cannot_read():
+    x, w = torch.randn(2, 16), torch.randn(16)
+    assert cpu_native.add_rms_norm(torch.randn(cpu_native.MAX_ROWS + 1, 16), None, w, 1e-5) is None
+    assert cpu_native.add_rms_norm(x.bfloat16(), None, w, 1e-5) is None
+    assert cpu_native.add_rms_norm(x[None], None, w, 1e-5) is None
+    assert cpu_native.add_rms_norm(x.t(), None, torch.randn(2), 1e-5) is None    # columns not contiguous
+    assert cpu_native.add_rms_norm(x, None, torch.randn(15), 1e-5) is None
+    assert cpu_native.add_rms_norm(x, torch.randn(1, 16), w, 1e-5) is None       # residual of another shape
+
+
+def test_only_norms_that_quantised_gemms_read_go_native(tmp_path, compiled):
+    """int8 tiny-llama: every norm but the last (its LM head stays fp32) is marked, none of the fp32
+    plan's, and the int8 executor's logits
+    with them native equal the torch kernels' to fp32 rounding."""
+    import llmc
+    from llmc.codegen.plan import Plan
+    from llmc.compiler.artifact import read_artifact
+    from llmc.runtime.executor import PlanExecutor
+
+    int8 = llmc.compile("tiny-llama", target="cpu", output=tmp_path / "int8.llmc", kernels="cpu", quant="int8",
+                        quiet=True)
+
+    def executor(path):
+        a = read_artifact(path)
+        return PlanExecutor(Plan.from_json(a.plan_json), a.weights, data=a.data)
+
+    def marked(ex):
+        return [launch.attrs.get("feeds_qlinear", False) for launch, step in zip(ex._program, ex.plan.steps)
+                if step.kernel in ("cpu.rms_norm", "cpu.add_rms_norm")]
+    quantised, plain = executor(int8), executor(compiled)
+    assert len(marked(quantised)) > 2 and marked(quantised) == [True] * (len(marked(quantised)) - 1) + [False]
+    assert marked(plain) and not any(marked(plain))
+    ids = torch.randint(3, 500, (5,), generator=torch.Generator().manual_seed(3))
+    feed = {"input_ids": ids, "positions": torch.arange(5), "logits_indices": torch.arange(5)}
+    native = quantised.run_values(feed)["logits"]
+    unmarked = executor(int8)
+    unmarked._program = [launch._replace(attrs={k: v for k, v in launch.attrs.items() if k != "feeds_qlinear"})
+                         for launch in unmarked._program]
+    torch.testing.assert_close(native, unmarked.run_values(feed)["logits"], rtol=1e-3, atol=1e-3)
