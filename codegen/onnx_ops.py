@@ -7,7 +7,12 @@ codegen modules."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from typing import Callable
+
 import numpy as np
+import torch
 
 from llmc.codegen.onnx_weights import initializer, integral_zeros
 from llmc.codegen.ort_int8 import signed_int8_exact
@@ -34,7 +39,7 @@ class OnnxBuilder:
         self.env = {v.name: v.name for v in graph.inputs}
         self.nodes, self.initializers = [], []
         self.sources: dict[str, tuple[str, str]] = {}
-        self.values: dict = {}
+        self.values = LazyInitializers()
         self._inits, self._cache, self._count = set(), {}, 0
         self.uses_ms = False
 
@@ -79,13 +84,13 @@ class OnnxBuilder:
         if key in self._inits:
             return key
         tensor = self.weights[name].detach().cpu()
-        value = initializer(tensor, transform, dims)
         if not self.segment:
-            return self.const(key, value.numpy())
+            return self.const(key, initializer(tensor, transform, dims).numpy())
         self._inits.add(key)
-        self.initializers.append(_external(key, value))
+        # declared from its shape alone: the tensor is made only if a session is built here
+        self.initializers.append(_external(key, initializer(tensor.to("meta"), transform, dims)))
         self.sources[key] = (name, transform)
-        self.values[key] = value
+        self.values.add(key, functools.partial(initializer, tensor, transform, dims))
         return key
 
     def value(self, ir_name: str) -> str:
@@ -103,6 +108,30 @@ class OnnxBuilder:
         return self._cache[key]
 
 
+class LazyInitializers(Mapping):
+    """A segment's external initializers by name, each made from its parameter on first read: a
+    compile whose kernel timings are all cached builds no session and reads none (transforming
+    SmolLM2's Q8_0 head into nibble halves alone took seconds)."""
+
+    def __init__(self):
+        self._make: dict[str, Callable[[], torch.Tensor]] = {}
+        self._made: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, make: Callable[[], torch.Tensor]) -> None:
+        self._make[key] = make
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._made:
+            self._made[key] = self._make[key]()
+        return self._made[key]
+
+    def __iter__(self):
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+
 # An external initializer's data location: never read, the runtime supplies every such tensor
 # (SessionOptions.add_external_initializers) before the session is built.
 EXTERNAL_LOCATION = "llmc-plan-param"
@@ -114,7 +143,7 @@ def _external(name: str, value):
 
     t = TensorProto()
     t.name = name
-    t.data_type = helper.np_dtype_to_tensor_dtype(value.numpy().dtype)
+    t.data_type = helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=value.dtype).numpy().dtype)
     t.dims.extend(value.shape)
     t.data_location = TensorProto.EXTERNAL
     nbytes = value.numel() * value.element_size()
