@@ -230,12 +230,15 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
             or (attrs.get("has_act_scale") and act_scale is None)):
         return {}
     scheme = attrs["scheme"]
+    # int8 codes w = q * s (per channel, or GGUF's Q8_0 blocks): the native GEMV for decode rows
+    native = cpu_native.q8_weights(qweight, scales) if scheme in ("int8", "affine8") and zeros is None else None
+    extra = {} if native is None else {"native_q8": native}
     packed = pack_for_cpu(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
     if packed is None or isinstance(packed, DenseWeights):
-        return {} if packed is None else {"cpu_weights": packed}
+        return extra if packed is None else {"cpu_weights": packed, **extra}
     dense = dense_source(scheme, qweight, scales, zeros, act_scale)
     dense_from = choose_dense_from(meta, shape_key(scheme, qweight, scales), packed_run(packed), dense)
-    return {"cpu_weights": DispatchedWeights(packed, dense, dense_from)}
+    return {"cpu_weights": DispatchedWeights(packed, dense, dense_from), **extra}
 
 
 def packed_run(packed) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -244,10 +247,16 @@ def packed_run(packed) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 @kernel("qlinear", prepare=prepare_qlinear)
-def qlinear(*inputs, scheme, cpu_weights=None, **attrs):
-    """int8/int4 through torch's packed kernels, fp8/w8a8 through exact-code GEMMs, each up to the
-    row count where dequantising into an fp32 GEMM wins; group sizes torch does not pack run the
-    reference (dequantise, fp32 GEMM)."""
+def qlinear(*inputs, scheme, cpu_weights=None, native_q8=None, **attrs):
+    """int8 codes of a few fp32 rows through the native GEMV (cpu_native.gemv_q8: fp32 arithmetic,
+    faster than torch's) below the dense row count; otherwise int8/int4 through torch's packed kernels, fp8/w8a8 through
+    exact-code GEMMs, each up to the row count where dequantising into an fp32 GEMM wins; group
+    sizes torch does not pack run the reference (dequantise, fp32 GEMM)."""
+    if native_q8 is not None and not attrs.get("has_bias") and (
+            type(cpu_weights) is not DispatchedWeights or rows_of(inputs[0]) < cpu_weights.dense_from):
+        y = cpu_native.gemv_q8(inputs[0], native_q8)
+        if y is not None:
+            return [y]
     if type(cpu_weights) is DispatchedWeights and not attrs.get("has_bias") and \
             rows_of(inputs[0]) < cpu_weights.dense_from:   # the common case: no inputs to sort out
         return [_run_packed(inputs[0], cpu_weights.packed)]

@@ -34,7 +34,10 @@ SIGNATURES = {
     "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
                               _I, _I, _I, _I, _F, _P, _P],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
+    "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
+    "llmc_openmp": [],
 }
+OPENMP = ("-fopenmp",)   # for the GEMV's threads; without it (a compiler lacking OpenMP) that GEMV stays off
 
 
 def _cpu_id() -> str:
@@ -46,9 +49,9 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_id()]).encode()).hexdigest()
     target = cache_root() / "native" / f"decode_kernels-{key[:16]}.so"
     if target.exists():
         return target
@@ -56,7 +59,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[:300]}")
@@ -75,13 +78,19 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if not compiler:
         return None, "off (no C compiler: set CC or install gcc)"
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, FLAGS + OPENMP)))
+        except (OSError, RuntimeError):
+            lib = ctypes.CDLL(str(_build(compiler, FLAGS)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"off ({e})"
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    return lib, f"on ({Path(compiler).name}, {' '.join(FLAGS[:2])})"
+    lib.llmc_openmp.restype = ctypes.c_int64
+    lib.openmp = bool(lib.llmc_openmp())
+    threads = "OpenMP" if lib.openmp else "no OpenMP: the int8 GEMV runs on one thread only"
+    return lib, f"on ({Path(compiler).name}, {' '.join(FLAGS[:2])}, {threads})"
 
 
 def available() -> bool:
@@ -185,5 +194,44 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, summed
 
 
-__all__ = ["available", "status", "add_rms_norm", "decode_step", "cache_pointers", "decode_attention", "DecodeStep",
-           "MAX_ROWS"]
+class Q8Weights(NamedTuple):
+    """An int8 GEMV's weights: w = q * s per group of `group` codes along K."""
+    codes: torch.Tensor    # int8 [N, K], contiguous
+    scales: torch.Tensor   # float16 or float32 [N, K / group], contiguous
+    group: int
+
+
+def q8_weights(codes: torch.Tensor, scales: torch.Tensor) -> Q8Weights | None:
+    """int8 codes [N, K] with scales [N] (per channel) or [N, groups] in gemv_q8's form; None where it
+    cannot run them (groups not a multiple of 16 codes)."""
+    if codes.dtype != torch.int8 or codes.dim() != 2 or scales.numel() == 0 or scales.numel() % codes.shape[0]:
+        return None
+    n, k = codes.shape
+    s = scales.reshape(n, -1)
+    if k % s.shape[1] or (k // s.shape[1]) % 16:
+        return None
+    s = s if s.dtype in (torch.float16, F32) else s.float()
+    return Q8Weights(codes.contiguous(), s.contiguous(), k // s.shape[1])
+
+
+def gemv_q8(x: torch.Tensor, w: Q8Weights) -> torch.Tensor | None:
+    """x [rows, K] (fp32, a few rows) @ w.T in fp32, the weight rows split over torch's thread count:
+    the reference's arithmetic (dequantise, fp32 GEMM) to fp32 rounding, reading one byte a weight.
+    torch's own int8 kernel rounds x to bf16 and measured 1.45x slower over SmolLM2's layers (2
+    threads, weights from memory). None where it does not apply."""
+    lib = _load()[0]
+    if lib is None or x.dtype is not F32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu:
+        return None
+    rows, k = x.shape
+    threads = torch.get_num_threads()
+    if not 0 < rows <= MAX_ROWS or k != w.codes.shape[1] or (threads > 1 and not lib.openmp):
+        return None
+    n = w.codes.shape[0]
+    y = torch.empty(rows, n, dtype=F32)
+    lib.llmc_gemv_q8(x.data_ptr(), x.stride(0), rows, w.codes.data_ptr(), w.scales.data_ptr(),
+                     w.scales.dtype is torch.float16, n, k, w.group, y.data_ptr(), threads)
+    return y
+
+
+__all__ = ["available", "status", "add_rms_norm", "q8_weights", "gemv_q8", "Q8Weights", "decode_step",
+           "cache_pointers", "decode_attention", "DecodeStep", "MAX_ROWS"]

@@ -184,3 +184,40 @@ def test_only_norms_that_quantised_gemms_read_go_native(tmp_path, compiled):
     unmarked._program = [launch._replace(attrs={k: v for k, v in launch.attrs.items() if k != "feeds_qlinear"})
                          for launch in unmarked._program]
     torch.testing.assert_close(native, unmarked.run_values(feed)["logits"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows,n,k,groups,half,threads", [
+    (1, 3072, 576, 1, False, 2),      # SmolLM2's gate/up, int8 per channel
+    (3, 97, 1536, 1, False, 1),       # an odd row count of weights
+    (cpu_native.MAX_ROWS, 40, 576, 18, True, 2),   # GGUF Q8_0: fp16 scales per 32 codes
+    (2, 33, 256, 16, True, 2),        # groups of 16
+])
+def test_gemv_q8_matches_float64(rows, n, k, groups, half, threads):
+    g = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, groups, generator=g) / 50 + 1e-3
+    scales = scales.half() if half else scales.reshape(n) if groups == 1 else scales
+    wide = torch.randn(rows, k + 24, generator=g)
+    x = wide[:, 8:8 + k]    # rows a stride apart wider than k
+    w = cpu_native.q8_weights(codes, scales)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_native.gemv_q8(x, w)
+    finally:
+        torch.set_num_threads(previous)
+    dense = codes.double().view(n, groups, -1) * scales.double().reshape(n, groups, 1)
+    want = x.double() @ dense.reshape(n, k).T
+    assert got.shape == (rows, n)
+    assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+
+
+def test_gemv_q8_declines_what_it_cannot_run():
+    codes, scales = torch.randint(-128, 128, (16, 64), dtype=torch.int8), torch.rand(16)
+    w = cpu_native.q8_weights(codes, scales)
+    assert cpu_native.q8_weights(codes, torch.rand(16, 8)) is None        # groups of 8 codes
+    assert cpu_native.q8_weights(codes.to(torch.uint8), scales) is None
+    assert cpu_native.gemv_q8(torch.randn(2, 64).bfloat16(), w) is None
+    assert cpu_native.gemv_q8(torch.randn(cpu_native.MAX_ROWS + 1, 64), w) is None
+    assert cpu_native.gemv_q8(torch.randn(2, 63), w) is None
+    assert cpu_native.gemv_q8(torch.randn(64, 2).t(), w) is None          # columns not contiguous
