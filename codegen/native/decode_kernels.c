@@ -231,7 +231,24 @@ void llmc_add_rms_norm(const float *x, const float *residual, const float *weigh
 /* ---- int8 weight-only GEMV on fp32 activations ---- */
 typedef uint8_t vbyte __attribute__((vector_size(VL), aligned(1)));
 typedef int32_t vint32 __attribute__((vector_size(VL * 4)));
+#ifdef __FLT16_MAX__   /* the compiler has _Float16 (GCC 12+ on x86): F16C converts VL at a time */
 typedef _Float16 vhalf __attribute__((vector_size(VL * 2), aligned(2)));
+#else
+static float half_bits_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);   /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {   /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) man <<= 1, exp--;
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
 /* int8 codes to floats: read unsigned with the sign bit flipped (q + 128), widened, converted, the 128
  * taken off as floats. GCC 12 widens unsigned bytes in vector registers but signed ones lane by lane
  * (and converts bytes straight to floats lane by lane too). */
@@ -244,10 +261,14 @@ static inline void row_scales(const void *scales, int64_t f16, int64_t s0, int64
         memcpy(out, (const float *)scales + s0, groups * sizeof(float));
         return;
     }
+#ifdef __FLT16_MAX__
     const _Float16 *h = (const _Float16 *)scales + s0;
     int64_t g = 0;
     for (; g + VL <= groups; g += VL) *(vec *)(out + g) = __builtin_convertvector(*(const vhalf *)(h + g), vec);
     for (; g < groups; g++) out[g] = (float)h[g];
+#else
+    for (int64_t g = 0; g < groups; g++) out[g] = half_bits_to_float(((const uint16_t *)scales)[s0 + g]);
+#endif
 }
 
 /* sum_i q_i x_i over `len` codes (a multiple of VL) in four chains: one accumulator would wait on each
