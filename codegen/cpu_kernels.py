@@ -248,10 +248,10 @@ def packed_run(packed) -> Callable[[torch.Tensor], torch.Tensor]:
 
 @kernel("qlinear", prepare=prepare_qlinear)
 def qlinear(*inputs, scheme, cpu_weights=None, native_q8=None, **attrs):
-    """int8 codes of a few fp32 rows through the native GEMV (cpu_native.gemv_q8: fp32 arithmetic,
-    faster than torch's) below the dense row count; otherwise int8/int4 through torch's packed kernels, fp8/w8a8 through
-    exact-code GEMMs, each up to the row count where dequantising into an fp32 GEMM wins; group
-    sizes torch does not pack run the reference (dequantise, fp32 GEMM)."""
+    """int8 codes on a few fp32 rows (below the dense row count) through the native GEMV
+    (cpu_native.gemv_q8: fp32 arithmetic, faster than torch's); otherwise int8/int4 through torch's
+    packed kernels, fp8/w8a8 through exact-code GEMMs, each up to the row count where dequantising
+    into an fp32 GEMM wins; group sizes torch does not pack run the reference (dequantise, fp32 GEMM)."""
     if native_q8 is not None and not attrs.get("has_bias") and (
             type(cpu_weights) is not DispatchedWeights or rows_of(inputs[0]) < cpu_weights.dense_from):
         y = cpu_native.gemv_q8(inputs[0], native_q8)
@@ -300,8 +300,8 @@ def split(x, *, sizes, **attrs):
 @kernel("add_rms_norm")
 def add_rms_norm(x, residual, weight, *, eps, feeds_qlinear=False, **attrs):
     """x + residual, and its rms_norm. `feeds_qlinear` (set at load where only quantised GEMMs read
-    the norm, PlanExecutor.native_norms): a few rows take the native kernel, one call for torch's
-    ~15 us of dispatch, its fp32 rounding differences far under those GEMMs' bf16 activations."""
+    the norm: PlanExecutor._mark_norms_feeding_qlinears): a few rows take the native kernel, one call
+    for torch's ~15 us of dispatch, its rounding differences far under those GEMMs' own."""
     if feeds_qlinear:
         done = cpu_native.add_rms_norm(x, residual, weight, eps)
         if done is not None:
