@@ -237,13 +237,20 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
     if packed is None or isinstance(packed, DenseWeights):
         return extra if packed is None else {"cpu_weights": packed, **extra}
     dense = dense_source(scheme, qweight, scales, zeros, act_scale)
-    dense_from = choose_dense_from(meta, shape_key(scheme, qweight, scales), packed_run(packed), dense)
+    dense_from = choose_dense_from(meta, shape_key(scheme, qweight, scales), packed_run(packed, native), dense)
     return {"cpu_weights": DispatchedWeights(packed, dense, dense_from), **extra}
 
 
-def packed_run(packed) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> the low-bit kernel's result over `packed` weights."""
-    return lambda x: _run_packed(x, packed)
+def packed_run(packed, native=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> the low-bit kernel's result over `packed` weights, through the native GEMV (`native`:
+    cpu_native.Q8Weights) at the rows where `qlinear` takes it."""
+    if native is None:
+        return lambda x: _run_packed(x, packed)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = cpu_native.gemv_q8(x, native)
+        return _run_packed(x, packed) if y is None else y
+    return run
 
 
 @kernel("qlinear", prepare=prepare_qlinear)

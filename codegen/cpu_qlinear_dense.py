@@ -144,12 +144,13 @@ def dispatch_record(steps, weights: dict, threads: int, rows: tuple[int, ...] = 
                 continue
             key = shape_key(attrs["scheme"], params[1], params[2])
             if key not in shapes:
-                prepared = prepare_qlinear(params, attrs, {"kernel_choice": {DISPATCH_META: {"shapes": {
-                    key: {"dense_from": 1}}}}}).get("cpu_weights")
+                made = prepare_qlinear(params, attrs, {"kernel_choice": {DISPATCH_META: {"shapes": {
+                    key: {"dense_from": 1}}}}})
+                prepared = made.get("cpu_weights")
                 if not isinstance(prepared, DispatchedWeights):
                     continue
-                shapes[key] = {**_recalled_measure(key, threads, packed_run(prepared.packed), prepared.dense, rows),
-                               "steps": 0}
+                run = packed_run(prepared.packed, made.get("native_q8"))
+                shapes[key] = {**_recalled_measure(key, threads, run, prepared.dense, rows), "steps": 0}
             shapes[key]["steps"] += 1
     finally:
         torch.set_num_threads(previous)
@@ -163,7 +164,10 @@ def _recalled_measure(key: str, threads: int, packed_run, src: DenseSource, rows
     def run() -> dict:
         with torch.inference_mode():
             return measure_shape(packed_run, src, rows=rows)
-    return recall({"what": "qlinear dense switch", "shape": key, "threads": threads, "rows": list(rows)}, run)
+    from llmc.codegen.cpu_native import status as native_status
+
+    return recall({"what": "qlinear dense switch", "shape": key, "threads": threads, "rows": list(rows),
+                   "native": native_status()}, run)
 
 
 # (shape key, threads) -> measure_shape's record, for the shapes measured at load in this process

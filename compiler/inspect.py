@@ -235,8 +235,9 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
         lines.append(f"    torch: {named}: {why}")
     dispatch = choice.get("qlinear_dispatch") or {}
     if dispatch.get("shapes"):
-        lines.append(f"    torch qlinear, packed low-bit kernel vs dequantise + fp32 GEMM ({dispatch['threads']} "
-                     f"threads, us at rows {'/'.join(map(str, dispatch['rows']))}; dense from the row shown):")
+        lines.append(f"    torch qlinear, low-bit kernel (int8 codes: the native GEMV up to 8 rows where built) vs "
+                     f"dequantise + fp32 GEMM ({dispatch['threads']} threads, us at rows "
+                     f"{'/'.join(map(str, dispatch['rows']))}; dense from the row shown):")
     for key, entry in (dispatch.get("shapes") or {}).items():
         us = " ".join(f"{r}:{entry['us']['packed'][r]:.0f}/{entry['us']['dense'][r]:.0f}"
                       for r in entry["us"]["packed"])
