@@ -2,8 +2,10 @@
 machine's C compiler at first use, cached per source, compiler and CPU, and called through ctypes.
 A decode step's attention runs ~15 small torch operators a layer (rotary, the cache write, the
 attention itself), each costing 2-5 us of dispatch for about a microsecond of arithmetic; one call
-here. Without a compiler (or with LLMC_NATIVE=0) the torch kernels run instead: both compute the same
-function to fp32 rounding, and `llmc bench` prints which ran (`status`).
+here. Likewise a residual add and its norm where quantised GEMMs read the norm, and the int8 GEMV
+itself (fp32 activations, where torch's kernel rounds them to bf16). Without a compiler (or with
+LLMC_NATIVE=0) the torch kernels run instead: both compute the same function to fp32 rounding (bf16
+for torch's int8 GEMV), and `llmc bench` prints which ran (`status`).
 
 What the C code trusts, these wrappers check: dtype float32, the strides it reads, sizes."""
 
