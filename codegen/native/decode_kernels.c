@@ -11,6 +11,9 @@
  * reads them next (its bf16 activations round far coarser than the sum order); elsewhere they stay in
  * torch, which the fp32 target needs bitwise F.rms_norm's. */
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -249,10 +252,18 @@ static float half_bits_to_float(uint16_t h) {
     return f;
 }
 #endif
-/* int8 codes to floats: read unsigned with the sign bit flipped (q + 128), widened, converted, the 128
- * taken off as floats. GCC 12 widens unsigned bytes in vector registers but signed ones lane by lane
- * (and converts bytes straight to floats lane by lane too). */
+/* VL int8 codes to floats, exactly. With AVX-512 or AVX2 one sign-extending widen (vpmovsxbd) and a
+ * convert; elsewhere read unsigned with the sign bit flipped (q + 128), widened, converted, the 128
+ * taken off as floats, since GCC 12 widens unsigned bytes in vector registers but signed ones lane by
+ * lane (and converts bytes straight to floats lane by lane too). The flip costs two more vector ops
+ * per VL codes: on an AVX-512 Xeon the GEMV measured 9-11 GB/s a thread with it, 21 without. */
+#if VL == 16
+#define Q8(p) ((vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))))
+#elif VL == 8 && defined(__AVX2__)
+#define Q8(p) ((vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))))
+#else
 #define Q8(p) (__builtin_convertvector(__builtin_convertvector(*(const vbyte *)(p) ^ 0x80, vint32), vec) - 128.f)
+#endif
 #define LOAD(p) (*(const vec *)(p))
 
 /* out[g] = scales[s0 + g] as floats, g < groups (fp16 or fp32 scales) */
