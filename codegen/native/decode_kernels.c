@@ -313,6 +313,13 @@ static inline float dot_q8(const uint8_t *q, const float *x, const float *sc, in
     return hsum(t0 + t1);
 }
 
+/* Weight rows are fetched into L2 this many rows ahead. Converting a byte to a float costs more than
+ * reading it, so the out-of-order window holds too few rows' loads to keep memory busy and the hardware
+ * prefetcher alone does not run far enough ahead: SmolLM2's int8 weights from DRAM, 2 threads on an
+ * AVX-512 Xeon, 15 -> 24 GB/s (groups of 64) and 11 -> 18 GB/s (of 32); 4 to 64 rows all helped, into L1
+ * (prefetcht0) less, non-temporal (prefetchnta) hurt. */
+#define PREFETCH_ROWS 16
+
 /* y[r, j] = sum_g s[j, g] * sum_{i in g} q[j, i] x[r, i] for the m rows of x (`x_stride` floats apart):
  * int8 codes q [n, k], scales s [n, k / group] (fp16 when f16, else fp32), group a multiple of VL
  * dividing k; y [m, n] contiguous. The weight rows are split over `threads` threads; each row's codes
@@ -324,6 +331,8 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
     for (int64_t j = 0; j < n; j++) {
         float sc[groups];
         row_scales(scales, f16, j * groups, groups, sc);
+        if (j + PREFETCH_ROWS < n)
+            for (int64_t c = 0; c < k; c += 64) __builtin_prefetch((const char *)q + (j + PREFETCH_ROWS) * k + c, 0, 2);
         for (int64_t r = 0; r < m; r++)
             y[r * n + j] = dot_q8((const uint8_t *)q + j * k, x + r * x_stride, sc, groups, group);
     }
