@@ -104,6 +104,12 @@ def status() -> str:
     return _load()[1]
 
 
+def timing_key() -> str:
+    """What kernel timings measured through these kernels depend on: whether they are built, and
+    their source (a changed kernel is timed anew, not recalled from the machine's timing cache)."""
+    return f"{status()} {hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+
+
 class DecodeStep(NamedTuple):
     """A decode-only step's cache addressing as the attention kernel reads it, checked once a step."""
     slots: int          # pointers: int64 [b] cache slot of each new token
@@ -235,5 +241,5 @@ def gemv_q8(x: torch.Tensor, w: Q8Weights) -> torch.Tensor | None:
     return y
 
 
-__all__ = ["available", "status", "add_rms_norm", "q8_weights", "gemv_q8", "Q8Weights", "decode_step",
+__all__ = ["available", "status", "timing_key", "add_rms_norm", "q8_weights", "gemv_q8", "Q8Weights", "decode_step",
            "cache_pointers", "decode_attention", "DecodeStep", "MAX_ROWS"]

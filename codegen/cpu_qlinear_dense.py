@@ -164,10 +164,10 @@ def _recalled_measure(key: str, threads: int, packed_run, src: DenseSource, rows
     def run() -> dict:
         with torch.inference_mode():
             return measure_shape(packed_run, src, rows=rows)
-    from llmc.codegen.cpu_native import status as native_status
+    from llmc.codegen.cpu_native import timing_key as native_key
 
     return recall({"what": "qlinear dense switch", "shape": key, "threads": threads, "rows": list(rows),
-                   "native": native_status()}, run)
+                   "native": native_key()}, run)
 
 
 # (shape key, threads) -> measure_shape's record, for the shapes measured at load in this process

@@ -21,7 +21,7 @@ REPEATS = 7
 def measure_decode_step(graph: Graph, plan, files: dict[str, bytes], model: bytes, record: dict) -> dict:
     """{"plan": us, "graph": us} for one decode step of `plan` (its ORT segments in `files`) walked
     and through the decode graph `model`."""
-    from llmc.codegen.cpu_native import status as native_status
+    from llmc.codegen.cpu_native import timing_key as native_key
     from llmc.codegen.ort_timing_cache import recall
     from llmc.runtime.threads import resolve_threads
 
@@ -29,7 +29,7 @@ def measure_decode_step(graph: Graph, plan, files: dict[str, bytes], model: byte
     key = {"what": "decode step", "onnx": hashlib.sha256(model).hexdigest(), "threads": threads,
            "segments": sorted(hashlib.sha256(b).hexdigest() for b in files.values()),
            "plan": hashlib.sha256(repr([(s.kernel, s.inputs, s.outputs) for s in plan.steps]).encode()).hexdigest(),
-           "context": CONTEXT, "repeats": REPEATS, "native": native_status()}   # the walk's kernels
+           "context": CONTEXT, "repeats": REPEATS, "native": native_key()}   # the walk's kernels
     return recall(key, lambda: _measure(graph, plan, files, model, record, threads))
 
 

@@ -192,7 +192,7 @@ def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tup
 def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> dict:
     """One kind's record: what was measured (from the machine's cache when it was measured before)
     and the choice."""
-    from llmc.codegen.cpu_native import status as native_status
+    from llmc.codegen.cpu_native import timing_key as native_key
     from llmc.codegen.ort_lowering import segment_ops
     from llmc.codegen.ort_timing_cache import recall
     from llmc.runtime.ort_segment import cpu_kernel_ops
@@ -203,7 +203,7 @@ def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> d
         return {**entry, "chosen": "cpu", "why": f"onnxruntime lacks {'.'.join(missing[0]).lstrip('.')}"}
     measured = recall({"what": "ort segment", "signature": key, "onnx": hashlib.sha256(model).hexdigest(),
                        "threads": threads, "tokens": PREFILL_TOKENS, "repeats": REPEATS,
-                       "clear_cuts": CLEAR_CUTS, "native": native_status()},
+                       "clear_cuts": CLEAR_CUTS, "native": native_key()},
                       lambda: _measure_kind(graph, seg, model, builder, threads))
     return {**entry, **measured, **_verdict(measured)}
 
