@@ -34,7 +34,7 @@ MAX_ROWS = 8    # more rows than this go to torch: its kernels thread, these do 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
-                              _I, _I, _I, _I, _F, _P, _P],
+                              _I, _I, _I, _I, _F, _P, _P, _I],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
     "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
     "llmc_openmp": [],
@@ -168,11 +168,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: 
             return None
         cos, sin = c.data_ptr(), s.data_ptr()
     out = torch.empty(b, num_heads * head_dim, dtype=F32)
-    scratch = torch.empty(num_heads * head_dim + num_heads // num_kv_heads * step.max_len, dtype=F32)
-    _load()[0].llmc_decode_attention(
+    scratch = torch.empty(b * num_heads * (head_dim + step.max_len), dtype=F32)
+    lib = _load()[0]
+    lib.llmc_decode_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos, sin, cache[0], cache[1],
         step.slots, step.tables, step.width, step.lens, step.block, window or 0, b, num_heads, num_kv_heads, head_dim,
-        scale, out.data_ptr(), scratch.data_ptr())
+        scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads() if lib.openmp else 1)
     return out
 
 

@@ -69,6 +69,32 @@ def test_decode_attention_matches_float64(heads, kv_heads, hd, lens, window, rot
     torch.testing.assert_close(v_rows.double(), want_v, rtol=0, atol=0)
 
 
+def test_decode_attention_is_the_same_on_any_thread_count():
+    """(sequence, KV head) pairs split over threads: each pair's arithmetic is the same on any of them."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, hd, lens = 8, 2, 64, [33, 70, 5]
+    b, width = len(lens), max(lens) // BLOCK + 1
+    tables = torch.randperm(b * width, generator=g).reshape(b, width).contiguous()
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    positions = lens_t.long() - 1
+    slots = (tables[torch.arange(b), positions // BLOCK] * BLOCK + positions % BLOCK).contiguous()
+    q, k, v = (torch.randn(b, n * hd, generator=g) for n in (heads, kv_heads, kv_heads))
+    outs = []
+    for threads in (1, 2, 3):
+        rows = [torch.randn(b * width * BLOCK, kv_heads * hd, generator=torch.Generator().manual_seed(1))
+                for _ in range(2)]
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(cpu_native.decode_attention(q, k, v, None, cpu_native.cache_pointers(*rows),
+                                                    cpu_native.decode_step(slots, tables, lens_t, max(lens), BLOCK),
+                                                    None, heads, kv_heads, hd, hd ** -0.5))
+        finally:
+            torch.set_num_threads(previous)
+    assert outs[0] is not None
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_decode_attention_declines_what_it_cannot_read():
     slots, tables, lens = torch.tensor([5]), torch.arange(3)[None], torch.tensor([6], dtype=torch.int32)
     step = cpu_native.decode_step(slots, tables, lens, 6, BLOCK)
