@@ -29,12 +29,14 @@ from llmc.cache import cache_root
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
-MAX_ROWS = 8    # more rows than this go to torch: its kernels thread, these do not
+BF16 = torch.bfloat16
+MAX_ROWS = 8    # more rows than this go to torch's GEMMs and norms (the bf16 decode attention takes any)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
                               _I, _I, _I, _I, _F, _P, _P, _I],
+    "llmc_decode_attention_bf16": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
     "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
     "llmc_openmp": [],
@@ -135,6 +137,43 @@ def decode_step(slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, m
                          f"tables {tables.dtype} {list(tables.shape)}, lens {lens.dtype} {list(lens.shape)}, "
                          f"max_len {max_len}, block {block}")
     return DecodeStep(slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, max_len, block)
+
+
+def read_step(tables: torch.Tensor, lens: torch.Tensor, max_len: int, block: int) -> DecodeStep | None:
+    """A DecodeStep for a kernel that only reads the cache (any number of rows, no slots); None where
+    the kernels are not built."""
+    if _load()[0] is None:
+        return None
+    b = tables.shape[0]
+    if not (tables.dtype == torch.int64 and lens.dtype == torch.int32 and tables.is_contiguous()
+            and lens.is_contiguous() and lens.shape == (b,) and max_len <= tables.shape[1] * block
+            and int(lens.max()) <= max_len):
+        raise ValueError(f"decode metadata the native attention cannot read: tables {tables.dtype} "
+                         f"{list(tables.shape)}, lens {lens.dtype} {list(lens.shape)}, max_len {max_len}, "
+                         f"block {block}")
+    return DecodeStep(0, tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, max_len, block)
+
+
+def decode_attention_bf16(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, step: DecodeStep,
+                          window: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
+                          scale: float) -> torch.Tensor | None:
+    """Decode attention for q [b, heads * hd] (bf16) over one layer's bf16 cache rows [slots, kv_heads * hd]
+    that hold the step's keys and values already, through `step` (read_step). Out [b, heads * hd] bf16,
+    computed in fp32 and rounded once; None where the kernel does not apply."""
+    b, row = step.rows, num_kv_heads * head_dim
+    if (q.dtype is not BF16 or k_rows.dtype is not BF16 or v_rows.dtype is not BF16 or q.dim() != 2
+            or q.stride(1) != 1 or q.shape != (b, num_heads * head_dim) or not k_rows.is_contiguous()
+            or not v_rows.is_contiguous() or k_rows.shape != v_rows.shape or k_rows.dim() != 2
+            or k_rows.shape[1] != row or num_heads % num_kv_heads or not q.is_cpu or not k_rows.is_cpu):
+        return None
+    lib = _load()[0]
+    out = torch.empty(b, num_heads * head_dim, dtype=BF16)
+    scratch = torch.empty(b * num_heads * (head_dim + step.max_len), dtype=F32)
+    lib.llmc_decode_attention_bf16(
+        q.data_ptr(), q.stride(0), k_rows.data_ptr(), v_rows.data_ptr(), step.tables, step.width, step.lens,
+        step.block, window or 0, b, num_heads, num_kv_heads, head_dim, scale, out.data_ptr(), scratch.data_ptr(),
+        torch.get_num_threads() if lib.openmp else 1)
+    return out
 
 
 def cache_pointers(k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[int, int, int] | None:
@@ -242,5 +281,5 @@ def gemv_q8(x: torch.Tensor, w: Q8Weights) -> torch.Tensor | None:
     return y
 
 
-__all__ = ["available", "status", "timing_key", "add_rms_norm", "q8_weights", "gemv_q8", "Q8Weights", "decode_step",
-           "cache_pointers", "decode_attention", "DecodeStep", "MAX_ROWS"]
+__all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
+           "gemv_q8", "Q8Weights", "decode_step", "cache_pointers", "decode_attention", "DecodeStep", "MAX_ROWS"]

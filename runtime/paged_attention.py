@@ -44,6 +44,10 @@ class PagedKVCache:
         # what the native decode attention writes and reads (codegen/cpu_native.py), per layer
         self._native = [None if self.quantized else cpu_native.cache_pointers(k, v) for k, v in zip(*self._rows)]
 
+    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `layer` as one row per slot, [slots, kv_heads * head_dim] (views)."""
+        return self._rows[0][layer], self._rows[1][layer]
+
     def native_pointers(self, layer: int) -> tuple[int, int, int] | None:
         return self._native[layer]
 
@@ -156,6 +160,15 @@ class StepMetadata:
     decode_span: tuple[int, int, int] | None = None
     _decode_biases: dict = field(default_factory=dict, repr=False)  # by (window, dtype)
     _native_step: list = field(default_factory=list, repr=False)    # [native_step's answer] once made
+    _native_read_step: list = field(default_factory=list, repr=False)   # [native_read_step's] likewise
+
+    def native_read_step(self, block_size: int) -> "cpu_native.DecodeStep | None":
+        """The decode rows' block tables and lengths as native kernels that only read the cache take
+        them (any number of rows); made once a step, read by every layer."""
+        if not self._native_read_step:
+            self._native_read_step.append(None if self.decode_rows is None else cpu_native.read_step(
+                self.decode_blocks, self.decode_lens, self.max_context_len, block_size))
+        return self._native_read_step[0]
 
     def native_step(self, block_size: int) -> "cpu_native.DecodeStep | None":
         """The native decode attention's view of a decode-only step (None: not one, or too many
@@ -327,6 +340,14 @@ class PagedAttention(AttentionBackend):
         b = q.shape[0]
         if meta.decode_span is not None:   # one sequence, consecutive blocks: its keys as they lie
             return self._decode_span(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap)
+        if q.dtype == self.cache.dtype == torch.bfloat16 and softcap is None:
+            # the keys where they lie, each read once per KV head group, in fp32 (SmolLM2 cpu-bf16, 64
+            # sequences: see codegen/native/decode_kernels.c); None where the native kernels are not built
+            step = meta.native_read_step(self.cache.block_size)
+            out = None if step is None else cpu_native.decode_attention_bf16(
+                q, *self.cache.layer_rows(layer), step, window, num_heads, num_kv_heads, head_dim, scale)
+            if out is not None:
+                return out
         keys, values = self.cache.read(layer, meta.decode_blocks, q.dtype, scratch=True)
         if q.dtype == torch.bfloat16 and softcap is None and num_kv_heads <= BLOCK_DIAGONAL_MAX_KV_HEADS:
             bias = meta.decode_block_diagonal_bias(window, num_heads, num_kv_heads, q.dtype)

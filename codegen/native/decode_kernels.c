@@ -219,6 +219,149 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
     }
 }
 
+/* ---- decode attention over a bf16 cache (the cpu-bf16 target's batched decode) ---- */
+typedef uint16_t bf16;
+
+/* VL bf16 values to floats, exactly (a bf16 is a float's upper half) */
+static inline vec load_bf16(const bf16 *p) {
+#if VL == 16
+    return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif VL == 8 && defined(__AVX2__)
+    return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    typedef uint16_t vu16 __attribute__((vector_size(VL * 2), aligned(2)));
+    typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
+    return (vec)(__builtin_convertvector(*(const vu16 *)p, vu32) << 16);
+#endif
+}
+
+static inline float bf16_to_float(bf16 h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* a float rounded to the nearest bf16, ties to even (as torch's .to(torch.bfloat16)); NaN stays NaN */
+static inline bf16 float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (bf16)((bits >> 16) | 0x40);
+    return (bf16)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* each of `n` rows (`row` values apart) of a head's `hd` bf16 values fetched into L2: a sequence's cache
+ * blocks lie anywhere, so the hardware prefetcher stops at each block's end */
+static inline void prefetch_rows(const bf16 *at, int64_t n, int64_t row, int64_t hd) {
+    for (int64_t i = 0; i < n; i++, at += row)
+        for (int64_t c = 0; c < hd * (int64_t)sizeof(bf16); c += 64) __builtin_prefetch((const char *)at + c, 0, 2);
+}
+
+/* score_keys with bf16 keys: each key widened once, then scored by the group's fp32 queries */
+static inline __attribute__((always_inline)) void score_keys_bf16(
+        const float *qh, int64_t group, const bf16 *key, int64_t row, int64_t n, float scale,
+        float *scores, int64_t stride, const int nv) {
+    for (int64_t i = 0; i < n; i++, key += row) {
+        vec kv[128 / VL];
+        for (int c = 0; c < nv; c++) kv[c] = load_bf16(key + VL * c);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = qh + g * VL * nv;
+            vec acc = kv[0] * *(const vec *)qg;
+            for (int c = 1; c < nv; c++) acc += kv[c] * *(const vec *)(qg + VL * c);
+            scores[g * stride + i] = hsum(acc) * scale;
+        }
+    }
+}
+
+/* weigh_values with bf16 values: o_g += sum_i p[g * stride + i] * value_i, accumulated in registers
+ * (a value widened once per query head: cheaper than a memory round trip of the accumulators) */
+static inline __attribute__((always_inline)) void weigh_values_bf16(
+        float *o, int64_t group, const bf16 *value, int64_t row, int64_t n, const float *p, int64_t stride,
+        const int nv) {
+    for (int64_t g = 0; g < group; g++) {
+        vec acc[128 / VL];
+        for (int c = 0; c < nv; c++) acc[c] = *(vec *)(o + g * VL * nv + VL * c);
+        const bf16 *val = value;
+        const float *pg = p + g * stride;
+        for (int64_t i = 0; i < n; i++, val += row)
+            for (int c = 0; c < nv; c++) acc[c] += pg[i] * load_bf16(val + VL * c);
+        for (int c = 0; c < nv; c++) *(vec *)(o + g * VL * nv + VL * c) = acc[c];
+    }
+}
+
+static void score_keys_bf16_any(const float *qh, int64_t group, const bf16 *key, int64_t row, int64_t n, int64_t hd,
+                                float scale, float *scores, int64_t stride) {
+    for (int64_t i = 0; i < n; i++, key += row)
+        for (int64_t g = 0; g < group; g++) {
+            float acc = 0.f;
+            for (int64_t d = 0; d < hd; d++) acc += qh[g * hd + d] * bf16_to_float(key[d]);
+            scores[g * stride + i] = acc * scale;
+        }
+}
+
+static void weigh_values_bf16_any(float *o, int64_t group, const bf16 *value, int64_t row, int64_t n, int64_t hd,
+                                  const float *p, int64_t stride) {
+    for (int64_t i = 0; i < n; i++, value += row)
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t d = 0; d < hd; d++) o[g * hd + d] += p[g * stride + i] * bf16_to_float(value[d]);
+}
+
+/* Decode attention for `b` sequences over one layer of a bf16 paged cache (rows [slots, kv_heads * hd])
+ * that already holds each sequence's new key and value: query head j of q [b, heads * hd] (bf16, rows
+ * q_stride apart) attends to keys first .. lens[s] - 1 of its sequence (position t at slot
+ * tables[s][t / block] * block + t % block; first as in llmc_decode_attention) of KV head
+ * j / (heads / kv_heads). Reads the keys and values where they lie (no gathered copy), each once per KV
+ * head group, and per head (no block-diagonal waste); scores, softmax and sums in fp32, out [b, heads * hd]
+ * rounded to bf16 once. (Sequence, KV head) pairs split over `threads` threads.
+ * scratch holds b * heads * (hd + max(lens)) floats. */
+void llmc_decode_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
+                                const int64_t *tables, int64_t table_width, const int32_t *lens, int64_t block,
+                                int64_t window, int64_t b, int64_t heads, int64_t kv_heads, int64_t hd, float scale,
+                                bf16 *out, float *scratch, int64_t threads) {
+    int64_t row = kv_heads * hd, group = heads / kv_heads, longest = 0;
+    for (int64_t s = 0; s < b; s++) longest = lens[s] > longest ? lens[s] : longest;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads > 1)
+    for (int64_t s = 0; s < b; s++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0, n = len - first;
+            const int64_t *table = tables + s * table_width;
+            float *o = scratch + (s * heads + h * group) * hd;
+            float *scores = scratch + b * heads * hd + (s * heads + h * group) * longest;
+            float qh[group * hd];
+            for (int64_t i = 0; i < group * hd; i++) qh[i] = bf16_to_float(q[s * q_stride + h * group * hd + i]);
+            for (int64_t t = first; t < len;) {
+                int64_t in_block = t % block, run = block - in_block < len - t ? block - in_block : len - t;
+                const bf16 *key = k_cache + (table[t / block] * block + in_block) * row + h * hd;
+                if (t / block + 1 <= (len - 1) / block) {
+                    prefetch_rows(k_cache + table[t / block + 1] * block * row + h * hd, block, row, hd);
+                    prefetch_rows(v_cache + table[t / block + 1] * block * row + h * hd, block, row, hd);
+                }
+                float *at = scores + t - first;
+#define SCORE_BF16(nv) score_keys_bf16(qh, group, key, row, run, scale, at, n, nv)
+                BY_HEAD_SIZE(hd, SCORE_BF16, score_keys_bf16_any(qh, group, key, row, run, hd, scale, at, n))
+                t += run;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * n, top = -INFINITY;
+                for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
+                float inv = 1.0f / exp_shifted(sg, n, top);
+                for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+            }
+            memset(o, 0, group * hd * sizeof(float));
+            for (int64_t t = first; t < len;) {
+                int64_t in_block = t % block, run = block - in_block < len - t ? block - in_block : len - t;
+                const bf16 *value = v_cache + (table[t / block] * block + in_block) * row + h * hd;
+                const float *p = scores + t - first;
+#define WEIGH_BF16(nv) weigh_values_bf16(o, group, value, row, run, p, n, nv)
+                BY_HEAD_SIZE(hd, WEIGH_BF16, weigh_values_bf16_any(o, group, value, row, run, hd, p, n))
+                t += run;
+            }
+            bf16 *os = out + s * heads * hd + h * group * hd;
+            for (int64_t i = 0; i < group * hd; i++) os[i] = float_to_bf16(o[i]);
+        }
+    }
+}
+
 /* rms_norm over `rows` rows of n floats: out = x * rsqrt(mean(x^2) + eps) * weight, normalising in
  * fp32 as F.rms_norm does. With `residual` (not NULL), x + residual is normalised and also stored to
  * `summed` (the residual stream's next value). Rows are `stride` floats apart in x, residual and out. */

@@ -95,6 +95,47 @@ def test_decode_attention_is_the_same_on_any_thread_count():
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd,lens,window", [
+    (9, 3, 64, [140, 37, 200, 1, 64, 90, 17, 130, 55, 12], None),   # SmolLM2, more rows than MAX_ROWS
+    (4, 4, 32, [23, 9], 8),              # sliding window, MHA
+    (6, 1, 80, [17, 30, 2], None),       # MQA, a head size off the fast path
+])
+def test_decode_attention_bf16_matches_float64(heads, kv_heads, hd, lens, window):
+    """bf16 queries and cache read in place, fp32 inside: within one bf16 rounding of float64 attention over
+    the same bf16 values, and the same on any thread count."""
+    g = torch.Generator().manual_seed(sum(lens) + hd)
+    b, width = len(lens), max(lens) // BLOCK + 1
+    num_blocks = b * width + 3
+    tables = torch.randperm(num_blocks, generator=g)[:b * width].reshape(b, width).contiguous()
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    row = kv_heads * hd
+    k_rows, v_rows = (torch.randn(num_blocks * BLOCK, row, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(b, heads * hd, generator=g).bfloat16()
+    scale = hd ** -0.5
+    group, want = heads // kv_heads, torch.empty(b, heads * hd, dtype=torch.float64)
+    for s, n in enumerate(lens):
+        positions = torch.arange(max(0, n - window) if window else 0, n)
+        rows = tables[s][positions // BLOCK] * BLOCK + positions % BLOCK
+        for j in range(heads):
+            h = j // group
+            keys, values = (x[rows, h * hd:(h + 1) * hd].double() for x in (k_rows, v_rows))
+            p = torch.softmax(keys @ q[s, j * hd:(j + 1) * hd].double() * scale, dim=0)
+            want[s, j * hd:(j + 1) * hd] = p @ values
+    step = cpu_native.read_step(tables, lens_t, max(lens), BLOCK)
+    outs = []
+    for threads in (1, 2):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(cpu_native.decode_attention_bf16(q, k_rows, v_rows, step, window, heads, kv_heads, hd, scale))
+        finally:
+            torch.set_num_threads(previous)
+    assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].double(), want, rtol=2 ** -8, atol=1e-3)
+    assert cpu_native.decode_attention_bf16(q.float(), k_rows, v_rows, step, window, heads, kv_heads, hd,
+                                            scale) is None
+
+
 def test_decode_attention_declines_what_it_cannot_read():
     slots, tables, lens = torch.tensor([5]), torch.arange(3)[None], torch.tensor([6], dtype=torch.int32)
     step = cpu_native.decode_step(slots, tables, lens, 6, BLOCK)
