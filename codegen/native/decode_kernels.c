@@ -52,36 +52,45 @@ static inline float hsum(vec x) {
     return (f[0] + f[2]) + (f[1] + f[3]);
 }
 
-/* scores[g * stride + i] = scale * q_g . key_i for `n` keys `row` floats apart; nv = hd / VL vectors
- * a head (a constant where inlined, so a key's vectors stay in registers across its query heads) */
-static inline __attribute__((always_inline)) void score_keys(
-        const float *qh, int64_t group, const float *key, int64_t row, int64_t n, float scale,
-        float *scores, int64_t stride, const int nv) {
-    for (int64_t i = 0; i < n; i++, key += row) {
-        vec kv[128 / VL];
-        for (int c = 0; c < nv; c++) kv[c] = *(const vec *)(key + VL * c);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = qh + g * VL * nv;
-            vec acc = kv[0] * *(const vec *)qg;
-            for (int c = 1; c < nv; c++) acc += kv[c] * *(const vec *)(qg + VL * c);
-            scores[g * stride + i] = hsum(acc) * scale;
-        }
+/* scores[g * stride + i] = scale * q_g . key_i for `n` keys `row` values apart, each key's nv = hd / VL
+ * vectors loaded (widened to floats) once by LOAD (nv a constant where inlined, so a key's vectors stay
+ * in registers across its query heads); defined for fp32 and bf16 keys */
+#define DEFINE_SCORE_KEYS(NAME, T, LOAD)                                                              \
+    static inline __attribute__((always_inline)) void NAME(                                           \
+            const float *qh, int64_t group, const T *key, int64_t row, int64_t n, float scale,        \
+            float *scores, int64_t stride, const int nv) {                                            \
+        for (int64_t i = 0; i < n; i++, key += row) {                                                 \
+            vec kv[128 / VL];                                                                         \
+            for (int c = 0; c < nv; c++) kv[c] = LOAD(key + VL * c);                                  \
+            for (int64_t g = 0; g < group; g++) {                                                     \
+                const float *qg = qh + g * VL * nv;                                                   \
+                vec acc = kv[0] * *(const vec *)qg;                                                   \
+                for (int c = 1; c < nv; c++) acc += kv[c] * *(const vec *)(qg + VL * c);              \
+                scores[g * stride + i] = hsum(acc) * scale;                                           \
+            }                                                                                         \
+        }                                                                                             \
     }
-}
 
-/* o_g (nv vectors each) += sum_i p[g * stride + i] * value_i, accumulated in registers */
-static inline __attribute__((always_inline)) void weigh_values(
-        float *o, int64_t group, const float *value, int64_t row, int64_t n, const float *p, int64_t stride,
-        const int nv) {
-    for (int64_t g = 0; g < group; g++) {
-        vec acc[128 / VL];
-        for (int c = 0; c < nv; c++) acc[c] = *(vec *)(o + g * VL * nv + VL * c);
-        const float *val = value, *pg = p + g * stride;
-        for (int64_t i = 0; i < n; i++, val += row)
-            for (int c = 0; c < nv; c++) acc[c] += pg[i] * *(const vec *)(val + VL * c);
-        for (int c = 0; c < nv; c++) *(vec *)(o + g * VL * nv + VL * c) = acc[c];
+/* o_g (nv vectors each) += sum_i p[g * stride + i] * value_i, accumulated in registers (a value loaded
+ * once per query head: cheaper than a memory round trip of the accumulators); fp32 and bf16 values */
+#define DEFINE_WEIGH_VALUES(NAME, T, LOAD)                                                            \
+    static inline __attribute__((always_inline)) void NAME(                                           \
+            float *o, int64_t group, const T *value, int64_t row, int64_t n, const float *p,          \
+            int64_t stride, const int nv) {                                                           \
+        for (int64_t g = 0; g < group; g++) {                                                         \
+            vec acc[128 / VL];                                                                        \
+            for (int c = 0; c < nv; c++) acc[c] = *(vec *)(o + g * VL * nv + VL * c);                 \
+            const T *val = value;                                                                     \
+            const float *pg = p + g * stride;                                                         \
+            for (int64_t i = 0; i < n; i++, val += row)                                               \
+                for (int c = 0; c < nv; c++) acc[c] += pg[i] * LOAD(val + VL * c);                    \
+            for (int c = 0; c < nv; c++) *(vec *)(o + g * VL * nv + VL * c) = acc[c];                 \
+        }                                                                                             \
     }
-}
+
+static inline vec load_f32(const float *p) { return *(const vec *)p; }
+DEFINE_SCORE_KEYS(score_keys, float, load_f32)
+DEFINE_WEIGH_VALUES(weigh_values, float, load_f32)
 
 /* e^x for x <= 0 in every lane (softmax's scores less their maximum), within 1.5 ulp on [-87, 0]:
  * x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial, 2^n built in the exponent bits.
@@ -118,6 +127,22 @@ static float exp_shifted(float *sg, int64_t n, float top) {
     float total = hsum(acc);
     for (; i < n; i++) total += sg[i] = expf(sg[i] - top);
     return total;
+}
+
+/* softmax in place over each of `rows` rows of n scores */
+static void softmax_rows(float *scores, int64_t rows, int64_t n) {
+    for (int64_t g = 0; g < rows; g++) {
+        float *sg = scores + g * n, top = -INFINITY;
+        for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
+        float inv = 1.0f / exp_shifted(sg, n, top);
+        for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+    }
+}
+
+/* keys from position t that lie together in t's cache block, up to position len - 1 */
+static inline int64_t block_run(int64_t t, int64_t len, int64_t block) {
+    int64_t left = block - t % block;
+    return left < len - t ? left : len - t;
 }
 
 static float dot(const float *a, const float *b, int64_t n) {
@@ -193,22 +218,17 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
             float *o = out + s * heads * hd + h * group * hd;
             /* scores[g * n + i] for query head g of this group and key first + i, walking the blocks */
             for (int64_t t = first; t < len;) {
-                int64_t in_block = t % block, run = block - in_block < len - t ? block - in_block : len - t;
+                int64_t in_block = t % block, run = block_run(t, len, block);
                 const float *key = k_cache + (table[t / block] * block + in_block) * row + h * hd;
                 float *at = scores + t - first;
 #define SCORE(nv) score_keys(qh, group, key, row, run, scale, at, n, nv)
                 BY_HEAD_SIZE(hd, SCORE, score_keys_any(qh, group, key, row, run, hd, scale, at, n))
                 t += run;
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * n, top = -INFINITY;
-                for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
-                float inv = 1.0f / exp_shifted(sg, n, top);
-                for (int64_t i = 0; i < n; i++) sg[i] *= inv;
-            }
+            softmax_rows(scores, group, n);
             memset(o, 0, group * hd * sizeof(float));
             for (int64_t t = first; t < len;) {
-                int64_t in_block = t % block, run = block - in_block < len - t ? block - in_block : len - t;
+                int64_t in_block = t % block, run = block_run(t, len, block);
                 const float *value = v_cache + (table[t / block] * block + in_block) * row + h * hd;
                 const float *p = scores + t - first;
 #define WEIGH(nv) weigh_values(o, group, value, row, run, p, n, nv)
@@ -257,37 +277,8 @@ static inline void prefetch_rows(const bf16 *at, int64_t n, int64_t row, int64_t
         for (int64_t c = 0; c < hd * (int64_t)sizeof(bf16); c += 64) __builtin_prefetch((const char *)at + c, 0, 2);
 }
 
-/* score_keys with bf16 keys: each key widened once, then scored by the group's fp32 queries */
-static inline __attribute__((always_inline)) void score_keys_bf16(
-        const float *qh, int64_t group, const bf16 *key, int64_t row, int64_t n, float scale,
-        float *scores, int64_t stride, const int nv) {
-    for (int64_t i = 0; i < n; i++, key += row) {
-        vec kv[128 / VL];
-        for (int c = 0; c < nv; c++) kv[c] = load_bf16(key + VL * c);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = qh + g * VL * nv;
-            vec acc = kv[0] * *(const vec *)qg;
-            for (int c = 1; c < nv; c++) acc += kv[c] * *(const vec *)(qg + VL * c);
-            scores[g * stride + i] = hsum(acc) * scale;
-        }
-    }
-}
-
-/* weigh_values with bf16 values: o_g += sum_i p[g * stride + i] * value_i, accumulated in registers
- * (a value widened once per query head: cheaper than a memory round trip of the accumulators) */
-static inline __attribute__((always_inline)) void weigh_values_bf16(
-        float *o, int64_t group, const bf16 *value, int64_t row, int64_t n, const float *p, int64_t stride,
-        const int nv) {
-    for (int64_t g = 0; g < group; g++) {
-        vec acc[128 / VL];
-        for (int c = 0; c < nv; c++) acc[c] = *(vec *)(o + g * VL * nv + VL * c);
-        const bf16 *val = value;
-        const float *pg = p + g * stride;
-        for (int64_t i = 0; i < n; i++, val += row)
-            for (int c = 0; c < nv; c++) acc[c] += pg[i] * load_bf16(val + VL * c);
-        for (int c = 0; c < nv; c++) *(vec *)(o + g * VL * nv + VL * c) = acc[c];
-    }
-}
+DEFINE_SCORE_KEYS(score_keys_bf16, bf16, load_bf16)
+DEFINE_WEIGH_VALUES(weigh_values_bf16, bf16, load_bf16)
 
 static void score_keys_bf16_any(const float *qh, int64_t group, const bf16 *key, int64_t row, int64_t n, int64_t hd,
                                 float scale, float *scores, int64_t stride) {
@@ -330,7 +321,7 @@ void llmc_decode_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_c
             float qh[group * hd];
             for (int64_t i = 0; i < group * hd; i++) qh[i] = bf16_to_float(q[s * q_stride + h * group * hd + i]);
             for (int64_t t = first; t < len;) {
-                int64_t in_block = t % block, run = block - in_block < len - t ? block - in_block : len - t;
+                int64_t in_block = t % block, run = block_run(t, len, block);
                 const bf16 *key = k_cache + (table[t / block] * block + in_block) * row + h * hd;
                 if (t / block + 1 <= (len - 1) / block) {
                     prefetch_rows(k_cache + table[t / block + 1] * block * row + h * hd, block, row, hd);
@@ -341,15 +332,10 @@ void llmc_decode_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_c
                 BY_HEAD_SIZE(hd, SCORE_BF16, score_keys_bf16_any(qh, group, key, row, run, hd, scale, at, n))
                 t += run;
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * n, top = -INFINITY;
-                for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
-                float inv = 1.0f / exp_shifted(sg, n, top);
-                for (int64_t i = 0; i < n; i++) sg[i] *= inv;
-            }
+            softmax_rows(scores, group, n);
             memset(o, 0, group * hd * sizeof(float));
             for (int64_t t = first; t < len;) {
-                int64_t in_block = t % block, run = block - in_block < len - t ? block - in_block : len - t;
+                int64_t in_block = t % block, run = block_run(t, len, block);
                 const bf16 *value = v_cache + (table[t / block] * block + in_block) * row + h * hd;
                 const float *p = scores + t - first;
 #define WEIGH_BF16(nv) weigh_values_bf16(o, group, value, row, run, p, n, nv)
