@@ -106,6 +106,7 @@ def status() -> str:
     return _load()[1]
 
 
+@lru_cache(maxsize=1)
 def timing_key() -> str:
     """What kernel timings measured through these kernels depend on: whether they are built, and
     their source (a changed kernel is timed anew, not recalled from the machine's timing cache)."""
@@ -125,18 +126,15 @@ class DecodeStep(NamedTuple):
 
 def decode_step(slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, max_len: int,
                 block: int) -> DecodeStep | None:
-    """The step's DecodeStep; None where the native kernel does not apply (too many rows)."""
+    """The step's DecodeStep; None where the native kernel does not apply (too many rows, not built)."""
     b = slots.shape[0]
-    if _load()[0] is None or b > MAX_ROWS:
+    if b > MAX_ROWS:
         return None
-    ok = (slots.dtype == tables.dtype == torch.int64 and lens.dtype == torch.int32 and slots.is_contiguous()
-          and tables.is_contiguous() and lens.is_contiguous() and tables.shape[0] == lens.shape[0] == b
-          and max_len <= tables.shape[1] * block and int(lens.max()) <= max_len)
-    if not ok:
-        raise ValueError(f"decode metadata the native attention cannot read: slots {slots.dtype} {list(slots.shape)}, "
-                         f"tables {tables.dtype} {list(tables.shape)}, lens {lens.dtype} {list(lens.shape)}, "
-                         f"max_len {max_len}, block {block}")
-    return DecodeStep(slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, max_len, block)
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or tables.shape[0] != b:
+        raise ValueError(f"decode metadata the native attention cannot read: slots {slots.dtype} "
+                         f"{list(slots.shape)} for {tables.shape[0]} block tables")
+    step = read_step(tables, lens, max_len, block)
+    return None if step is None else step._replace(slots=slots.data_ptr())
 
 
 def read_step(tables: torch.Tensor, lens: torch.Tensor, max_len: int, block: int) -> DecodeStep | None:

@@ -145,6 +145,23 @@ static inline int64_t block_run(int64_t t, int64_t len, int64_t block) {
     return left < len - t ? left : len - t;
 }
 
+/* the cache slot of position t through a sequence's block table */
+static inline int64_t slot_of(const int64_t *table, int64_t t, int64_t block) {
+    return table[t / block] * block + t % block;
+}
+
+/* the first key a decode at position len - 1 sees: 0, or len - window with a sliding window (window > 0) */
+static inline int64_t first_key(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+/* the most keys any of b sequences sees */
+static int64_t longest_len(const int32_t *lens, int64_t b) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < b; s++) longest = lens[s] > longest ? lens[s] : longest;
+    return longest;
+}
+
 static float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.f;
     for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
@@ -192,8 +209,7 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
                            int64_t table_width, const int32_t *lens, int64_t block, int64_t window,
                            int64_t b, int64_t heads, int64_t kv_heads, int64_t hd, float scale,
                            float *out, float *scratch, int64_t threads) {
-    int64_t row = kv_heads * hd, group = heads / kv_heads, longest = 0;
-    for (int64_t s = 0; s < b; s++) longest = lens[s] > longest ? lens[s] : longest;
+    int64_t row = kv_heads * hd, group = heads / kv_heads, longest = longest_len(lens, b);
     float *rotated = scratch, *all_scores = scratch + b * heads * hd;
     for (int64_t s = 0; s < b; s++) {
         const float *qs = q + s * q_stride, *ks = k + s * k_stride, *vs = v + s * v_stride;
@@ -211,15 +227,15 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads > 1)
     for (int64_t s = 0; s < b; s++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0, n = len - first;
+            int64_t len = lens[s], first = first_key(len, window), n = len - first;
             const int64_t *table = tables + s * table_width;
             const float *qh = rotated + s * heads * hd + h * group * hd;
             float *scores = all_scores + (s * heads + h * group) * longest;
             float *o = out + s * heads * hd + h * group * hd;
             /* scores[g * n + i] for query head g of this group and key first + i, walking the blocks */
             for (int64_t t = first; t < len;) {
-                int64_t in_block = t % block, run = block_run(t, len, block);
-                const float *key = k_cache + (table[t / block] * block + in_block) * row + h * hd;
+                int64_t run = block_run(t, len, block);
+                const float *key = k_cache + slot_of(table, t, block) * row + h * hd;
                 float *at = scores + t - first;
 #define SCORE(nv) score_keys(qh, group, key, row, run, scale, at, n, nv)
                 BY_HEAD_SIZE(hd, SCORE, score_keys_any(qh, group, key, row, run, hd, scale, at, n))
@@ -228,8 +244,8 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
             softmax_rows(scores, group, n);
             memset(o, 0, group * hd * sizeof(float));
             for (int64_t t = first; t < len;) {
-                int64_t in_block = t % block, run = block_run(t, len, block);
-                const float *value = v_cache + (table[t / block] * block + in_block) * row + h * hd;
+                int64_t run = block_run(t, len, block);
+                const float *value = v_cache + slot_of(table, t, block) * row + h * hd;
                 const float *p = scores + t - first;
 #define WEIGH(nv) weigh_values(o, group, value, row, run, p, n, nv)
                 BY_HEAD_SIZE(hd, WEIGH, weigh_values_any(o, group, value, row, run, hd, p, n))
@@ -309,20 +325,19 @@ void llmc_decode_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_c
                                 const int64_t *tables, int64_t table_width, const int32_t *lens, int64_t block,
                                 int64_t window, int64_t b, int64_t heads, int64_t kv_heads, int64_t hd, float scale,
                                 bf16 *out, float *scratch, int64_t threads) {
-    int64_t row = kv_heads * hd, group = heads / kv_heads, longest = 0;
-    for (int64_t s = 0; s < b; s++) longest = lens[s] > longest ? lens[s] : longest;
+    int64_t row = kv_heads * hd, group = heads / kv_heads, longest = longest_len(lens, b);
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads > 1)
     for (int64_t s = 0; s < b; s++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0, n = len - first;
+            int64_t len = lens[s], first = first_key(len, window), n = len - first;
             const int64_t *table = tables + s * table_width;
             float *o = scratch + (s * heads + h * group) * hd;
             float *scores = scratch + b * heads * hd + (s * heads + h * group) * longest;
             float qh[group * hd];
             for (int64_t i = 0; i < group * hd; i++) qh[i] = bf16_to_float(q[s * q_stride + h * group * hd + i]);
             for (int64_t t = first; t < len;) {
-                int64_t in_block = t % block, run = block_run(t, len, block);
-                const bf16 *key = k_cache + (table[t / block] * block + in_block) * row + h * hd;
+                int64_t run = block_run(t, len, block);
+                const bf16 *key = k_cache + slot_of(table, t, block) * row + h * hd;
                 if (t / block + 1 <= (len - 1) / block) {
                     prefetch_rows(k_cache + table[t / block + 1] * block * row + h * hd, block, row, hd);
                     prefetch_rows(v_cache + table[t / block + 1] * block * row + h * hd, block, row, hd);
@@ -335,8 +350,8 @@ void llmc_decode_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_c
             softmax_rows(scores, group, n);
             memset(o, 0, group * hd * sizeof(float));
             for (int64_t t = first; t < len;) {
-                int64_t in_block = t % block, run = block_run(t, len, block);
-                const bf16 *value = v_cache + (table[t / block] * block + in_block) * row + h * hd;
+                int64_t run = block_run(t, len, block);
+                const bf16 *value = v_cache + slot_of(table, t, block) * row + h * hd;
                 const float *p = scores + t - first;
 #define WEIGH_BF16(nv) weigh_values_bf16(o, group, value, row, run, p, n, nv)
                 BY_HEAD_SIZE(hd, WEIGH_BF16, weigh_values_bf16_any(o, group, value, row, run, hd, p, n))

@@ -23,6 +23,12 @@ def _reference(q, k, v, cos, sin, k_rows, v_rows, slots, tables, lens, window, h
     q, k = (apply_rope(x.double(), c.double(), s.double(), hd) if cos is not None else x.double()
             for x, c, s in ((q, cos, sin), (k, cos, sin)))
     k_rows[slots], v_rows[slots] = k, v.double()
+    return _attend_float64(q, k_rows, v_rows, tables, lens, window, heads, kv_heads, hd, scale), k_rows, v_rows
+
+
+def _attend_float64(q, k_rows, v_rows, tables, lens, window, heads, kv_heads, hd, scale):
+    """float64 attention per sequence and query head over the cache rows its block table names."""
+    q, k_rows, v_rows = q.double(), k_rows.double(), v_rows.double()
     group, out = heads // kv_heads, torch.empty(q.shape, dtype=torch.float64)
     for s, n in enumerate(lens.tolist()):
         positions = torch.arange(max(0, n - window) if window else 0, n)
@@ -32,7 +38,17 @@ def _reference(q, k, v, cos, sin, k_rows, v_rows, slots, tables, lens, window, h
             keys, values = k_rows[rows, h * hd:(h + 1) * hd], v_rows[rows, h * hd:(h + 1) * hd]
             p = torch.softmax(keys @ q[s, j * hd:(j + 1) * hd] * scale, dim=0)
             out[s, j * hd:(j + 1) * hd] = p @ values
-    return out, k_rows, v_rows
+    return out
+
+
+def _on_threads(threads: int, fn):
+    """fn() with torch (and so the native kernels) on `threads` threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd,lens,window,rotary", [
@@ -79,18 +95,14 @@ def test_decode_attention_is_the_same_on_any_thread_count():
     positions = lens_t.long() - 1
     slots = (tables[torch.arange(b), positions // BLOCK] * BLOCK + positions % BLOCK).contiguous()
     q, k, v = (torch.randn(b, n * hd, generator=g) for n in (heads, kv_heads, kv_heads))
-    outs = []
-    for threads in (1, 2, 3):
+
+    def attend():
         rows = [torch.randn(b * width * BLOCK, kv_heads * hd, generator=torch.Generator().manual_seed(1))
                 for _ in range(2)]
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            outs.append(cpu_native.decode_attention(q, k, v, None, cpu_native.cache_pointers(*rows),
-                                                    cpu_native.decode_step(slots, tables, lens_t, max(lens), BLOCK),
-                                                    None, heads, kv_heads, hd, hd ** -0.5))
-        finally:
-            torch.set_num_threads(previous)
+        return cpu_native.decode_attention(q, k, v, None, cpu_native.cache_pointers(*rows),
+                                           cpu_native.decode_step(slots, tables, lens_t, max(lens), BLOCK),
+                                           None, heads, kv_heads, hd, hd ** -0.5)
+    outs = [_on_threads(threads, attend) for threads in (1, 2, 3)]
     assert outs[0] is not None
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -112,24 +124,11 @@ def test_decode_attention_bf16_matches_float64(heads, kv_heads, hd, lens, window
     k_rows, v_rows = (torch.randn(num_blocks * BLOCK, row, generator=g).bfloat16() for _ in range(2))
     q = torch.randn(b, heads * hd, generator=g).bfloat16()
     scale = hd ** -0.5
-    group, want = heads // kv_heads, torch.empty(b, heads * hd, dtype=torch.float64)
-    for s, n in enumerate(lens):
-        positions = torch.arange(max(0, n - window) if window else 0, n)
-        rows = tables[s][positions // BLOCK] * BLOCK + positions % BLOCK
-        for j in range(heads):
-            h = j // group
-            keys, values = (x[rows, h * hd:(h + 1) * hd].double() for x in (k_rows, v_rows))
-            p = torch.softmax(keys @ q[s, j * hd:(j + 1) * hd].double() * scale, dim=0)
-            want[s, j * hd:(j + 1) * hd] = p @ values
+    want = _attend_float64(q, k_rows, v_rows, tables, lens_t, window, heads, kv_heads, hd, scale)
     step = cpu_native.read_step(tables, lens_t, max(lens), BLOCK)
-    outs = []
-    for threads in (1, 2):
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            outs.append(cpu_native.decode_attention_bf16(q, k_rows, v_rows, step, window, heads, kv_heads, hd, scale))
-        finally:
-            torch.set_num_threads(previous)
+    outs = [_on_threads(threads, lambda: cpu_native.decode_attention_bf16(q, k_rows, v_rows, step, window, heads,
+                                                                         kv_heads, hd, scale))
+            for threads in (1, 2)]
     assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0].double(), want, rtol=2 ** -8, atol=1e-3)
     assert cpu_native.decode_attention_bf16(q.float(), k_rows, v_rows, step, window, heads, kv_heads, hd,
