@@ -51,11 +51,15 @@ def main() -> None:
     ap.add_argument("--by-kernel", action="store_true", help="also split the plan walk per kernel")
     ap.add_argument("--no-decode-graph", action="store_true",
                     help="walk the plan on decode steps too (the artifact's decode graph unused), for an A/B")
+    ap.add_argument("--no-native-program", action="store_true",
+                    help="walk every launch on decode steps (the native decode program unused), for an A/B")
     ap.add_argument("--kv-memory", default="1GiB", help="KV cache budget; every sequence must fit to its last step")
     args = ap.parse_args()
     engine = Engine(args.artifact, EngineConfig(kv_memory=args.kv_memory, seed=0))
     if args.no_decode_graph:
         engine.executor.decode_graph = None
+    if args.no_native_program:
+        engine.executor.native_decode = None
     if args.threads:   # after the engine, which applies its own thread count
         torch.set_num_threads(args.threads)
     vocab = engine.model["vocab_size"]

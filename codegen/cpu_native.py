@@ -26,7 +26,7 @@ import torch
 
 from llmc.cache import cache_root
 
-SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
+SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("decode_kernels.c", "decode_program.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
 BF16 = torch.bfloat16
@@ -39,6 +39,9 @@ SIGNATURES = {
     "llmc_decode_attention_bf16": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
     "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
+    "llmc_gemv_f32": [_P, _I, _I, _P, _P, _I, _I, _P, _I],
+    "llmc_swiglu": [_P, _I, _I, _I, _P],
+    "llmc_decode_program": [_P, _I, _P],
     "llmc_openmp": [],
 }
 OPENMP = ("-fopenmp",)   # for the GEMV's threads; without it (a compiler lacking OpenMP) that GEMV stays off
@@ -53,9 +56,13 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def _source_text() -> str:
+    return "\0".join(p.read_text() for p in SOURCES)
+
+
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_id()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([_source_text(), " ".join(flags), version, _cpu_id()]).encode()).hexdigest()
     target = cache_root() / "native" / f"decode_kernels-{key[:16]}.so"
     if target.exists():
         return target
@@ -63,10 +70,10 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[:300]}")
+            raise RuntimeError(f"{compiler} failed on {' '.join(p.name for p in SOURCES)}: {done.stderr.strip()[:300]}")
         os.replace(tmp, target)   # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -110,7 +117,7 @@ def status() -> str:
 def timing_key() -> str:
     """What kernel timings measured through these kernels depend on: whether they are built, and
     their source (a changed kernel is timed anew, not recalled from the machine's timing cache)."""
-    return f"{status()} {hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+    return f"{status()} {hashlib.sha256(_source_text().encode()).hexdigest()[:16]}"
 
 
 class DecodeStep(NamedTuple):

@@ -14,6 +14,7 @@ from llmc.codegen.cpu_kernels import RopeCache
 from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan
 from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from llmc.errors import ArtifactError, RuntimeLlmcError
+from llmc.runtime import native_decode
 from llmc.runtime.attention import AttentionBackend, NoCacheAttention
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
@@ -71,6 +72,8 @@ class PlanExecutor:
         self._outputs = [self._register(o, "graph output") for o in plan.outputs]
         self._check_registers()
         self.decode_graph = self._load_decode_graph()
+        # decode steps of a few rows run their covered layers as one native call (None: walk them)
+        self.native_decode = native_decode.build(self)
 
     def weight(self, name: str) -> torch.Tensor:
         """The plan parameter `name` as the executor holds it (on its device)."""
@@ -268,8 +271,19 @@ class PlanExecutor:
             for launch in self._program:
                 self._store(regs, launch, self._run_checked(launch, regs, context))
             return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
-        by_context: dict[tuple, dict] = {}   # each launch's context keyword args, built once a forward
-        for fn, args, outs, attrs, ctx, frees, _, _ in self._program:
+        native = self.native_decode
+        if native is not None and backend is not None:
+            self._walk(self._program[:native.start], regs, context)
+            rest = native.end if native.run(regs, backend, context["rope_cache"]) else native.start
+            self._walk(self._program[rest:], regs, context)
+        else:
+            self._walk(self._program, regs, context)
+        return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
+
+    @staticmethod
+    def _walk(launches: list[Launch], regs: list, context: dict) -> None:
+        by_context: dict[tuple, dict] = {}   # each launch's context keyword args, built once a walk
+        for fn, args, outs, attrs, ctx, frees, _, _ in launches:
             if ctx:
                 kwargs = by_context.get(ctx)
                 if kwargs is None:
@@ -281,7 +295,6 @@ class PlanExecutor:
                 regs[i] = t
             for i in frees:
                 regs[i] = None
-        return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
 
     @staticmethod
     def _store(regs: list, launch: Launch, results) -> None:

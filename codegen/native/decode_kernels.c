@@ -436,23 +436,34 @@ static inline void row_scales(const void *scales, int64_t f16, int64_t s0, int64
 #endif
 }
 
-/* sum_i q_i x_i over `len` codes (a multiple of VL) in four chains: one accumulator would wait on each
- * FMA's latency (a row of 576 codes measured 1.5x slower) */
+/* sum_i w_i x_i over len elements of w (loaded as floats by W) in four vector chains, as far as whole
+ * vectors go (*end: where they stopped): one accumulator would wait on each FMA's latency (a row of 576
+ * int8 codes measured 1.5x slower) */
+#define DEFINE_DOT_CHAINS(NAME, T, W)                                                   \
+    static inline vec NAME(const T *w, const float *x, int64_t len, int64_t *end) {     \
+        vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                     \
+        int64_t i = 0;                                                                  \
+        for (; i + 4 * VL <= len; i += 4 * VL) {                                        \
+            a0 += W(w + i) * LOAD(x + i);                                               \
+            a1 += W(w + i + VL) * LOAD(x + i + VL);                                     \
+            a2 += W(w + i + 2 * VL) * LOAD(x + i + 2 * VL);                             \
+            a3 += W(w + i + 3 * VL) * LOAD(x + i + 3 * VL);                             \
+        }                                                                               \
+        for (; i + 2 * VL <= len; i += 2 * VL) {                                        \
+            a0 += W(w + i) * LOAD(x + i);                                               \
+            a1 += W(w + i + VL) * LOAD(x + i + VL);                                     \
+        }                                                                               \
+        for (; i + VL <= len; i += VL) a2 += W(w + i) * LOAD(x + i);                    \
+        *end = i;                                                                       \
+        return (a0 + a1) + (a2 + a3);                                                   \
+    }
+DEFINE_DOT_CHAINS(chains_q8, uint8_t, Q8)
+DEFINE_DOT_CHAINS(chains_f32, float, LOAD)
+
+/* sum_i q_i x_i over `len` codes, a multiple of VL */
 static inline vec group_q8(const uint8_t *q, const float *x, int64_t len) {
-    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    int64_t i = 0;
-    for (; i + 4 * VL <= len; i += 4 * VL) {
-        a0 += Q8(q + i) * LOAD(x + i);
-        a1 += Q8(q + i + VL) * LOAD(x + i + VL);
-        a2 += Q8(q + i + 2 * VL) * LOAD(x + i + 2 * VL);
-        a3 += Q8(q + i + 3 * VL) * LOAD(x + i + 3 * VL);
-    }
-    for (; i + 2 * VL <= len; i += 2 * VL) {
-        a0 += Q8(q + i) * LOAD(x + i);
-        a1 += Q8(q + i + VL) * LOAD(x + i + VL);
-    }
-    if (i < len) a2 += Q8(q + i) * LOAD(x + i);
-    return (a0 + a1) + (a2 + a3);
+    int64_t end;
+    return chains_q8(q, x, len, &end);
 }
 
 /* sum_g s_g * sum_{i in g} q_i x_i for one weight row, its groups in two chains */
@@ -489,6 +500,53 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
             for (int64_t c = 0; c < k; c += 64) __builtin_prefetch((const char *)q + (j + PREFETCH_ROWS) * k + c, 0, 2);
         for (int64_t r = 0; r < m; r++)
             y[r * n + j] = dot_q8((const uint8_t *)q + j * k, x + r * x_stride, sc, groups, group);
+    }
+}
+
+/* ---- fp32 GEMV and SwiGLU, for the native decode program (decode_program.c) ---- */
+
+/* sum_i w_i x_i over k floats, the tail (k not a multiple of VL) lane by lane */
+static inline float dot_f32(const float *w, const float *x, int64_t k) {
+    int64_t i;
+    float total = hsum(chains_f32(w, x, k, &i));
+    for (; i < k; i++) total += w[i] * x[i];
+    return total;
+}
+
+/* Rows of an fp32 weight fetched ahead into L2: fp32 weights are 4 bytes a weight to int8's 1, so the
+ * hardware prefetcher keeps up better, but the rows are the same distance ahead in time. */
+#define F32_PREFETCH_ROWS 4
+
+/* y[r, j] = sum_i w[j, i] x[r, i] (+ bias[j] when bias is not NULL) for the m rows of x (`x_stride` floats
+ * apart), w [n, k] contiguous fp32, y [m, n] contiguous; weight rows split over `threads` threads, each
+ * read once for all m rows. */
+void llmc_gemv_f32(const float *x, int64_t x_stride, int64_t m, const float *w, const float *bias, int64_t n,
+                   int64_t k, float *y, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < n; j++) {
+        if (j + F32_PREFETCH_ROWS < n)
+            for (int64_t c = 0; c < k; c += 16) __builtin_prefetch(w + (j + F32_PREFETCH_ROWS) * k + c, 0, 2);
+        for (int64_t r = 0; r < m; r++) y[r * n + j] = dot_f32(w + j * k, x + r * x_stride, k) + (bias ? bias[j] : 0.f);
+    }
+}
+
+/* out[r, i] = silu(g) * u, g = x[r, i], u = x[r, inter + i], for m rows (`x_stride` floats apart) into
+ * out [m, inter]: silu(g) = g * sigmoid(g), sigmoid from e^-|g| (never overflowing), as 1 / (1 + e) for
+ * g >= 0 and e / (1 + e) below. */
+void llmc_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t inter, float *out) {
+    typedef int32_t vint __attribute__((vector_size(VL * 4)));
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = x + r * x_stride, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + VL <= inter; i += VL) {
+            vec gv = LOAD(g + i), e = exp_nonpositive((vec)((vint)gv | INT32_MIN));   /* -|g| */
+            vec rcp = 1.0f / (1.0f + e);
+            vint positive = gv >= 0;
+            vec sig = (vec)(((vint)rcp & positive) | ((vint)(e * rcp) & ~positive));
+            *(vec *)(o + i) = gv * sig * LOAD(u + i);
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 

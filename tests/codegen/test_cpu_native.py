@@ -174,25 +174,43 @@ def _generate(artifact, prompts):
 
 
 def test_engine_decodes_the_same_with_and_without_them(compiled, monkeypatch):
-    """tiny-llama's decode steps (one sequence, and three at once) through the native kernels and
-    through torch's: the same greedy tokens, log-probabilities within fp32 rounding."""
+    """tiny-llama's decode steps (one sequence, and three at once) through the native decode program
+    (runtime/native_decode.py), through the walk's native kernels launch by launch, and through torch's:
+    the same greedy tokens, log-probabilities within fp32 rounding."""
+    from llmc.runtime import native_decode
+
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (7, 40, 19)]
-    calls, attend = [], cpu_native.decode_attention
 
-    def counted(*args):
+    def both():
+        return {**_generate(compiled, prompts[:1]), **{f"b{k}": v for k, v in _generate(compiled, prompts).items()}}
+
+    program_rows, attention_rows = [], []
+    run, attend = native_decode.NativeDecode.run, cpu_native.decode_attention
+
+    def counted_run(self, regs, backend, rope_cache):
+        ran = run(self, regs, backend, rope_cache)
+        program_rows.extend([backend.metadata.native_step(backend.cache.block_size).rows] if ran else [])
+        return ran
+
+    def counted_attend(*args):
         out = attend(*args)
-        calls.extend([] if out is None else [out.shape[0]])
+        attention_rows.extend([] if out is None else [out.shape[0]])
         return out
-    monkeypatch.setattr(cpu_native, "decode_attention", counted)
-    native = {**_generate(compiled, prompts[:1]), **{f"b{k}": v for k, v in _generate(compiled, prompts).items()}}
-    assert 1 in calls and 3 in calls   # it ran, for one sequence and for three
+    monkeypatch.setattr(native_decode.NativeDecode, "run", counted_run)
+    monkeypatch.setattr(cpu_native, "decode_attention", counted_attend)
+    program = both()
+    assert 1 in program_rows and 3 in program_rows and not attention_rows   # one call a step, every layer in it
+    monkeypatch.setattr(native_decode, "build", lambda executor: None)
+    walk = both()
+    assert 1 in attention_rows and 3 in attention_rows   # the walk's launches took the native kernels
     monkeypatch.setattr(cpu_native, "_load", lambda: (None, "off (test)"))
-    torch_ = {**_generate(compiled, prompts[:1]), **{f"b{k}": v for k, v in _generate(compiled, prompts).items()}}
-    assert native.keys() == torch_.keys() and len(native) == 4
-    for rid in native:
-        assert native[rid][0] == torch_[rid][0], rid
-        torch.testing.assert_close(torch.tensor(native[rid][1]), torch.tensor(torch_[rid][1]), rtol=1e-4, atol=1e-4)
+    torch_ = both()
+    assert program.keys() == walk.keys() == torch_.keys() and len(program) == 4
+    for rid in program:
+        assert program[rid][0] == walk[rid][0] == torch_[rid][0], rid
+        for other in (walk, torch_):
+            torch.testing.assert_close(torch.tensor(program[rid][1]), torch.tensor(other[rid][1]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows,residual", [(1, True), (3, True), (cpu_native.MAX_ROWS, True), (2, False)])
@@ -287,3 +305,31 @@ def test_gemv_q8_declines_what_it_cannot_run():
     assert cpu_native.gemv_q8(torch.randn(cpu_native.MAX_ROWS + 1, 64), w) is None
     assert cpu_native.gemv_q8(torch.randn(2, 63), w) is None
     assert cpu_native.gemv_q8(torch.randn(64, 2).t(), w) is None          # columns not contiguous
+
+
+@pytest.mark.parametrize("rows,n,k,bias,threads", [(1, 960, 576, False, 2), (3, 97, 1536, True, 1),
+                                                   (cpu_native.MAX_ROWS, 40, 75, True, 3)])
+def test_gemv_f32_matches_float64(rows, n, k, bias, threads):
+    """The decode program's fp32 GEMV: rows of x strided (a split's view), k off the vector width (75)."""
+    lib = cpu_native._load()[0]
+    g = torch.Generator().manual_seed(n + k)
+    wide = torch.randn(rows, k + 7, generator=g)
+    x, w = wide[:, 3:3 + k], torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = torch.empty(rows, n)
+    lib.llmc_gemv_f32(x.data_ptr(), x.stride(0), rows, w.data_ptr(), None if b is None else b.data_ptr(), n, k,
+                      y.data_ptr(), threads)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 37)])
+def test_swiglu_matches_float64(rows, inter):
+    """silu(gate) * up over [gate | up] rows, gates spanning both signs and past e^±87 (no overflow)."""
+    lib = cpu_native._load()[0]
+    x = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 8
+    x[0, :4] = torch.tensor([-100.0, 100.0, -0.0, 90.0])
+    out = torch.empty(rows, inter)
+    lib.llmc_swiglu(x.data_ptr(), x.stride(0), rows, inter, out.data_ptr())
+    gate, up = x.double().split(inter, dim=1)
+    torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, rtol=1e-6, atol=1e-30)

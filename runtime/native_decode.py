@@ -1,0 +1,309 @@
+"""A decode step's layers as one native call (codegen/native/decode_program.c) instead of ~9 Python
+launches a layer. At load the longest run of plan steps the native kernels cover (fp32 and int8 GEMVs,
+norms, SwiGLU, split, attention over an fp32 paged cache) is encoded once as ops over a fixed arena of
+activations, MAX_ROWS rows each; on a decode step of at most MAX_ROWS sequences the walk runs the steps
+before the run, this one call, and the steps after (the LM head's row selection, ORT segments). Every op
+runs the kernel the walk's own launch would for those rows, so the result is the walk's to fp32 rounding
+(the norms and SwiGLU round as the native kernels do); anything the kernels do not cover keeps its launch.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import torch
+
+from llmc.codegen import cpu_native
+from llmc.codegen.cpu_kernels import RopeCache
+
+OP_FIELDS = 16
+OP_GEMV_Q8, OP_GEMV_F32, OP_ATTENTION, OP_ADD_RMS_NORM, OP_SWIGLU = 1, 2, 3, 4, 5
+STEP_FIELDS = 11   # decode_program.c's S_* fields
+F32 = torch.float32
+COVERED = ("cpu.qlinear", "cpu.linear", "cpu.add_rms_norm", "cpu.rms_norm", "cpu.split", "cpu.swiglu",
+           "cpu.flash_attention")
+
+
+class View(NamedTuple):
+    """Where a value's rows lie in the arena (in floats)."""
+    offset: int
+    stride: int
+    width: int
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+class _Encoder:
+    """Encodes a run of launches into ops, placing each activation in the arena: values whose last
+    reader has run give their region back to the next value of the same width."""
+
+    def __init__(self, executor, start: int, end: int):
+        self.ex, self.start, self.end = executor, start, end
+        self.views: dict[str, View] = {}      # value -> its view
+        self.root: dict[str, str] = {}        # value -> the value owning its region (split views)
+        self.free: dict[int, list[int]] = {}  # width -> free region offsets
+        self.size = 0
+        self.inputs: list[tuple[str, View]] = []   # values computed before the run, copied in
+        self.rope: tuple[str, str, float] | None = None
+        self.heads = self.head_dim = 0             # the largest, for the attention's scratch
+
+    def param(self, name: str) -> torch.Tensor | None:
+        reg = self.ex._registers[name]
+        return self.ex._params[reg] if reg < len(self.ex._params) else None
+
+    def output(self, name: str, width: int, fresh: bool = False) -> int:
+        free = None if fresh else self.free.get(width)
+        if free:
+            offset = free.pop()
+        else:
+            offset, self.size = self.size, self.size + cpu_native.MAX_ROWS * width
+        self.views[name], self.root[name] = View(offset, width, width), name
+        return offset
+
+    def activation(self, name: str, width: int) -> View:
+        """The view of an activation the run reads. One computed before the run is copied in as the run
+        starts, so its region is a fresh one: a freed one may still be written before this first read."""
+        view = self.views.get(name)
+        if view is None:
+            view = View(self.output(name, width, fresh=True), width, width)
+            self.inputs.append((name, view))
+        if view.width != width:
+            raise _Uncovered(f"value of width {view.width} read as {width}")
+        return view
+
+    def release(self, last_use: dict[str, int], index: int) -> None:
+        """Free the regions whose values (the owner's and its split views') are all read for the last time."""
+        members: dict[str, list[str]] = {}
+        for reg, root in self.root.items():
+            members.setdefault(root, []).append(reg)
+        for root, regs in members.items():
+            if max(last_use.get(r, -1) for r in regs) == index:
+                self.free.setdefault(self.views[root].width, []).append(self.views[root].offset)
+                for r in regs:
+                    del self.root[r]
+
+
+class _Uncovered(Exception):
+    """A launch the native ops do not cover (the run ends before it)."""
+
+
+def _width(plan, name: str) -> int:
+    t = plan.type_of(name) if name in plan.types else None
+    if t is None or t.dtype != "float32" or t.rank != 2 or not isinstance(t.shape[-1], int):
+        raise _Uncovered(f"{name} is not an fp32 [tokens, n] activation")
+    return t.shape[-1]
+
+
+def _f32_param(t: torch.Tensor | None, shape: tuple | None = None) -> int:
+    if t is None or t.dtype is not F32 or not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape):
+        raise _Uncovered("a parameter that is not a contiguous fp32 tensor of the expected shape")
+    return t.data_ptr()
+
+
+def _encode(enc: _Encoder, step, launch) -> list[list[int]]:
+    """The ops of one launch (split: none, it only names views), or _Uncovered."""
+    plan, kernel, attrs = enc.ex.plan, step.kernel, launch.attrs
+    ins, outs = step.inputs, step.outputs
+    if kernel == "cpu.split":
+        parent = enc.activation(ins[0], _width(plan, ins[0]))
+        col = 0
+        for name, size in zip(outs, attrs["sizes"]):
+            enc.views[name] = View(parent.offset + col, parent.stride, size)
+            enc.root[name] = enc.root.get(ins[0], ins[0])
+            col += size
+        if col != parent.width or len(outs) != len(attrs["sizes"]):
+            raise _Uncovered("a split that does not cover its input")
+        return []
+    if kernel in ("cpu.rms_norm", "cpu.add_rms_norm"):
+        residual = kernel == "cpu.add_rms_norm"
+        n = _width(plan, ins[0])
+        x = enc.activation(ins[0], n)
+        r = enc.activation(ins[1], n) if residual else None
+        weight = _f32_param(enc.param(ins[2 if residual else 1]), (n,))
+        out = enc.output(outs[0], n)
+        summed = enc.output(outs[1], n) if residual else None
+        return [[OP_ADD_RMS_NORM, x.offset, x.stride, -1 if r is None else r.offset, 0 if r is None else r.stride,
+                 weight, out, -1 if summed is None else summed, n, _bits(attrs["eps"])]]
+    if kernel == "cpu.swiglu":
+        if len(ins) != 1:
+            raise _Uncovered("swiglu of two inputs")
+        n = _width(plan, ins[0])
+        x = enc.activation(ins[0], n)
+        return [[OP_SWIGLU, x.offset, x.stride, enc.output(outs[0], n // 2), n // 2]]
+    if kernel == "cpu.linear":
+        return [_linear(enc, step)]
+    if kernel == "cpu.qlinear":
+        return [_qlinear(enc, step, attrs)]
+    return [_attention(enc, step, attrs)]
+
+
+def _linear(enc: _Encoder, step) -> list[int]:
+    k, n = _width(enc.ex.plan, step.inputs[0]), _width(enc.ex.plan, step.outputs[0])
+    x = enc.activation(step.inputs[0], k)
+    weight = _f32_param(enc.param(step.inputs[1]), (n, k))
+    bias = _f32_param(enc.param(step.inputs[2]), (n,)) if len(step.inputs) > 2 else 0
+    return [OP_GEMV_F32, x.offset, x.stride, weight, n, k, enc.output(step.outputs[0], n), bias]
+
+
+def _qlinear(enc: _Encoder, step, attrs: dict) -> list[int]:
+    w: cpu_native.Q8Weights | None = attrs.get("native_q8")
+    if w is None or attrs.get("has_act_scale"):
+        raise _Uncovered("a qlinear without the native int8 GEMV")
+    k, n = _width(enc.ex.plan, step.inputs[0]), _width(enc.ex.plan, step.outputs[0])
+    if w.codes.shape != (n, k):
+        raise _Uncovered("a qlinear whose codes do not match its shapes")
+    bias = _f32_param(enc.param(step.inputs[-1]), (n,)) if attrs.get("has_bias") else 0
+    x = enc.activation(step.inputs[0], k)
+    return [OP_GEMV_Q8, x.offset, x.stride, w.codes.data_ptr(), w.scales.data_ptr(),
+            int(w.scales.dtype is torch.float16), n, k, w.group, enc.output(step.outputs[0], n), bias]
+
+
+def _attention(enc: _Encoder, step, a: dict) -> list[int]:
+    if a.get("kv_cache") is not None or a.get("softcap") is not None or not a.get("causal", True):
+        raise _Uncovered("attention with a quantised cache, softcap or no causal mask")
+    heads, kv_heads, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    plan, ins = enc.ex.plan, step.inputs
+    if _width(plan, ins[0]) != heads * hd or heads % kv_heads or hd % 2:
+        raise _Uncovered("attention of unexpected shapes")
+    q = enc.activation(ins[0], heads * hd)
+    k, v = (enc.activation(name, kv_heads * hd) for name in ins[1:3])
+    rope = a.get("rope")
+    if rope is not None:
+        key = (ins[3], ins[4], float(rope["scaling"]))
+        if enc.rope not in (None, key):
+            raise _Uncovered("layers rotating by different tables")
+        enc.rope = key
+    enc.heads, enc.head_dim = max(enc.heads, heads), max(enc.head_dim, hd)
+    return [OP_ATTENTION, q.offset, q.stride, k.offset, k.stride, v.offset, v.stride, a["layer"], a.get("window") or 0,
+            heads, kv_heads, hd, _bits(a["scale"]), enc.output(step.outputs[0], heads * hd), int(rope is not None)]
+
+
+class NativeDecode:
+    """The encoded run [start, end) of an executor's launches, and what a step needs to call it."""
+
+    def __init__(self, executor, start: int, end: int, enc: _Encoder, ops: list[list[int]], outputs: list[str]):
+        self.start, self.end = start, end
+        self.arena = torch.empty(max(enc.size, 1), dtype=F32)
+        base = self.arena.data_ptr()
+        registers = executor._registers
+        self._inputs = [(registers[name], view) for name, view in enc.inputs]
+        self._outputs = [(registers[name], enc.views[name]) for name in outputs]
+        self._rope = None if enc.rope is None else (registers[enc.rope[0]], registers[enc.rope[1]], enc.rope[2])
+        self._heads, self._head_dim = enc.heads, enc.head_dim
+        self._layers = 1 + max(op[7] for op in ops if op[0] == OP_ATTENTION)
+        table = torch.zeros(len(ops), OP_FIELDS, dtype=torch.int64)
+        for i, op in enumerate(ops):
+            table[i, :len(op)] = torch.tensor(_resolve(op, base), dtype=torch.int64)
+        self._ops = table
+        self._caches: tuple[object, torch.Tensor | None] | None = None
+        self._lib = cpu_native._load()[0]
+
+    def _cache_table(self, cache) -> torch.Tensor | None:
+        """[layers, 2] pointers to each layer's key and value rows; None where the cache is not native."""
+        if self._caches is None or self._caches[0] is not cache:
+            pointers = [cache.native_pointers(layer) for layer in range(self._layers)]
+            table = None if any(p is None for p in pointers) else torch.tensor(
+                [p[:2] for p in pointers], dtype=torch.int64)
+            self._caches = (cache, table)
+        return self._caches[1]
+
+    def run(self, regs: list, backend, rope_cache: RopeCache) -> bool:
+        """Run the encoded launches for this step, leaving their outputs read later in regs; False (nothing
+        run) where the step is not a decode step of at most MAX_ROWS rows over a native cache."""
+        metadata, cache = getattr(backend, "metadata", None), getattr(backend, "cache", None)
+        if metadata is None or cache is None:
+            return False
+        step = metadata.native_step(cache.block_size)
+        caches = None if step is None else self._cache_table(cache)
+        if caches is None:
+            return False
+        rows = step.rows
+        for reg, view in self._inputs:
+            x = regs[reg]
+            if x.dtype is not F32 or x.shape != (rows, view.width):
+                return False
+        for reg, view in self._inputs:
+            self._view(view, rows).copy_(regs[reg])
+        cos = sin = None
+        if self._rope is not None:
+            positions, inv_freq, scaling = self._rope
+            cos, sin = rope_cache.cos_sin(regs[positions], regs[inv_freq], scaling, F32)
+        scratch = torch.empty(rows * self._heads * (self._head_dim + step.max_len), dtype=F32)
+        threads = torch.get_num_threads() if self._lib.openmp else 1
+        fields = torch.tensor([rows, _ptr(cos), _ptr(sin), step.slots, step.tables, step.width, step.lens, step.block,
+                               scratch.data_ptr(), caches.data_ptr(), threads], dtype=torch.int64)
+        self._lib.llmc_decode_program(self._ops.data_ptr(), self._ops.shape[0], fields.data_ptr())
+        for reg, view in self._outputs:
+            regs[reg] = self._view(view, rows)
+        return True
+
+    def _view(self, view: View, rows: int) -> torch.Tensor:
+        return self.arena.as_strided((rows, view.width), (view.stride, 1), view.offset)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.contiguous().data_ptr()
+
+
+# op fields that are arena offsets (-1: none), by kind
+_OFFSETS = {OP_GEMV_Q8: (1, 9), OP_GEMV_F32: (1, 6), OP_ATTENTION: (1, 3, 5, 13), OP_ADD_RMS_NORM: (1, 3, 6, 7),
+            OP_SWIGLU: (1, 3)}
+
+
+def _resolve(op: list[int], base: int) -> list[int]:
+    """Arena offsets (floats) to addresses."""
+    out = list(op)
+    for i in _OFFSETS[op[0]]:
+        out[i] = 0 if op[i] < 0 else base + 4 * op[i]
+    return out
+
+
+def build(executor) -> NativeDecode | None:
+    """The executor's longest run of launches the native ops cover that holds an attention (None: no
+    such run, or the native kernels are not built). Outputs of the run that later launches or the plan
+    read are left in the registers as arena views."""
+    if cpu_native._load()[0] is None or executor.device.type != "cpu" or executor.family != "cpu":
+        return None
+    last_use = _last_uses(executor)
+    best, start = None, 0
+    while start < len(executor.plan.steps):
+        end, found = _encode_run(executor, start, last_use)
+        if found is not None and (best is None or found.end - found.start > best.end - best.start):
+            best = found
+        start = max(end, start + 1)
+    return best
+
+
+def _encode_run(executor, start: int, last_use: dict[int, int]) -> tuple[int, NativeDecode | None]:
+    """(where the covered run from `start` ends, its encoding or None: no attention in it, or it would
+    hold a plan output)."""
+    steps, program, plan = executor.plan.steps, executor._program, executor.plan
+    enc, ops, end = _Encoder(executor, start, len(steps)), [], start
+    for i in range(start, len(steps)):
+        if steps[i].kernel not in COVERED:
+            break
+        try:
+            ops += _encode(enc, steps[i], program[i])
+        except _Uncovered:
+            break
+        enc.release(last_use, i)
+        end = i + 1
+    if not any(op[0] == OP_ATTENTION for op in ops):
+        return end, None
+    produced = {v for i in range(start, end) for v in steps[i].outputs}
+    if produced & set(plan.outputs):
+        return end, None   # a plan output must not live in the arena, which the next step overwrites
+    later = {v for step in steps[end:] for v in step.inputs}
+    enc.end = end
+    return end, NativeDecode(executor, start, end, enc, ops, sorted(produced & later))
+
+
+def _last_uses(executor) -> dict[str, int]:
+    """value -> the index of the last step that reads it."""
+    return {name: i for i, step in enumerate(executor.plan.steps) for name in step.inputs}
+
+
+__all__ = ["NativeDecode", "build", "View", "COVERED"]

@@ -1,0 +1,107 @@
+"""The native decode program (runtime/native_decode.py): which launches it takes over, and that decode
+steps through it give the walk's logits (to fp32 rounding) and HF's, past a sliding window, with
+biases, int8 weights, a batch, and a run whose inputs are first read after the arena reused a region;
+what it does not cover (a quantised KV cache, more rows than MAX_ROWS) keeps the walk."""
+
+import pytest
+from tiny_hf_models import SPECIAL, VOCAB, hf_logits, max_relative_error, paged_logits, prompt_ids, save_checkpoint
+from transformers import MistralConfig, Qwen2Config
+
+import llmc
+from llmc import SamplingParams
+from llmc.codegen import cpu_native
+from llmc.runtime import native_decode
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native kernels are not built here")
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, **SPECIAL)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (HF module or None, artifact path): torch kernels throughout, so the walk is all cpu launches."""
+    root = tmp_path_factory.mktemp("native-decode")
+    out = {}
+    for name, config in (("mistral", MistralConfig(**SIZES, sliding_window=16)), ("qwen2", Qwen2Config(**SIZES))):
+        module = save_checkpoint(config, root / name, seed=4)
+        out[name] = module, llmc.compile(str(root / name), output=root / f"{name}.llmc", kernels="cpu", quiet=True)
+    out["int8"] = None, llmc.compile("tiny-llama", output=root / "int8.llmc", kernels="cpu", quant="int8",
+                                     quiet=True)
+    return out
+
+
+def _attention_steps(executor) -> list[int]:
+    return [i for i, s in enumerate(executor.plan.steps) if s.kernel == "cpu.flash_attention"]
+
+
+def _without_program(llm):
+    program = llm.engine.executor.native_decode
+    llm.engine.executor.native_decode = None
+    return program
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "int8"])
+def test_decode_steps_match_the_walk_and_hf(models, name):
+    """Every layer in one run; a prompt then 30 decode steps through shuffled blocks (past Mistral's 16-token
+    window) equal the walk's logits to fp32 rounding, and HF's to 1e-4 where the weights are HF's."""
+    module, path = models[name]
+    llm = llmc.load(path, kv_memory="8MiB")
+    program = llm.engine.executor.native_decode
+    attention = _attention_steps(llm.engine.executor)
+    assert program is not None and program.start <= attention[0] and program.end > attention[-1]
+    ids = prompt_ids(40, seed=7)
+    got = paged_logits(llm, ids, prefill_chunks=(10,))
+    _without_program(llm)
+    walked = paged_logits(llm, ids, prefill_chunks=(10,))
+    assert max_relative_error(got, walked) < 1e-5
+    if module is not None:
+        assert max_relative_error(got, hf_logits(module, ids)) < 1e-4
+
+
+def test_a_run_whose_inputs_are_read_late(models, monkeypatch):
+    """A run starting at layer 0's split (as after an ONNX Runtime segment that ends in the qkv projection)
+    reads the embedding first at the attention's residual add, after the arena has given a freed region
+    to a later value: the inputs get regions of their own, so the logits are the walk's."""
+    _, path = models["qwen2"]
+
+    def from_split(executor):
+        first = next(i for i, s in enumerate(executor.plan.steps) if s.kernel == "cpu.split")
+        return native_decode._encode_run(executor, first, native_decode._last_uses(executor))[1]
+    monkeypatch.setattr(native_decode, "build", from_split)
+    llm = llmc.load(path, kv_memory="8MiB")
+    program = llm.engine.executor.native_decode
+    assert len(program._inputs) == 2
+    ids = prompt_ids(30, seed=8)
+    got = paged_logits(llm, ids, prefill_chunks=(12,))
+    _without_program(llm)
+    assert max_relative_error(got, paged_logits(llm, ids, prefill_chunks=(12,))) < 1e-5
+
+
+def _greedy(llm, prompts, n=12):
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def test_batches_up_to_max_rows_run_it_and_larger_ones_walk(models, monkeypatch):
+    """int8 tiny-llama: 3 sequences decode through the program, MAX_ROWS + 1 through the walk; the greedy
+    tokens are the walk's either way."""
+    _, path = models["int8"]
+    llm = llmc.load(path, kv_memory="16MiB")
+    ran, run = [], native_decode.NativeDecode.run
+
+    def counted(self, regs, backend, rope_cache):
+        ran.append(run(self, regs, backend, rope_cache))
+        return ran[-1]
+    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    few = [prompt_ids(9 + i, seed=i) for i in range(3)]
+    many = [prompt_ids(5 + i, seed=10 + i) for i in range(cpu_native.MAX_ROWS + 1)]
+    program = (_greedy(llm, few), _greedy(llm, many))
+    assert True in ran and False in ran
+    _without_program(llm)
+    assert program == (_greedy(llm, few), _greedy(llm, many))
+
+
+def test_a_quantised_kv_cache_keeps_the_walk(tmp_path):
+    path = llmc.compile("tiny-llama", output=tmp_path / "kv.llmc", kernels="cpu", kv_cache="int8", calib_samples=4,
+                        calib_seq_len=64, quiet=True)
+    assert llmc.load(path, kv_memory="8MiB").engine.executor.native_decode is None
