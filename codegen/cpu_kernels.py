@@ -33,7 +33,7 @@ from llmc.compiler.ops import (
     split_kv_scales,
     through_kv_cache,
 )
-from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine, unpack_int4
+from llmc.compiler.quant import AFFINE4_CENTRE, AFFINE_SCHEMES, dequantize_affine, unpack_int4
 from llmc.errors import ArtifactError
 
 CPU_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -230,9 +230,8 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
             or (attrs.get("has_act_scale") and act_scale is None)):
         return {}
     scheme = attrs["scheme"]
-    # int8 codes w = q * s (per channel, or GGUF's Q8_0 blocks): the native GEMV for decode rows
-    native = cpu_native.q8_weights(qweight, scales) if scheme in ("int8", "affine8") and zeros is None else None
-    extra = {} if native is None else {"native_q8": native}
+    native = native_gemv_weights(scheme, qweight, scales, zeros)
+    extra = {} if native is None else {"native_gemv": native}
     packed = pack_for_cpu(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
     if packed is None or isinstance(packed, DenseWeights):
         return extra if packed is None else {"cpu_weights": packed, **extra}
@@ -241,27 +240,43 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
     return {"cpu_weights": DispatchedWeights(packed, dense, dense_from), **extra}
 
 
+def native_gemv_weights(scheme: str, qweight, scales, zeros):
+    """The native GEMV's form of a qlinear's weights for decode rows (None: it has none): int8 codes
+    w = q * s (per channel, or GGUF's Q8_0 blocks), int4 w = (q - z) * s, GGUF's 4-bit blocks w = q * s + m
+    (or (q - 8) * s without minimums, Q4_0)."""
+    if scheme in ("int8", "affine8") and zeros is None:
+        return cpu_native.q8_weights(qweight, scales)
+    if scheme == "int4" and zeros is not None:
+        return cpu_native.q4_weights(unpack_int4(qweight), scales, zeros, zero_point=True)
+    if scheme == "affine4":
+        if zeros is None:
+            return cpu_native.q4_weights(unpack_int4(qweight), scales, AFFINE4_CENTRE, zero_point=True)
+        return cpu_native.q4_weights(unpack_int4(qweight), scales, zeros, zero_point=False)
+    return None
+
+
 def packed_run(packed, native=None) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> the low-bit kernel's result over `packed` weights, through the native GEMV (`native`:
-    cpu_native.Q8Weights) at the rows where `qlinear` takes it."""
+    cpu_native.Q8Weights or Q4Weights) at the rows where `qlinear` takes it."""
     if native is None:
         return lambda x: _run_packed(x, packed)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        y = cpu_native.gemv_q8(x, native)
+        y = cpu_native.gemv(x, native)
         return _run_packed(x, packed) if y is None else y
     return run
 
 
 @kernel("qlinear", prepare=prepare_qlinear)
-def qlinear(*inputs, scheme, cpu_weights=None, native_q8=None, **attrs):
-    """int8 codes on a few fp32 rows (below the dense row count) through the native GEMV
-    (cpu_native.gemv_q8: fp32 arithmetic, faster than torch's); otherwise int8/int4 through torch's
-    packed kernels, fp8/w8a8 through exact-code GEMMs, each up to the row count where dequantising
-    into an fp32 GEMM wins; group sizes torch does not pack run the reference (dequantise, fp32 GEMM)."""
-    if native_q8 is not None and not attrs.get("has_bias") and (
+def qlinear(*inputs, scheme, cpu_weights=None, native_gemv=None, **attrs):
+    """int8 and 4-bit codes on a few fp32 rows (below the dense row count) through the native GEMV
+    (cpu_native.gemv: the reference's fp32 arithmetic, where torch's kernels round x to bf16);
+    otherwise int8/int4 through torch's packed kernels, fp8/w8a8 through exact-code GEMMs, each up to
+    the row count where dequantising into an fp32 GEMM wins; group sizes torch does not pack run the
+    reference (dequantise, fp32 GEMM)."""
+    if native_gemv is not None and not attrs.get("has_bias") and (
             type(cpu_weights) is not DispatchedWeights or rows_of(inputs[0]) < cpu_weights.dense_from):
-        y = cpu_native.gemv_q8(inputs[0], native_q8)
+        y = cpu_native.gemv(inputs[0], native_gemv)
         if y is not None:
             return [y]
     if type(cpu_weights) is DispatchedWeights and not attrs.get("has_bias") and \

@@ -39,6 +39,7 @@ SIGNATURES = {
     "llmc_decode_attention_bf16": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
     "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
+    "llmc_gemv_q4": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _I],
     "llmc_gemv_f32": [_P, _I, _I, _P, _P, _I, _I, _P, _I],
     "llmc_swiglu": [_P, _I, _I, _I, _P],
     "llmc_decode_program": [_P, _I, _P],
@@ -286,5 +287,56 @@ def gemv_q8(x: torch.Tensor, w: Q8Weights) -> torch.Tensor | None:
     return y
 
 
+class Q4Weights(NamedTuple):
+    """A 4-bit GEMV's weights: per group of `group` codes along K, w = (q - z) * s (zero_point) or q * s + m."""
+    packed: torch.Tensor   # uint8 [N, K / 2]: per 32 codes, byte b holds code b (low nibble) and 16 + b (high)
+    params: torch.Tensor   # float16 or float32 [N, K / group, 2]: each group's scale, then zero point or offset
+    zero_point: bool
+    group: int
+
+
+def q4_weights(codes: torch.Tensor, scales: torch.Tensor, second: torch.Tensor, zero_point: bool) -> Q4Weights | None:
+    """4-bit codes [N, K] (0..15) with scales and zero points or offsets [N, K / group] (or a number: the same
+    zero point everywhere) in gemv_q4's form, fp16 where every value is exactly one (a GGUF's Q4_0 / Q4_1
+    blocks), else fp32; None where it cannot run them (groups not a multiple of 32 codes)."""
+    if codes.dim() != 2 or scales.numel() == 0 or scales.numel() % codes.shape[0]:
+        return None
+    n, k = codes.shape
+    groups = scales.numel() // n
+    if k % groups or (k // groups) % 32:
+        return None
+    s = scales.reshape(n, groups).float()
+    other = torch.full_like(s, float(second)) if not isinstance(second, torch.Tensor) else second.reshape(n, groups)
+    halves = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    params = torch.stack([s, other.float()], dim=-1)
+    half = params.half()
+    exact = bool(torch.isfinite(half).all()) and torch.equal(half.float(), params)
+    return Q4Weights(packed, (half if exact else params).contiguous(), zero_point, k // groups)
+
+
+def gemv_q4(x: torch.Tensor, w: Q4Weights) -> torch.Tensor | None:
+    """x [rows, K] (fp32, a few rows) @ w.T in fp32, as gemv_q8: each group's weights made exactly as the
+    reference dequantises them, reading half a byte a weight. None where it does not apply."""
+    lib = _load()[0]
+    if lib is None or x.dtype is not F32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu:
+        return None
+    rows, k = x.shape
+    threads = torch.get_num_threads()
+    if not 0 < rows <= MAX_ROWS or k != 2 * w.packed.shape[1] or (threads > 1 and not lib.openmp):
+        return None
+    n = w.packed.shape[0]
+    y = torch.empty(rows, n, dtype=F32)
+    lib.llmc_gemv_q4(x.data_ptr(), x.stride(0), rows, w.packed.data_ptr(), w.params.data_ptr(),
+                     w.params.dtype is torch.float16, w.zero_point, n, k, w.group, y.data_ptr(), threads)
+    return y
+
+
+def gemv(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
+    """gemv_q8 or gemv_q4 by the weights' kind."""
+    return (gemv_q4 if type(w) is Q4Weights else gemv_q8)(x, w)
+
+
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
-           "gemv_q8", "Q8Weights", "decode_step", "cache_pointers", "decode_attention", "DecodeStep", "MAX_ROWS"]
+           "gemv_q8", "Q8Weights", "q4_weights", "gemv_q4", "Q4Weights", "gemv", "decode_step", "cache_pointers",
+           "decode_attention", "DecodeStep", "MAX_ROWS"]

@@ -149,7 +149,7 @@ def dispatch_record(steps, weights: dict, threads: int, rows: tuple[int, ...] = 
                 prepared = made.get("cpu_weights")
                 if not isinstance(prepared, DispatchedWeights):
                     continue
-                run = packed_run(prepared.packed, made.get("native_q8"))
+                run = packed_run(prepared.packed, made.get("native_gemv"))
                 shapes[key] = {**_recalled_measure(key, threads, run, prepared.dense, rows), "steps": 0}
             shapes[key]["steps"] += 1
     finally:

@@ -13,6 +13,7 @@ import hashlib
 
 import numpy as np
 
+from llmc.codegen import cpu_native
 from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, rope_angles
 from llmc.codegen.ort_timing import INT8_ACTIVATIONS
 from llmc.compiler.ir import Graph
@@ -185,10 +186,12 @@ CLOSE_CALL = 2.0   # segments costing up to this many times the plan walk's in O
 
 
 def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nbits_level: int,
-                      levels: dict[str, int] | None = None) -> dict:
+                      levels: dict[str, int] | None = None, measure_step: bool = True) -> dict:
     """The plan.meta record of the decode graph `mode` gives the lowered `plan` (its ONNX bytes
     added to `files`), or a record saying why there is none ({"chosen": False, "why": ...}).
-    MatMulNBits runs at `nbits_level`, or `levels[node]` (the nodes auto put on int8 activations)."""
+    MatMulNBits runs at `nbits_level`, or `levels[node]` (the nodes auto put on int8 activations).
+    Without `measure_step` auto keeps a graph its kinds' timings keep, the caller timing whole steps
+    (codegen/ort_plan_choice.py)."""
     why = decode_refusal(graph)
     if why:
         return {"chosen": False, "why": why}
@@ -200,7 +203,9 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
     verdict = {"chosen": True}
     if mode == "auto":
         verdict = choose_decode_graph(plan.meta["kernel_choice"])
-        if verdict.get("close_call"):
+        # where the walk runs the native decode program, the kinds' torch timings (launch by launch)
+        # overprice it: a whole step decides
+        if measure_step and (verdict.get("close_call") or (verdict["chosen"] and cpu_native.available())):
             from llmc.codegen.ort_decode_timing import measure_decode_step
             verdict = _step_verdict(verdict["decode_us"], measure_decode_step(graph, plan, files, model, record))
     if not verdict["chosen"]:
@@ -229,7 +234,8 @@ def choose_decode_graph(choice: dict) -> dict:
     kept where those kinds' decode steps cost no more in ORT than in the families the plan walk runs
     them in (it saves a Python launch per segment and attention, and the
     torch attentions, on every decode step besides); refused where they cost over CLOSE_CALL times
-    as much; in between, a close call, a whole decode step is timed both ways."""
+    as much; in between, a close call, a whole decode step is timed both ways (as it is for a kept
+    one where the native kernels are built: plan_decode_graph)."""
     kinds = choice["measured"]["kinds"]
     int8 = lambda kind: kind["chosen"] == INT8_ACTIVATIONS   # the decode graph runs such kinds on int8 too
     for kind in kinds:

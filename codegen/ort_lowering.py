@@ -296,9 +296,37 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
                                                 graph.weights, choice["measured"]["threads"])
     lowered.meta = {**plan.meta, "kernel_choice": choice}
     from llmc.codegen.ort_decode import plan_decode_graph
+    from llmc.codegen.ort_plan_choice import whole_plan_question
     levels = {node.name: INT8_COMPUTE for i in int8 for node in segments[i].nodes}
+    cpu_plan = restep(plan, plan.steps)
+    cpu_plan.meta = trial_meta() if mode == "auto" else plan.meta
+    question = whole_plan_question(cpu_plan, lowered) if mode == "auto" else "--kernels ort"
     lowered.meta["decode_graph"] = plan_decode_graph(graph, lowered, files, mode,
-                                                     INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels)
+                                                     INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels,
+                                                     measure_step=question is not None)
+    if question is not None:
+        if mode == "auto":
+            choice["whole_plan"] = {"chosen": "lowered", "why": question}
+        return lowered, files
+    return _whole_plan(graph, cpu_plan, lowered, files, choice)
+
+
+def _whole_plan(graph: Graph, cpu_plan: Plan, lowered: Plan, files: dict[str, bytes], choice: dict):
+    """(plan, files) as codegen/ort_plan_choice.py chooses: the cpu plan, or the lowered one walked or
+    through its decode graph."""
+    from llmc.codegen.ort_decode import DECODE_FILE
+    from llmc.codegen.ort_plan_choice import choose_whole_plan
+
+    verdict = choice["whole_plan"] = choose_whole_plan(graph, cpu_plan, lowered, files, choice)
+    if verdict["chosen"] == "cpu":
+        choice.pop("int8_activations", None)   # nothing runs on them
+        cpu_plan.meta = {**cpu_plan.meta, "kernel_choice": {**choice, **cpu_plan.meta["kernel_choice"]}}
+        return cpu_plan, {}
+    if verdict["chosen"] == "walk" and "graph" in verdict["step_us"]:
+        us = verdict["step_us"]
+        lowered.meta["decode_graph"] = {"chosen": False, "why": f"a decode step through it measured {us['graph']:.0f} "
+                                                               f"us against the plan walk's {us['walk']:.0f} us"}
+        files.pop(DECODE_FILE)
     return lowered, files
 
 

@@ -226,7 +226,7 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
                      f"by {measured['cost']}):")
         for kind in measured["kinds"]:
             lines.append(f"    {kind['chosen']:<4} x{kind['segments']:<3} {kind['ops']}: {_kind_figures(kind)}")
-    lines += _int8_gate_lines(choice.get("int8_activations"))
+    lines += _int8_gate_lines(choice.get("int8_activations")) + _whole_plan_lines(choice.get("whole_plan"))
     by_reason: dict[str, list[str]] = {}
     for node, why in (choice.get("kept_in_torch") or {}).items():
         by_reason.setdefault(why, []).append(node)
@@ -243,6 +243,21 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
                       for r in entry["us"]["packed"])
         lines.append(f"      {key} x{entry['steps']}: dense from {entry['dense_from']} rows; {us}")
     return lines
+
+
+def _whole_plan_lines(verdict: dict | None) -> list[str]:
+    """auto's last choice: the lowered plan (walked or through its decode graph), or the cpu plan whose
+    decode steps run the native decode program (codegen/ort_plan_choice.py)."""
+    if not verdict:
+        return []
+    if "step_us" not in verdict:
+        return [f"    whole plan: lowered ({verdict['why']})"]
+    runs = {"cpu": "the torch kernels throughout, no ORT segments", "walk": "the lowered plan, walked",
+            "graph": "the lowered plan, decode steps through its decode graph"}
+    names = {"cpu": "unlowered (native decode program)", "walk": "lowered and walked", "graph": "decode graph"}
+    steps = ", ".join(f"{us:.0f} us {names[name]}" for name, us in verdict["step_us"].items())
+    return [f"    whole plan: {runs[verdict['chosen']]}; a decode step {steps}; the unlowered prefill "
+            f"{verdict['prefill_extra_us']:+.0f} us; by {verdict['cost']}"]
 
 
 def _int8_gate_lines(gate: dict | None) -> list[str]:

@@ -1,10 +1,11 @@
 """A decode step's layers as one native call (codegen/native/decode_program.c) instead of ~9 Python
-launches a layer. At load the longest run of plan steps the native kernels cover (fp32 and int8 GEMVs,
-norms, SwiGLU, split, attention over an fp32 paged cache) is encoded once as ops over a fixed arena of
-activations, MAX_ROWS rows each; on a decode step of at most MAX_ROWS sequences the walk runs the steps
-before the run, this one call, and the steps after (the LM head's row selection, ORT segments). Every op
-runs the kernel the walk's own launch would for those rows, so the result is the walk's to fp32 rounding
-(the norms and SwiGLU round as the native kernels do); anything the kernels do not cover keeps its launch.
+launches a layer. At load the longest run of plan steps the native kernels cover (fp32, int8 and 4-bit
+GEMVs, norms, SwiGLU, AWQ's scales, split, attention over an fp32 paged cache) is encoded once as ops
+over a fixed arena of activations, MAX_ROWS rows each; on a decode step of at most MAX_ROWS sequences
+the walk runs the steps before the run, this one call, and the steps after (the LM head's row
+selection, ORT segments). Every op runs the kernel the walk's own launch would for those rows, so the
+result is the walk's to fp32 rounding (the norms and SwiGLU round as the native kernels do); anything
+the kernels do not cover keeps its launch.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from llmc.codegen import cpu_native
 from llmc.codegen.cpu_kernels import RopeCache
 
 OP_FIELDS = 16
-OP_GEMV_Q8, OP_GEMV_F32, OP_ATTENTION, OP_ADD_RMS_NORM, OP_SWIGLU = 1, 2, 3, 4, 5
+OP_GEMV_Q8, OP_GEMV_F32, OP_ATTENTION, OP_ADD_RMS_NORM, OP_SWIGLU, OP_GEMV_Q4, OP_SCALE = 1, 2, 3, 4, 5, 6, 7
 STEP_FIELDS = 11   # decode_program.c's S_* fields
 F32 = torch.float32
 COVERED = ("cpu.qlinear", "cpu.linear", "cpu.add_rms_norm", "cpu.rms_norm", "cpu.split", "cpu.swiglu",
-           "cpu.flash_attention")
+           "cpu.flash_attention", "cpu.mul")
 
 
 class View(NamedTuple):
@@ -133,6 +134,11 @@ def _encode(enc: _Encoder, step, launch) -> list[list[int]]:
         n = _width(plan, ins[0])
         x = enc.activation(ins[0], n)
         return [[OP_SWIGLU, x.offset, x.stride, enc.output(outs[0], n // 2), n // 2]]
+    if kernel == "cpu.mul":   # an activation times a vector (AWQ's inverse scales)
+        n = _width(plan, ins[0])
+        scale = _f32_param(enc.param(ins[1]), (n,))
+        x = enc.activation(ins[0], n)
+        return [[OP_SCALE, x.offset, x.stride, scale, enc.output(outs[0], n), n]]
     if kernel == "cpu.linear":
         return [_linear(enc, step)]
     if kernel == "cpu.qlinear":
@@ -149,16 +155,20 @@ def _linear(enc: _Encoder, step) -> list[int]:
 
 
 def _qlinear(enc: _Encoder, step, attrs: dict) -> list[int]:
-    w: cpu_native.Q8Weights | None = attrs.get("native_q8")
+    w = attrs.get("native_gemv")
     if w is None or attrs.get("has_act_scale"):
-        raise _Uncovered("a qlinear without the native int8 GEMV")
+        raise _Uncovered("a qlinear without the native GEMV")
     k, n = _width(enc.ex.plan, step.inputs[0]), _width(enc.ex.plan, step.outputs[0])
-    if w.codes.shape != (n, k):
-        raise _Uncovered("a qlinear whose codes do not match its shapes")
     bias = _f32_param(enc.param(step.inputs[-1]), (n,)) if attrs.get("has_bias") else 0
     x = enc.activation(step.inputs[0], k)
-    return [OP_GEMV_Q8, x.offset, x.stride, w.codes.data_ptr(), w.scales.data_ptr(),
-            int(w.scales.dtype is torch.float16), n, k, w.group, enc.output(step.outputs[0], n), bias]
+    y = enc.output(step.outputs[0], n)
+    if type(w) is cpu_native.Q4Weights and w.packed.shape == (n, k // 2):
+        return [OP_GEMV_Q4, x.offset, x.stride, w.packed.data_ptr(), w.params.data_ptr(),
+                int(w.params.dtype is torch.float16), n, k, w.group, y, bias, int(w.zero_point)]
+    if type(w) is cpu_native.Q8Weights and w.codes.shape == (n, k):
+        return [OP_GEMV_Q8, x.offset, x.stride, w.codes.data_ptr(), w.scales.data_ptr(),
+                int(w.scales.dtype is torch.float16), n, k, w.group, y, bias]
+    raise _Uncovered("a qlinear whose codes do not match its shapes")
 
 
 def _attention(enc: _Encoder, step, a: dict) -> list[int]:
@@ -249,8 +259,8 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 # op fields that are arena offsets (-1: none), by kind
-_OFFSETS = {OP_GEMV_Q8: (1, 9), OP_GEMV_F32: (1, 6), OP_ATTENTION: (1, 3, 5, 13), OP_ADD_RMS_NORM: (1, 3, 6, 7),
-            OP_SWIGLU: (1, 3)}
+_OFFSETS = {OP_GEMV_Q8: (1, 9), OP_GEMV_Q4: (1, 9), OP_GEMV_F32: (1, 6), OP_ATTENTION: (1, 3, 5, 13),
+            OP_ADD_RMS_NORM: (1, 3, 6, 7), OP_SWIGLU: (1, 3), OP_SCALE: (1, 4)}
 
 
 def _resolve(op: list[int], base: int) -> list[int]:

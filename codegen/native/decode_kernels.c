@@ -503,6 +503,86 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
     }
 }
 
+/* ---- 4-bit weight-only GEMV on fp32 activations (int4 with zero points, GGUF's Q4_0 / Q4_1) ---- */
+
+/* Codes lie in chunks of 32 (16 bytes): byte b of a chunk holds code b in its low nibble and code 16 + b
+ * in its high one, so one widen of VL bytes gives VL consecutive codes of each half. Each group's 16
+ * possible weights are made once, exactly as the reference dequantises them: (q - z) * s with a zero
+ * point, q * s + m (one rounding: q * s is exact for GGUF's scales) with an offset. With AVX-512 they
+ * are a register that vpermps indexes by each lane's low 4 bits, so a code costs no convert. */
+#define MAX_ROWS 8   /* cpu_native.MAX_ROWS */
+#if VL == 16
+typedef __m512i wide_codes;
+#define Q4WIDE(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define Q4LO(b, t) ((vec)_mm512_permutexvar_ps(b, (__m512)(t)))
+#define Q4HI(b, t) ((vec)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), (__m512)(t)))
+#define Q4TABLE(s, zm, zp) ((zp) ? (IOTA - (zm)) * (s) : IOTA * (s) + (zm))
+#else
+typedef vint32 wide_codes;
+#define Q4WIDE(p) __builtin_convertvector(*(const vbyte *)(p), vint32)
+#define Q4W(c, t) ((t).zp ? (__builtin_convertvector(c, vec) - (t).zm) * (t).s : __builtin_convertvector(c, vec) * (t).s + (t).zm)
+#define Q4LO(b, t) Q4W((b) & 15, t)
+#define Q4HI(b, t) Q4W((b) >> 4, t)
+#define Q4TABLE(s_, zm_, zp_) ((struct q4_table){(s_), (zm_), (zp_)})
+struct q4_table { float s, zm; int64_t zp; };
+#endif
+static const float IOTA_[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#define IOTA (*(const vec *)IOTA_)
+
+/* acc[r] += sum over one group's codes of w_i x_r[i], for M rows of x */
+static inline __attribute__((always_inline)) void group_q4(const uint8_t *q, const float *x, int64_t xs,
+                                                           const int64_t M, int64_t g0, int64_t group,
+                                                           __typeof__(Q4TABLE(0.f, 0.f, 0)) t, vec *lo, vec *hi) {
+    for (int64_t c = g0; c < g0 + group; c += 32)
+        for (int64_t u = 0; u < 16; u += VL) {
+            wide_codes b = Q4WIDE(q + c / 2 + u);
+            vec wl = Q4LO(b, t), wh = Q4HI(b, t);
+            for (int64_t r = 0; r < M; r++) {
+                lo[r] += wl * LOAD(x + r * xs + c + u);
+                hi[r] += wh * LOAD(x + r * xs + c + 16 + u);
+            }
+        }
+}
+
+/* y[r * n] = one weight row's dot with M rows of x; groups alternate between two pairs of chains */
+static inline __attribute__((always_inline)) void dot_q4(const uint8_t *q, const float *x, int64_t xs, const int64_t M,
+                                                         const float *sz, int64_t zp, int64_t groups, int64_t group,
+                                                         float *y, int64_t n) {
+    vec a[MAX_ROWS], b[MAX_ROWS], c[MAX_ROWS], d[MAX_ROWS];
+    for (int64_t r = 0; r < M; r++) a[r] = b[r] = c[r] = d[r] = (vec){0};
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        group_q4(q, x, xs, M, g * group, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp), a, b);
+        group_q4(q, x, xs, M, (g + 1) * group, group, Q4TABLE(sz[2 * g + 2], sz[2 * g + 3], zp), c, d);
+    }
+    if (g < groups) group_q4(q, x, xs, M, g * group, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp), a, b);
+    for (int64_t r = 0; r < M; r++) y[r * n] = hsum((a[r] + b[r]) + (c[r] + d[r]));
+}
+
+#define Q4_PREFETCH_ROWS 32
+
+/* y[r, j] = sum_i w[j, i] x[r, i] for the m <= MAX_ROWS rows of x (`x_stride` floats apart), w from 4-bit
+ * codes q [n, k / 2] in the chunk order above and per group of `group` codes (a multiple of 32 dividing
+ * k) a scale and a zero point (zp: w = (q - z) * s) or offset (w = q * s + m), interleaved [n, k / group, 2]
+ * (fp16 when f16, else fp32); y [m, n] contiguous. Weight rows split over `threads` as llmc_gemv_q8's. */
+void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz_, int64_t f16,
+                  int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+    int64_t groups = k / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < n; j++) {
+        float sz[2 * groups];
+        row_scales(sz_, f16, 2 * j * groups, 2 * groups, sz);
+        if (j + Q4_PREFETCH_ROWS < n)
+            for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(q + (j + Q4_PREFETCH_ROWS) * (k / 2) + c, 0, 2);
+        const uint8_t *row = q + j * (k / 2);
+        switch (m) {   /* a constant row count keeps each row's sums in registers */
+#define ROWS(M) case M: dot_q4(row, x, x_stride, M, sz, zp, groups, group, y + j, n); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+        }
+    }
+}
+
 /* ---- fp32 GEMV and SwiGLU, for the native decode program (decode_program.c) ---- */
 
 /* sum_i w_i x_i over k floats, the tail (k not a multiple of VL) lane by lane */

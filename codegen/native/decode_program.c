@@ -10,6 +10,8 @@
 
 void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *scales, int64_t f16,
                   int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
+void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz, int64_t f16,
+                  int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
 void llmc_gemv_f32(const float *x, int64_t x_stride, int64_t m, const float *w, const float *bias, int64_t n,
                    int64_t k, float *y, int64_t threads);
 void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
@@ -23,7 +25,7 @@ void llmc_add_rms_norm(const float *x, const float *residual, const float *weigh
 void llmc_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t inter, float *out);
 
 #define OP_FIELDS 16
-enum { OP_GEMV_Q8 = 1, OP_GEMV_F32 = 2, OP_ATTENTION = 3, OP_ADD_RMS_NORM = 4, OP_SWIGLU = 5 };
+enum { OP_GEMV_Q8 = 1, OP_GEMV_F32 = 2, OP_ATTENTION = 3, OP_ADD_RMS_NORM = 4, OP_SWIGLU = 5, OP_GEMV_Q4 = 6, OP_SCALE = 7 };
 /* the step's fields (native_decode.STEP_FIELDS) */
 enum { S_ROWS, S_COS, S_SIN, S_SLOTS, S_TABLES, S_WIDTH, S_LENS, S_BLOCK, S_SCRATCH, S_CACHES, S_THREADS };
 
@@ -41,6 +43,12 @@ static void add_bias(float *y, const float *bias, int64_t m, int64_t n) {
         for (int64_t j = 0; j < n; j++) y[r * n + j] += bias[j];
 }
 
+/* out[r, i] = x[r, i] * w[i] (AWQ's inverse scales on a GEMV's input) */
+static void scale_columns(const float *x, int64_t x_stride, const float *w, float *out, int64_t m, int64_t n) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < n; i++) out[r * n + i] = x[r * x_stride + i] * w[i];
+}
+
 /* run n_ops ops of `ops` for the step `step` */
 void llmc_decode_program(const int64_t *ops, int64_t n_ops, const int64_t *step) {
     int64_t m = step[S_ROWS], threads = step[S_THREADS];
@@ -50,6 +58,11 @@ void llmc_decode_program(const int64_t *ops, int64_t n_ops, const int64_t *step)
         switch (op[0]) {
         case OP_GEMV_Q8:
             llmc_gemv_q8(P(1, const float *), op[2], m, P(3, const int8_t *), P(4, const void *), op[5], op[6],
+                         op[7], op[8], P(9, float *), threads);
+            if (op[10]) add_bias(P(9, float *), P(10, const float *), m, op[6]);
+            break;
+        case OP_GEMV_Q4:
+            llmc_gemv_q4(P(1, const float *), op[2], m, P(3, const uint8_t *), P(4, const void *), op[5], op[11], op[6],
                          op[7], op[8], P(9, float *), threads);
             if (op[10]) add_bias(P(9, float *), P(10, const float *), m, op[6]);
             break;
@@ -72,6 +85,9 @@ void llmc_decode_program(const int64_t *ops, int64_t n_ops, const int64_t *step)
         case OP_ADD_RMS_NORM:
             llmc_add_rms_norm(P(1, const float *), P(3, const float *), P(5, const float *), P(6, float *),
                               P(7, float *), m, op[8], op[2], op[4], bits_float(op[9]));
+            break;
+        case OP_SCALE:
+            scale_columns(P(1, const float *), op[2], P(3, const float *), P(4, float *), m, op[5]);
             break;
         case OP_SWIGLU:
             llmc_swiglu(P(1, const float *), op[2], m, op[4], P(3, float *));

@@ -12,6 +12,7 @@ import onnx
 import pytest
 import torch
 from llmc_cli import llmc_in_process
+from timing_fakes import lowered_wins
 
 import llmc
 from llmc.codegen import ort_accuracy, ort_timing
@@ -31,6 +32,7 @@ def _compile(root, name: str, kl_slack: float | None = None, **options):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LLMC_CACHE", str(root / "cache"))
         patch.setattr(ort_timing, "measure", _measure)
+        lowered_wins(patch)
         if kl_slack is not None:
             patch.setattr(ort_accuracy, "KL_SLACK", kl_slack)
             patch.setattr(ort_accuracy, "TOP1_SLACK", 1.0 if kl_slack > 0 else -1.0)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from timing_fakes import lowered_wins
 
 import llmc
 from llmc.codegen.onnx_weights import initializer
@@ -67,6 +68,7 @@ def test_auto_runs_affine8_on_fp32_activations_as_two_4bit_halves_giving_the_ref
     monkeypatch.setenv("LLMC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(ort_timing, "measure", lambda runners, graph, seg, outputs=None: {
         name: {"decode": 1.0 if name == "ort" else 2.0, "prefill": 1.0 if name == "ort" else 2.0} for name in runners})
+    lowered_wins(monkeypatch)
     gguf_quant_kept.write_model(tmp_path / "tiny.gguf", np.random.default_rng())
     path = llmc.compile(str(tmp_path / "tiny.gguf"), target="cpu", output=tmp_path / "auto.llmc", kernels="auto",
                         quiet=True)

@@ -15,6 +15,7 @@ import onnx
 import pytest
 import torch
 from llmc_cli import error_line, llmc_in_process
+from timing_fakes import lowered_wins
 
 import llmc
 from llmc.codegen.ort_int8 import signed_int8_exact
@@ -197,6 +198,7 @@ def auto_int4(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LLMC_CACHE", str(root / "cache"))
         patch.setattr(ort_timing, "measure", _faked("ort"))
+        lowered_wins(patch)
         return llmc.compile("tiny-llama", output=root / "int4.llmc", kernels="auto", quant="int4-rtn", group_size=32,
                             quiet=True)
 
@@ -357,5 +359,6 @@ def test_a_damaged_timing_cache_entry_is_measured_again(tmp_path, timing_cache, 
     entries[1].write_text(json.dumps({"key": {"what": "another"}, "value": {}}))
     monkeypatch.setattr(ort_timing_cache, "_memo", {})
     llmc.compile("tiny-llama", output=tmp_path / "b.llmc", kernels="auto", quiet=True)
-    for entry in entries[:2]:
-        assert json.loads(entry.read_text())["value"]["us"]
+    for entry in entries[:2]:   # a segment kind's timings, or a whole decode step's
+        value = json.loads(entry.read_text())["value"]
+        assert value.get("us") or (value and all(isinstance(us, float) for us in value.values()))

@@ -68,7 +68,7 @@ def test_kernel_switches_to_dense_from_the_chosen_row_count(scheme, monkeypatch)
         packed = qlinear(*ins, **attrs, cpu_weights=weights.packed)[0]
         reference = qlinear_ref(*ins, **attrs)[0]
         # int8's few rows take the native GEMV where it is built (fp32 arithmetic, near the reference)
-        native = extra.get("native_q8") and cpu_native.gemv_q8(x, extra["native_q8"])
+        native = extra.get("native_gemv") and cpu_native.gemv(x, extra["native_gemv"])
         below = packed if native is None else native
         assert torch.equal(got, reference if rows >= 8 else below)
         if native is not None and rows < 8:

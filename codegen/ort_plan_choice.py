@@ -1,0 +1,51 @@
+"""`--kernels auto`, last: the lowered plan (ORT segments where their kinds measured faster, walked or
+through the decode graph) against the unlowered cpu plan, whose decode steps the native decode program
+runs as one call (runtime/native_decode.py): a saving the per-segment timings cannot see, since they
+time each segment's torch kernels launch by launch. It matters where ORT segments sit among the layers
+the program would run; elsewhere (an embedding or LM head segment) the kinds' timings stand. Priced as
+the kinds were chosen, a request of one prefill and PREFILL_TOKENS decode steps: the prefill difference
+from the kinds' timings, the decode steps timed whole (codegen/ort_decode_timing.py), all ways at once."""
+
+from __future__ import annotations
+
+from llmc.codegen.ort_timing import PREFILL_TOKENS
+from llmc.codegen.plan import ORT_SEGMENT
+from llmc.compiler.ir import Graph
+
+
+def whole_plan_question(cpu_plan, lowered) -> str | None:
+    """Why the lowered plan stands without a whole-step timing, or None: it must be timed."""
+    from llmc.codegen import cpu_native
+    from llmc.runtime.native_decode import COVERED
+
+    if not cpu_native.available():
+        return f"the native kernels are not built: {cpu_native.status()}"
+    if not any(s.kernel in COVERED and s.kernel != "cpu.flash_attention" for s in cpu_plan.steps):
+        return "the native decode program covers none of the plan's GEMMs"
+    attention = [i for i, s in enumerate(lowered.steps) if s.kernel == "cpu.flash_attention"]
+    if not any(attention and attention[0] < i < attention[-1]
+               for i, s in enumerate(lowered.steps) if s.kernel == ORT_SEGMENT):
+        return "no ORT segment lies among the layers the native decode program runs"
+    return None
+
+
+def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], choice: dict) -> dict:
+    """{"chosen": "cpu", "walk" or "graph", what was measured}: the cpu plan, the lowered one walked, or
+    the lowered one through its decode graph (where plan.meta["decode_graph"] offers one). `cpu_plan`
+    carries the qlinear dispatch its torch kernels load with; `files` are the lowered plan's ONNX files."""
+    from llmc.codegen.ort_decode import DECODE_FILE
+    from llmc.codegen.ort_decode_timing import measure_plans
+
+    kinds = [k for k in choice["measured"]["kinds"] if k["chosen"] != "cpu"]
+    prefill_us = sum(k["segments"] * (k["us"]["cpu"]["prefill"] - k["us"][k["chosen"]]["prefill"]) for k in kinds)
+    candidates = {"cpu": (cpu_plan, {}, None), "walk": (lowered, files, None)}
+    record = lowered.meta.get("decode_graph") or {}
+    if record.get("chosen"):
+        candidates["graph"] = (lowered, files, (files[DECODE_FILE], record))
+    step_us = measure_plans(graph, candidates)
+    cost = {name: PREFILL_TOKENS * us + (prefill_us if name == "cpu" else 0) for name, us in step_us.items()}
+    return {"chosen": min(cost, key=cost.get), "step_us": step_us, "prefill_extra_us": round(prefill_us, 1),
+            "cost": f"prefill + {PREFILL_TOKENS} x decode"}
+
+
+__all__ = ["choose_whole_plan", "whole_plan_question"]
