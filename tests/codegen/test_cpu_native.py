@@ -333,3 +333,36 @@ def test_swiglu_matches_float64(rows, inter):
     lib.llmc_swiglu(x.data_ptr(), x.stride(0), rows, inter, out.data_ptr())
     gate, up = x.double().split(inter, dim=1)
     torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows,n,k,group,zero_point,half,threads", [
+    (1, 960, 576, 32, False, True, 2),       # a GGUF Q4_1 projection: fp16 scales and minimums
+    (3, 97, 1536, 64, True, True, 1),        # int4 with integer zero points, an odd row count of weights
+    (cpu_native.MAX_ROWS, 40, 256, 128, True, False, 3),   # fp32 scales
+    (2, 16, 64, 32, False, False, 2)])
+def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads):
+    """Weights made as the reference dequantises them ((q - z) * s, or q * s + m), x a strided view."""
+    from llmc.compiler.quant import dequantize_affine_codes, dequantize_int4_codes
+
+    g = torch.Generator().manual_seed(n + group)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.1 + 1e-3
+    second = torch.randint(0, 16, scales.shape, generator=g).float() if zero_point else \
+        torch.randn(scales.shape, generator=g) * 0.05
+    if half:
+        scales, second = scales.half().float(), second.half().float()
+    w = cpu_native.q4_weights(codes, scales, second, zero_point)
+    assert w.params.dtype == (torch.float16 if half else torch.float32)
+    x = torch.randn(rows, k + 5, generator=g)[:, 2:2 + k]
+    y = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w))
+    dense = (dequantize_int4_codes if zero_point else dequantize_affine_codes)(codes, scales, second)
+    torch.testing.assert_close(y.double(), x.double() @ dense.double().T, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_q4_refuses_what_it_cannot_run():
+    codes = torch.randint(0, 16, (8, 48), dtype=torch.uint8)
+    assert cpu_native.q4_weights(codes, torch.rand(8, 3), torch.zeros(8, 3), True) is None   # groups of 16
+    w = cpu_native.q4_weights(torch.randint(0, 16, (8, 64), dtype=torch.uint8), torch.rand(8, 2), 8, True)
+    assert cpu_native.gemv_q4(torch.randn(cpu_native.MAX_ROWS + 1, 64), w) is None
+    assert cpu_native.gemv_q4(torch.randn(2, 32), w) is None
+    assert cpu_native.gemv_q4(torch.randn(2, 64, dtype=torch.float64), w) is None

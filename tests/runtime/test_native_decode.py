@@ -27,6 +27,8 @@ def models(tmp_path_factory):
         out[name] = module, llmc.compile(str(root / name), output=root / f"{name}.llmc", kernels="cpu", quiet=True)
     out["int8"] = None, llmc.compile("tiny-llama", output=root / "int8.llmc", kernels="cpu", quant="int8",
                                      quiet=True)
+    out["int4"] = None, llmc.compile("tiny-llama", output=root / "int4.llmc", kernels="cpu", quant="int4-rtn",
+                                     group_size=32, quiet=True)
     return out
 
 
@@ -40,7 +42,7 @@ def _without_program(llm):
     return program
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "int8"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "int8", "int4"])
 def test_decode_steps_match_the_walk_and_hf(models, name):
     """Every layer in one run; a prompt then 30 decode steps through shuffled blocks (past Mistral's 16-token
     window) equal the walk's logits to fp32 rounding, and HF's to 1e-4 where the weights are HF's."""
