@@ -190,8 +190,8 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
     """The plan.meta record of the decode graph `mode` gives the lowered `plan` (its ONNX bytes
     added to `files`), or a record saying why there is none ({"chosen": False, "why": ...}).
     MatMulNBits runs at `nbits_level`, or `levels[node]` (the nodes auto put on int8 activations).
-    Without `measure_step` auto keeps a graph its kinds' timings keep, the caller timing whole steps
-    (codegen/ort_plan_choice.py)."""
+    Without `measure_step` auto offers a graph its kinds' timings keep or call close, the caller timing
+    whole steps (codegen/ort_plan_choice.py)."""
     why = decode_refusal(graph)
     if why:
         return {"chosen": False, "why": why}
@@ -205,9 +205,12 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
         verdict = choose_decode_graph(plan.meta["kernel_choice"])
         # where the walk runs the native decode program, the kinds' torch timings (launch by launch)
         # overprice it: a whole step decides
-        if measure_step and (verdict.get("close_call") or (verdict["chosen"] and cpu_native.available())):
-            from llmc.codegen.ort_decode_timing import measure_decode_step
-            verdict = _step_verdict(verdict["decode_us"], measure_decode_step(graph, plan, files, model, record))
+        if verdict.get("close_call") or (verdict["chosen"] and cpu_native.available()):
+            if measure_step:
+                from llmc.codegen.ort_decode_timing import measure_decode_step
+                verdict = _step_verdict(verdict["decode_us"], measure_decode_step(graph, plan, files, model, record))
+            else:   # offered: the caller's whole-step timing decides
+                verdict = {"decode_us": verdict["decode_us"], "chosen": True}
     if not verdict["chosen"]:
         return {"chosen": False, **{k: v for k, v in verdict.items() if k != "chosen"}}
     files[DECODE_FILE] = model
