@@ -204,13 +204,18 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
     if mode == "auto":
         verdict = choose_decode_graph(plan.meta["kernel_choice"])
         # where the walk runs the native decode program, the kinds' torch timings (launch by launch)
-        # overprice it: a whole step decides
+        # overprice it: a whole step decides. Where the kinds chose the graph and the program wins, the
+        # graph stays for the steps the program does not take (over MAX_ROWS sequences): those the
+        # walk runs launch by launch, as the kinds were timed (native_first).
         if verdict.get("close_call") or (verdict["chosen"] and cpu_native.available()):
+            kinds_chose = verdict["chosen"]
             if measure_step:
                 from llmc.codegen.ort_decode_timing import measure_decode_step
                 verdict = _step_verdict(verdict["decode_us"], measure_decode_step(graph, plan, files, model, record))
-            else:   # offered: the caller's whole-step timing decides
-                verdict = {"decode_us": verdict["decode_us"], "chosen": True}
+                if kinds_chose and not verdict["chosen"]:
+                    verdict = {**verdict, "chosen": True, "native_first": True}
+            else:   # offered: the caller's whole-step timing decides (codegen/ort_plan_choice.py)
+                verdict = {"decode_us": verdict["decode_us"], "chosen": True, "kinds_chose": kinds_chose}
     if not verdict["chosen"]:
         return {"chosen": False, **{k: v for k, v in verdict.items() if k != "chosen"}}
     files[DECODE_FILE] = model

@@ -289,7 +289,11 @@ def decode_graph_lines(record: dict | None) -> list[str]:
                 f"as the plan walk runs them" if us else "")
     if "graph_step" in us:
         measured += f"; a whole decode step {us['graph_step']:.0f} us through it, {us['plan_step']:.0f} us walked"
-    return [f"  decode graph: decode-only steps run as one ONNX Runtime session ({record['file']}, attention "
+    steps = "decode-only steps"
+    if record.get("native_first"):
+        steps = "decode-only steps the native decode program does not take (over 8 sequences)"
+        measured += f" ({record['why']})"
+    return [f"  decode graph: {steps} run as one ONNX Runtime session ({record['file']}, attention "
             f"over the paged KV cache inside it){measured}"]
 
 

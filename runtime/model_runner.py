@@ -51,6 +51,9 @@ class ModelRunner:
         rows = torch.tensor(wanted, dtype=torch.long, device=device)
         inputs = {"input_ids": torch.tensor(ids), "positions": torch.tensor(positions), "logits_indices": rows}
         graph = self.executor.decode_graph
+        if graph is not None and graph.native_first and self.executor.native_decode is not None \
+                and meta.native_step(self.cache.block_size) is not None:
+            graph = None   # the native decode program takes this step (the walk runs it)
         if graph is not None and not trees and graph.serves(meta, self.cache):   # one ORT run for the step
             logits = graph(inputs, meta, self.cache)
             return logits if "logits_indices" in graph.plan_inputs else logits[rows]

@@ -38,6 +38,8 @@ class DecodeGraph:
         self.session = load_session(record, inputs, outputs, data, weights, where, spin=True)
         outs = record["outputs"]
         self._logits = outs.index("logits") if "logits" in outs else 0   # the output the runner samples
+        # decode steps the native decode program takes run it instead (codegen/ort_decode.py)
+        self.native_first = record.get("native_first", False)
 
     def serves(self, meta: StepMetadata, cache: PagedKVCache) -> bool:
         """Whether this step is one the graph computes: decodes only, over an unquantised fp32
@@ -60,9 +62,10 @@ def check_record(record, plan, where: str) -> None:
     from llmc.codegen.onnx_weights import TRANSFORMS
 
     bad = [k for k, t in RECORD_FIELDS.items() if not isinstance(record.get(k), t)]
+    bad += [] if isinstance(record.get("native_first", False), bool) else ["native_first"]
     if bad:
-        raise ArtifactError(f"{where}: field {bad[0]!r} is missing or not a {RECORD_FIELDS[bad[0]].__name__}; "
-                            f"{RECOMPILE}")
+        raise ArtifactError(f"{where}: field {bad[0]!r} is missing or not a "
+                            f"{RECORD_FIELDS.get(bad[0], bool).__name__}; {RECOMPILE}")
     if record["inputs"] != plan.inputs or record["outputs"] != plan.outputs:
         raise ArtifactError(f"{where}: reads {record['inputs']} and gives {record['outputs']}, not the plan's "
                             f"inputs {plan.inputs} and outputs {plan.outputs}; {RECOMPILE}")

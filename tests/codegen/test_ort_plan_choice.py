@@ -57,13 +57,40 @@ def test_the_cpu_plan_wins_when_its_decode_steps_do(tmp_path, monkeypatch, capsy
     assert _greedy(path) == _greedy(reference)
 
 
-@pytest.mark.parametrize("graph_us,kept", [(200.0, False), (50.0, True)])
-def test_the_lowered_plan_keeps_its_decode_graph_only_where_it_beats_the_walk(tmp_path, monkeypatch, graph_us, kept):
+@pytest.mark.parametrize("graph_us,native_first", [(200.0, True), (50.0, False)])
+def test_the_lowered_plan_keeps_its_decode_graph_for_what_the_program_does_not_take(tmp_path, monkeypatch, graph_us,
+                                                                                   native_first):
+    """The kinds' timings chose the decode graph (ORT faster): where the walk's native decode program beats it,
+    it stays for the steps the program does not take (over MAX_ROWS sequences), which the walk runs launch by
+    launch as the kinds were timed; otherwise it takes every decode step."""
     path = _compile(tmp_path, monkeypatch, {"cpu": 300.0, "walk": 100.0, "graph": graph_us})
     a = read_artifact(path)
     meta = json.loads(a.plan_json)["meta"]
-    assert meta["kernel_choice"]["whole_plan"]["chosen"] == ("graph" if kept else "walk")
-    assert meta["decode_graph"]["chosen"] is kept and ("ort/decode.onnx" in a.data) is kept
-    if not kept:
-        assert "plan walk's 100 us" in meta["decode_graph"]["why"]
+    assert meta["kernel_choice"]["whole_plan"]["chosen"] == ("walk" if native_first else "graph")
+    record = meta["decode_graph"]
+    assert record["chosen"] and "ort/decode.onnx" in a.data and "kinds_chose" not in record
+    assert record.get("native_first", False) is native_first
+    if native_first:
+        assert "plan walk's 100 us" in record["why"]
     assert any(name.startswith("ort/segment") for name in a.data)
+    llm = llmc.load(path, kv_memory="8MiB")
+    assert llm.engine.executor.decode_graph.native_first is native_first
+
+
+def test_native_first_routes_small_decode_steps_to_the_program_and_large_ones_to_the_graph(tmp_path, monkeypatch):
+    from llmc.runtime import native_decode
+    from llmc.runtime.ort_decode import DecodeGraph
+
+    path = _compile(tmp_path, monkeypatch, {"cpu": 300.0, "walk": 100.0, "graph": 200.0})
+    calls = []
+    graph_call, run = DecodeGraph.__call__, native_decode.NativeDecode.run
+    monkeypatch.setattr(DecodeGraph, "__call__", lambda self, *a: calls.append("graph") or graph_call(self, *a))
+    monkeypatch.setattr(native_decode.NativeDecode, "run",
+                        lambda self, *a: calls.append("program") or run(self, *a))
+    llm = llmc.load(path, kv_memory="16MiB")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate({"prompt_token_ids": [5, 17, 99]}, params)
+    assert "program" in calls and "graph" not in calls
+    calls.clear()
+    llm.generate([{"prompt_token_ids": [5 + i, 17, 99]} for i in range(cpu_native.MAX_ROWS + 1)], params)
+    assert "graph" in calls
