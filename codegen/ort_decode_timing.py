@@ -61,19 +61,18 @@ def _stepper(graph: Graph, plan, files: dict[str, bytes], decode: tuple | None):
 
     data = {**files, **({} if decode is None else {DECODE_FILE: decode[0]})}
     executor = PlanExecutor(plan, graph.weights, data=data)
-    layout = plan.kv_layout()
-    blocks = CONTEXT // BLOCK + 1
+    layout, context = plan.kv_layout(), _context(graph)
+    blocks = context // BLOCK + 1
     cache = PagedKVCache(layout["num_layers"], blocks, BLOCK, layout["num_kv_heads"], layout["head_dim"])
     table = list(range(blocks))
-    vocab = graph.type_of(plan.outputs[0]).shape[-1]
-    ids = torch.randint(0, vocab, (CONTEXT + 1,), generator=torch.Generator().manual_seed(CONTEXT))
+    ids = torch.randint(0, _vocab(graph), (context + 1,), generator=torch.Generator().manual_seed(context))
     feed = lambda **values: {k: t for k, t in values.items() if k in plan.inputs}
     backend = PagedAttention(cache)
-    backend.metadata = StepMetadata.build([(table, 0, CONTEXT)], BLOCK)
-    executor.run_values(feed(input_ids=ids[:CONTEXT], positions=torch.arange(CONTEXT),
-                             logits_indices=torch.tensor([CONTEXT - 1])), backend)
-    meta = StepMetadata.build([(table, CONTEXT, 1)], BLOCK)
-    inputs = feed(input_ids=ids[CONTEXT:], positions=torch.tensor([CONTEXT]), logits_indices=torch.tensor([0]))
+    backend.metadata = StepMetadata.build([(table, 0, context)], BLOCK)
+    executor.run_values(feed(input_ids=ids[:context], positions=torch.arange(context),
+                             logits_indices=torch.tensor([context - 1])), backend)
+    meta = StepMetadata.build([(table, context, 1)], BLOCK)
+    inputs = feed(input_ids=ids[context:], positions=torch.tensor([context]), logits_indices=torch.tensor([0]))
     if decode is not None:
         decode_graph = DecodeGraph({**decode[1], "chosen": True}, plan, data, graph.weights)
         return lambda: decode_graph(inputs, meta, cache)
@@ -82,6 +81,23 @@ def _stepper(graph: Graph, plan, files: dict[str, bytes], decode: tuple | None):
         backend.metadata = meta   # a fresh StepMetadata caches nothing across steps; this one is reused
         return executor.run_values(inputs, backend)
     return walk
+
+
+def _context(graph: Graph) -> int:
+    """CONTEXT, or fewer where a learned position table is short (an embedding not of the input ids: a
+    tiny OPT's 130 rows, read at position + 2)."""
+    tables = [graph.weights[node.inputs[1]].shape[0] for node in graph.nodes
+              if node.op in ("embedding", "qembedding") and node.inputs[0] != "input_ids"]
+    return min([CONTEXT] + [rows // 2 for rows in tables])
+
+
+def _vocab(graph: Graph) -> int:
+    """Token ids below this index every embedding table (an output's width need not: OPT's is the model's)."""
+    sizes = [graph.weights[i].shape[0] for node in graph.nodes if "input_ids" in node.inputs
+             for i in node.inputs if i in graph.weights]
+    if not sizes:
+        raise ValueError("no embedding table reads input_ids: nothing to time a decode step with")
+    return min(sizes)
 
 
 def _measure(graph: Graph, candidates: dict[str, tuple], threads: int) -> dict:
