@@ -1,6 +1,7 @@
 """Where one decode step's wall time goes: runs batch-B decode on an artifact and prints the
-per-step split (scheduler / metadata / plan walk or decode graph / sample / rest) and, with --by-kernel, the
-plan walk's time per kernel. Usage: python bench/decode_step.py ART [-b 1] [--steps 64]."""
+per-step split (scheduler / metadata / plan walk or decode graph / sample / rest; the native decode
+program's share of the walk) and, with --by-kernel, the walk's time per kernel outside the program.
+Usage: python bench/decode_step.py ART [-b 1] [--steps 64]."""
 
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def main() -> None:
     _timed(engine.sampler, "sample", "sample", totals)
     if engine.executor.decode_graph is not None:   # its ORT run (the cache write after it counts as metadata)
         _timed(engine.executor.decode_graph, "session", "graph", totals)
+    if engine.executor.native_decode is not None:   # the layers it runs as one native call (within "plan")
+        _timed(engine.executor.native_decode, "run", "program", totals)
     if args.by_kernel:
         _time_kernels(engine.executor, kernels)
     engine.step()  # warm-up decode
@@ -100,8 +103,12 @@ def main() -> None:
           f"{wall * per:.2f} ms/step, {args.batch * args.steps / wall:.1f} tok/s")
     for name, s in split.items():
         print(f"  {name:<10} {s * per:8.3f} ms/step  {100 * s / wall:5.1f}%")
+    if totals["program"]:
+        print(f"  of the plan, the native decode program {totals['program'] * per:.3f} ms/step "
+              f"(steps {engine.executor.native_decode.start}-{engine.executor.native_decode.end - 1} of "
+              f"{len(engine.executor.plan.steps)})")
     if args.by_kernel:
-        print("plan walk by kernel (timing wrappers add a little):")
+        print("plan walk by kernel, outside the native decode program (timing wrappers add a little):")
         for name, s in sorted(kernels.items(), key=lambda kv: -kv[1]):
             print(f"  {name:<24} {s * per:8.3f} ms/step")
 

@@ -92,12 +92,12 @@ def _context(graph: Graph) -> int:
 
 
 def _vocab(graph: Graph) -> int:
-    """Token ids below this index every embedding table (an output's width need not: OPT's is the model's)."""
+    """Token ids below this index every embedding table (an output's width need not: OPT's is the model's):
+    the rows of the tables input_ids index, or where no node takes them directly (an imported ONNX
+    graph's gather behind a cast) of the smallest matrix."""
     sizes = [graph.weights[i].shape[0] for node in graph.nodes if "input_ids" in node.inputs
              for i in node.inputs if i in graph.weights]
-    if not sizes:
-        raise ValueError("no embedding table reads input_ids: nothing to time a decode step with")
-    return min(sizes)
+    return min(sizes or [w.shape[0] for w in graph.weights.values() if w.dim() == 2])
 
 
 def _measure(graph: Graph, candidates: dict[str, tuple], threads: int) -> dict:
