@@ -204,18 +204,17 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
     if mode == "auto":
         verdict = choose_decode_graph(plan.meta["kernel_choice"])
         # where the walk runs the native decode program, the kinds' torch timings (launch by launch)
-        # overprice it: a whole step decides. Where the kinds chose the graph and the program wins, the
-        # graph stays for the steps the program does not take (over MAX_ROWS sequences): those the
-        # walk runs launch by launch, as the kinds were timed (native_first).
+        # overprice it: a whole step decides. Where the program wins, the graph stays for the steps it
+        # does not take (over MAX_ROWS sequences) if it beat the walk launch by launch (native_first).
         if verdict.get("close_call") or (verdict["chosen"] and cpu_native.available()):
-            kinds_chose = verdict["chosen"]
             if measure_step:
                 from llmc.codegen.ort_decode_timing import measure_decode_step
-                verdict = _step_verdict(verdict["decode_us"], measure_decode_step(graph, plan, files, model, record))
-                if kinds_chose and not verdict["chosen"]:
+                us = measure_decode_step(graph, plan, files, model, record)
+                verdict = _step_verdict(verdict["decode_us"], us)
+                if not verdict["chosen"] and us["graph"] < us["launches"]:
                     verdict = {**verdict, "chosen": True, "native_first": True}
             else:   # offered: the caller's whole-step timing decides (codegen/ort_plan_choice.py)
-                verdict = {"decode_us": verdict["decode_us"], "chosen": True, "kinds_chose": kinds_chose}
+                verdict = {"decode_us": verdict["decode_us"], "chosen": True}
     if not verdict["chosen"]:
         return {"chosen": False, **{k: v for k, v in verdict.items() if k != "chosen"}}
     files[DECODE_FILE] = model
@@ -262,7 +261,8 @@ def choose_decode_graph(choice: dict) -> dict:
 
 
 def _step_verdict(decode_us: dict, step_us: dict) -> dict:
-    record = {"decode_us": {**decode_us, "graph_step": step_us["graph"], "plan_step": step_us["plan"]}}
+    record = {"decode_us": {**decode_us, "graph_step": step_us["graph"], "plan_step": step_us["plan"],
+                            **({"launches_step": step_us["launches"]} if "launches" in step_us else {})}}
     if step_us["graph"] < step_us["plan"]:
         return {**record, "chosen": True}
     return {**record, "chosen": False, "why": f"a decode step through it measured {step_us['graph']:.0f} us against "

@@ -25,19 +25,23 @@ def _plan_hash(plan) -> str:
 
 
 def measure_decode_step(graph: Graph, plan, files: dict[str, bytes], model: bytes, record: dict) -> dict:
-    """{"plan": us, "graph": us} for one decode step of `plan` (its ORT segments in `files`) walked
-    and through the decode graph `model`."""
-    key = {"what": "decode step", "onnx": hashlib.sha256(model).hexdigest(),
+    """{"plan": us, "graph": us, "launches": us} for one decode step of `plan` (its ORT segments in
+    `files`) walked (with the native decode program where it runs), through the decode graph `model`,
+    and walked launch by launch (as steps the program does not take run)."""
+    key = {"what": "decode step: walk, graph, launches", "onnx": hashlib.sha256(model).hexdigest(),
            "segments": sorted(hashlib.sha256(b).hexdigest() for b in files.values()), "plan": _plan_hash(plan)}
-    return _recalled(key, graph, {"plan": (plan, files, None), "graph": (plan, files, (model, record))})
+    return _recalled(key, graph, {"plan": (plan, files, None), "graph": (plan, files, (model, record)),
+                                  "launches": (plan, files, None, False)})
 
 
 def measure_plans(graph: Graph, candidates: dict[str, tuple]) -> dict:
-    """{name: us} for one decode step of each candidate (plan, files, (decode model, record) or None: walked)."""
-    key = {"what": "decode steps", "plans": {name: [_plan_hash(plan), sorted(hashlib.sha256(b).hexdigest()
-                                                                          for b in files.values()),
-                                                    None if decode is None else hashlib.sha256(decode[0]).hexdigest()]
-                                             for name, (plan, files, decode) in candidates.items()}}
+    """{name: us} for one decode step of each candidate (plan, files, (decode model, record) or None: walked,
+    and optionally False: walked launch by launch, without the native decode program)."""
+    key = {"what": "decode steps", "plans": {name: [_plan_hash(c[0]), sorted(hashlib.sha256(b).hexdigest()
+                                                                         for b in c[1].values()),
+                                                    None if c[2] is None else hashlib.sha256(c[2][0]).hexdigest(),
+                                                    *c[3:]]
+                                             for name, c in candidates.items()}}
     return _recalled(key, graph, candidates)
 
 
@@ -51,36 +55,53 @@ def _recalled(key: dict, graph: Graph, candidates: dict[str, tuple]) -> dict:
     return recall(key, lambda: _measure(graph, candidates, threads))
 
 
-def _stepper(graph: Graph, plan, files: dict[str, bytes], decode: tuple | None):
-    """A function running one decode step of `plan` (through the decode graph `decode`, when given) over
-    its own paged cache, which holds CONTEXT tokens of a prefill already."""
+class _Primed:
+    """An executor of `plan` whose own paged cache holds CONTEXT tokens of a prefill, and one decode step's
+    inputs and metadata (each run writes the same cache slot with the same key and value)."""
+
+    def __init__(self, graph: Graph, plan, data: dict[str, bytes]):
+        from llmc.runtime.executor import PlanExecutor
+        from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata
+
+        self.executor = executor = PlanExecutor(plan, graph.weights, data=data)
+        layout, context = plan.kv_layout(), _context(graph)
+        blocks = context // BLOCK + 1
+        self.cache = PagedKVCache(layout["num_layers"], blocks, BLOCK, layout["num_kv_heads"], layout["head_dim"])
+        table = list(range(blocks))
+        ids = torch.randint(0, _vocab(graph), (context + 1,), generator=torch.Generator().manual_seed(context))
+        feed = lambda **values: {k: t for k, t in values.items() if k in plan.inputs}
+        self.backend = PagedAttention(self.cache)
+        self.backend.metadata = StepMetadata.build([(table, 0, context)], BLOCK)
+        executor.run_values(feed(input_ids=ids[:context], positions=torch.arange(context),
+                                 logits_indices=torch.tensor([context - 1])), self.backend)
+        self.meta = StepMetadata.build([(table, context, 1)], BLOCK)
+        self.inputs = feed(input_ids=ids[context:], positions=torch.tensor([context]),
+                           logits_indices=torch.tensor([0]))
+        self.program = executor.native_decode
+
+    def walk(self, native: bool):
+        def run():
+            self.backend.metadata = self.meta   # reused: a fresh StepMetadata would cache nothing across steps
+            self.executor.native_decode = self.program if native else None
+            return self.executor.run_values(self.inputs, self.backend)
+        return run
+
+
+def _runner(graph: Graph, primed: dict, plan, files: dict[str, bytes], decode: tuple | None, native: bool = True):
+    """A function running one decode step of `plan`: through the decode graph `decode` when given, else
+    walked (with the native decode program unless `native` is False); `primed` shares one executor and
+    cache among the candidates of a plan."""
     from llmc.codegen.ort_decode import DECODE_FILE
-    from llmc.runtime.executor import PlanExecutor
     from llmc.runtime.ort_decode import DecodeGraph
-    from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata
 
-    data = {**files, **({} if decode is None else {DECODE_FILE: decode[0]})}
-    executor = PlanExecutor(plan, graph.weights, data=data)
-    layout, context = plan.kv_layout(), _context(graph)
-    blocks = context // BLOCK + 1
-    cache = PagedKVCache(layout["num_layers"], blocks, BLOCK, layout["num_kv_heads"], layout["head_dim"])
-    table = list(range(blocks))
-    ids = torch.randint(0, _vocab(graph), (context + 1,), generator=torch.Generator().manual_seed(context))
-    feed = lambda **values: {k: t for k, t in values.items() if k in plan.inputs}
-    backend = PagedAttention(cache)
-    backend.metadata = StepMetadata.build([(table, 0, context)], BLOCK)
-    executor.run_values(feed(input_ids=ids[:context], positions=torch.arange(context),
-                             logits_indices=torch.tensor([context - 1])), backend)
-    meta = StepMetadata.build([(table, context, 1)], BLOCK)
-    inputs = feed(input_ids=ids[context:], positions=torch.tensor([context]), logits_indices=torch.tensor([0]))
-    if decode is not None:
-        decode_graph = DecodeGraph({**decode[1], "chosen": True}, plan, data, graph.weights)
-        return lambda: decode_graph(inputs, meta, cache)
-
-    def walk():
-        backend.metadata = meta   # a fresh StepMetadata caches nothing across steps; this one is reused
-        return executor.run_values(inputs, backend)
-    return walk
+    key = (id(plan), id(files))
+    if key not in primed:
+        primed[key] = _Primed(graph, plan, files)
+    p = primed[key]
+    if decode is None:
+        return p.walk(native)
+    decode_graph = DecodeGraph({**decode[1], "chosen": True}, plan, {**files, DECODE_FILE: decode[0]}, graph.weights)
+    return lambda: decode_graph(p.inputs, p.meta, p.cache)
 
 
 def _context(graph: Graph) -> int:
@@ -104,8 +125,8 @@ def _measure(graph: Graph, candidates: dict[str, tuple], threads: int) -> dict:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        # each run writes the same cache slot with the same key and value
-        runners = {name: _stepper(graph, *candidate) for name, candidate in candidates.items()}
+        primed: dict = {}
+        runners = {name: _runner(graph, primed, *candidate) for name, candidate in candidates.items()}
         for run in runners.values():
             run()    # warm: first runs allocate and pack
         best = dict.fromkeys(runners, float("inf"))

@@ -323,11 +323,10 @@ def _whole_plan(graph: Graph, cpu_plan: Plan, lowered: Plan, files: dict[str, by
         cpu_plan.meta = {**cpu_plan.meta, "kernel_choice": {**choice, **cpu_plan.meta["kernel_choice"]}}
         return cpu_plan, {}
     record = lowered.meta.get("decode_graph") or {}
-    kinds_chose = record.pop("kinds_chose", False)
     if verdict["chosen"] == "walk" and "graph" in verdict["step_us"]:
         us = verdict["step_us"]
         why = f"a decode step through it measured {us['graph']:.0f} us against the plan walk's {us['walk']:.0f} us"
-        if kinds_chose:   # as plan_decode_graph keeps it: for the steps the native decode program does not take
+        if us["graph"] < us["launches"]:   # kept, as plan_decode_graph keeps it, for steps the program does not take
             record.update(native_first=True, why=why)
         else:
             lowered.meta["decode_graph"] = {"chosen": False, "why": why}

@@ -31,7 +31,8 @@ def whole_plan_question(cpu_plan, lowered) -> str | None:
 
 def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], choice: dict) -> dict:
     """{"chosen": "cpu", "walk" or "graph", what was measured}: the cpu plan, the lowered one walked, or
-    the lowered one through its decode graph (where plan.meta["decode_graph"] offers one). `cpu_plan`
+    the lowered one through its decode graph (where plan.meta["decode_graph"] offers one; then the walk
+    launch by launch is timed too, for the graph's native_first: codegen/ort_lowering.py). `cpu_plan`
     carries the qlinear dispatch its torch kernels load with; `files` are the lowered plan's ONNX files."""
     from llmc.codegen.ort_decode import DECODE_FILE
     from llmc.codegen.ort_decode_timing import measure_plans
@@ -40,10 +41,11 @@ def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], 
     prefill_us = sum(k["segments"] * (k["us"]["cpu"]["prefill"] - k["us"][k["chosen"]]["prefill"]) for k in kinds)
     candidates = {"cpu": (cpu_plan, {}, None), "walk": (lowered, files, None)}
     record = lowered.meta.get("decode_graph") or {}
-    if record.get("chosen"):
-        candidates["graph"] = (lowered, files, (files[DECODE_FILE], record))
+    if record.get("chosen"):   # and the walk launch by launch, which steps the program does not take run
+        candidates.update(graph=(lowered, files, (files[DECODE_FILE], record)), launches=(lowered, files, None, False))
     step_us = measure_plans(graph, candidates)
-    cost = {name: PREFILL_TOKENS * us + (prefill_us if name == "cpu" else 0) for name, us in step_us.items()}
+    cost = {name: PREFILL_TOKENS * us + (prefill_us if name == "cpu" else 0) for name, us in step_us.items()
+            if name != "launches"}
     return {"chosen": min(cost, key=cost.get), "step_us": step_us, "prefill_extra_us": round(prefill_us, 1),
             "cost": f"prefill + {PREFILL_TOKENS} x decode"}
 

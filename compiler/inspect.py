@@ -254,7 +254,8 @@ def _whole_plan_lines(verdict: dict | None) -> list[str]:
         return [f"    whole plan: lowered ({verdict['why']})"]
     runs = {"cpu": "the torch kernels throughout, no ORT segments", "walk": "the lowered plan, walked",
             "graph": "the lowered plan, decode steps through its decode graph"}
-    names = {"cpu": "unlowered (native decode program)", "walk": "lowered and walked", "graph": "decode graph"}
+    names = {"cpu": "unlowered (native decode program)", "walk": "lowered and walked", "graph": "decode graph",
+             "launches": "lowered, walked launch by launch"}
     steps = ", ".join(f"{us:.0f} us {names[name]}" for name, us in verdict["step_us"].items())
     return [f"    whole plan: {runs[verdict['chosen']]}; a decode step {steps}; the unlowered prefill "
             f"{verdict['prefill_extra_us']:+.0f} us; by {verdict['cost']}"]

@@ -7,5 +7,5 @@ def lowered_wins(patch) -> None:
     """`patch`: a pytest MonkeyPatch."""
     from llmc.codegen import ort_decode_timing
 
-    order = {"graph": 1.0, "walk": 2.0, "cpu": 3.0}
+    order = {"graph": 1.0, "walk": 2.0, "cpu": 3.0, "launches": 4.0}
     patch.setattr(ort_decode_timing, "measure_plans", lambda graph, candidates: {n: order[n] for n in candidates})

@@ -29,7 +29,8 @@ def _compile(root, monkeypatch, steps: dict[str, float]):
                         {name: steps[name] for name in candidates})
     path = llmc.compile("tiny-llama", output=root / "int4.llmc", kernels="auto", quant="int4-rtn", group_size=32,
                         quiet=True)
-    assert timed == [["cpu", "graph", "walk"]]   # one timing, all three ways together
+    # one timing, every way together (the walk launch by launch too, for the graph's native_first)
+    assert timed == [["cpu", "graph", "launches", "walk"]]
     return path
 
 
@@ -40,7 +41,7 @@ def _greedy(path) -> list[int]:
 
 
 def test_the_cpu_plan_wins_when_its_decode_steps_do(tmp_path, monkeypatch, capsys):
-    path = _compile(tmp_path, monkeypatch, {"cpu": 100.0, "walk": 300.0, "graph": 200.0})
+    path = _compile(tmp_path, monkeypatch, {"cpu": 100.0, "walk": 300.0, "graph": 200.0, "launches": 400.0})
     a = read_artifact(path)
     plan = json.loads(a.plan_json)
     choice = plan["meta"]["kernel_choice"]
@@ -57,31 +58,32 @@ def test_the_cpu_plan_wins_when_its_decode_steps_do(tmp_path, monkeypatch, capsy
     assert _greedy(path) == _greedy(reference)
 
 
-@pytest.mark.parametrize("graph_us,native_first", [(200.0, True), (50.0, False)])
-def test_the_lowered_plan_keeps_its_decode_graph_for_what_the_program_does_not_take(tmp_path, monkeypatch, graph_us,
-                                                                                   native_first):
-    """The kinds' timings chose the decode graph (ORT faster): where the walk's native decode program beats it,
-    it stays for the steps the program does not take (over MAX_ROWS sequences), which the walk runs launch by
-    launch as the kinds were timed; otherwise it takes every decode step."""
-    path = _compile(tmp_path, monkeypatch, {"cpu": 300.0, "walk": 100.0, "graph": graph_us})
+@pytest.mark.parametrize("graph_us,launches_us,kept", [(200.0, 400.0, "native_first"), (50.0, 400.0, "every step"),
+                                                      (200.0, 150.0, None)])
+def test_the_lowered_plan_keeps_its_decode_graph_where_it_beats_what_would_run(tmp_path, monkeypatch, graph_us,
+                                                                              launches_us, kept):
+    """The walk (with the native decode program) beats the graph: the graph stays for the steps the program
+    does not take (over MAX_ROWS sequences) if it beat the walk launch by launch, which runs them otherwise;
+    the graph beats the walk: it takes every decode step."""
+    path = _compile(tmp_path, monkeypatch, {"cpu": 300.0, "walk": 100.0, "graph": graph_us, "launches": launches_us})
     a = read_artifact(path)
     meta = json.loads(a.plan_json)["meta"]
-    assert meta["kernel_choice"]["whole_plan"]["chosen"] == ("walk" if native_first else "graph")
+    assert meta["kernel_choice"]["whole_plan"]["chosen"] == ("graph" if kept == "every step" else "walk")
     record = meta["decode_graph"]
-    assert record["chosen"] and "ort/decode.onnx" in a.data and "kinds_chose" not in record
-    assert record.get("native_first", False) is native_first
-    if native_first:
+    assert record["chosen"] is (kept is not None) and ("ort/decode.onnx" in a.data) is (kept is not None)
+    assert record.get("native_first", False) is (kept == "native_first")
+    if kept != "every step":
         assert "plan walk's 100 us" in record["why"]
     assert any(name.startswith("ort/segment") for name in a.data)
-    llm = llmc.load(path, kv_memory="8MiB")
-    assert llm.engine.executor.decode_graph.native_first is native_first
+    graph = llmc.load(path, kv_memory="8MiB").engine.executor.decode_graph
+    assert (graph is not None) is (kept is not None)
 
 
 def test_native_first_routes_small_decode_steps_to_the_program_and_large_ones_to_the_graph(tmp_path, monkeypatch):
     from llmc.runtime import native_decode
     from llmc.runtime.ort_decode import DecodeGraph
 
-    path = _compile(tmp_path, monkeypatch, {"cpu": 300.0, "walk": 100.0, "graph": 200.0})
+    path = _compile(tmp_path, monkeypatch, {"cpu": 300.0, "walk": 100.0, "graph": 200.0, "launches": 400.0})
     calls = []
     graph_call, run = DecodeGraph.__call__, native_decode.NativeDecode.run
     monkeypatch.setattr(DecodeGraph, "__call__", lambda self, *a: calls.append("graph") or graph_call(self, *a))
