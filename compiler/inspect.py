@@ -291,9 +291,10 @@ def decode_graph_lines(record: dict | None) -> list[str]:
     if "graph_step" in us:
         measured += f"; a whole decode step {us['graph_step']:.0f} us through it, {us['plan_step']:.0f} us walked"
     steps = "decode-only steps"
+    if "launches_step" in us:
+        measured += f", {us['launches_step']:.0f} us walked launch by launch"
     if record.get("native_first"):
         steps = "decode-only steps the native decode program does not take (over 8 sequences)"
-        measured += f" ({record['why']})"
     return [f"  decode graph: {steps} run as one ONNX Runtime session ({record['file']}, attention "
             f"over the paged KV cache inside it){measured}"]
 
