@@ -20,7 +20,6 @@ from llmc.codegen.cpu_kernels import RopeCache
 
 OP_FIELDS = 16
 OP_GEMV_Q8, OP_GEMV_F32, OP_ATTENTION, OP_ADD_RMS_NORM, OP_SWIGLU, OP_GEMV_Q4, OP_SCALE = 1, 2, 3, 4, 5, 6, 7
-STEP_FIELDS = 11   # decode_program.c's S_* fields
 F32 = torch.float32
 COVERED = ("cpu.qlinear", "cpu.linear", "cpu.add_rms_norm", "cpu.rms_norm", "cpu.split", "cpu.swiglu",
            "cpu.flash_attention", "cpu.mul")
@@ -41,8 +40,8 @@ class _Encoder:
     """Encodes a run of launches into ops, placing each activation in the arena: values whose last
     reader has run give their region back to the next value of the same width."""
 
-    def __init__(self, executor, start: int, end: int):
-        self.ex, self.start, self.end = executor, start, end
+    def __init__(self, executor):
+        self.ex = executor
         self.views: dict[str, View] = {}      # value -> its view
         self.root: dict[str, str] = {}        # value -> the value owning its region (split views)
         self.free: dict[int, list[int]] = {}  # width -> free region offsets
@@ -78,13 +77,13 @@ class _Encoder:
     def release(self, last_use: dict[str, int], index: int) -> None:
         """Free the regions whose values (the owner's and its split views') are all read for the last time."""
         members: dict[str, list[str]] = {}
-        for reg, root in self.root.items():
-            members.setdefault(root, []).append(reg)
-        for root, regs in members.items():
-            if max(last_use.get(r, -1) for r in regs) == index:
+        for name, root in self.root.items():
+            members.setdefault(root, []).append(name)
+        for root, names in members.items():
+            if max(last_use.get(n, -1) for n in names) == index:
                 self.free.setdefault(self.views[root].width, []).append(self.views[root].offset)
-                for r in regs:
-                    del self.root[r]
+                for n in names:
+                    del self.root[n]
 
 
 class _Uncovered(Exception):
@@ -240,7 +239,9 @@ class NativeDecode:
         cos = sin = None
         if self._rope is not None:
             positions, inv_freq, scaling = self._rope
-            cos, sin = rope_cache.cos_sin(regs[positions], regs[inv_freq], scaling, F32)
+            cos, sin = (t.contiguous() for t in rope_cache.cos_sin(regs[positions], regs[inv_freq], scaling, F32))
+            if cos.shape != (rows, self._head_dim) or sin.shape != cos.shape:
+                return False   # the C kernel reads head_dim floats a row
         scratch = torch.empty(rows * self._heads * (self._head_dim + step.max_len), dtype=F32)
         threads = torch.get_num_threads() if self._lib.openmp else 1
         fields = torch.tensor([rows, _ptr(cos), _ptr(sin), step.slots, step.tables, step.width, step.lens, step.block,
@@ -255,7 +256,7 @@ class NativeDecode:
 
 
 def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.contiguous().data_ptr()
+    return 0 if t is None else t.data_ptr()
 
 
 # op fields that are arena offsets (-1: none), by kind
@@ -291,7 +292,7 @@ def _encode_run(executor, start: int, last_use: dict[int, int]) -> tuple[int, Na
     """(where the covered run from `start` ends, its encoding or None: no attention in it, or it would
     hold a plan output)."""
     steps, program, plan = executor.plan.steps, executor._program, executor.plan
-    enc, ops, end = _Encoder(executor, start, len(steps)), [], start
+    enc, ops, end = _Encoder(executor), [], start
     for i in range(start, len(steps)):
         if steps[i].kernel not in COVERED:
             break
@@ -307,7 +308,6 @@ def _encode_run(executor, start: int, last_use: dict[int, int]) -> tuple[int, Na
     if produced & set(plan.outputs):
         return end, None   # a plan output must not live in the arena, which the next step overwrites
     later = {v for step in steps[end:] for v in step.inputs}
-    enc.end = end
     return end, NativeDecode(executor, start, end, enc, ops, sorted(produced & later))
 
 
