@@ -211,8 +211,6 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
                 from llmc.codegen.ort_decode_timing import measure_decode_step
                 us = measure_decode_step(graph, plan, files, model, record)
                 verdict = _step_verdict(verdict["decode_us"], us)
-                if not verdict["chosen"] and us["graph"] < us["launches"]:
-                    verdict = {**verdict, "chosen": True, "native_first": True}
             else:   # offered: the caller's whole-step timing decides (codegen/ort_plan_choice.py)
                 verdict = {"decode_us": verdict["decode_us"], "chosen": True}
     if not verdict["chosen"]:
@@ -262,12 +260,21 @@ def choose_decode_graph(choice: dict) -> dict:
 
 def _step_verdict(decode_us: dict, step_us: dict) -> dict:
     record = {"decode_us": {**decode_us, "graph_step": step_us["graph"], "plan_step": step_us["plan"],
-                            **({"launches_step": step_us["launches"]} if "launches" in step_us else {})}}
-    if step_us["graph"] < step_us["plan"]:
-        return {**record, "chosen": True}
-    return {**record, "chosen": False, "why": f"a decode step through it measured {step_us['graph']:.0f} us against "
-                                              f"the plan walk's {step_us['plan']:.0f} us"}
+                            "launches_step": step_us["launches"]}}
+    return {**record, **graph_step_verdict(step_us["graph"], step_us["plan"], step_us["launches"])}
+
+
+def graph_step_verdict(graph_us: float, walk_us: float, launches_us: float) -> dict:
+    """The decode graph against whole decode steps walked (with the native decode program where it runs)
+    and walked launch by launch: every decode step where it beats the walk; else the steps the program
+    does not take (over MAX_ROWS sequences, which run launch by launch) where it beats those (native_first);
+    else none."""
+    if graph_us < walk_us:
+        return {"chosen": True}
+    why = f"a decode step through it measured {graph_us:.0f} us against the plan walk's {walk_us:.0f} us"
+    return {"chosen": True, "native_first": True, "why": why} if graph_us < launches_us else \
+        {"chosen": False, "why": why}
 
 
 __all__ = ["build_decode_graph", "decode_refusal", "plan_decode_graph", "cache_inputs", "DECODE_FILE",
-           "BLOCK_TABLES", "NEW_KEYS", "NEW_VALUES"]
+           "BLOCK_TABLES", "NEW_KEYS", "NEW_VALUES", "graph_step_verdict"]

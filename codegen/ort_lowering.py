@@ -298,9 +298,11 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     from llmc.codegen.ort_decode import plan_decode_graph
     from llmc.codegen.ort_plan_choice import whole_plan_question
     levels = {node.name: INT8_COMPUTE for i in int8 for node in segments[i].nodes}
-    cpu_plan = restep(plan, plan.steps)
-    cpu_plan.meta = trial_meta() if mode == "auto" else plan.meta
-    question = whole_plan_question(cpu_plan, lowered) if mode == "auto" else "--kernels ort"
+    cpu_plan, question = None, "--kernels ort"
+    if mode == "auto":
+        cpu_plan = restep(plan, plan.steps)
+        cpu_plan.meta = trial_meta()
+        question = whole_plan_question(cpu_plan, lowered)
     lowered.meta["decode_graph"] = plan_decode_graph(graph, lowered, files, mode,
                                                      INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels,
                                                      measure_step=question is not None)
@@ -314,7 +316,7 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
 def _whole_plan(graph: Graph, cpu_plan: Plan, lowered: Plan, files: dict[str, bytes], choice: dict):
     """(plan, files) as codegen/ort_plan_choice.py chooses: the cpu plan, or the lowered one walked or
     through its decode graph."""
-    from llmc.codegen.ort_decode import DECODE_FILE
+    from llmc.codegen.ort_decode import DECODE_FILE, graph_step_verdict
     from llmc.codegen.ort_plan_choice import choose_whole_plan
 
     verdict = choice["whole_plan"] = choose_whole_plan(graph, cpu_plan, lowered, files, choice)
@@ -322,14 +324,13 @@ def _whole_plan(graph: Graph, cpu_plan: Plan, lowered: Plan, files: dict[str, by
         choice.pop("int8_activations", None)   # nothing runs on them
         cpu_plan.meta = {**cpu_plan.meta, "kernel_choice": {**choice, **cpu_plan.meta["kernel_choice"]}}
         return cpu_plan, {}
-    record = lowered.meta.get("decode_graph") or {}
     if verdict["chosen"] == "walk" and "graph" in verdict["step_us"]:
         us = verdict["step_us"]
-        why = f"a decode step through it measured {us['graph']:.0f} us against the plan walk's {us['walk']:.0f} us"
-        if us["graph"] < us["launches"]:   # kept, as plan_decode_graph keeps it, for steps the program does not take
-            record.update(native_first=True, why=why)
+        graph_verdict = graph_step_verdict(us["graph"], us["walk"], us["launches"])
+        if graph_verdict["chosen"]:
+            lowered.meta["decode_graph"].update(graph_verdict)
         else:
-            lowered.meta["decode_graph"] = {"chosen": False, "why": why}
+            lowered.meta["decode_graph"] = graph_verdict
             files.pop(DECODE_FILE)
     return lowered, files
 

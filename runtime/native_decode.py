@@ -32,6 +32,11 @@ class View(NamedTuple):
     width: int
 
 
+class At(NamedTuple):
+    """An op field that is an arena offset (in floats): an address once the arena is allocated."""
+    offset: int
+
+
 def _bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
@@ -54,21 +59,21 @@ class _Encoder:
         reg = self.ex._registers[name]
         return self.ex._params[reg] if reg < len(self.ex._params) else None
 
-    def output(self, name: str, width: int, fresh: bool = False) -> int:
+    def output(self, name: str, width: int, fresh: bool = False) -> At:
         free = None if fresh else self.free.get(width)
         if free:
             offset = free.pop()
         else:
             offset, self.size = self.size, self.size + cpu_native.MAX_ROWS * width
         self.views[name], self.root[name] = View(offset, width, width), name
-        return offset
+        return At(offset)
 
     def activation(self, name: str, width: int) -> View:
         """The view of an activation the run reads. One computed before the run is copied in as the run
         starts, so its region is a fresh one: a freed one may still be written before this first read."""
         view = self.views.get(name)
         if view is None:
-            view = View(self.output(name, width, fresh=True), width, width)
+            view = View(self.output(name, width, fresh=True).offset, width, width)
             self.inputs.append((name, view))
         if view.width != width:
             raise _Uncovered(f"value of width {view.width} read as {width}")
@@ -103,7 +108,7 @@ def _f32_param(t: torch.Tensor | None, shape: tuple | None = None) -> int:
     return t.data_ptr()
 
 
-def _encode(enc: _Encoder, step, launch) -> list[list[int]]:
+def _encode(enc: _Encoder, step, launch) -> list[list]:
     """The ops of one launch (split: none, it only names views), or _Uncovered."""
     plan, kernel, attrs = enc.ex.plan, step.kernel, launch.attrs
     ins, outs = step.inputs, step.outputs
@@ -125,19 +130,19 @@ def _encode(enc: _Encoder, step, launch) -> list[list[int]]:
         weight = _f32_param(enc.param(ins[2 if residual else 1]), (n,))
         out = enc.output(outs[0], n)
         summed = enc.output(outs[1], n) if residual else None
-        return [[OP_ADD_RMS_NORM, x.offset, x.stride, -1 if r is None else r.offset, 0 if r is None else r.stride,
-                 weight, out, -1 if summed is None else summed, n, _bits(attrs["eps"])]]
+        return [[OP_ADD_RMS_NORM, At(x.offset), x.stride, None if r is None else At(r.offset),
+                 0 if r is None else r.stride, weight, out, summed, n, _bits(attrs["eps"])]]
     if kernel == "cpu.swiglu":
         if len(ins) != 1:
             raise _Uncovered("swiglu of two inputs")
         n = _width(plan, ins[0])
         x = enc.activation(ins[0], n)
-        return [[OP_SWIGLU, x.offset, x.stride, enc.output(outs[0], n // 2), n // 2]]
+        return [[OP_SWIGLU, At(x.offset), x.stride, enc.output(outs[0], n // 2), n // 2]]
     if kernel == "cpu.mul":   # an activation times a vector (AWQ's inverse scales)
         n = _width(plan, ins[0])
         scale = _f32_param(enc.param(ins[1]), (n,))
         x = enc.activation(ins[0], n)
-        return [[OP_SCALE, x.offset, x.stride, scale, enc.output(outs[0], n), n]]
+        return [[OP_SCALE, At(x.offset), x.stride, scale, enc.output(outs[0], n), n]]
     if kernel == "cpu.linear":
         return [_linear(enc, step)]
     if kernel == "cpu.qlinear":
@@ -145,15 +150,15 @@ def _encode(enc: _Encoder, step, launch) -> list[list[int]]:
     return [_attention(enc, step, attrs)]
 
 
-def _linear(enc: _Encoder, step) -> list[int]:
+def _linear(enc: _Encoder, step) -> list:
     k, n = _width(enc.ex.plan, step.inputs[0]), _width(enc.ex.plan, step.outputs[0])
     x = enc.activation(step.inputs[0], k)
     weight = _f32_param(enc.param(step.inputs[1]), (n, k))
     bias = _f32_param(enc.param(step.inputs[2]), (n,)) if len(step.inputs) > 2 else 0
-    return [OP_GEMV_F32, x.offset, x.stride, weight, n, k, enc.output(step.outputs[0], n), bias]
+    return [OP_GEMV_F32, At(x.offset), x.stride, weight, n, k, enc.output(step.outputs[0], n), bias]
 
 
-def _qlinear(enc: _Encoder, step, attrs: dict) -> list[int]:
+def _qlinear(enc: _Encoder, step, attrs: dict) -> list:
     w = attrs.get("native_gemv")
     if w is None or attrs.get("has_act_scale"):
         raise _Uncovered("a qlinear without the native GEMV")
@@ -162,15 +167,15 @@ def _qlinear(enc: _Encoder, step, attrs: dict) -> list[int]:
     x = enc.activation(step.inputs[0], k)
     y = enc.output(step.outputs[0], n)
     if type(w) is cpu_native.Q4Weights and w.packed.shape == (n, k // 2):
-        return [OP_GEMV_Q4, x.offset, x.stride, w.packed.data_ptr(), w.params.data_ptr(),
+        return [OP_GEMV_Q4, At(x.offset), x.stride, w.packed.data_ptr(), w.params.data_ptr(),
                 int(w.params.dtype is torch.float16), n, k, w.group, y, bias, int(w.zero_point)]
     if type(w) is cpu_native.Q8Weights and w.codes.shape == (n, k):
-        return [OP_GEMV_Q8, x.offset, x.stride, w.codes.data_ptr(), w.scales.data_ptr(),
+        return [OP_GEMV_Q8, At(x.offset), x.stride, w.codes.data_ptr(), w.scales.data_ptr(),
                 int(w.scales.dtype is torch.float16), n, k, w.group, y, bias]
     raise _Uncovered("a qlinear whose codes do not match its shapes")
 
 
-def _attention(enc: _Encoder, step, a: dict) -> list[int]:
+def _attention(enc: _Encoder, step, a: dict) -> list:
     if a.get("kv_cache") is not None or a.get("softcap") is not None or not a.get("causal", True):
         raise _Uncovered("attention with a quantised cache, softcap or no causal mask")
     heads, kv_heads, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
@@ -186,14 +191,15 @@ def _attention(enc: _Encoder, step, a: dict) -> list[int]:
             raise _Uncovered("layers rotating by different tables")
         enc.rope = key
     enc.heads, enc.head_dim = max(enc.heads, heads), max(enc.head_dim, hd)
-    return [OP_ATTENTION, q.offset, q.stride, k.offset, k.stride, v.offset, v.stride, a["layer"], a.get("window") or 0,
+    return [OP_ATTENTION, At(q.offset), q.stride, At(k.offset), k.stride, At(v.offset), v.stride, a["layer"],
+            a.get("window") or 0,
             heads, kv_heads, hd, _bits(a["scale"]), enc.output(step.outputs[0], heads * hd), int(rope is not None)]
 
 
 class NativeDecode:
     """The encoded run [start, end) of an executor's launches, and what a step needs to call it."""
 
-    def __init__(self, executor, start: int, end: int, enc: _Encoder, ops: list[list[int]], outputs: list[str]):
+    def __init__(self, executor, start: int, end: int, enc: _Encoder, ops: list[list], outputs: list[str]):
         self.start, self.end = start, end
         self.arena = torch.empty(max(enc.size, 1), dtype=F32)
         base = self.arena.data_ptr()
@@ -259,17 +265,9 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-# op fields that are arena offsets (-1: none), by kind
-_OFFSETS = {OP_GEMV_Q8: (1, 9), OP_GEMV_Q4: (1, 9), OP_GEMV_F32: (1, 6), OP_ATTENTION: (1, 3, 5, 13),
-            OP_ADD_RMS_NORM: (1, 3, 6, 7), OP_SWIGLU: (1, 3), OP_SCALE: (1, 4)}
-
-
-def _resolve(op: list[int], base: int) -> list[int]:
-    """Arena offsets (floats) to addresses."""
-    out = list(op)
-    for i in _OFFSETS[op[0]]:
-        out[i] = 0 if op[i] < 0 else base + 4 * op[i]
-    return out
+def _resolve(op: list, base: int) -> list[int]:
+    """An op's fields as the C program reads them: arena offsets as addresses, None as NULL."""
+    return [base + 4 * f.offset if type(f) is At else 0 if f is None else f for f in op]
 
 
 def build(executor) -> NativeDecode | None:
@@ -282,15 +280,15 @@ def build(executor) -> NativeDecode | None:
     best, start = None, 0
     while start < len(executor.plan.steps):
         end, found = _encode_run(executor, start, last_use)
-        if found is not None and (best is None or found.end - found.start > best.end - best.start):
-            best = found
+        if found is not None and (best is None or end - start > best[1] - best[0]):
+            best = (start, end, *found)
         start = max(end, start + 1)
-    return best
+    return None if best is None else NativeDecode(executor, *best)
 
 
-def _encode_run(executor, start: int, last_use: dict[int, int]) -> tuple[int, NativeDecode | None]:
-    """(where the covered run from `start` ends, its encoding or None: no attention in it, or it would
-    hold a plan output)."""
+def _encode_run(executor, start: int, last_use: dict[str, int]) -> tuple[int, tuple | None]:
+    """(where the covered run from `start` ends, its (encoder, ops, outputs read later) or None: no
+    attention in it, or it would hold a plan output)."""
     steps, program, plan = executor.plan.steps, executor._program, executor.plan
     enc, ops, end = _Encoder(executor), [], start
     for i in range(start, len(steps)):
@@ -308,7 +306,7 @@ def _encode_run(executor, start: int, last_use: dict[int, int]) -> tuple[int, Na
     if produced & set(plan.outputs):
         return end, None   # a plan output must not live in the arena, which the next step overwrites
     later = {v for step in steps[end:] for v in step.inputs}
-    return end, NativeDecode(executor, start, end, enc, ops, sorted(produced & later))
+    return end, (enc, ops, sorted(produced & later))
 
 
 def _last_uses(executor) -> dict[str, int]:
@@ -316,4 +314,4 @@ def _last_uses(executor) -> dict[str, int]:
     return {name: i for i, step in enumerate(executor.plan.steps) for name in step.inputs}
 
 
-__all__ = ["NativeDecode", "build", "View", "COVERED"]
+__all__ = ["NativeDecode", "build", "View", "At", "COVERED"]

@@ -68,7 +68,8 @@ def test_a_run_whose_inputs_are_read_late(models, monkeypatch):
 
     def from_split(executor):
         first = next(i for i, s in enumerate(executor.plan.steps) if s.kernel == "cpu.split")
-        return native_decode._encode_run(executor, first, native_decode._last_uses(executor))[1]
+        end, found = native_decode._encode_run(executor, first, native_decode._last_uses(executor))
+        return native_decode.NativeDecode(executor, first, end, *found)
     monkeypatch.setattr(native_decode, "build", from_split)
     llm = llmc.load(path, kv_memory="8MiB")
     program = llm.engine.executor.native_decode
