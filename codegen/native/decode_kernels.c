@@ -191,6 +191,39 @@ static void weigh_values_any(float *o, int64_t group, const float *value, int64_
     default: any;                                                                     \
     }
 
+/* One (sequence, KV head) pair of a decode attention: the group of query heads qh (fp32) scores keys
+ * first .. len - 1 of the sequence's blocks (position t at slot table[t / block] * block + t % block),
+ * softmax, then o (fp32, group * hd) = the scores' weighing of the values; scores holds group rows of
+ * len - first. PREFETCH_NEXT(t) runs before each block's keys are scored. Defined for fp32 and bf16
+ * caches; SCORE / WEIGH name one-argument macros of the head-size-specialised kernels (BY_HEAD_SIZE). */
+#define DEFINE_ATTEND_KV_HEAD(NAME, T, SCORE, SCORE_ANY, WEIGH, WEIGH_ANY, PREFETCH_NEXT)                       \
+    static void NAME(const float *qh, const T *k_cache, const T *v_cache, const int64_t *table, int64_t first,  \
+                     int64_t len, int64_t block, int64_t row, int64_t h, int64_t hd, int64_t group,            \
+                     float scale, float *scores, float *o) {                                                   \
+        int64_t n = len - first;                                                                               \
+        for (int64_t t = first; t < len;) {                                                                    \
+            int64_t run = block_run(t, len, block);                                                            \
+            const T *key = k_cache + slot_of(table, t, block) * row + h * hd;                                  \
+            PREFETCH_NEXT(t);                                                                                  \
+            float *at = scores + t - first;                                                                    \
+            BY_HEAD_SIZE(hd, SCORE, SCORE_ANY(qh, group, key, row, run, hd, scale, at, n))                     \
+            t += run;                                                                                          \
+        }                                                                                                      \
+        softmax_rows(scores, group, n);                                                                        \
+        memset(o, 0, group * hd * sizeof(float));                                                              \
+        for (int64_t t = first; t < len;) {                                                                    \
+            int64_t run = block_run(t, len, block);                                                            \
+            const T *value = v_cache + slot_of(table, t, block) * row + h * hd;                                \
+            const float *p = scores + t - first;                                                               \
+            BY_HEAD_SIZE(hd, WEIGH, WEIGH_ANY(o, group, value, row, run, hd, p, n))                            \
+            t += run;                                                                                          \
+        }                                                                                                      \
+    }
+#define SCORE(nv) score_keys(qh, group, key, row, run, scale, at, n, nv)
+#define WEIGH(nv) weigh_values(o, group, value, row, run, p, n, nv)
+#define NO_PREFETCH(t) ((void)0)
+DEFINE_ATTEND_KV_HEAD(attend_kv_head, float, SCORE, score_keys_any, WEIGH, weigh_values_any, NO_PREFETCH)
+
 /* One decode step of attention for `b` sequences, one new token each, over a paged KV cache of one
  * layer (rows [slots, kv_heads * hd]). Per sequence s: its q/k/v rows (rotated by cos/sin[s] when
  * cos is not NULL), the new key and value stored at cache slot slots[s], then each query head attends
@@ -227,30 +260,12 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads > 1)
     for (int64_t s = 0; s < b; s++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t len = lens[s], first = first_key(len, window), n = len - first;
+            int64_t len = lens[s], first = first_key(len, window);
             const int64_t *table = tables + s * table_width;
             const float *qh = rotated + s * heads * hd + h * group * hd;
             float *scores = all_scores + (s * heads + h * group) * longest;
             float *o = out + s * heads * hd + h * group * hd;
-            /* scores[g * n + i] for query head g of this group and key first + i, walking the blocks */
-            for (int64_t t = first; t < len;) {
-                int64_t run = block_run(t, len, block);
-                const float *key = k_cache + slot_of(table, t, block) * row + h * hd;
-                float *at = scores + t - first;
-#define SCORE(nv) score_keys(qh, group, key, row, run, scale, at, n, nv)
-                BY_HEAD_SIZE(hd, SCORE, score_keys_any(qh, group, key, row, run, hd, scale, at, n))
-                t += run;
-            }
-            softmax_rows(scores, group, n);
-            memset(o, 0, group * hd * sizeof(float));
-            for (int64_t t = first; t < len;) {
-                int64_t run = block_run(t, len, block);
-                const float *value = v_cache + slot_of(table, t, block) * row + h * hd;
-                const float *p = scores + t - first;
-#define WEIGH(nv) weigh_values(o, group, value, row, run, p, n, nv)
-                BY_HEAD_SIZE(hd, WEIGH, weigh_values_any(o, group, value, row, run, hd, p, n))
-                t += run;
-            }
+            attend_kv_head(qh, k_cache, v_cache, table, first, len, block, row, h, hd, group, scale, scores, o);
         }
     }
 }
@@ -313,6 +328,17 @@ static void weigh_values_bf16_any(float *o, int64_t group, const bf16 *value, in
             for (int64_t d = 0; d < hd; d++) o[g * hd + d] += p[g * stride + i] * bf16_to_float(value[d]);
 }
 
+/* the next block of this sequence's keys and values into L2 while this one is scored */
+#define PREFETCH_NEXT_BLOCK(t)                                                                          \
+    if ((t) / block + 1 <= (len - 1) / block) {                                                         \
+        prefetch_rows(k_cache + table[(t) / block + 1] * block * row + h * hd, block, row, hd);       \
+        prefetch_rows(v_cache + table[(t) / block + 1] * block * row + h * hd, block, row, hd);       \
+    }
+#define SCORE_BF16(nv) score_keys_bf16(qh, group, key, row, run, scale, at, n, nv)
+#define WEIGH_BF16(nv) weigh_values_bf16(o, group, value, row, run, p, n, nv)
+DEFINE_ATTEND_KV_HEAD(attend_kv_head_bf16, bf16, SCORE_BF16, score_keys_bf16_any, WEIGH_BF16, weigh_values_bf16_any,
+                      PREFETCH_NEXT_BLOCK)
+
 /* Decode attention for `b` sequences over one layer of a bf16 paged cache (rows [slots, kv_heads * hd])
  * that already holds each sequence's new key and value: query head j of q [b, heads * hd] (bf16, rows
  * q_stride apart) attends to keys first .. lens[s] - 1 of its sequence (position t at slot
@@ -329,34 +355,13 @@ void llmc_decode_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_c
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads > 1)
     for (int64_t s = 0; s < b; s++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t len = lens[s], first = first_key(len, window), n = len - first;
+            int64_t len = lens[s], first = first_key(len, window);
             const int64_t *table = tables + s * table_width;
             float *o = scratch + (s * heads + h * group) * hd;
             float *scores = scratch + b * heads * hd + (s * heads + h * group) * longest;
             float qh[group * hd];
             for (int64_t i = 0; i < group * hd; i++) qh[i] = bf16_to_float(q[s * q_stride + h * group * hd + i]);
-            for (int64_t t = first; t < len;) {
-                int64_t run = block_run(t, len, block);
-                const bf16 *key = k_cache + slot_of(table, t, block) * row + h * hd;
-                if (t / block + 1 <= (len - 1) / block) {
-                    prefetch_rows(k_cache + table[t / block + 1] * block * row + h * hd, block, row, hd);
-                    prefetch_rows(v_cache + table[t / block + 1] * block * row + h * hd, block, row, hd);
-                }
-                float *at = scores + t - first;
-#define SCORE_BF16(nv) score_keys_bf16(qh, group, key, row, run, scale, at, n, nv)
-                BY_HEAD_SIZE(hd, SCORE_BF16, score_keys_bf16_any(qh, group, key, row, run, hd, scale, at, n))
-                t += run;
-            }
-            softmax_rows(scores, group, n);
-            memset(o, 0, group * hd * sizeof(float));
-            for (int64_t t = first; t < len;) {
-                int64_t run = block_run(t, len, block);
-                const bf16 *value = v_cache + slot_of(table, t, block) * row + h * hd;
-                const float *p = scores + t - first;
-#define WEIGH_BF16(nv) weigh_values_bf16(o, group, value, row, run, p, n, nv)
-                BY_HEAD_SIZE(hd, WEIGH_BF16, weigh_values_bf16_any(o, group, value, row, run, hd, p, n))
-                t += run;
-            }
+            attend_kv_head_bf16(qh, k_cache, v_cache, table, first, len, block, row, h, hd, group, scale, scores, o);
             bf16 *os = out + s * heads * hd + h * group * hd;
             for (int64_t i = 0; i < group * hd; i++) os[i] = float_to_bf16(o[i]);
         }
@@ -512,6 +517,8 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
  * are a register that vpermps indexes by each lane's low 4 bits, so a code costs no convert. */
 #define MAX_ROWS 8   /* cpu_native.MAX_ROWS */
 #if VL == 16
+static const float IOTA_[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#define IOTA (*(const vec *)IOTA_)
 typedef __m512i wide_codes;
 #define Q4WIDE(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define Q4LO(b, t) ((vec)_mm512_permutexvar_ps(b, (__m512)(t)))
@@ -526,8 +533,6 @@ typedef vint32 wide_codes;
 #define Q4TABLE(s_, zm_, zp_) ((struct q4_table){(s_), (zm_), (zp_)})
 struct q4_table { float s, zm; int64_t zp; };
 #endif
-static const float IOTA_[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-#define IOTA (*(const vec *)IOTA_)
 
 /* acc[r] += sum over one group's codes of w_i x_r[i], for M rows of x */
 static inline __attribute__((always_inline)) void group_q4(const uint8_t *q, const float *x, int64_t xs,
