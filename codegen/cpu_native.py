@@ -268,19 +268,26 @@ def q8_weights(codes: torch.Tensor, scales: torch.Tensor) -> Q8Weights | None:
     return Q8Weights(codes.contiguous(), s.contiguous(), k // s.shape[1])
 
 
+def _gemv_lib(x: torch.Tensor, k: int) -> tuple[ctypes.CDLL | None, int]:
+    """(the library, threads) for a native GEMV of x [rows, k] (fp32 CPU rows, unit column stride, at most
+    MAX_ROWS); (None, 0) where it does not apply."""
+    lib = _load()[0]
+    threads = torch.get_num_threads()
+    if (lib is None or x.dtype is not F32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu
+            or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] != k or (threads > 1 and not lib.openmp)):
+        return None, 0
+    return lib, threads
+
+
 def gemv_q8(x: torch.Tensor, w: Q8Weights) -> torch.Tensor | None:
     """x [rows, K] (fp32, a few rows) @ w.T in fp32, the weight rows split over torch's thread count:
     the reference's arithmetic (dequantise, fp32 GEMM) to fp32 rounding, reading one byte a weight.
     torch's own int8 kernel rounds x to bf16 and measured 1.45x slower over SmolLM2's layers (2
     threads, weights from memory). None where it does not apply."""
-    lib = _load()[0]
-    if lib is None or x.dtype is not F32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu:
+    lib, threads = _gemv_lib(x, w.codes.shape[1])
+    if lib is None:
         return None
-    rows, k = x.shape
-    threads = torch.get_num_threads()
-    if not 0 < rows <= MAX_ROWS or k != w.codes.shape[1] or (threads > 1 and not lib.openmp):
-        return None
-    n = w.codes.shape[0]
+    (rows, k), n = x.shape, w.codes.shape[0]
     y = torch.empty(rows, n, dtype=F32)
     lib.llmc_gemv_q8(x.data_ptr(), x.stride(0), rows, w.codes.data_ptr(), w.scales.data_ptr(),
                      w.scales.dtype is torch.float16, n, k, w.group, y.data_ptr(), threads)
@@ -318,14 +325,10 @@ def q4_weights(codes: torch.Tensor, scales: torch.Tensor, second: torch.Tensor, 
 def gemv_q4(x: torch.Tensor, w: Q4Weights) -> torch.Tensor | None:
     """x [rows, K] (fp32, a few rows) @ w.T in fp32, as gemv_q8: each group's weights made exactly as the
     reference dequantises them, reading half a byte a weight. None where it does not apply."""
-    lib = _load()[0]
-    if lib is None or x.dtype is not F32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu:
+    lib, threads = _gemv_lib(x, 2 * w.packed.shape[1])
+    if lib is None:
         return None
-    rows, k = x.shape
-    threads = torch.get_num_threads()
-    if not 0 < rows <= MAX_ROWS or k != 2 * w.packed.shape[1] or (threads > 1 and not lib.openmp):
-        return None
-    n = w.packed.shape[0]
+    (rows, k), n = x.shape, w.packed.shape[0]
     y = torch.empty(rows, n, dtype=F32)
     lib.llmc_gemv_q4(x.data_ptr(), x.stride(0), rows, w.packed.data_ptr(), w.params.data_ptr(),
                      w.params.dtype is torch.float16, w.zero_point, n, k, w.group, y.data_ptr(), threads)
