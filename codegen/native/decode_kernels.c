@@ -483,6 +483,23 @@ static inline float dot_q8(const uint8_t *q, const float *x, const float *sc, in
     return hsum(t0 + t1);
 }
 
+/* a row's `count` scales (and zero points or offsets) from s0 on as floats: fp32 ones where they lie, fp16
+ * ones converted into buf (count + VL floats). Copying fp32 ones too, and converting fp16 ones with a
+ * scalar tail, cost a 4-bit GEMV row of 576 codes 15-20% (a memcpy call; lane-by-lane converts). */
+static inline const float *row_params(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
+    if (!f16) return (const float *)p + s0;
+#if VL == 16 && defined(__AVX512BW__)
+    const uint16_t *h = (const uint16_t *)p + s0;
+    for (int64_t g = 0; g < count; g += 16) {
+        __mmask16 live = count - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - g)) - 1);
+        _mm512_storeu_ps(buf + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, h + g)));
+    }
+#else
+    row_scales(p, f16, s0, count, buf);
+#endif
+    return buf;
+}
+
 /* Weight rows are fetched into L2 this many rows ahead. Converting a byte to a float costs more than
  * reading it, so the out-of-order window holds too few rows' loads to keep memory busy and the hardware
  * prefetcher alone does not run far enough ahead: SmolLM2's int8 weights from DRAM, 2 threads on an
@@ -534,22 +551,47 @@ typedef vint32 wide_codes;
 struct q4_table { float s, zm; int64_t zp; };
 #endif
 
-/* acc[r] += sum over one group's codes of w_i x_r[i], for M rows of x */
+/* acc[r] += sum over one group's codes of w_i x_r[i], for M rows of x; q and x at the group's start.
+ * (Pointers step through the chunks: an index halved as a signed number costs three more scalar ops a
+ * chunk, which compete with the vector ones for ports.) */
 static inline __attribute__((always_inline)) void group_q4(const uint8_t *q, const float *x, int64_t xs,
-                                                           const int64_t M, int64_t g0, int64_t group,
+                                                           const int64_t M, int64_t group,
                                                            __typeof__(Q4TABLE(0.f, 0.f, 0)) t, vec *lo, vec *hi) {
-    for (int64_t c = g0; c < g0 + group; c += 32)
+    for (const uint8_t *end = q + group / 2; q < end; q += 16, x += 32)
         for (int64_t u = 0; u < 16; u += VL) {
-            wide_codes b = Q4WIDE(q + c / 2 + u);
+            wide_codes b = Q4WIDE(q + u);
             vec wl = Q4LO(b, t), wh = Q4HI(b, t);
             for (int64_t r = 0; r < M; r++) {
-                lo[r] += wl * LOAD(x + r * xs + c + u);
-                hi[r] += wh * LOAD(x + r * xs + c + 16 + u);
+                lo[r] += wl * LOAD(x + r * xs + u);
+                hi[r] += wh * LOAD(x + r * xs + 16 + u);
             }
         }
 }
 
-/* y[r * n] = one weight row's dot with M rows of x; groups alternate between two pairs of chains */
+/* group_q4 for two consecutive groups in one loop (their own tables), into two pairs of chains: with
+ * few rows one group's chains alone wait on the FMA latency, and a GGUF group (32 codes) is one trip */
+static inline __attribute__((always_inline)) void group_pair_q4(const uint8_t *q, const float *x, int64_t xs,
+                                                                const int64_t M, int64_t group,
+                                                                __typeof__(Q4TABLE(0.f, 0.f, 0)) t0,
+                                                                __typeof__(Q4TABLE(0.f, 0.f, 0)) t1,
+                                                                vec *lo0, vec *hi0, vec *lo1, vec *hi1) {
+    for (const uint8_t *end = q + group / 2; q < end; q += 16, x += 32)
+        for (int64_t u = 0; u < 16; u += VL) {
+            wide_codes b0 = Q4WIDE(q + u), b1 = Q4WIDE(q + group / 2 + u);
+            vec wl0 = Q4LO(b0, t0), wh0 = Q4HI(b0, t0), wl1 = Q4LO(b1, t1), wh1 = Q4HI(b1, t1);
+            for (int64_t r = 0; r < M; r++) {
+                const float *xr = x + r * xs + u;
+                lo0[r] += wl0 * LOAD(xr);
+                hi0[r] += wh0 * LOAD(xr + 16);
+                lo1[r] += wl1 * LOAD(xr + group);
+                hi1[r] += wh1 * LOAD(xr + group + 16);
+            }
+        }
+}
+
+/* y[r * n] = one weight row's dot with M rows of x; groups alternate between two pairs of chains, for up
+ * to 4 rows two groups in one loop (one row, in cache, on an AVX-512 Xeon: 8.7 -> 6.6 cycles per 32 codes
+ * with GGUF's groups of 32, 5.75 -> 5.4 with groups of 64) */
 static inline __attribute__((always_inline)) void dot_q4(const uint8_t *q, const float *x, int64_t xs, const int64_t M,
                                                          const float *sz, int64_t zp, int64_t groups, int64_t group,
                                                          float *y, int64_t n) {
@@ -557,10 +599,17 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *q, const
     for (int64_t r = 0; r < M; r++) a[r] = b[r] = c[r] = d[r] = (vec){0};
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
-        group_q4(q, x, xs, M, g * group, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp), a, b);
-        group_q4(q, x, xs, M, (g + 1) * group, group, Q4TABLE(sz[2 * g + 2], sz[2 * g + 3], zp), c, d);
+        if (M <= 4) {
+            group_pair_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp),
+                          Q4TABLE(sz[2 * g + 2], sz[2 * g + 3], zp), a, b, c, d);
+        } else {
+            group_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp), a, b);
+            group_q4(q + (g + 1) * group / 2, x + (g + 1) * group, xs, M, group,
+                     Q4TABLE(sz[2 * g + 2], sz[2 * g + 3], zp), c, d);
+        }
     }
-    if (g < groups) group_q4(q, x, xs, M, g * group, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp), a, b);
+    if (g < groups)
+        group_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp), a, b);
     for (int64_t r = 0; r < M; r++) y[r * n] = hsum((a[r] + b[r]) + (c[r] + d[r]));
 }
 
@@ -575,8 +624,8 @@ void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q,
     int64_t groups = k / group;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < n; j++) {
-        float sz[2 * groups];
-        row_scales(sz_, f16, 2 * j * groups, 2 * groups, sz);
+        float buf[2 * groups + VL];
+        const float *sz = row_params(sz_, f16, 2 * j * groups, 2 * groups, buf);
         if (j + Q4_PREFETCH_ROWS < n)
             for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(q + (j + Q4_PREFETCH_ROWS) * (k / 2) + c, 0, 2);
         const uint8_t *row = q + j * (k / 2);
