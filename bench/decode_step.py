@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 
 from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.native_decode import OP_NAMES
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -85,12 +86,16 @@ def main() -> None:
         _timed(engine.executor.native_decode, "run", "program", totals)
     if args.by_kernel:
         _time_kernels(engine.executor, kernels)
+        if engine.executor.native_decode is not None:
+            engine.executor.native_decode.op_seconds = torch.zeros(8, dtype=torch.float64)
     engine.step()  # warm-up decode
     if len(engine.scheduler.running) != args.batch:   # a tight cache would time a smaller batch unawares
         raise SystemExit(f"only {len(engine.scheduler.running)} of {args.batch} sequences run in "
                          f"--kv-memory {args.kv_memory}; give a larger one")
     totals.clear()
     kernels.clear()
+    if args.by_kernel and engine.executor.native_decode is not None:
+        engine.executor.native_decode.op_seconds.zero_()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -107,6 +112,12 @@ def main() -> None:
         print(f"  of the plan, the native decode program {totals['program'] * per:.3f} ms/step "
               f"(steps {engine.executor.native_decode.start}-{engine.executor.native_decode.end - 1} of "
               f"{len(engine.executor.plan.steps)})")
+    if args.by_kernel and engine.executor.native_decode is not None:
+        print("native decode program by op:")
+        seconds = engine.executor.native_decode.op_seconds.tolist()
+        for kind, name in sorted(OP_NAMES.items(), key=lambda kv: -seconds[kv[0]]):
+            if seconds[kind]:
+                print(f"  {name:<24} {seconds[kind] * per:8.3f} ms/step")
     if args.by_kernel:
         print("plan walk by kernel, outside the native decode program (timing wrappers add a little):")
         for name, s in sorted(kernels.items(), key=lambda kv: -kv[1]):

@@ -20,6 +20,8 @@ from llmc.codegen.cpu_kernels import RopeCache
 
 OP_FIELDS = 16
 OP_GEMV_Q8, OP_GEMV_F32, OP_ATTENTION, OP_ADD_RMS_NORM, OP_SWIGLU, OP_GEMV_Q4, OP_SCALE = 1, 2, 3, 4, 5, 6, 7
+OP_NAMES = {OP_GEMV_Q8: "int8 GEMV", OP_GEMV_F32: "fp32 GEMV", OP_ATTENTION: "attention", OP_ADD_RMS_NORM: "add_rms_norm",
+            OP_SWIGLU: "swiglu", OP_GEMV_Q4: "4-bit GEMV", OP_SCALE: "AWQ scales"}
 F32 = torch.float32
 COVERED = ("cpu.qlinear", "cpu.linear", "cpu.add_rms_norm", "cpu.rms_norm", "cpu.split", "cpu.swiglu",
            "cpu.flash_attention", "cpu.mul")
@@ -215,6 +217,7 @@ class NativeDecode:
         self._ops = table
         self._caches: tuple[object, torch.Tensor | None] | None = None
         self._lib = cpu_native._load()[0]
+        self.op_seconds: torch.Tensor | None = None   # float64 [8]: set to add up each op kind's wall time
 
     def _cache_table(self, cache) -> torch.Tensor | None:
         """[layers, 2] pointers to each layer's key and value rows; None where the cache is not native."""
@@ -251,7 +254,8 @@ class NativeDecode:
         scratch = torch.empty(rows * self._heads * (self._head_dim + step.max_len), dtype=F32)
         threads = torch.get_num_threads() if self._lib.openmp else 1
         fields = torch.tensor([rows, _ptr(cos), _ptr(sin), step.slots, step.tables, step.width, step.lens, step.block,
-                               scratch.data_ptr(), caches.data_ptr(), threads], dtype=torch.int64)
+                               scratch.data_ptr(), caches.data_ptr(), threads, _ptr(self.op_seconds)],
+                              dtype=torch.int64)
         self._lib.llmc_decode_program(self._ops.data_ptr(), self._ops.shape[0], fields.data_ptr())
         for reg, view in self._outputs:
             regs[reg] = self._view(view, rows)

@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *scales, int64_t f16,
                   int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
@@ -27,7 +28,8 @@ void llmc_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t inter, flo
 #define OP_FIELDS 16
 enum { OP_GEMV_Q8 = 1, OP_GEMV_F32 = 2, OP_ATTENTION = 3, OP_ADD_RMS_NORM = 4, OP_SWIGLU = 5, OP_GEMV_Q4 = 6, OP_SCALE = 7 };
 /* the step's fields (native_decode.STEP_FIELDS) */
-enum { S_ROWS, S_COS, S_SIN, S_SLOTS, S_TABLES, S_WIDTH, S_LENS, S_BLOCK, S_SCRATCH, S_CACHES, S_THREADS };
+enum { S_ROWS, S_COS, S_SIN, S_SLOTS, S_TABLES, S_WIDTH, S_LENS, S_BLOCK, S_SCRATCH, S_CACHES, S_THREADS, S_SECONDS };
+#define OP_KINDS 8
 
 #define P(i, T) ((T)(intptr_t)op[i])
 
@@ -49,12 +51,21 @@ static void scale_columns(const float *x, int64_t x_stride, const float *w, floa
         for (int64_t i = 0; i < n; i++) out[r * n + i] = x[r * x_stride + i] * w[i];
 }
 
-/* run n_ops ops of `ops` for the step `step` */
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* run n_ops ops of `ops` for the step `step`; where its S_SECONDS is not NULL, each op's wall time is added
+ * to that double [OP_KINDS] at its kind (bench/decode_step.py --by-kernel) */
 void llmc_decode_program(const int64_t *ops, int64_t n_ops, const int64_t *step) {
     int64_t m = step[S_ROWS], threads = step[S_THREADS];
     const int64_t *caches = (const int64_t *)(intptr_t)step[S_CACHES];
+    double *seconds = (double *)(intptr_t)step[S_SECONDS], t0 = 0;
     for (int64_t i = 0; i < n_ops; i++) {
         const int64_t *op = ops + i * OP_FIELDS;
+        if (seconds) t0 = seconds_now();
         switch (op[0]) {
         case OP_GEMV_Q8:
             llmc_gemv_q8(P(1, const float *), op[2], m, P(3, const int8_t *), P(4, const void *), op[5], op[6],
@@ -93,5 +104,6 @@ void llmc_decode_program(const int64_t *ops, int64_t n_ops, const int64_t *step)
             llmc_swiglu(P(1, const float *), op[2], m, op[4], P(3, float *));
             break;
         }
+        if (seconds) seconds[op[0]] += seconds_now() - t0;
     }
 }
