@@ -275,6 +275,7 @@ def test_only_norms_that_quantised_gemms_read_go_native(tmp_path, compiled):
     (3, 97, 1536, 1, False, 1),       # an odd row count of weights
     (cpu_native.MAX_ROWS, 40, 576, 18, True, 2),   # GGUF Q8_0: fp16 scales per 32 codes
     (2, 33, 256, 16, True, 2),        # groups of 16
+    (1, 50, 288, 9, True, 1),         # groups of 32 not a multiple of four: the one-group tail
 ])
 def test_gemv_q8_matches_float64(rows, n, k, groups, half, threads):
     g = torch.Generator().manual_seed(n + k)
@@ -339,7 +340,8 @@ def test_swiglu_matches_float64(rows, inter):
     (1, 960, 576, 32, False, True, 2),       # a GGUF Q4_1 projection: fp16 scales and minimums
     (3, 97, 1536, 64, True, True, 1),        # int4 with integer zero points, an odd row count of weights
     (cpu_native.MAX_ROWS, 40, 256, 128, True, False, 3),   # fp32 scales
-    (2, 16, 64, 32, False, False, 2)])
+    (2, 16, 64, 32, False, False, 2),
+    (4, 24, 576, 64, True, False, 2)])      # SmolLM2's AWQ groups: nine, paired but for the last
 def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads):
     """Weights made as the reference dequantises them ((q - z) * s, or q * s + m), x a strided view."""
     from llmc.compiler.quant import dequantize_affine_codes, dequantize_int4_codes
