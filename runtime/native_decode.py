@@ -20,8 +20,8 @@ from llmc.codegen.cpu_kernels import RopeCache
 
 OP_FIELDS = 16
 OP_GEMV_Q8, OP_GEMV_F32, OP_ATTENTION, OP_ADD_RMS_NORM, OP_SWIGLU, OP_GEMV_Q4, OP_SCALE = 1, 2, 3, 4, 5, 6, 7
-OP_NAMES = {OP_GEMV_Q8: "int8 GEMV", OP_GEMV_F32: "fp32 GEMV", OP_ATTENTION: "attention", OP_ADD_RMS_NORM: "add_rms_norm",
-            OP_SWIGLU: "swiglu", OP_GEMV_Q4: "4-bit GEMV", OP_SCALE: "AWQ scales"}
+OP_NAMES = {OP_GEMV_Q8: "int8 GEMV", OP_GEMV_F32: "fp32 GEMV", OP_ATTENTION: "attention",
+            OP_ADD_RMS_NORM: "add_rms_norm", OP_SWIGLU: "swiglu", OP_GEMV_Q4: "4-bit GEMV", OP_SCALE: "AWQ scales"}
 F32 = torch.float32
 COVERED = ("cpu.qlinear", "cpu.linear", "cpu.add_rms_norm", "cpu.rms_norm", "cpu.split", "cpu.swiglu",
            "cpu.flash_attention", "cpu.mul")
