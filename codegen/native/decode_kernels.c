@@ -130,12 +130,13 @@ static float exp_shifted(float *sg, int64_t n, float top) {
 }
 
 /* softmax in place over each of `rows` rows of n scores */
-static void softmax_rows(float *scores, int64_t rows, int64_t n) {
+static void softmax_rows(float *scores, int64_t rows, int64_t n, float *stats) {
     for (int64_t g = 0; g < rows; g++) {
         float *sg = scores + g * n, top = -INFINITY;
         for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
-        float inv = 1.0f / exp_shifted(sg, n, top);
+        float total = exp_shifted(sg, n, top), inv = 1.0f / total;
         for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+        if (stats) stats[2 * g] = top, stats[2 * g + 1] = total;
     }
 }
 
@@ -199,7 +200,7 @@ static void weigh_values_any(float *o, int64_t group, const float *value, int64_
 #define DEFINE_ATTEND_KV_HEAD(NAME, T, SCORE, SCORE_ANY, WEIGH, WEIGH_ANY, PREFETCH_NEXT)                       \
     static void NAME(const float *qh, const T *k_cache, const T *v_cache, const int64_t *table, int64_t first,  \
                      int64_t len, int64_t block, int64_t row, int64_t h, int64_t hd, int64_t group,            \
-                     float scale, float *scores, float *o) {                                                   \
+                     float scale, float *scores, float *o, float *stats) {                                     \
         int64_t n = len - first;                                                                               \
         for (int64_t t = first; t < len;) {                                                                    \
             int64_t run = block_run(t, len, block);                                                            \
@@ -209,7 +210,7 @@ static void weigh_values_any(float *o, int64_t group, const float *value, int64_
             BY_HEAD_SIZE(hd, SCORE, SCORE_ANY(qh, group, key, row, run, hd, scale, at, n))                     \
             t += run;                                                                                          \
         }                                                                                                      \
-        softmax_rows(scores, group, n);                                                                        \
+        softmax_rows(scores, group, n, stats);                                                                 \
         memset(o, 0, group * hd * sizeof(float));                                                              \
         for (int64_t t = first; t < len;) {                                                                    \
             int64_t run = block_run(t, len, block);                                                            \
@@ -224,6 +225,46 @@ static void weigh_values_any(float *o, int64_t group, const float *value, int64_
 #define NO_PREFETCH(t) ((void)0)
 DEFINE_ATTEND_KV_HEAD(attend_kv_head, float, SCORE, score_keys_any, WEIGH, weigh_values_any, NO_PREFETCH)
 
+/* Into how many parts of their context the (sequence, KV head) pairs are split, so that `threads` threads
+ * get equal shares (flash-decoding): 1 where the pairs divide evenly, else enough parts that they do, each
+ * of at least 64 keys, at most 16. SmolLM2 at batch 1 has 3 KV heads for 2 threads: one thread did two
+ * heads' work while the other did one. */
+static int64_t context_parts(int64_t pairs, int64_t threads, int64_t longest) {
+    if (threads <= 1 || pairs % threads == 0) return 1;
+    int64_t a = pairs, c = threads;
+    while (c) { int64_t r = a % c; a = c; c = r; }   /* a = gcd(pairs, threads) */
+    int64_t parts = threads / a, most = longest / 64;
+    parts = parts < 16 ? parts : 16;
+    return parts < most ? parts : (most > 1 ? most : 1);
+}
+
+/* out = each pair's query heads' outputs from their parts: part outputs o_p (softmax-normalised over the
+ * part's keys) with the part's score maximum m_p and exp sum l_p, weighed by l_p e^(m_p - max m) */
+static void merge_parts(const float *partial, int64_t pairs, int64_t parts, int64_t group, int64_t hd, float *out) {
+    for (int64_t u = 0; u < pairs; u++)
+        for (int64_t g = 0; g < group; g++) {
+            const float *base = partial + u * parts * group * (hd + 2);
+            float top = -INFINITY, total = 0.f, w[parts];
+            for (int64_t p = 0; p < parts; p++) {
+                float m = base[p * group * (hd + 2) + group * hd + 2 * g];
+                top = m > top ? m : top;
+            }
+            for (int64_t p = 0; p < parts; p++) {
+                const float *st = base + p * group * (hd + 2) + group * hd + 2 * g;
+                w[p] = st[1] > 0.f ? st[1] * expf(st[0] - top) : 0.f;
+                total += w[p];
+            }
+            float *o = out + (u * group + g) * hd;
+            for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
+            for (int64_t p = 0; p < parts; p++) {
+                if (w[p] == 0.f) continue;   /* an empty part: its outputs were never written */
+                const float *op = base + p * group * (hd + 2) + g * hd;
+                float wp = w[p] / total;
+                for (int64_t i = 0; i < hd; i++) o[i] += wp * op[i];
+            }
+        }
+}
+
 /* One decode step of attention for `b` sequences, one new token each, over a paged KV cache of one
  * layer (rows [slots, kv_heads * hd]). Per sequence s: its q/k/v rows (rotated by cos/sin[s] when
  * cos is not NULL), the new key and value stored at cache slot slots[s], then each query head attends
@@ -232,9 +273,10 @@ DEFINE_ATTEND_KV_HEAD(attend_kv_head, float, SCORE, score_keys_any, WEIGH, weigh
  * j / (heads / kv_heads); a KV head's query heads are scored together, so each key is read once.
  * Every sequence's new key and value are stored first; then the (sequence, KV head) pairs are split
  * over `threads` OpenMP threads (a sequence reads only its own blocks, and blocks shared between
- * sequences hold earlier tokens, which no step writes). One thread reads a layer's cache from L3 at
- * about 10 GB/s on an AVX-512 Xeon, so even batch 1 splits its KV heads: SmolLM2's 3 KV heads over 2
- * threads, 50 -> 31 us a layer with the cache out of L2.
+ * sequences hold earlier tokens, which no step writes), each pair's context in parts where the pairs
+ * alone would not split evenly (context_parts). One thread reads a layer's cache from L3 at about 10 GB/s
+ * on an AVX-512 Xeon, so even batch 1 splits its KV heads: SmolLM2's 3 KV heads over 2 threads, 50 -> 31
+ * us a layer with the cache out of L2.
  * scratch holds b * heads * (hd + max(lens)) floats. */
 void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                            const float *v, int64_t v_stride, const float *cos, const float *sin,
@@ -257,17 +299,29 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
             else memcpy(qr + j * hd, qs + j * hd, hd * sizeof(float));
         }
     }
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads > 1)
+    int64_t parts = context_parts(b * kv_heads, threads, longest);
+    float partial[parts > 1 ? b * heads * parts * (hd + 2) : 1];   /* each part's outputs, then max and sum */
+#pragma omp parallel for collapse(3) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads * parts > 1)
     for (int64_t s = 0; s < b; s++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t len = lens[s], first = first_key(len, window);
-            const int64_t *table = tables + s * table_width;
-            const float *qh = rotated + s * heads * hd + h * group * hd;
-            float *scores = all_scores + (s * heads + h * group) * longest;
-            float *o = out + s * heads * hd + h * group * hd;
-            attend_kv_head(qh, k_cache, v_cache, table, first, len, block, row, h, hd, group, scale, scores, o);
+            for (int64_t p = 0; p < parts; p++) {
+                int64_t len = lens[s], first = first_key(len, window), n = len - first;
+                int64_t t0 = first + n * p / parts, t1 = first + n * (p + 1) / parts;
+                const int64_t *table = tables + s * table_width;
+                const float *qh = rotated + s * heads * hd + h * group * hd;
+                float *scores = all_scores + (s * heads + h * group) * longest + group * (t0 - first);
+                float *o = parts > 1 ? partial + ((s * kv_heads + h) * parts + p) * group * (hd + 2)
+                                     : out + s * heads * hd + h * group * hd;
+                float *stats = parts > 1 ? o + group * hd : NULL;
+                if (t1 > t0)
+                    attend_kv_head(qh, k_cache, v_cache, table, t0, t1, block, row, h, hd, group, scale, scores, o,
+                                   stats);
+                else
+                    for (int64_t g = 0; g < group; g++) stats[2 * g] = -INFINITY, stats[2 * g + 1] = 0.f;
+            }
         }
     }
+    if (parts > 1) merge_parts(partial, b * kv_heads, parts, group, hd, out);
 }
 
 /* ---- decode attention over a bf16 cache (the cpu-bf16 target's batched decode) ---- */
@@ -361,7 +415,8 @@ void llmc_decode_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_c
             float *scores = scratch + b * heads * hd + (s * heads + h * group) * longest;
             float qh[group * hd];
             for (int64_t i = 0; i < group * hd; i++) qh[i] = bf16_to_float(q[s * q_stride + h * group * hd + i]);
-            attend_kv_head_bf16(qh, k_cache, v_cache, table, first, len, block, row, h, hd, group, scale, scores, o);
+            attend_kv_head_bf16(qh, k_cache, v_cache, table, first, len, block, row, h, hd, group, scale, scores, o,
+                                NULL);
             bf16 *os = out + s * heads * hd + h * group * hd;
             for (int64_t i = 0; i < group * hd; i++) os[i] = float_to_bf16(o[i]);
         }

@@ -58,7 +58,7 @@ def _on_threads(threads: int, fn):
     (6, 1, 80, [17, 30, 2], None, False),   # MQA, a head size off the fast path, no rotary
     (4, 2, 96, [50], 16, True),
 ])
-def test_decode_attention_matches_float64(heads, kv_heads, hd, lens, window, rotary):
+def test_decode_attention_matches_float64(heads, kv_heads, hd, lens, window, rotary, threads=None):
     g = torch.Generator().manual_seed(sum(lens) + hd)
     b, width = len(lens), max(lens) // BLOCK + 1
     num_blocks = b * width + 3
@@ -78,15 +78,24 @@ def test_decode_attention_matches_float64(heads, kv_heads, hd, lens, window, rot
                                       kv_heads, hd, scale)
     step = cpu_native.decode_step(slots, tables, lens_t, max(lens), BLOCK)
     cache = cpu_native.cache_pointers(k_rows, v_rows)
-    got = cpu_native.decode_attention(q, k, v, (cos, sin) if rotary else None, cache, step, window, heads, kv_heads,
-                                      hd, scale)
+    got = _on_threads(threads or torch.get_num_threads(), lambda: cpu_native.decode_attention(
+        q, k, v, (cos, sin) if rotary else None, cache, step, window, heads, kv_heads, hd, scale))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_rows.double(), want_k, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(v_rows.double(), want_v, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("threads,lens,window", [(2, [300], None), (4, [300], 200), (2, [130, 70, 1], None)])
+def test_decode_attention_split_context_matches_float64(threads, lens, window):
+    """3 KV heads a sequence do not divide over 2 or 4 threads: each pair's keys are split into parts
+    whose softmax-normalised outputs are merged by their maxima and sums (a part of a 1-key sequence is
+    empty)."""
+    test_decode_attention_matches_float64(9, 3, 64, lens, window, True, threads)
+
+
 def test_decode_attention_is_the_same_on_any_thread_count():
-    """(sequence, KV head) pairs split over threads: each pair's arithmetic is the same on any of them."""
+    """(sequence, KV head) pairs split over threads (evenly: no context split): each pair's arithmetic is
+    the same on any of them."""
     g = torch.Generator().manual_seed(7)
     heads, kv_heads, hd, lens = 8, 2, 64, [33, 70, 5]
     b, width = len(lens), max(lens) // BLOCK + 1
