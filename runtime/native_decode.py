@@ -1,9 +1,10 @@
 """A decode step's layers as one native call (codegen/native/decode_program.c) instead of ~9 Python
 launches a layer. At load the longest run of plan steps the native kernels cover (fp32, int8 and 4-bit
-GEMVs, norms, SwiGLU, AWQ's scales, split, attention over an fp32 paged cache) is encoded once as ops
-over a fixed arena of activations, MAX_ROWS rows each; on a decode step of at most MAX_ROWS sequences
-the walk runs the steps before the run, this one call, and the steps after (the LM head's row
-selection, ORT segments). Every op runs the kernel the walk's own launch would for those rows, so the
+GEMVs, norms, SwiGLU, AWQ's scales, split, attention over an fp32 paged cache, the LM head's row
+selection: on a decode step, the identity, checked each step) is encoded once as ops over a fixed arena
+of activations, MAX_ROWS rows each; on a decode step of at most MAX_ROWS sequences the walk runs the
+steps before the run (the embedding, ORT segments), this one call, and any steps after; the logits
+leave the arena as a copy. Every op runs the kernel the walk's own launch would for those rows, so the
 result is the walk's to fp32 rounding (the norms and SwiGLU round as the native kernels do); anything
 the kernels do not cover keeps its launch.
 """
@@ -24,7 +25,7 @@ OP_NAMES = {OP_GEMV_Q8: "int8 GEMV", OP_GEMV_F32: "fp32 GEMV", OP_ATTENTION: "at
             OP_ADD_RMS_NORM: "add_rms_norm", OP_SWIGLU: "swiglu", OP_GEMV_Q4: "4-bit GEMV", OP_SCALE: "AWQ scales"}
 F32 = torch.float32
 COVERED = ("cpu.qlinear", "cpu.linear", "cpu.add_rms_norm", "cpu.rms_norm", "cpu.split", "cpu.swiglu",
-           "cpu.flash_attention", "cpu.mul")
+           "cpu.flash_attention", "cpu.mul", "cpu.select_rows")
 
 
 class View(NamedTuple):
@@ -55,6 +56,7 @@ class _Encoder:
         self.size = 0
         self.inputs: list[tuple[str, View]] = []   # values computed before the run, copied in
         self.rope: tuple[str, str, float] | None = None
+        self.selects: list[str] = []               # select_rows' indices, the identity on a decode step
         self.heads = self.head_dim = 0             # the largest, for the attention's scratch
 
     def param(self, name: str) -> torch.Tensor | None:
@@ -123,6 +125,15 @@ def _encode(enc: _Encoder, step, launch) -> list[list]:
             col += size
         if col != parent.width or len(outs) != len(attrs["sizes"]):
             raise _Uncovered("a split that does not cover its input")
+        return []
+    if kernel == "cpu.select_rows":
+        # On a decode step each row is its sequence's last token, so the rows whose logits are wanted are
+        # all of them in order: the output is the input's view. run() checks the indices every step.
+        n = _width(plan, ins[0])
+        if _width(plan, outs[0]) != n:
+            raise _Uncovered("select_rows changing the row width")
+        enc.views[outs[0]], enc.root[outs[0]] = enc.activation(ins[0], n), enc.root.get(ins[0], ins[0])
+        enc.selects.append(ins[1])
         return []
     if kernel in ("cpu.rms_norm", "cpu.add_rms_norm"):
         residual = kernel == "cpu.add_rms_norm"
@@ -207,7 +218,9 @@ class NativeDecode:
         base = self.arena.data_ptr()
         registers = executor._registers
         self._inputs = [(registers[name], view) for name, view in enc.inputs]
-        self._outputs = [(registers[name], enc.views[name]) for name in outputs]
+        self._outputs = [(registers[name], enc.views[name], name in executor.plan.outputs) for name in outputs]
+        self._selects = [registers[name] for name in enc.selects]
+        self._iota = torch.arange(cpu_native.MAX_ROWS)
         self._rope = None if enc.rope is None else (registers[enc.rope[0]], registers[enc.rope[1]], enc.rope[2])
         self._heads, self._head_dim = enc.heads, enc.head_dim
         self._layers = 1 + max(op[7] for op in ops if op[0] == OP_ATTENTION)
@@ -239,6 +252,11 @@ class NativeDecode:
         if caches is None:
             return False
         rows = step.rows
+        for reg in self._selects:
+            indices = regs[reg]
+            if indices.dtype is not torch.int64 or indices.shape != (rows,) or not torch.equal(indices,
+                                                                                           self._iota[:rows]):
+                return False
         for reg, view in self._inputs:
             x = regs[reg]
             if x.dtype is not F32 or x.shape != (rows, view.width):
@@ -257,8 +275,8 @@ class NativeDecode:
                                scratch.data_ptr(), caches.data_ptr(), threads, _ptr(self.op_seconds)],
                               dtype=torch.int64)
         self._lib.llmc_decode_program(self._ops.data_ptr(), self._ops.shape[0], fields.data_ptr())
-        for reg, view in self._outputs:
-            regs[reg] = self._view(view, rows)
+        for reg, view, plan_output in self._outputs:   # a plan output outlives the arena's next step
+            regs[reg] = self._view(view, rows).clone() if plan_output else self._view(view, rows)
         return True
 
     def _view(self, view: View, rows: int) -> torch.Tensor:
@@ -291,8 +309,8 @@ def build(executor) -> NativeDecode | None:
 
 
 def _encode_run(executor, start: int, last_use: dict[str, int]) -> tuple[int, tuple | None]:
-    """(where the covered run from `start` ends, its (encoder, ops, outputs read later) or None: no
-    attention in it, or it would hold a plan output)."""
+    """(where the covered run from `start` ends, its (encoder, ops, outputs read later or by the plan's
+    caller) or None: no attention in it)."""
     steps, program, plan = executor.plan.steps, executor._program, executor.plan
     enc, ops, end = _Encoder(executor), [], start
     for i in range(start, len(steps)):
@@ -307,9 +325,7 @@ def _encode_run(executor, start: int, last_use: dict[str, int]) -> tuple[int, tu
     if not any(op[0] == OP_ATTENTION for op in ops):
         return end, None
     produced = {v for i in range(start, end) for v in steps[i].outputs}
-    if produced & set(plan.outputs):
-        return end, None   # a plan output must not live in the arena, which the next step overwrites
-    later = {v for step in steps[end:] for v in step.inputs}
+    later = {v for step in steps[end:] for v in step.inputs} | set(plan.outputs)
     return end, (enc, ops, sorted(produced & later))
 
 

@@ -1,9 +1,11 @@
 """The native decode program (runtime/native_decode.py): which launches it takes over, and that decode
 steps through it give the walk's logits (to fp32 rounding) and HF's, past a sliding window, with
 biases, int8 weights, a batch, and a run whose inputs are first read after the arena reused a region;
-what it does not cover (a quantised KV cache, more rows than MAX_ROWS) keeps the walk."""
+what it does not cover (a quantised KV cache, more rows than MAX_ROWS, a step wanting logits of other
+rows than all in order) keeps the walk."""
 
 import pytest
+import torch
 from tiny_hf_models import SPECIAL, VOCAB, hf_logits, max_relative_error, paged_logits, prompt_ids, save_checkpoint
 from transformers import MistralConfig, Qwen2Config
 
@@ -11,6 +13,7 @@ import llmc
 from llmc import SamplingParams
 from llmc.codegen import cpu_native
 from llmc.runtime import native_decode
+from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native kernels are not built here")
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -51,6 +54,7 @@ def test_decode_steps_match_the_walk_and_hf(models, name):
     program = llm.engine.executor.native_decode
     attention = _attention_steps(llm.engine.executor)
     assert program is not None and program.start <= attention[0] and program.end > attention[-1]
+    assert program.end == len(llm.engine.executor.plan.steps)   # the LM head too: logits leave as a copy
     ids = prompt_ids(40, seed=7)
     got = paged_logits(llm, ids, prefill_chunks=(10,))
     _without_program(llm)
@@ -80,6 +84,43 @@ def test_a_run_whose_inputs_are_read_late(models, monkeypatch):
     assert max_relative_error(got, paged_logits(llm, ids, prefill_chunks=(12,))) < 1e-5
 
 
+def _counting_runs(monkeypatch) -> list[bool]:
+    ran, run = [], native_decode.NativeDecode.run
+
+    def counted(self, regs, backend, rope_cache):
+        ran.append(run(self, regs, backend, rope_cache))
+        return ran[-1]
+    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    return ran
+
+
+def test_a_decode_step_wanting_other_rows_walks(models, monkeypatch):
+    """The program takes select_rows as the identity, which it is when every row's logits are wanted in
+    order: a decode step of two sequences that wants the second one's alone, or both swapped, walks and
+    gives the rows it asked for."""
+    executor = llmc.load(models["qwen2"][1], kv_memory="8MiB").engine.executor
+    layout = executor.plan.kv_layout()
+    cache = PagedKVCache(layout["num_layers"], 8, 4, layout["num_kv_heads"], layout["head_dim"],
+                         dtype=executor.kv_dtype())
+    backend = executor.paged_backend(cache)
+    tables, prompts = [[5, 1, 6], [0, 3, 2]], [prompt_ids(9, seed=1), prompt_ids(6, seed=2)]
+
+    def run(layout, ids, positions, rows):
+        backend.metadata = StepMetadata.build(layout, 4)
+        return executor.run_values({"input_ids": torch.tensor(ids), "positions": torch.tensor(positions),
+                                    "logits_indices": torch.tensor(rows)}, backend)["logits"]
+    for table, ids in zip(tables, prompts):
+        run([(table, 0, len(ids) - 1)], ids[:-1], list(range(len(ids) - 1)), [len(ids) - 2])
+    ran = _counting_runs(monkeypatch)
+    step = ([(t, len(ids) - 1, 1) for t, ids in zip(tables, prompts)], [ids[-1] for ids in prompts],
+            [len(ids) - 1 for ids in prompts])
+    both = run(*step, [0, 1])
+    assert ran == [True]
+    for rows in ([1], [1, 0]):
+        got = run(*step, rows)
+        assert ran[-1] is False and max_relative_error(got, both[rows]) < 1e-5
+
+
 def _greedy(llm, prompts, n=12):
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
@@ -90,12 +131,7 @@ def test_batches_up_to_max_rows_run_it_and_larger_ones_walk(models, monkeypatch)
     tokens are the walk's either way."""
     _, path = models["int8"]
     llm = llmc.load(path, kv_memory="16MiB")
-    ran, run = [], native_decode.NativeDecode.run
-
-    def counted(self, regs, backend, rope_cache):
-        ran.append(run(self, regs, backend, rope_cache))
-        return ran[-1]
-    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    ran = _counting_runs(monkeypatch)
     few = [prompt_ids(9 + i, seed=i) for i in range(3)]
     many = [prompt_ids(5 + i, seed=10 + i) for i in range(cpu_native.MAX_ROWS + 1)]
     program = (_greedy(llm, few), _greedy(llm, many))
