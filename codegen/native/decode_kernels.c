@@ -705,11 +705,19 @@ void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q,
         if (j + Q4_PREFETCH_ROWS < n)
             for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(q + (j + Q4_PREFETCH_ROWS) * (k / 2) + c, 0, 2);
         const uint8_t *row = q + j * (k / 2);
-        switch (m) {   /* a constant row count keeps each row's sums in registers */
-#define ROWS(M) case M: dot_q4(row, x, x_stride, M, sz, zp, groups, group, y + j, n); break;
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
+        /* A constant row count keeps each row's sums in registers; for one or two rows a constant group
+         * size also unrolls each group's chunks (one row in cache on an AVX-512 Xeon, cycles per 32 codes:
+         * groups of 64 5.35 -> 4.95, of 32 6.2 -> 5.8) */
+#define DOT(M, G) dot_q4(row, x, x_stride, M, sz, zp, groups, G, y + j, n)
+#define FEW(M) case M: if (group == 32) DOT(M, 32); else if (group == 64) DOT(M, 64); \
+                       else if (group == 128) DOT(M, 128); else DOT(M, group); break;
+#define ROWS(M) case M: DOT(M, group); break;
+        switch (m) {
+            FEW(1) FEW(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
         }
+#undef ROWS
+#undef FEW
+#undef DOT
     }
 }
 
