@@ -259,9 +259,11 @@ class PlanExecutor:
         return held
 
     @torch.inference_mode()
-    def run_values(self, inputs: dict[str, torch.Tensor],
-                   backend: AttentionBackend | None = None) -> dict[str, torch.Tensor]:
-        """Run the plan on its graph inputs; returns every plan output by name."""
+    def run_values(self, inputs: dict[str, torch.Tensor], backend: AttentionBackend | None = None,
+                   borrow: bool = False) -> dict[str, torch.Tensor]:
+        """Run the plan on its graph inputs; returns every plan output by name. With `borrow`, an output may
+        be a view of a buffer the next run overwrites (the native decode program's arena): for a caller
+        done with it by then, as the engine's step is with its logits; else each is the caller's own."""
         regs: list[Any] = self._params + [None] * (self._num_registers - len(self._params))
         for name in self.plan.inputs:
             regs[self._registers[name]] = self._check_input(name, inputs)
@@ -274,7 +276,7 @@ class PlanExecutor:
         native = self.native_decode
         if native is not None and backend is not None:
             self._walk(self._program[:native.start], regs, context)
-            rest = native.end if native.run(regs, backend, context["rope_cache"]) else native.start
+            rest = native.end if native.run(regs, backend, context["rope_cache"], borrow) else native.start
             self._walk(self._program[rest:], regs, context)
         else:
             self._walk(self._program, regs, context)

@@ -59,4 +59,4 @@ class ModelRunner:
             return logits if "logits_indices" in graph.plan_inputs else logits[rows]
         if "logits_indices" not in self.executor.plan.inputs:  # plans whose LM head could not be split
             return self.executor.run(inputs["input_ids"], inputs["positions"], self.attention)[rows]
-        return self.executor.run_values(inputs, self.attention)["logits"]
+        return self.executor.run_values(inputs, self.attention, borrow=True)["logits"]   # sampled before the next

@@ -241,9 +241,10 @@ class NativeDecode:
             self._caches = (cache, table)
         return self._caches[1]
 
-    def run(self, regs: list, backend, rope_cache: RopeCache) -> bool:
-        """Run the encoded launches for this step, leaving their outputs read later in regs; False (nothing
-        run) where the step is not a decode step of at most MAX_ROWS rows over a native cache."""
+    def run(self, regs: list, backend, rope_cache: RopeCache, borrow: bool = False) -> bool:
+        """Run the encoded launches for this step, leaving their outputs read later in regs (plan outputs as
+        copies, or with `borrow` as arena views the next step overwrites); False (nothing run) where the
+        step is not a decode step of at most MAX_ROWS rows over a native cache."""
         metadata, cache = getattr(backend, "metadata", None), getattr(backend, "cache", None)
         if metadata is None or cache is None:
             return False
@@ -275,8 +276,8 @@ class NativeDecode:
                                scratch.data_ptr(), caches.data_ptr(), threads, _ptr(self.op_seconds)],
                               dtype=torch.int64)
         self._lib.llmc_decode_program(self._ops.data_ptr(), self._ops.shape[0], fields.data_ptr())
-        for reg, view, plan_output in self._outputs:   # a plan output outlives the arena's next step
-            regs[reg] = self._view(view, rows).clone() if plan_output else self._view(view, rows)
+        for reg, view, plan_output in self._outputs:   # a plan output may outlive the arena's next step
+            regs[reg] = self._view(view, rows).clone() if plan_output and not borrow else self._view(view, rows)
         return True
 
     def _view(self, view: View, rows: int) -> torch.Tensor:

@@ -197,8 +197,8 @@ def test_engine_decodes_the_same_with_and_without_them(compiled, monkeypatch):
     program_rows, attention_rows = [], []
     run, attend = native_decode.NativeDecode.run, cpu_native.decode_attention
 
-    def counted_run(self, regs, backend, rope_cache):
-        ran = run(self, regs, backend, rope_cache)
+    def counted_run(self, regs, backend, rope_cache, borrow=False):
+        ran = run(self, regs, backend, rope_cache, borrow)
         program_rows.extend([backend.metadata.native_step(backend.cache.block_size).rows] if ran else [])
         return ran
 

@@ -87,8 +87,8 @@ def test_a_run_whose_inputs_are_read_late(models, monkeypatch):
 def _counting_runs(monkeypatch) -> list[bool]:
     ran, run = [], native_decode.NativeDecode.run
 
-    def counted(self, regs, backend, rope_cache):
-        ran.append(run(self, regs, backend, rope_cache))
+    def counted(self, regs, backend, rope_cache, borrow=False):
+        ran.append(run(self, regs, backend, rope_cache, borrow))
         return ran[-1]
     monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
     return ran
