@@ -234,7 +234,8 @@ class Engine:
                 touched[req.request_id] = req
         if not out.is_empty:
             t0 = time.perf_counter()
-            logits = self.runner.execute(out.scheduled, out.sampled, out.blocks_to_copy, drafts=out.drafts)
+            logits = self.runner.execute(out.scheduled, out.sampled, out.blocks_to_copy, drafts=out.drafts,
+                                         borrow=True)   # sampled and verified before the next step
             self._sample_and_stop(out, logits[:len(out.sampled)], touched)
             if out.drafts:
                 self._accept_verified(out, logits[len(out.sampled):], touched)

@@ -262,8 +262,9 @@ class PlanExecutor:
     def run_values(self, inputs: dict[str, torch.Tensor], backend: AttentionBackend | None = None,
                    borrow: bool = False) -> dict[str, torch.Tensor]:
         """Run the plan on its graph inputs; returns every plan output by name. With `borrow`, an output may
-        be a view of a buffer the next run overwrites (the native decode program's arena): for a caller
-        done with it by then, as the engine's step is with its logits; else each is the caller's own."""
+        be a view of a buffer the next run overwrites (the native decode program's arena): for a plan whose
+        launches hold nothing past the run (no pipeline send) and a caller done with its outputs by then,
+        as the engine's step is with its logits; else each is the caller's own."""
         regs: list[Any] = self._params + [None] * (self._num_registers - len(self._params))
         for name in self.plan.inputs:
             regs[self._registers[name]] = self._check_input(name, inputs)

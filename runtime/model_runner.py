@@ -20,10 +20,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], sampled: list[Sequence],
-                blocks_to_copy: list[tuple[int, int]], drafts: dict[int, list[int]] | None = None) -> torch.Tensor:
+                blocks_to_copy: list[tuple[int, int]], drafts: dict[int, list[int]] | None = None,
+                borrow: bool = False) -> torch.Tensor:
         """logits [rows, vocab]: one row per `sampled` sequence, in order, then for each sequence
         with `drafts` (speculative decoding; its drafts are fed after its known tokens) 1 + k rows:
-        the logits after its last known token and after each of its k drafts."""
+        the logits after its last known token and after each of its k drafts. With `borrow` they may
+        be a buffer the next call overwrites (PlanExecutor.run_values)."""
         drafts = drafts or {}
         self.cache.copy_blocks(blocks_to_copy)
         ids, positions, last_row, layout, trees = [], [], {}, [], {}
@@ -59,4 +61,4 @@ class ModelRunner:
             return logits if "logits_indices" in graph.plan_inputs else logits[rows]
         if "logits_indices" not in self.executor.plan.inputs:  # plans whose LM head could not be split
             return self.executor.run(inputs["input_ids"], inputs["positions"], self.attention)[rows]
-        return self.executor.run_values(inputs, self.attention, borrow=True)["logits"]   # sampled before the next
+        return self.executor.run_values(inputs, self.attention, borrow)["logits"]

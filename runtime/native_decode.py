@@ -3,10 +3,10 @@ launches a layer. At load the longest run of plan steps the native kernels cover
 GEMVs, norms, SwiGLU, AWQ's scales, split, attention over an fp32 paged cache, the LM head's row
 selection: on a decode step, the identity, checked each step) is encoded once as ops over a fixed arena
 of activations, MAX_ROWS rows each; on a decode step of at most MAX_ROWS sequences the walk runs the
-steps before the run (the embedding, ORT segments), this one call, and any steps after; the logits
-leave the arena as a copy. Every op runs the kernel the walk's own launch would for those rows, so the
-result is the walk's to fp32 rounding (the norms and SwiGLU round as the native kernels do); anything
-the kernels do not cover keeps its launch.
+steps before the run (the embedding, ORT segments), this one call, and any steps after; what leaves
+the arena is a copy, unless the caller borrows it (the engine's step). Every op runs the kernel the
+walk's own launch would for those rows, so the result is the walk's to fp32 rounding (the norms and
+SwiGLU round as the native kernels do); anything the kernels do not cover keeps its launch.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ class NativeDecode:
         base = self.arena.data_ptr()
         registers = executor._registers
         self._inputs = [(registers[name], view) for name, view in enc.inputs]
-        self._outputs = [(registers[name], enc.views[name], name in executor.plan.outputs) for name in outputs]
+        self._outputs = [(registers[name], enc.views[name]) for name in outputs]
         self._selects = [registers[name] for name in enc.selects]
         self._iota = torch.arange(cpu_native.MAX_ROWS)
         self._rope = None if enc.rope is None else (registers[enc.rope[0]], registers[enc.rope[1]], enc.rope[2])
@@ -242,9 +242,10 @@ class NativeDecode:
         return self._caches[1]
 
     def run(self, regs: list, backend, rope_cache: RopeCache, borrow: bool = False) -> bool:
-        """Run the encoded launches for this step, leaving their outputs read later in regs (plan outputs as
-        copies, or with `borrow` as arena views the next step overwrites); False (nothing run) where the
-        step is not a decode step of at most MAX_ROWS rows over a native cache."""
+        """Run the encoded launches for this step, leaving their outputs read later in regs: copies, or with
+        `borrow` the arena views the next run overwrites (a later launch may hold its input past this run:
+        a pipeline stage's send is not waited for); False (nothing run) where the step is not a decode
+        step of at most MAX_ROWS rows over a native cache."""
         metadata, cache = getattr(backend, "metadata", None), getattr(backend, "cache", None)
         if metadata is None or cache is None:
             return False
@@ -276,8 +277,8 @@ class NativeDecode:
                                scratch.data_ptr(), caches.data_ptr(), threads, _ptr(self.op_seconds)],
                               dtype=torch.int64)
         self._lib.llmc_decode_program(self._ops.data_ptr(), self._ops.shape[0], fields.data_ptr())
-        for reg, view, plan_output in self._outputs:   # a plan output may outlive the arena's next step
-            regs[reg] = self._view(view, rows).clone() if plan_output and not borrow else self._view(view, rows)
+        for reg, view in self._outputs:
+            regs[reg] = self._view(view, rows) if borrow else self._view(view, rows).clone()
         return True
 
     def _view(self, view: View, rows: int) -> torch.Tensor:

@@ -17,8 +17,9 @@ class LeadRunner:
     `_collective(work)` (runs `work` across the ranks; a failure raises one line and stops them)."""
 
     @torch.inference_mode()
-    def execute(self, scheduled, sampled, blocks_to_copy, drafts=None) -> torch.Tensor:
-        """logits [len(sampled), vocab], rows in `sampled` order, as ModelRunner.execute."""
+    def execute(self, scheduled, sampled, blocks_to_copy, drafts=None, borrow=False) -> torch.Tensor:
+        """logits [len(sampled), vocab], rows in `sampled` order, as ModelRunner.execute (always the
+        caller's own: gathered or received from the other ranks)."""
         if drafts:
             raise RuntimeLlmcError("speculative decoding does not run on a sharded (--tp, --pp) artifact yet; "
                                    "load it without a speculative config")
