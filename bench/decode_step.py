@@ -12,7 +12,7 @@ from collections import defaultdict
 import torch
 
 from llmc.runtime.engine import Engine, EngineConfig
-from llmc.runtime.native_decode import OP_NAMES
+from llmc.runtime.native_decode import OP_KINDS, OP_NAMES
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -87,7 +87,7 @@ def main() -> None:
     if args.by_kernel:
         _time_kernels(engine.executor, kernels)
         if engine.executor.native_decode is not None:
-            engine.executor.native_decode.op_seconds = torch.zeros(8, dtype=torch.float64)
+            engine.executor.native_decode.op_seconds = torch.zeros(OP_KINDS, dtype=torch.float64)
     engine.step()  # warm-up decode
     if len(engine.scheduler.running) != args.batch:   # a tight cache would time a smaller batch unawares
         raise SystemExit(f"only {len(engine.scheduler.running)} of {args.batch} sequences run in "

@@ -21,6 +21,7 @@ from llmc.codegen.cpu_kernels import RopeCache
 
 OP_FIELDS = 16
 OP_GEMV_Q8, OP_GEMV_F32, OP_ATTENTION, OP_ADD_RMS_NORM, OP_SWIGLU, OP_GEMV_Q4, OP_SCALE = 1, 2, 3, 4, 5, 6, 7
+OP_KINDS = 8   # decode_program.c's OP_KINDS: per-kind timing slots, one past the largest kind
 OP_NAMES = {OP_GEMV_Q8: "int8 GEMV", OP_GEMV_F32: "fp32 GEMV", OP_ATTENTION: "attention",
             OP_ADD_RMS_NORM: "add_rms_norm", OP_SWIGLU: "swiglu", OP_GEMV_Q4: "4-bit GEMV", OP_SCALE: "AWQ scales"}
 F32 = torch.float32
@@ -230,7 +231,7 @@ class NativeDecode:
         self._ops = table
         self._caches: tuple[object, torch.Tensor | None] | None = None
         self._lib = cpu_native._load()[0]
-        self.op_seconds: torch.Tensor | None = None   # float64 [8]: set to add up each op kind's wall time
+        self.op_seconds: torch.Tensor | None = None   # float64 [OP_KINDS]: set to add up each kind's wall time
 
     def _cache_table(self, cache) -> torch.Tensor | None:
         """[layers, 2] pointers to each layer's key and value rows; None where the cache is not native."""

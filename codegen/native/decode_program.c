@@ -27,9 +27,9 @@ void llmc_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t inter, flo
 
 #define OP_FIELDS 16
 enum { OP_GEMV_Q8 = 1, OP_GEMV_F32 = 2, OP_ATTENTION = 3, OP_ADD_RMS_NORM = 4, OP_SWIGLU = 5, OP_GEMV_Q4 = 6, OP_SCALE = 7 };
-/* the step's fields (native_decode.STEP_FIELDS) */
+/* the step's fields, in the order NativeDecode.run (runtime/native_decode.py) writes them */
 enum { S_ROWS, S_COS, S_SIN, S_SLOTS, S_TABLES, S_WIDTH, S_LENS, S_BLOCK, S_SCRATCH, S_CACHES, S_THREADS, S_SECONDS };
-#define OP_KINDS 8
+#define OP_KINDS 8   /* native_decode.OP_KINDS */
 
 #define P(i, T) ((T)(intptr_t)op[i])
 

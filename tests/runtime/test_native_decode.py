@@ -144,3 +144,16 @@ def test_a_quantised_kv_cache_keeps_the_walk(tmp_path):
     path = llmc.compile("tiny-llama", output=tmp_path / "kv.llmc", kernels="cpu", kv_cache="int8", calib_samples=4,
                         calib_seq_len=64, quiet=True)
     assert llmc.load(path, kv_memory="8MiB").engine.executor.native_decode is None
+
+
+def test_op_seconds_add_up_each_kind_when_asked(models):
+    """bench/decode_step.py --by-kernel's split: each op's wall time lands at its kind, only when asked."""
+    llm = llmc.load(models["int8"][1], kv_memory="8MiB")
+    program = llm.engine.executor.native_decode
+    _greedy(llm, [prompt_ids(9, seed=3)], n=4)
+    program.op_seconds = torch.zeros(native_decode.OP_KINDS, dtype=torch.float64)
+    _greedy(llm, [prompt_ids(9, seed=3)], n=4)
+    seconds = program.op_seconds.tolist()
+    assert all(seconds[kind] > 0 for kind in (native_decode.OP_GEMV_Q8, native_decode.OP_ATTENTION,
+                                             native_decode.OP_ADD_RMS_NORM, native_decode.OP_SWIGLU))
+    assert seconds[native_decode.OP_GEMV_Q4] == 0   # no 4-bit weights
