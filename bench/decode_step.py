@@ -86,16 +86,14 @@ def main() -> None:
         _timed(engine.executor.native_decode, "run", "program", totals)
     if args.by_kernel:
         _time_kernels(engine.executor, kernels)
-        if engine.executor.native_decode is not None:
-            engine.executor.native_decode.op_seconds = torch.zeros(OP_KINDS, dtype=torch.float64)
     engine.step()  # warm-up decode
     if len(engine.scheduler.running) != args.batch:   # a tight cache would time a smaller batch unawares
         raise SystemExit(f"only {len(engine.scheduler.running)} of {args.batch} sequences run in "
                          f"--kv-memory {args.kv_memory}; give a larger one")
     totals.clear()
     kernels.clear()
-    if args.by_kernel and engine.executor.native_decode is not None:
-        engine.executor.native_decode.op_seconds.zero_()
+    if args.by_kernel and engine.executor.native_decode is not None:   # each op's time, from here on
+        engine.executor.native_decode.op_seconds = torch.zeros(OP_KINDS, dtype=torch.float64)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()

@@ -241,16 +241,17 @@ static int64_t context_parts(int64_t pairs, int64_t threads, int64_t longest) {
 /* out = each pair's query heads' outputs from their parts: part outputs o_p (softmax-normalised over the
  * part's keys) with the part's score maximum m_p and exp sum l_p, weighed by l_p e^(m_p - max m) */
 static void merge_parts(const float *partial, int64_t pairs, int64_t parts, int64_t group, int64_t hd, float *out) {
+    int64_t part = group * (hd + 2);   /* a part's floats: group outputs of hd, then (max, sum) per head */
     for (int64_t u = 0; u < pairs; u++)
         for (int64_t g = 0; g < group; g++) {
-            const float *base = partial + u * parts * group * (hd + 2);
+            const float *base = partial + u * parts * part;
             float top = -INFINITY, total = 0.f, w[parts];
             for (int64_t p = 0; p < parts; p++) {
-                float m = base[p * group * (hd + 2) + group * hd + 2 * g];
+                float m = base[p * part + group * hd + 2 * g];
                 top = m > top ? m : top;
             }
             for (int64_t p = 0; p < parts; p++) {
-                const float *st = base + p * group * (hd + 2) + group * hd + 2 * g;
+                const float *st = base + p * part + group * hd + 2 * g;
                 w[p] = st[1] > 0.f ? st[1] * expf(st[0] - top) : 0.f;
                 total += w[p];
             }
@@ -258,7 +259,7 @@ static void merge_parts(const float *partial, int64_t pairs, int64_t parts, int6
             for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
             for (int64_t p = 0; p < parts; p++) {
                 if (w[p] == 0.f) continue;   /* an empty part: its outputs were never written */
-                const float *op = base + p * group * (hd + 2) + g * hd;
+                const float *op = base + p * part + g * hd;
                 float wp = w[p] / total;
                 for (int64_t i = 0; i < hd; i++) o[i] += wp * op[i];
             }
@@ -480,22 +481,6 @@ static float half_bits_to_float(uint16_t h) {
 #endif
 #define LOAD(p) (*(const vec *)(p))
 
-/* out[g] = scales[s0 + g] as floats, g < groups (fp16 or fp32 scales) */
-static inline void row_scales(const void *scales, int64_t f16, int64_t s0, int64_t groups, float *out) {
-    if (!f16) {
-        memcpy(out, (const float *)scales + s0, groups * sizeof(float));
-        return;
-    }
-#ifdef __FLT16_MAX__
-    const _Float16 *h = (const _Float16 *)scales + s0;
-    int64_t g = 0;
-    for (; g + VL <= groups; g += VL) *(vec *)(out + g) = __builtin_convertvector(*(const vhalf *)(h + g), vec);
-    for (; g < groups; g++) out[g] = (float)h[g];
-#else
-    for (int64_t g = 0; g < groups; g++) out[g] = half_bits_to_float(((const uint16_t *)scales)[s0 + g]);
-#endif
-}
-
 /* sum_i w_i x_i over len elements of w (loaded as floats by W) in four vector chains, as far as whole
  * vectors go (*end: where they stopped): one accumulator would wait on each FMA's latency (a row of 576
  * int8 codes measured 1.5x slower) */
@@ -564,14 +549,18 @@ static inline float dot_q8(const uint8_t *q, const float *x, const float *sc, in
  * scalar tail, cost a 4-bit GEMV row of 576 codes 15-20% (a memcpy call; lane-by-lane converts). */
 static inline const float *row_params(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
     if (!f16) return (const float *)p + s0;
-#if VL == 16 && defined(__AVX512BW__)
     const uint16_t *h = (const uint16_t *)p + s0;
+#if VL == 16 && defined(__AVX512BW__)
     for (int64_t g = 0; g < count; g += 16) {
         __mmask16 live = count - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - g)) - 1);
         _mm512_storeu_ps(buf + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, h + g)));
     }
+#elif defined(__FLT16_MAX__)
+    int64_t g = 0;
+    for (; g + VL <= count; g += VL) *(vec *)(buf + g) = __builtin_convertvector(*(const vhalf *)(h + g), vec);
+    for (; g < count; g++) buf[g] = (float)((const _Float16 *)h)[g];
 #else
-    row_scales(p, f16, s0, count, buf);
+    for (int64_t g = 0; g < count; g++) buf[g] = half_bits_to_float(h[g]);
 #endif
     return buf;
 }
@@ -709,8 +698,9 @@ void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q,
          * size also unrolls each group's chunks (one row in cache on an AVX-512 Xeon, cycles per 32 codes:
          * groups of 64 5.35 -> 4.95, of 32 6.2 -> 5.8) */
 #define DOT(M, G) dot_q4(row, x, x_stride, M, sz, zp, groups, G, y + j, n)
-#define FEW(M) case M: if (group == 32) DOT(M, 32); else if (group == 64) DOT(M, 64); \
-                       else if (group == 128) DOT(M, 128); else DOT(M, group); break;
+#define FEW(M) case M: switch (group) { \
+            case 32: DOT(M, 32); break; case 64: DOT(M, 64); break; case 128: DOT(M, 128); break; \
+            default: DOT(M, group); } break;
 #define ROWS(M) case M: DOT(M, group); break;
         switch (m) {
             FEW(1) FEW(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
