@@ -11,6 +11,7 @@ from collections import defaultdict
 
 import torch
 
+from llmc.codegen import cpu_native
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.native_decode import OP_KINDS, OP_NAMES
 from llmc.runtime.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ def main() -> None:
                     help="walk the plan on decode steps too (the artifact's decode graph unused), for an A/B")
     ap.add_argument("--no-native-program", action="store_true",
                     help="walk every launch on decode steps (the native decode program unused), for an A/B")
+    ap.add_argument("--fp32-activations", action="store_true",
+                    help="native 4-bit / int8 GEMVs on fp32 activations instead of int16 codes, for an A/B")
     ap.add_argument("--kv-memory", default="1GiB", help="KV cache budget; every sequence must fit to its last step")
     args = ap.parse_args()
     engine = Engine(args.artifact, EngineConfig(kv_memory=args.kv_memory, seed=0))
@@ -62,6 +65,8 @@ def main() -> None:
         engine.executor.decode_graph = None
     if args.no_native_program:
         engine.executor.native_decode = None
+    if args.fp32_activations:
+        cpu_native.set_int16_activations(False)
     if args.threads:   # after the engine, which applies its own thread count
         torch.set_num_threads(args.threads)
     vocab = engine.model["vocab_size"]

@@ -2,10 +2,12 @@
 machine's C compiler at first use, cached per source, compiler and CPU, and called through ctypes.
 A decode step's attention runs ~15 small torch operators a layer (rotary, the cache write, the
 attention itself), each costing 2-5 us of dispatch for about a microsecond of arithmetic; one call
-here. Likewise a residual add and its norm where quantised GEMMs read the norm, and the int8 GEMV
-itself (fp32 activations, where torch's kernel rounds them to bf16). Without a compiler (or with
-LLMC_NATIVE=0) the torch kernels run instead: both compute the same function to fp32 rounding (bf16
-for torch's int8 GEMV), and `llmc bench` prints which ran (`status`).
+here. Likewise a residual add and its norm where quantised GEMMs read the norm, and the int8 and 4-bit
+GEMVs themselves: on activations rounded to int16 codes per block of 64 where the CPU has AVX-512 BW
+(gemv_int16.c: at most 2^-16 of a block's largest value off, where torch's int8 kernel rounds them to
+bf16, 2^-9 of each), else on fp32 ones. Without a compiler (or with LLMC_NATIVE=0) the torch kernels
+run instead: both compute the same function to fp32 rounding (to those roundings for the GEMVs), and
+`llmc bench` prints which ran (`status`).
 
 What the C code trusts, these wrappers check: dtype float32, the strides it reads, sizes."""
 
@@ -18,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -26,7 +29,8 @@ import torch
 
 from llmc.cache import cache_root
 
-SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("decode_kernels.c", "decode_program.c"))
+SOURCES = tuple(Path(__file__).with_name("native") / name
+                for name in ("decode_kernels.c", "gemv_int16.c", "decode_program.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
 BF16 = torch.bfloat16
@@ -44,6 +48,8 @@ SIGNATURES = {
     "llmc_swiglu": [_P, _I, _I, _I, _P],
     "llmc_decode_program": [_P, _I, _P],
     "llmc_openmp": [],
+    "llmc_gemv_int16": [_I],
+    "llmc_gemv_int16_built": [],
 }
 OPENMP = ("-fopenmp",)   # for the GEMV's threads; without it (a compiler lacking OpenMP) that GEMV stays off
 
@@ -99,10 +105,40 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    lib.llmc_openmp.restype = ctypes.c_int64
+    for name in ("llmc_openmp", "llmc_gemv_int16", "llmc_gemv_int16_built"):
+        getattr(lib, name).restype = ctypes.c_int64
     lib.openmp = bool(lib.llmc_openmp())
+    lib.llmc_gemv_int16(os.environ.get("LLMC_INT16_ACTIVATIONS", "1") != "0")
     threads = "OpenMP" if lib.openmp else "no OpenMP: the int8 GEMV runs on one thread only"
     return lib, f"on ({Path(compiler).name}, {' '.join(FLAGS[:2])}, {threads})"
+
+
+def set_int16_activations(on: bool) -> bool:
+    """Whether the 4-bit and int8 GEMVs quantise their activations to int16 codes per block of 64 where
+    the CPU has AVX-512 BW (the default; LLMC_INT16_ACTIVATIONS=0 turns it off) or multiply fp32 ones;
+    returns the previous setting."""
+    lib = _load()[0]
+    return bool(lib.llmc_gemv_int16(int(on))) if lib is not None else False
+
+
+@contextmanager
+def fp32_activations():
+    """The 4-bit and int8 GEMVs on fp32 activations inside the block (tests compare the two)."""
+    previous = set_int16_activations(False)
+    try:
+        yield
+    finally:
+        set_int16_activations(previous)
+
+
+def int16_activations() -> bool:
+    """Whether the GEMVs take int16 activations: built for them (AVX-512 BW) and not turned off. (Shapes
+    decide per call: K a multiple of 64, groups of 32 codes or multiples of 64.)"""
+    lib = _load()[0]
+    if lib is None or not lib.llmc_gemv_int16_built():
+        return False
+    lib.llmc_gemv_int16(on := lib.llmc_gemv_int16(1))
+    return bool(on)
 
 
 def available() -> bool:
@@ -281,9 +317,9 @@ def _gemv_lib(x: torch.Tensor, k: int) -> tuple[ctypes.CDLL | None, int]:
 
 def gemv_q8(x: torch.Tensor, w: Q8Weights) -> torch.Tensor | None:
     """x [rows, K] (fp32, a few rows) @ w.T in fp32, the weight rows split over torch's thread count:
-    the reference's arithmetic (dequantise, fp32 GEMM) to fp32 rounding, reading one byte a weight.
-    torch's own int8 kernel rounds x to bf16 and measured 1.45x slower over SmolLM2's layers (2
-    threads, weights from memory). None where it does not apply."""
+    the reference's arithmetic (dequantise, fp32 GEMM) on x or its int16 codes (int16_activations),
+    reading one byte a weight. torch's own int8 kernel rounds x to bf16 and measured 1.45x slower over
+    SmolLM2's layers (2 threads, weights from memory). None where it does not apply."""
     lib, threads = _gemv_lib(x, w.codes.shape[1])
     if lib is None:
         return None
@@ -323,8 +359,9 @@ def q4_weights(codes: torch.Tensor, scales: torch.Tensor, second: torch.Tensor, 
 
 
 def gemv_q4(x: torch.Tensor, w: Q4Weights) -> torch.Tensor | None:
-    """x [rows, K] (fp32, a few rows) @ w.T in fp32, as gemv_q8: each group's weights made exactly as the
-    reference dequantises them, reading half a byte a weight. None where it does not apply."""
+    """x [rows, K] (fp32, a few rows) @ w.T in fp32, as gemv_q8, reading half a byte a weight: on fp32
+    activations each group's weights made exactly as the reference dequantises them; on int16 codes
+    s * sum(q * x) + o * sum(x) per group (o = -s * z, or the offset m). None where it does not apply."""
     lib, threads = _gemv_lib(x, 2 * w.packed.shape[1])
     if lib is None:
         return None
@@ -341,5 +378,6 @@ def gemv(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
 
 
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
-           "gemv_q8", "Q8Weights", "q4_weights", "gemv_q4", "Q4Weights", "gemv", "decode_step", "cache_pointers",
+           "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations",
+           "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "gemv", "decode_step", "cache_pointers",
            "decode_attention", "DecodeStep", "MAX_ROWS"]

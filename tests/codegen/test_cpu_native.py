@@ -279,14 +279,38 @@ def test_only_norms_that_quantised_gemms_read_go_native(tmp_path, compiled):
     torch.testing.assert_close(native, unmarked.run_values(feed)["logits"], rtol=1e-3, atol=1e-3)
 
 
+def _int16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] as gemv_int16.c rounds it, in float64: per block of 64, codes round(x * (32767 / max|x|))
+    (fp32 product, ties to even) times max|x| / 32767"""
+    blocks = x.reshape(x.shape[0], -1, 64)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
+    return (torch.round(blocks * inv).double() * (top / 32767.0).double()).reshape(x.shape)
+
+
+def _with_int16(on: bool, fn):
+    if on:
+        return fn()
+    with cpu_native.fp32_activations():
+        return fn()
+
+
+def _takes_int16(k: int, group: int) -> bool:
+    return cpu_native.int16_activations() and k % 64 == 0 and (group == 32 or group % 64 == 0)
+
+
+@pytest.mark.parametrize("int16", [True, False])
 @pytest.mark.parametrize("rows,n,k,groups,half,threads", [
     (1, 3072, 576, 1, False, 2),      # SmolLM2's gate/up, int8 per channel
     (3, 97, 1536, 1, False, 1),       # an odd row count of weights
     (cpu_native.MAX_ROWS, 40, 576, 18, True, 2),   # GGUF Q8_0: fp16 scales per 32 codes
-    (2, 33, 256, 16, True, 2),        # groups of 16
-    (1, 50, 288, 9, True, 1),         # groups of 32 not a multiple of four: the one-group tail
+    (2, 33, 256, 16, True, 2),        # groups of 16 (fp32 activations only)
+    (1, 50, 288, 9, True, 1),         # groups of 32 not a multiple of four: the one-group tail; K off 64
+    (2, 20, 384, 3, False, 2),        # groups of 128
 ])
-def test_gemv_q8_matches_float64(rows, n, k, groups, half, threads):
+def test_gemv_q8_matches_float64(rows, n, k, groups, half, threads, int16):
+    """fp32 activations: the reference's arithmetic to fp32 rounding. int16 ones (where the CPU and shapes
+    take them): exactly the rounded activations' dot, and within their rounding of the unrounded one."""
     g = torch.Generator().manual_seed(n + k)
     codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     scales = torch.rand(n, groups, generator=g) / 50 + 1e-3
@@ -294,16 +318,14 @@ def test_gemv_q8_matches_float64(rows, n, k, groups, half, threads):
     wide = torch.randn(rows, k + 24, generator=g)
     x = wide[:, 8:8 + k]    # rows a stride apart wider than k
     w = cpu_native.q8_weights(codes, scales)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = cpu_native.gemv_q8(x, w)
-    finally:
-        torch.set_num_threads(previous)
-    dense = codes.double().view(n, groups, -1) * scales.double().reshape(n, groups, 1)
-    want = x.double() @ dense.reshape(n, k).T
+    got = _with_int16(int16, lambda: _on_threads(threads, lambda: cpu_native.gemv_q8(x, w)))
+    dense = (codes.double().view(n, groups, -1) * scales.double().reshape(n, groups, 1)).reshape(n, k)
+    want = x.double() @ dense.T
     assert got.shape == (rows, n)
-    assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+    rounded = int16 and _takes_int16(k, k // groups)
+    if rounded:
+        assert ((got.double() - _int16_rounded(x) @ dense.T).abs().max() / want.abs().max()) < 1e-6
+    assert ((got.double() - want).abs().max() / want.abs().max()) < (1e-4 if rounded else 1e-6)
 
 
 def test_gemv_q8_declines_what_it_cannot_run():
@@ -345,14 +367,18 @@ def test_swiglu_matches_float64(rows, inter):
     torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("int16", [True, False])
 @pytest.mark.parametrize("rows,n,k,group,zero_point,half,threads", [
     (1, 960, 576, 32, False, True, 2),       # a GGUF Q4_1 projection: fp16 scales and minimums
     (3, 97, 1536, 64, True, True, 1),        # int4 with integer zero points, an odd row count of weights
     (cpu_native.MAX_ROWS, 40, 256, 128, True, False, 3),   # fp32 scales
     (2, 16, 64, 32, False, False, 2),
-    (4, 24, 576, 64, True, False, 2)])      # SmolLM2's AWQ groups: nine, paired but for the last
-def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads):
-    """Weights made as the reference dequantises them ((q - z) * s, or q * s + m), x a strided view."""
+    (4, 24, 576, 64, True, False, 2),        # SmolLM2's AWQ groups: nine, paired but for the last
+    (5, 30, 288, 96, False, False, 2),       # groups of 96, K off 64 (fp32 activations only)
+    (6, 18, 192, 32, True, True, 2)])        # Q4_0-style zero points over three blocks
+def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads, int16):
+    """Weights made as the reference dequantises them ((q - z) * s, or q * s + m), x a strided view; int16
+    activations as test_gemv_q8's (a group's zero point or offset times its unrounded activations' sum)."""
     from llmc.compiler.quant import dequantize_affine_codes, dequantize_int4_codes
 
     g = torch.Generator().manual_seed(n + group)
@@ -365,9 +391,30 @@ def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads):
     w = cpu_native.q4_weights(codes, scales, second, zero_point)
     assert w.params.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(rows, k + 5, generator=g)[:, 2:2 + k]
-    y = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w))
-    dense = (dequantize_int4_codes if zero_point else dequantize_affine_codes)(codes, scales, second)
-    torch.testing.assert_close(y.double(), x.double() @ dense.double().T, rtol=1e-5, atol=1e-5)
+    y = _with_int16(int16, lambda: _on_threads(threads, lambda: cpu_native.gemv_q4(x, w)))
+    dense = (dequantize_int4_codes if zero_point else dequantize_affine_codes)(codes, scales, second).double()
+    want = x.double() @ dense.T
+    if not (int16 and _takes_int16(k, group)):
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+        return
+    s, o = scales.double().repeat_interleave(group, 1), second.double().repeat_interleave(group, 1)
+    offsets = -s * o if zero_point else o
+    rounded = _int16_rounded(x) @ (s * codes.double()).T + x.double() @ offsets.T
+    assert ((y.double() - rounded).abs().max() / want.abs().max()) < 1e-6
+    assert ((y.double() - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_gemv_int16_activations_keep_non_finite_values():
+    """an inf or nan activation makes the outputs nan, as fp32 ones would make them inf or nan"""
+    if not cpu_native.int16_activations():
+        pytest.skip("this build multiplies fp32 activations only")
+    q4 = cpu_native.q4_weights(torch.randint(0, 16, (8, 128), dtype=torch.uint8), torch.rand(8, 2), 8, True)
+    q8 = cpu_native.q8_weights(torch.randint(-128, 128, (8, 128), dtype=torch.int8), torch.rand(8))
+    for bad in (float("inf"), float("nan")):
+        x = torch.randn(2, 128)
+        x[0, 70] = bad
+        for y in (cpu_native.gemv_q4(x, q4), cpu_native.gemv_q8(x, q8)):
+            assert y[0].isnan().all() and y[1].isfinite().all()
 
 
 def test_gemv_q4_refuses_what_it_cannot_run():

@@ -67,12 +67,14 @@ def test_kernel_switches_to_dense_from_the_chosen_row_count(scheme, monkeypatch)
         got = qlinear(*ins, **attrs, **extra)[0]
         packed = qlinear(*ins, **attrs, cpu_weights=weights.packed)[0]
         reference = qlinear_ref(*ins, **attrs)[0]
-        # int8's few rows take the native GEMV where it is built (fp32 arithmetic, near the reference)
+        # few rows take the native GEMV where it is built: fp32 arithmetic near the reference, or int16
+        # activation codes (K = 64 here) within their rounding, 2^-16 of a block's largest
         native = extra.get("native_gemv") and cpu_native.gemv(x, extra["native_gemv"])
         below = packed if native is None else native
         assert torch.equal(got, reference if rows >= 8 else below)
         if native is not None and rows < 8:
-            torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+            tolerance = 1e-4 if cpu_native.int16_activations() else 1e-5
+            assert (native - reference).abs().max() / reference.abs().max() < tolerance
 
 
 def test_a_bad_forced_row_count_is_one_clear_error(monkeypatch):

@@ -163,7 +163,8 @@ def test_affine8_kernel_is_the_reference_dequantised_once(m, n, k, g, mins):
     want = x.double() @ dequantize_affine("affine8", qweight, scales, minimums, torch.float64).T
     prepared, reference = run_kernel(inputs, attrs, prepared=True), qlinear_ref(*inputs, **attrs)[0]
     if not mins and m <= cpu_native.MAX_ROWS and cpu_native.available():   # Q8_0-like: the native GEMV
-        assert ((prepared.double() - want).abs().max() / want.abs().max()) < 1e-6
+        int16 = cpu_native.int16_activations() and k % 64 == 0 and g == 32   # activations rounded to int16 codes
+        assert ((prepared.double() - want).abs().max() / want.abs().max()) < (1e-4 if int16 else 1e-6)
     else:
         assert torch.equal(prepared, reference)
     assert ((run_kernel(inputs, attrs, prepared=False).double() - want).abs().max() / want.abs().max()) < 1e-5

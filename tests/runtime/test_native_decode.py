@@ -56,9 +56,18 @@ def test_decode_steps_match_the_walk_and_hf(models, name):
     assert program is not None and program.start <= attention[0] and program.end > attention[-1]
     assert program.end == len(llm.engine.executor.plan.steps)   # the LM head too: logits leave as a copy
     ids = prompt_ids(40, seed=7)
-    got = paged_logits(llm, ids, prefill_chunks=(10,))
+    rounded = cpu_native.int16_activations() and name in ("int8", "int4")
+    # the quantised GEMVs' int16 activation codes round at 2^-16 of a block's largest, so an fp32 rounding
+    # difference upstream (a SwiGLU in torch on the walk, native in the program) can move a code: the walk's
+    # function is checked on fp32 activations, then int16 ones stay within their rounding of it
+    with cpu_native.fp32_activations():
+        got = paged_logits(llm, ids, prefill_chunks=(10,))
+    if rounded:
+        on_int16 = paged_logits(llm, ids, prefill_chunks=(10,))
+        assert max_relative_error(on_int16, got) < 1e-3 and torch.equal(on_int16.argmax(-1), got.argmax(-1))
     _without_program(llm)
-    walked = paged_logits(llm, ids, prefill_chunks=(10,))
+    with cpu_native.fp32_activations():
+        walked = paged_logits(llm, ids, prefill_chunks=(10,))
     assert max_relative_error(got, walked) < 1e-5
     if module is not None:
         assert max_relative_error(got, hf_logits(module, ids)) < 1e-4

@@ -1,0 +1,273 @@
+/* llmc's 4-bit and int8 GEMVs on int16 activations (AVX-512 BW; VNNI's vpdpwssd where the CPU has it),
+ * which llmc_gemv_q4 and llmc_gemv_q8 (decode_kernels.c) hand their work to where the shapes allow.
+ *
+ * Each call quantises its few rows of activations once, per block of 64 along K, to int16 codes
+ * round(x * 32767 / max|x|): an error of at most 2^-16 of the block's largest magnitude (the bf16 that
+ * torch's own int8 GEMV rounds activations to errs by up to 2^-9 of each value; llama.cpp's 8-bit
+ * activation codes by 2^-8 of a block's largest). The weight codes then multiply in integer lanes: a
+ * block of 64 4-bit codes costs a widen, a mask, a shift and two multiply-adds (vpmaddwd, vpdpwssd)
+ * instead of four table lookups and four FMAs on floats, which left the fp32-activation loop
+ * compute-bound (4.8 cycles per 32 codes in cache on an AVX-512 Xeon, over twice what its bytes cost
+ * from memory). Each block's integer sums are converted once and scaled by the weight group's scale
+ * times the block's activation scale; a group's zero point or offset enters as o_g * sum_{i in g} x_i,
+ * with the sums taken over the unrounded activations. */
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static int64_t enabled = 1;
+
+/* whether the GEMVs take int16 activations where they can (1, the default) or stay on fp32 ones; returns
+ * the previous setting (the tests and bench/decode_step.py compare the two) */
+int64_t llmc_gemv_int16(int64_t on) {
+    int64_t was = enabled;
+    enabled = on;
+    return was;
+}
+
+/* whether this build has them (AVX-512 BW) */
+int64_t llmc_gemv_int16_built(void) {
+#if defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define BLOCK 64
+#define MAX_ROWS 8   /* cpu_native.MAX_ROWS */
+#define Q4_PREFETCH_ROWS 32   /* as decode_kernels.c's */
+#define Q8_PREFETCH_ROWS 16
+
+#ifdef __AVX512VNNI__
+#define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
+/* A call's activations: row r's int16 codes at codes + r * k, its block scales at scale + r * (k / 64),
+ * and (for the 4-bit GEMV) its group sums at sums[r * 2 * groups + 2 * g + 1], zeros between them, so that
+ * they line up with the weights' interleaved (scale, zero point or offset) pairs. */
+struct act16 { int16_t *codes; float *scale; float *sums; };
+
+/* Where a block's 64 codes go: in order for the int8 GEMV; for the 4-bit one in the order one widen of
+ * two 32-code chunks unpacks them (low nibbles: codes 0-15 of each chunk, high: 16-31). */
+static const int CHUNK_AT[2][4] = {{0, 16, 32, 48}, {0, 32, 16, 48}};
+
+static void quantise_row(const float *x, int64_t k, int64_t group, int nibbles, int16_t *codes, float *scale,
+                         float *sums) {
+    const __m512 finite = _mm512_set1_ps(FLT_MAX);
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        __m512 v[4], top = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int u = 0; u < 4; u++) {
+            v[u] = _mm512_loadu_ps(x + b * BLOCK + 16 * u);
+            __m512 a = _mm512_abs_ps(v[u]);
+            bad |= _mm512_cmp_ps_mask(a, finite, _CMP_NLE_UQ);   /* inf or nan */
+            top = _mm512_max_ps(top, a);
+        }
+        float amax = _mm512_reduce_max_ps(top);
+        scale[b] = bad ? NAN : amax / 32767.f;   /* a non-finite activation makes every output nan */
+        __m512 inv = _mm512_set1_ps(bad || amax == 0.f ? 0.f : 32767.f / amax);
+        for (int u = 0; u < 4; u++)
+            _mm256_storeu_si256((__m256i *)(codes + b * BLOCK + CHUNK_AT[nibbles][u]),
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[u], inv))));
+    }
+    if (!sums) return;
+    for (int64_t g = 0; g < k / group; g++) {
+        float s = 0;
+        for (int64_t i = 0; i < group; i++) s += x[g * group + i];
+        sums[2 * g] = 0, sums[2 * g + 1] = s;
+    }
+}
+
+/* quantises m rows of x (`xs` floats apart) into one allocation; 0 where it cannot allocate */
+static int quantise(const float *x, int64_t xs, int64_t m, int64_t k, int64_t group, int nibbles, struct act16 *a) {
+    int64_t blocks = k / BLOCK, pairs = nibbles ? 2 * (k / group) : 0;
+    char *mem = malloc(m * (k * sizeof(int16_t) + (blocks + pairs) * sizeof(float)));
+    if (!mem) return 0;
+    a->scale = (float *)mem;
+    a->sums = nibbles ? a->scale + m * blocks : 0;
+    a->codes = (int16_t *)(a->scale + m * (blocks + pairs));
+    for (int64_t r = 0; r < m; r++)
+        quantise_row(x + r * xs, k, group, nibbles, a->codes + r * k, a->scale + r * blocks,
+                     nibbles ? a->sums + r * pairs : 0);
+    return 1;
+}
+
+/* whether a call's shapes fit: K in whole blocks, each block within one group or halved by two */
+static int fits(int64_t m, int64_t k, int64_t group) {
+    return enabled && k % BLOCK == 0 && (group == 32 || group % BLOCK == 0) && m >= 1 && m <= MAX_ROWS;
+}
+
+/* a row's `count` weight parameters as fp32: where they lie, or fp16 ones converted into buf */
+static inline const float *params_f32(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
+    if (!f16) return (const float *)p + s0;
+    const uint16_t *h = (const uint16_t *)p + s0;
+    for (int64_t g = 0; g < count; g += 16) {
+        __mmask16 live = count - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - g)) - 1);
+        _mm512_storeu_ps(buf + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, h + g)));
+    }
+    return buf;
+}
+
+static inline __m512 block_scale(const struct act16 *a, int64_t r, int64_t blocks, int64_t b, __m512 s) {
+    return _mm512_mul_ps(s, _mm512_set1_ps(a->scale[r * blocks + b]));
+}
+
+/* one block of 64 4-bit codes (two chunks) against M rows' codes: acc[r] += its scaled dot. The groups'
+ * scales come from sz (interleaved with zero points or offsets): for groups of 32 the block's lanes 0-7
+ * are its first chunk's and 8-15 its second's, so each half takes its own. */
+static inline __attribute__((always_inline)) void block_q4(const uint8_t *q, const struct act16 *a, int64_t k,
+                                                           const int64_t M, const float *sz, const int64_t G,
+                                                           int64_t b, __m512 *acc) {
+    const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * b)));
+    __m512i lo = _mm512_and_si512(w, _mm512_set1_epi16(15)), hi = _mm512_srli_epi16(w, 4);
+    __m512 s = G == 32 ? _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_loadu_ps(sz + 4 * b)))
+                       : _mm512_set1_ps(sz[2 * (b * BLOCK / G)]);
+    for (int64_t r = 0; r < M; r++) {
+        const int16_t *x = a->codes + r * k + BLOCK * b;
+        __m512i d = DPWSSD(_mm512_madd_epi16(lo, _mm512_loadu_si512(x)), hi, _mm512_loadu_si512(x + 32));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), block_scale(a, r, k / BLOCK, b, s), acc[r]);
+    }
+}
+
+/* y[r * n] = one weight row's dot with M rows: blocks alternate between two chains (one waits on the FMA
+ * latency), then each row adds sum_g o_g * sum_{i in g} x_i, o_g = -s_g * z_g or the offset m_g */
+static inline __attribute__((always_inline)) void row_q4(const uint8_t *q, const struct act16 *a, int64_t k,
+                                                         const int64_t M, const float *sz, int64_t zp,
+                                                         const int64_t G, float *y, int64_t n) {
+    __m512 f[MAX_ROWS], h[MAX_ROWS];
+    for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm512_setzero_ps();
+    int64_t blocks = k / BLOCK, b = 0, pairs = 2 * (k / G);
+    for (; b + 2 <= blocks; b += 2) {
+        block_q4(q, a, k, M, sz, G, b, f);
+        block_q4(q, a, k, M, sz, G, b + 1, h);
+    }
+    if (b < blocks) block_q4(q, a, k, M, sz, G, b, f);
+    for (int64_t r = 0; r < M; r++) {
+        __m512 t = _mm512_setzero_ps();
+        for (int64_t i = 0; i < pairs; i += 16) {
+            __mmask16 live = pairs - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (pairs - i)) - 1);
+            __m512 p = _mm512_maskz_loadu_ps(live, sz + i);
+            if (zp) p = _mm512_mul_ps(p, _mm512_permute_ps(p, 0xb1));   /* s * z in both lanes of a pair */
+            t = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(live, a->sums + r * pairs + i), t);
+        }
+        __m512 total = _mm512_add_ps(f[r], h[r]);
+        y[r * n] = _mm512_reduce_add_ps(zp ? _mm512_sub_ps(total, t) : _mm512_add_ps(total, t));
+    }
+}
+
+/* llmc_gemv_q4's work on int16 activations: 1 where done, 0 where the shapes do not fit (K not a
+ * multiple of 64, groups neither 32 codes nor a multiple of 64) or it is turned off */
+int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz_,
+                           int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+    struct act16 a;
+    if (!fits(m, k, group) || !quantise(x, x_stride, m, k, group, 1, &a))
+        return 0;
+    int64_t groups = k / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < n; j++) {
+        float buf[2 * groups + 16];
+        const float *sz = params_f32(sz_, f16, 2 * j * groups, 2 * groups, buf);
+        if (j + Q4_PREFETCH_ROWS < n)
+            for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(q + (j + Q4_PREFETCH_ROWS) * (k / 2) + c, 0, 2);
+        const uint8_t *row = q + j * (k / 2);
+        /* constant row counts keep each row's sums in registers, constant group sizes index scales by shifts */
+#define ROW(M, G) row_q4(row, &a, k, M, sz, zp, G, y + j, n)
+#define ROWS(M) case M: switch (group) { \
+            case 32: ROW(M, 32); break; case 64: ROW(M, 64); break; case 128: ROW(M, 128); break; \
+            default: ROW(M, group); } break;
+        switch (m) {
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        }
+#undef ROWS
+#undef ROW
+    }
+    free(a.scale);
+    return 1;
+}
+
+/* one block of 64 int8 codes against M rows' codes: for groups of 32 each half scaled by its own group's
+ * scale before the block's activation scale, else one sum and the group's scale */
+static inline __attribute__((always_inline)) void block_q8(const int8_t *q, const struct act16 *a, int64_t k,
+                                                           const int64_t M, const float *sc, const int64_t G,
+                                                           int64_t b, __m512 *acc) {
+    __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + BLOCK * b)));
+    __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + BLOCK * b + 32)));
+    for (int64_t r = 0; r < M; r++) {
+        const int16_t *x = a->codes + r * k + BLOCK * b;
+        __m512i d0 = _mm512_madd_epi16(w0, _mm512_loadu_si512(x));
+        __m512 s = _mm512_set1_ps(a->scale[r * (k / BLOCK) + b]);
+        if (G == 32) {
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(sc[2 * b]));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w1, _mm512_loadu_si512(x + 32))),
+                                _mm512_set1_ps(sc[2 * b + 1]), t);
+            acc[r] = _mm512_fmadd_ps(t, s, acc[r]);
+        } else {
+            __m512i d = DPWSSD(d0, w1, _mm512_loadu_si512(x + 32));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(sc[b * BLOCK / G])), acc[r]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const struct act16 *a, int64_t k,
+                                                         const int64_t M, const float *sc, const int64_t G,
+                                                         float *y, int64_t n) {
+    __m512 f[MAX_ROWS], h[MAX_ROWS];
+    for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm512_setzero_ps();
+    int64_t blocks = k / BLOCK, b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        block_q8(q, a, k, M, sc, G, b, f);
+        block_q8(q, a, k, M, sc, G, b + 1, h);
+    }
+    if (b < blocks) block_q8(q, a, k, M, sc, G, b, f);
+    for (int64_t r = 0; r < M; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(f[r], h[r]));
+}
+
+/* llmc_gemv_q8's work on int16 activations, as llmc_gemv_q4_int16 */
+int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *scales,
+                           int64_t f16, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+    struct act16 a;
+    if (!fits(m, k, group) || !quantise(x, x_stride, m, k, group, 0, &a))
+        return 0;
+    int64_t groups = k / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < n; j++) {
+        float buf[groups + 16];
+        const float *sc = params_f32(scales, f16, j * groups, groups, buf);
+        if (j + Q8_PREFETCH_ROWS < n)
+            for (int64_t c = 0; c < k; c += 64) __builtin_prefetch(q + (j + Q8_PREFETCH_ROWS) * k + c, 0, 2);
+        const int8_t *row = q + j * k;
+#define ROW(M, G) row_q8(row, &a, k, M, sc, G, y + j, n)
+#define ROWS(M) case M: switch (group) { case 32: ROW(M, 32); break; case 64: ROW(M, 64); break; \
+            default: ROW(M, group); } break;
+        switch (m) {
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        }
+#undef ROWS
+#undef ROW
+    }
+    free(a.scale);
+    return 1;
+}
+
+#else   /* no AVX-512 BW: the fp32-activation loops do all the work */
+
+int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz_,
+                           int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+    return 0;
+}
+
+int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *scales,
+                           int64_t f16, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+    return 0;
+}
+
+#endif
