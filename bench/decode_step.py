@@ -9,7 +9,10 @@ import argparse
 import time
 from collections import defaultdict
 
+# isort: off
+import llmc  # noqa: F401 (before torch, so that its tensors go on huge pages as under the CLI)
 import torch
+# isort: on
 
 from llmc.codegen import cpu_native
 from llmc.runtime.engine import Engine, EngineConfig

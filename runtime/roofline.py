@@ -1,5 +1,5 @@
 """The memory roofline of a benchmark run: the machine's read bandwidth and fp32 GEMM peak
-(measured once per CPU model and thread count, cached in $LLMC_CACHE/bandwidth.json) against
+(measured once per CPU model, thread count and page size, cached in $LLMC_CACHE/bandwidth.json) against
 the weight bytes a decode step reads and the GEMM FLOPs a run does."""
 
 from __future__ import annotations
@@ -59,11 +59,18 @@ def measure_gemm_peak(size: int = GEMM_SIZE, repeats: int = 5) -> float:
     return 2 * size ** 3 / seconds / 1e9
 
 
+def cache_key(threads: int) -> str:
+    """The figures' entry in the cache: torch's tensors on huge pages (llmc/__init__.py) stream faster, so a
+    figure measured without them is not the roofline of a run with them."""
+    pages = " / huge pages" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else ""
+    return f"{cpu_model()} / {threads} threads{pages}"
+
+
 def machine_figure(name: str, threads: int, measure) -> float:
     """`name` ("bandwidth_gbps" or "gemm_peak_gflops") for this CPU at `threads` threads: from
     the cache, else measured by `measure()` and cached."""
     path = cache_file()
-    key = f"{cpu_model()} / {threads} threads"
+    key = cache_key(threads)
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -125,7 +125,7 @@ def test_peaks_are_measured_once_and_cached_per_cpu_and_thread_count(tmp_path):
     measured = roofline.machine_figure("bandwidth_gbps", 1, lambda: roofline.measure_bandwidth(1 << 20, repeats=2))
     assert measured > 0
     path = tmp_path / "cache" / "bandwidth.json"
-    key = f"{roofline.cpu_model()} / 1 threads"
+    key = roofline.cache_key(1)
     assert json.loads(path.read_text())[key]["bandwidth_gbps"] == measured
 
     def never():
@@ -141,8 +141,7 @@ def test_peaks_are_measured_once_and_cached_per_cpu_and_thread_count(tmp_path):
 def test_bench_reads_the_cached_peaks(artifact, tmp_path):
     path = tmp_path / "cache" / "bandwidth.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({f"{roofline.cpu_model()} / 1 threads": {"bandwidth_gbps": 12.5,
-                                                                         "gemm_peak_gflops": 33.0}}))
+    path.write_text(json.dumps({roofline.cache_key(1): {"bandwidth_gbps": 12.5, "gemm_peak_gflops": 33.0}}))
     r = _bench_json(artifact, "--threads", "1")["roofline"]
     assert (r["bandwidth_gbps"], r["gemm_peak_gflops"]) == (12.5, 33.0)
 
