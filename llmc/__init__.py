@@ -15,7 +15,9 @@ __version__ = "0.1.0"
 # madvises MADV_HUGEPAGE): a decode step streams every weight once, and on 4 KiB pages each 4 KiB of it
 # costs a TLB walk; SmolLM2 fp32 batch-1 decode measured 24.8-25.8 -> 23.3-23.8 ms a step on an Intel
 # Xeon. torch reads the variable at its first allocation, so this takes effect where llmc is imported
-# before torch (the CLI does). LLMC_HUGE_PAGES=0, or THP_MEM_ALLOC_ENABLE set beforehand, leaves it alone.
+# before torch (the CLI does). It covers only a tensor's 2 MiB-aligned interior, so the native decode program
+# also collapses the weights it streams onto huge pages at load (runtime/host_memory.huge_pages).
+# LLMC_HUGE_PAGES=0 turns both off; THP_MEM_ALLOC_ENABLE set beforehand is left as it is.
 if _os.environ.get("LLMC_HUGE_PAGES", "1") != "0":
     _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

@@ -38,4 +38,39 @@ def keep_freed_memory() -> bool:
     return _done
 
 
-__all__ = ["keep_freed_memory"]
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25   # linux/mman.h; MADV_COLLAPSE since Linux 6.1
+HUGE_PAGE = 2 << 20
+HUGE_ENV_VAR = "LLMC_HUGE_PAGES"           # "0": 4 KiB pages wherever the kernel's defaults put them
+
+
+def huge_pages(tensors) -> int:
+    """Move the CPU tensors' memory onto 2 MiB transparent huge pages now: every 2 MiB-aligned span they
+    touch is marked MADV_HUGEPAGE and collapsed (MADV_COLLAPSE). A decode step streams each weight once,
+    and on 4 KiB pages every 4 KiB of it costs a TLB walk: SmolLM2's fp32 GEMVs in sequence from a C
+    loop (2 threads, Intel Xeon) measured 24-25 GB/s on 4 KiB pages, 28-29 on huge ones. torch's own
+    huge-page allocation (THP_MEM_ALLOC_ENABLE, llmc/__init__.py) covers only the aligned interior of
+    tensors of 2 MiB and more, so a model's many smaller weights and the edges of the others stayed on
+    4 KiB pages. The spans may hold other heap memory too, which is only moved. Returns the bytes
+    collapsed: 0 where the kernel refuses (huge pages off, Linux before 6.1, not Linux) or
+    LLMC_HUGE_PAGES=0."""
+    if os.environ.get(HUGE_ENV_VAR, "1").strip() == "0":
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    spans = set()
+    for t in tensors:
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        spans.update(range(start // HUGE_PAGE, (end + HUGE_PAGE - 1) // HUGE_PAGE))
+    done = 0
+    for span in sorted(spans):
+        address = span * HUGE_PAGE
+        if madvise(address, HUGE_PAGE, MADV_HUGEPAGE) == 0 and madvise(address, HUGE_PAGE, MADV_COLLAPSE) == 0:
+            done += HUGE_PAGE
+    return done
+
+
+__all__ = ["keep_freed_memory", "huge_pages"]

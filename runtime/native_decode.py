@@ -18,6 +18,7 @@ import torch
 
 from llmc.codegen import cpu_native
 from llmc.codegen.cpu_kernels import RopeCache
+from llmc.runtime.host_memory import huge_pages
 
 OP_FIELDS = 16
 OP_GEMV_Q8, OP_GEMV_F32, OP_ATTENTION, OP_ADD_RMS_NORM, OP_SWIGLU, OP_GEMV_Q4, OP_SCALE = 1, 2, 3, 4, 5, 6, 7
@@ -59,6 +60,7 @@ class _Encoder:
         self.rope: tuple[str, str, float] | None = None
         self.selects: list[str] = []               # select_rows' indices, the identity on a decode step
         self.heads = self.head_dim = 0             # the largest, for the attention's scratch
+        self.weights: list[torch.Tensor] = []      # what the GEMVs stream, put on huge pages
 
     def param(self, name: str) -> torch.Tensor | None:
         reg = self.ex._registers[name]
@@ -168,6 +170,7 @@ def _linear(enc: _Encoder, step) -> list:
     k, n = _width(enc.ex.plan, step.inputs[0]), _width(enc.ex.plan, step.outputs[0])
     x = enc.activation(step.inputs[0], k)
     weight = _f32_param(enc.param(step.inputs[1]), (n, k))
+    enc.weights.append(enc.param(step.inputs[1]))
     bias = _f32_param(enc.param(step.inputs[2]), (n,)) if len(step.inputs) > 2 else 0
     return [OP_GEMV_F32, At(x.offset), x.stride, weight, n, k, enc.output(step.outputs[0], n), bias]
 
@@ -181,9 +184,11 @@ def _qlinear(enc: _Encoder, step, attrs: dict) -> list:
     x = enc.activation(step.inputs[0], k)
     y = enc.output(step.outputs[0], n)
     if type(w) is cpu_native.Q4Weights and w.packed.shape == (n, k // 2):
+        enc.weights += [w.packed, w.params]
         return [OP_GEMV_Q4, At(x.offset), x.stride, w.packed.data_ptr(), w.params.data_ptr(),
                 int(w.params.dtype is torch.float16), n, k, w.group, y, bias, int(w.zero_point)]
     if type(w) is cpu_native.Q8Weights and w.codes.shape == (n, k):
+        enc.weights += [w.codes, w.scales]
         return [OP_GEMV_Q8, At(x.offset), x.stride, w.codes.data_ptr(), w.scales.data_ptr(),
                 int(w.scales.dtype is torch.float16), n, k, w.group, y, bias]
     raise _Uncovered("a qlinear whose codes do not match its shapes")
@@ -232,6 +237,7 @@ class NativeDecode:
         self._caches: tuple[object, torch.Tensor | None] | None = None
         self._lib = cpu_native._load()[0]
         self.op_seconds: torch.Tensor | None = None   # float64 [OP_KINDS]: set to add up each kind's wall time
+        self.huge_page_bytes = huge_pages(enc.weights)
 
     def _cache_table(self, cache) -> torch.Tensor | None:
         """[layers, 2] pointers to each layer's key and value rows; None where the cache is not native."""

@@ -34,7 +34,9 @@ print(tuned, sum(faults() for _ in range(4)))
 
 
 def later_step_faults(env_value: str | None) -> tuple[str, int]:
-    env = {"PATH": "/usr/bin:/bin"} | ({} if env_value is None else {"LLMC_KEEP_FREED_MEMORY": env_value})
+    # 4 KiB pages throughout (torch's huge-page allocations would fault 2 MiB at a time)
+    env = {"PATH": "/usr/bin:/bin", "LLMC_HUGE_PAGES": "0"} | \
+        ({} if env_value is None else {"LLMC_KEEP_FREED_MEMORY": env_value})
     out = subprocess.run([sys.executable, "-c", STEP_FAULTS], capture_output=True, text=True, env=env,
                          check=True).stdout.split()
     return out[0], int(out[1])
@@ -48,3 +50,37 @@ def test_freed_activations_are_reused_without_page_faults():
 def test_llmc_keep_freed_memory_0_leaves_malloc_alone():
     tuned, faults = later_step_faults("0")
     assert tuned == "False" and faults > 4 * 4096    # glibc hands the pages back and faults them in again
+
+
+def _huge_bytes(t) -> int:
+    """bytes of t's memory that /proc/self/smaps shows on anonymous huge pages"""
+    import re
+    start, end, total, region = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                region = int(m.group(1), 16), int(m.group(2), 16)
+            elif line.startswith("AnonHugePages:") and region[0] < end and region[1] > start:
+                total += min(int(line.split()[1]) * 1024, min(end, region[1]) - max(start, region[0]))
+    return total
+
+
+def test_weights_move_onto_huge_pages_unchanged(monkeypatch):
+    """a weight smaller than 2 MiB (torch's own huge-page allocation leaves those alone) and a larger one
+    end on huge pages with their values kept; LLMC_HUGE_PAGES=0 leaves them where they are"""
+    import torch
+
+    from llmc.runtime.host_memory import HUGE_ENV_VAR, huge_pages
+    g = torch.Generator().manual_seed(0)
+    small, large = torch.randn(576, 576, generator=g), torch.randn(3072, 576, generator=g)
+    before = small.clone(), large.clone()
+    monkeypatch.setenv(HUGE_ENV_VAR, "0")
+    assert huge_pages([small, large]) == 0
+    monkeypatch.delenv(HUGE_ENV_VAR)
+    done = huge_pages([small, large])
+    if done == 0:
+        pytest.skip("this kernel does not collapse huge pages (THP off or Linux before 6.1)")
+    assert done >= small.numel() * 4 + large.numel() * 4
+    assert _huge_bytes(small) == small.numel() * 4 and _huge_bytes(large) == large.numel() * 4
+    assert torch.equal(small, before[0]) and torch.equal(large, before[1])
