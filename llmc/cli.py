@@ -420,9 +420,8 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         hf_model, requests, pad, engine.eos_token_ids, baseline_batch_size, progress=not as_json))
     runs = run_engine_repeated(engine, requests, repeat, progress=not as_json, after_each=hf_run)
     ours = median_run(runs)
-    from llmc.codegen.cpu_native import status as native_status
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
-              "native_kernels": native_status() if engine.device.type == "cpu" else None,
+              "native_kernels": _native_kernels(engine) if engine.device.type == "cpu" else None,
               "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives
               "speculative": speculative_summary(engine, ours, plain) if plain else None,
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
@@ -464,6 +463,19 @@ def _bench_url(url, artifact, api_key, workload_kind, as_json, qps, workload) ->
     model, vocab_size = served_model(url, api_key)
     result = run_http(url, model, workload.build(vocab_size), api_key) | {"workload": vars(workload) | {"qps": qps}}
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_http_bench(result))
+
+
+def _native_kernels(engine) -> str:
+    """The native kernels' status, whether the GEMVs round activations to int16 codes, and how much of the
+    weights the decode program streams sits on huge pages."""
+    from llmc.codegen import cpu_native
+    program = getattr(getattr(engine, "executor", None), "native_decode", None)
+    parts = [cpu_native.status()]
+    if cpu_native.int16_activations():
+        parts.append("int8/4-bit GEMVs on int16 activations")
+    if program is not None and program.huge_page_bytes:
+        parts.append(f"{program.huge_page_bytes / 2**20:.0f} MiB of weights on huge pages")
+    return ", ".join(parts)
 
 
 def _window_lines(w: dict | None) -> list[str]:

@@ -119,6 +119,10 @@ def test_bench_text_shows_threads_and_roofline(artifact):
     text = CliRunner().invoke(cli, args, catch_exceptions=False).output
     assert "threads           1" in text
     assert "MiB/token" in text and "of 20.0 GB/s" in text
+    from llmc.codegen import cpu_native
+    if cpu_native.available():   # and where the GEMVs round activations, it says so
+        assert f"native kernels    {cpu_native.status()}" in text
+        assert ("int16 activations" in text) == cpu_native.int16_activations()
 
 
 def test_peaks_are_measured_once_and_cached_per_cpu_and_thread_count(tmp_path):
