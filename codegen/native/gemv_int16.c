@@ -74,9 +74,12 @@ static void quantise_row(const float *x, int64_t k, int64_t group, int nibbles, 
         float amax = _mm512_reduce_max_ps(top);
         scale[b] = bad ? NAN : amax / 32767.f;   /* a non-finite activation makes every output nan */
         __m512 inv = _mm512_set1_ps(bad || amax == 0.f ? 0.f : 32767.f / amax);
-        for (int u = 0; u < 4; u++)
+        int tiny = !bad && amax > 0.f && amax < 1e-30f;   /* near where 32767 / amax overflows: divide */
+        for (int u = 0; u < 4; u++) {
+            __m512 c = tiny ? _mm512_div_ps(v[u], _mm512_set1_ps(scale[b])) : _mm512_mul_ps(v[u], inv);
             _mm256_storeu_si256((__m256i *)(codes + b * BLOCK + CHUNK_AT[nibbles][u]),
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[u], inv))));
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(c)));
+        }
     }
     if (!sums) return;
     for (int64_t g = 0; g < k / group; g++) {

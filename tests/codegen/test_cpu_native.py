@@ -405,7 +405,8 @@ def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads, i
 
 
 def test_gemv_int16_activations_keep_non_finite_values():
-    """an inf or nan activation makes the outputs nan, as fp32 ones would make them inf or nan"""
+    """an inf or nan activation makes the outputs nan, as fp32 ones would make them inf or nan; tiny ones
+    keep their codes"""
     if not cpu_native.int16_activations():
         pytest.skip("this build multiplies fp32 activations only")
     q4 = cpu_native.q4_weights(torch.randint(0, 16, (8, 128), dtype=torch.uint8), torch.rand(8, 2), 8, True)
@@ -415,6 +416,10 @@ def test_gemv_int16_activations_keep_non_finite_values():
         x[0, 70] = bad
         for y in (cpu_native.gemv_q4(x, q4), cpu_native.gemv_q8(x, q8)):
             assert y[0].isnan().all() and y[1].isfinite().all()
+    x = torch.randn(1, 128) * 1e-36   # 32767 / max|x| overflows: the codes come from a division
+    with cpu_native.fp32_activations():
+        want = cpu_native.gemv_q8(x, q8)
+    assert ((cpu_native.gemv_q8(x, q8) - want).abs().max() / want.abs().max()) < 1e-4
 
 
 def test_gemv_q4_refuses_what_it_cannot_run():
