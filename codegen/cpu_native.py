@@ -137,8 +137,7 @@ def int16_activations() -> bool:
     lib = _load()[0]
     if lib is None or not lib.llmc_gemv_int16_built():
         return False
-    lib.llmc_gemv_int16(on := lib.llmc_gemv_int16(1))
-    return bool(on)
+    return bool(lib.llmc_gemv_int16(-1))
 
 
 def available() -> bool:

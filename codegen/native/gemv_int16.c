@@ -19,11 +19,11 @@
 
 static int64_t enabled = 1;
 
-/* whether the GEMVs take int16 activations where they can (1, the default) or stay on fp32 ones; returns
- * the previous setting (the tests and bench/decode_step.py compare the two) */
+/* whether the GEMVs take int16 activations where they can (1, the default) or stay on fp32 ones (0); -1
+ * only asks. Returns the setting before (the tests and bench/decode_step.py compare the two). */
 int64_t llmc_gemv_int16(int64_t on) {
     int64_t was = enabled;
-    enabled = on;
+    if (on >= 0) enabled = on;
     return was;
 }
 
