@@ -31,6 +31,7 @@ from llmc.cache import cache_root
 
 SOURCES = tuple(Path(__file__).with_name("native") / name
                 for name in ("decode_kernels.c", "gemv_int16.c", "decode_program.c"))
+HEADERS = (Path(__file__).with_name("native") / "half_params.h",)   # included by the sources: in the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
 BF16 = torch.bfloat16
@@ -64,7 +65,7 @@ def _cpu_id() -> str:
 
 
 def _source_text() -> str:
-    return "\0".join(p.read_text() for p in SOURCES)
+    return "\0".join(p.read_text() for p in SOURCES + HEADERS)
 
 
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:

@@ -169,8 +169,9 @@ def _encode(enc: _Encoder, step, launch) -> list[list]:
 def _linear(enc: _Encoder, step) -> list:
     k, n = _width(enc.ex.plan, step.inputs[0]), _width(enc.ex.plan, step.outputs[0])
     x = enc.activation(step.inputs[0], k)
-    weight = _f32_param(enc.param(step.inputs[1]), (n, k))
-    enc.weights.append(enc.param(step.inputs[1]))
+    w = enc.param(step.inputs[1])
+    weight = _f32_param(w, (n, k))
+    enc.weights.append(w)
     bias = _f32_param(enc.param(step.inputs[2]), (n,)) if len(step.inputs) > 2 else 0
     return [OP_GEMV_F32, At(x.offset), x.stride, weight, n, k, enc.output(step.outputs[0], n), bias]
 

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half_params.h"
+
 /* gemv_int16.c: the same GEMVs on int16 activations, where the CPU and the shapes allow (1 where done) */
 int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *scales,
                            int64_t f16, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
@@ -557,10 +559,7 @@ static inline const float *row_params(const void *p, int64_t f16, int64_t s0, in
     if (!f16) return (const float *)p + s0;
     const uint16_t *h = (const uint16_t *)p + s0;
 #if VL == 16 && defined(__AVX512BW__)
-    for (int64_t g = 0; g < count; g += 16) {
-        __mmask16 live = count - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - g)) - 1);
-        _mm512_storeu_ps(buf + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, h + g)));
-    }
+    halves_to_floats(h, count, buf);
 #elif defined(__FLT16_MAX__)
     int64_t g = 0;
     for (; g + VL <= count; g += VL) *(vec *)(buf + g) = __builtin_convertvector(*(const vhalf *)(h + g), vec);
