@@ -22,10 +22,9 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from llmc.compiler.manifest_schema import RECOMPILE, check_manifest, check_model_agrees
+from llmc.compiler.weights_file import map_weights_file, pending, write_weights_file
 from llmc.errors import ArtifactError
 
 FORMAT_VERSION = 1
@@ -232,7 +231,7 @@ def write_rank_files(folder: Path, files: RankFiles) -> dict[str, str]:
     (folder / GRAPH).write_bytes(files.graph_json.encode())
     (folder / PLAN).write_bytes(files.plan_json.encode())
     stored, aliases = dedupe_weights(files.weights)
-    save_file(stored, folder / WEIGHTS, metadata=None)
+    write_weights_file(folder / WEIGHTS, {name: pending(t) for name, t in stored.items()})
     return aliases
 
 
@@ -445,8 +444,8 @@ def verify_file(path: Path, name: str, digest: str) -> Path:
 
 def read_weights(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     try:
-        weights = load_file(path / WEIGHTS)  # safetensors: plain bytes, no code runs on load
-    except (SafetensorError, OSError) as e:
+        weights = map_weights_file(path / WEIGHTS)  # safetensors: plain bytes, no code runs on load
+    except (ValueError, OSError) as e:
         raise ArtifactError(f"artifact '{path}': file {WEIGHTS} cannot be read ({e}); recompile") from e
     for alias, name in sorted(manifest.get("weight_aliases", {}).items()):
         if name not in weights:

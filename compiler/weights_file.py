@@ -1,0 +1,108 @@
+"""The artifact's weights file (safetensors) written a tensor at a time and read as a memory map.
+safetensors' own save_file takes every tensor as bytes at once and load_file copies every tensor
+into memory; a model larger than memory needs neither. The bytes are those save_file writes for
+the same tensors (its header, order and padding), so artifacts stay byte-identical either way."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+
+# safetensors orders tensors by dtype, widest first as its Rust enum lists them, then by name
+DTYPE_CODES = {
+    torch.uint64: "U64", torch.int64: "I64", torch.float64: "F64", torch.float32: "F32",
+    torch.uint32: "U32", torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.uint16: "U16", torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+DTYPE_RANK = {dtype: rank for rank, dtype in enumerate(DTYPE_CODES)}
+DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+HEADER_ALIGN = 8
+
+
+class PendingTensor(NamedTuple):
+    """A tensor to write: its shape and dtype now, its values when `load` is called."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count * self.dtype.itemsize
+
+
+def pending(tensor: torch.Tensor) -> PendingTensor:
+    return PendingTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor)
+
+
+def file_order(tensors: dict[str, PendingTensor]) -> list[str]:
+    return sorted(tensors, key=lambda name: (DTYPE_RANK[tensors[name].dtype], name))
+
+
+def header_bytes(tensors: dict[str, PendingTensor], order: list[str]) -> bytes:
+    header, offset = {}, 0
+    for name in order:
+        t = tensors[name]
+        header[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % HEADER_ALIGN)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_weights_file(path: Path, tensors: dict[str, PendingTensor],
+                       progress: Callable[[int], None] | None = None) -> None:
+    """Write `tensors` to `path`, loading one at a time; `progress(bytes)` after each."""
+    order = file_order(tensors)
+    with open(path, "wb") as f:
+        f.write(header_bytes(tensors, order))
+        for name in order:
+            t = tensors[name]
+            values = t.load().detach().to("cpu").contiguous()
+            if tuple(values.shape) != t.shape or values.dtype != t.dtype:
+                raise ValueError(f"weight {name!r} loaded as {values.dtype} {list(values.shape)}, "
+                                 f"declared {t.dtype} {list(t.shape)}")
+            f.write(memoryview(values.view(torch.uint8).reshape(-1).numpy()) if values.numel() else b"")
+            if progress is not None:
+                progress(t.nbytes)
+
+
+def map_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors file `path` as views of one private memory map: pages are read
+    from the file as they are touched and shared with the page cache; a write to a tensor
+    copies its page rather than changing the file."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if f.seek(0, 2) else None
+    base = 8 + size
+    header.pop("__metadata__", None)
+    return {name: mapped_tensor(mapped, base, name, entry) for name, entry in header.items()}
+
+
+def mapped_tensor(mapped: mmap.mmap | None, base: int, name: str, entry: dict) -> torch.Tensor:
+    dtype = DTYPES.get(entry.get("dtype"))
+    shape, (start, end) = entry.get("shape"), entry.get("data_offsets", (0, -1))
+    if dtype is None or not isinstance(shape, list):
+        raise ValueError(f"tensor {name!r} has dtype {entry.get('dtype')!r} and shape {shape!r}")
+    count = 1
+    for d in shape:
+        count *= d
+    if end - start != count * dtype.itemsize or start < 0 or (mapped is not None and base + end > len(mapped)):
+        raise ValueError(f"tensor {name!r}: bytes {start}..{end} do not hold {dtype} {shape} within the file")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start).reshape(shape)
+
+
+def written_size(tensors: Iterable[PendingTensor]) -> int:
+    return sum(t.nbytes for t in tensors)
