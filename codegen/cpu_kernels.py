@@ -22,6 +22,7 @@ from llmc.codegen.cpu_qlinear_dense import (
     run_dense,
     shape_key,
 )
+from llmc.codegen.cpu_qlinear_native import NativeGemm, native_gemm, native_gemv_weights, run_native_gemm
 from llmc.compiler.ops import (
     OPS,
     TORCH_DTYPES,
@@ -33,7 +34,7 @@ from llmc.compiler.ops import (
     split_kv_scales,
     through_kv_cache,
 )
-from llmc.compiler.quant import AFFINE4_CENTRE, AFFINE_SCHEMES, dequantize_affine, unpack_int4
+from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine, unpack_int4
 from llmc.errors import ArtifactError
 
 CPU_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -222,9 +223,10 @@ def pack_for_cpu(scheme: str, qweight, scales, zeros, act_scale, group_size: int
 
 
 def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
-    """Convert a qlinear's stored weights into torch's packed CPU layout once, at load, and pair
-    them with the dense path (dequantise + fp32 GEMM) taken from the row count where it measured
-    faster, or that the plan's meta records for the shape (codegen/cpu_qlinear_dense.py)."""
+    """Convert a qlinear's stored weights once, at load, into the native GEMV's form where it has one
+    (codegen/cpu_qlinear_native.py), else torch's packed CPU layout, and pair them with the dense path
+    (dequantise + fp32 GEMM) taken from the row count where it measured faster, or that the plan's meta
+    records for the shape (codegen/cpu_qlinear_dense.py)."""
     _, qweight, scales, zeros, act_scale = qlinear_inputs(list(inputs), attrs)[:5]
     if (qweight is None or scales is None or (attrs.get("has_zeros") and zeros is None)
             or (attrs.get("has_act_scale") and act_scale is None)):
@@ -232,27 +234,19 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
     scheme = attrs["scheme"]
     native = native_gemv_weights(scheme, qweight, scales, zeros)
     extra = {} if native is None else {"native_gemv": native}
-    packed = pack_for_cpu(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
+    packed = packed_weights(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1), native)
     if packed is None or isinstance(packed, DenseWeights):
         return extra if packed is None else {"cpu_weights": packed, **extra}
-    dense = dense_source(scheme, qweight, scales, zeros, act_scale)
+    dense = packed.dense if type(packed) is NativeGemm else dense_source(scheme, qweight, scales, zeros, act_scale)
     dense_from = choose_dense_from(meta, shape_key(scheme, qweight, scales), packed_run(packed, native), dense)
     return {"cpu_weights": DispatchedWeights(packed, dense, dense_from), **extra}
 
 
-def native_gemv_weights(scheme: str, qweight, scales, zeros):
-    """The native GEMV's form of a qlinear's weights for decode rows (None: it has none): int8 codes
-    w = q * s (per channel, or GGUF's Q8_0 blocks), int4 w = (q - z) * s, GGUF's 4-bit blocks w = q * s + m
-    (or (q - 8) * s without minimums, Q4_0)."""
-    if scheme in ("int8", "affine8") and zeros is None:
-        return cpu_native.q8_weights(qweight, scales)
-    if scheme == "int4" and zeros is not None:
-        return cpu_native.q4_weights(unpack_int4(qweight), scales, zeros, zero_point=True)
-    if scheme == "affine4":
-        if zeros is None:
-            return cpu_native.q4_weights(unpack_int4(qweight), scales, AFFINE4_CENTRE, zero_point=True)
-        return cpu_native.q4_weights(unpack_int4(qweight), scales, zeros, zero_point=False)
-    return None
+def packed_weights(scheme: str, qweight, scales, zeros, act_scale, group_size: int, native):
+    """The one packed form a qlinear keeps: the native GEMV's (`native`) where it serves every row count,
+    else torch's (pack_for_cpu)."""
+    packed = native_gemm(scheme, qweight, scales, zeros, native)
+    return pack_for_cpu(scheme, qweight, scales, zeros, act_scale, group_size) if packed is None else packed
 
 
 def packed_run(packed, native=None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -284,7 +278,8 @@ def qlinear(*inputs, scheme, cpu_weights=None, native_gemv=None, **attrs):
         return [_run_packed(inputs[0], cpu_weights.packed)]
     x, qweight, scales, zeros, act_scale, bias = qlinear_inputs(list(inputs), attrs)
     if cpu_weights is None:
-        cpu_weights = pack_for_cpu(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1))
+        cpu_weights = packed_weights(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1),
+                                     native_gemv_weights(scheme, qweight, scales, zeros))
     if cpu_weights is None:
         return qlinear_ref(*inputs, scheme=scheme, **attrs)
     if isinstance(cpu_weights, DispatchedWeights):
@@ -295,6 +290,8 @@ def qlinear(*inputs, scheme, cpu_weights=None, native_gemv=None, **attrs):
 
 
 def _run_packed(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if type(packed) is NativeGemm:
+        return run_native_gemm(x, packed, bias)
     return (run_a8_qlinear if type(packed) in A8_MATMULS else run_qlinear)(x, packed, bias)
 
 

@@ -315,7 +315,7 @@ def _gemv_lib(x: torch.Tensor, k: int) -> tuple[ctypes.CDLL | None, int]:
     return lib, threads
 
 
-def gemv_q8(x: torch.Tensor, w: Q8Weights) -> torch.Tensor | None:
+def gemv_q8(x: torch.Tensor, w: Q8Weights, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [rows, K] (fp32, a few rows) @ w.T in fp32, the weight rows split over torch's thread count:
     the reference's arithmetic (dequantise, fp32 GEMM) on x or its int16 codes (int16_activations),
     reading one byte a weight. torch's own int8 kernel rounds x to bf16 and measured 1.45x slower over
@@ -324,7 +324,7 @@ def gemv_q8(x: torch.Tensor, w: Q8Weights) -> torch.Tensor | None:
     if lib is None:
         return None
     (rows, k), n = x.shape, w.codes.shape[0]
-    y = torch.empty(rows, n, dtype=F32)
+    y = torch.empty(rows, n, dtype=F32) if out is None else out
     lib.llmc_gemv_q8(x.data_ptr(), x.stride(0), rows, w.codes.data_ptr(), w.scales.data_ptr(),
                      w.scales.dtype is torch.float16, n, k, w.group, y.data_ptr(), threads)
     return y
@@ -338,27 +338,47 @@ class Q4Weights(NamedTuple):
     group: int
 
 
-def q4_weights(codes: torch.Tensor, scales: torch.Tensor, second: torch.Tensor, zero_point: bool) -> Q4Weights | None:
-    """4-bit codes [N, K] (0..15) with scales and zero points or offsets [N, K / group] (or a number: the same
-    zero point everywhere) in gemv_q4's form, fp16 where every value is exactly one (a GGUF's Q4_0 / Q4_1
-    blocks), else fp32; None where it cannot run them (groups not a multiple of 32 codes)."""
-    if codes.dim() != 2 or scales.numel() == 0 or scales.numel() % codes.shape[0]:
+def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor | float,
+               zero_point: bool) -> Q4Weights | None:
+    """4-bit codes as stored (uint8 [N, K / 2], two a byte, the even k in the low nibble) with scales and zero
+    points or offsets [N, K / group] (or a number: the same zero point everywhere) in gemv_q4's form, fp16
+    where every value is exactly one (a GGUF's Q4_0 / Q4_1 blocks), else fp32; None where it cannot run them
+    (groups not a multiple of 32 codes)."""
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or scales.numel() == 0 or scales.numel() % qweight.shape[0]:
         return None
-    n, k = codes.shape
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
     groups = scales.numel() // n
     if k % groups or (k // groups) % 32:
         return None
-    s = scales.reshape(n, groups).float()
-    other = torch.full_like(s, float(second)) if not isinstance(second, torch.Tensor) else second.reshape(n, groups)
-    halves = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
-    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    params = torch.stack([s, other.float()], dim=-1)
+    s = scales.reshape(n, groups)
+    other = second.reshape(n, groups) if isinstance(second, torch.Tensor) else torch.full((n, groups), float(second))
+    return Q4Weights(_halves(qweight), _q4_params(s, other), zero_point, k // groups)
+
+
+def _halves(qweight: torch.Tensor) -> torch.Tensor:
+    """Stored nibble pairs (byte j: codes 2j and 2j + 1) reordered into gemv_q4's halves (per 32 codes,
+    byte b: codes b and 16 + b) on the bytes themselves: in a block's 16 bytes, 0-7 hold codes 0-15
+    and 8-15 hold codes 16-31, so output bytes 2i and 2i + 1 come from stored bytes i and 8 + i."""
+    n, width = qweight.shape
+    blocks = qweight.reshape(n, width // 16, 2, 8)
+    first, second = blocks[:, :, 0], blocks[:, :, 1]
+    out = torch.empty(n, width // 16, 8, 2, dtype=torch.uint8)
+    torch.bitwise_or(first & 0x0F, second << 4, out=out[..., 0])     # codes 2i and 16 + 2i
+    torch.bitwise_or(first >> 4, second & 0xF0, out=out[..., 1])     # codes 2i + 1 and 17 + 2i
+    return out.reshape(n, width)
+
+
+def _q4_params(scales: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """[N, groups, 2] of each group's scale and zero point or offset: fp16 where both are exactly fp16."""
+    if scales.dtype == other.dtype == torch.float16:
+        return torch.stack([scales, other], dim=-1)
+    params = torch.stack([scales.float(), other.float()], dim=-1)
     half = params.half()
     exact = bool(torch.isfinite(half).all()) and torch.equal(half.float(), params)
-    return Q4Weights(packed, (half if exact else params).contiguous(), zero_point, k // groups)
+    return half if exact else params
 
 
-def gemv_q4(x: torch.Tensor, w: Q4Weights) -> torch.Tensor | None:
+def gemv_q4(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [rows, K] (fp32, a few rows) @ w.T in fp32, as gemv_q8, reading half a byte a weight: on fp32
     activations each group's weights made exactly as the reference dequantises them; on int16 codes
     s * sum(q * x) + o * sum(x) per group (o = -s * z, or the offset m). None where it does not apply."""
@@ -366,18 +386,35 @@ def gemv_q4(x: torch.Tensor, w: Q4Weights) -> torch.Tensor | None:
     if lib is None:
         return None
     (rows, k), n = x.shape, w.packed.shape[0]
-    y = torch.empty(rows, n, dtype=F32)
+    y = torch.empty(rows, n, dtype=F32) if out is None else out
     lib.llmc_gemv_q4(x.data_ptr(), x.stride(0), rows, w.packed.data_ptr(), w.params.data_ptr(),
                      w.params.dtype is torch.float16, w.zero_point, n, k, w.group, y.data_ptr(), threads)
     return y
 
 
-def gemv(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
-    """gemv_q8 or gemv_q4 by the weights' kind."""
-    return (gemv_q4 if type(w) is Q4Weights else gemv_q8)(x, w)
+def gemv(x: torch.Tensor, w: Q8Weights | Q4Weights, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """gemv_q8 or gemv_q4 by the weights' kind (`out`: the fp32 [rows, N] to write, else a fresh one)."""
+    return (gemv_q4 if type(w) is Q4Weights else gemv_q8)(x, w, out)
+
+
+def gemv_runs() -> bool:
+    """Whether the GEMVs run at torch's thread count now: built, and with OpenMP or on one thread."""
+    lib = _load()[0]
+    return lib is not None and (lib.openmp or torch.get_num_threads() == 1)
+
+
+def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
+    """gemv over any number of rows x [rows, K], MAX_ROWS rows a call; None where it does not apply."""
+    if x.shape[0] <= MAX_ROWS:
+        return gemv(x, w)
+    y = torch.empty(x.shape[0], (w.packed if type(w) is Q4Weights else w.codes).shape[0], dtype=F32)
+    for start in range(0, x.shape[0], MAX_ROWS):
+        if gemv(x[start:start + MAX_ROWS], w, y[start:start + MAX_ROWS]) is None:
+            return None
+    return y
 
 
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
-           "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations",
+           "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations", "gemv_runs", "gemm",
            "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "gemv", "decode_step", "cache_pointers",
            "decode_attention", "DecodeStep", "MAX_ROWS"]

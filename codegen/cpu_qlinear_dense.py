@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -41,12 +42,13 @@ class DenseSource(NamedTuple):
     w = q * s + m (affine4 without minimums (q - 8) * s), int8/w8a8/fp8 w = q * s per channel."""
     scheme: str
     codes: torch.Tensor             # as stored: uint8 [N, K/2] (two nibbles), int8 or fp8 [N, K]
-    scales: torch.Tensor            # fp32 [N, groups] (per channel: groups = 1)
-    zeros: torch.Tensor | None      # int4: fp32 zero points [N, groups]
-    mins: torch.Tensor | None       # affine: fp32 minimums [N, groups]
+    scales: torch.Tensor            # [N, groups] (per channel: groups = 1), fp32 or fp16/bf16 (widened exactly)
+    zeros: torch.Tensor | None      # int4: zero points [N, groups]
+    mins: torch.Tensor | None       # affine: minimums [N, groups]
     act_scale: torch.Tensor | None  # fp8: the static activation scale
     out_features: int
     in_features: int
+    halves: bool = False            # nibbles in the native GEMV's order (cpu_native.Q4Weights), not as stored
 
 
 class DispatchedWeights(NamedTuple):
@@ -57,33 +59,60 @@ class DispatchedWeights(NamedTuple):
 
 
 def dense_source(scheme: str, qweight, scales, zeros, act_scale) -> DenseSource | None:
+    """The stored params as they are (views: the in-place dequantisation widens fp16 and bf16 exactly)."""
     n = qweight.shape[0]
     k = qweight.shape[1] * (2 if scheme in NIBBLE_SCHEMES else 1)
-    s = scales.float().reshape(n, -1) if scales.numel() > 1 else scales.float().reshape(1, 1).expand(n, 1)
-    as_groups = (lambda t: None if t is None else t.float().reshape(n, -1))
-    return DenseSource(scheme, qweight, s.contiguous(), as_groups(zeros) if scheme == "int4" else None,
+    s = scales.reshape(n, -1) if scales.numel() > 1 else scales.float().reshape(1, 1).expand(n, 1)
+    as_groups = (lambda t: None if t is None else _widenable(t).reshape(n, -1))
+    return DenseSource(scheme, qweight, _widenable(s), as_groups(zeros) if scheme == "int4" else None,
                        as_groups(zeros) if scheme in ("affine4", "affine8") else None,
                        None if act_scale is None else act_scale.float(), n, k)
 
 
+def _widenable(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t.float()
+
+
+def halves_source(scheme: str, w) -> DenseSource:
+    """The dense source of a 4-bit weight held in the native GEMV's form only (cpu_native.Q4Weights):
+    its zero points or offsets are the params' second column, its codes the reordered nibbles."""
+    n, k = w.packed.shape[0], 2 * w.packed.shape[1]
+    scales, second = w.params[..., 0], w.params[..., 1]
+    zeros, mins = (second, None) if w.zero_point else (None, second)
+    return DenseSource("int4" if w.zero_point else scheme, w.packed, scales, zeros, mins, None, n, k, True)
+
+
 _scratch = threading.local()
+_scratches: weakref.WeakSet = weakref.WeakSet()   # every thread's, for scratch_bytes
 
 
 def _scratch_for(n: int, k: int) -> torch.Tensor:
-    """One fp32 [n, k] buffer per shape and thread, reused by every layer of that shape."""
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    buf = buffers.get((n, k))
-    if buf is None:
-        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
-            buf = buffers[(n, k)] = torch.empty(n, k)
-    return buf
+    """An fp32 [n, k] view of one buffer per thread, grown to the largest weight it has held: layers
+    dequantise one at a time, so every shape shares it (a buffer per shape held Llama-1B's four
+    projections' 244 MB at once)."""
+    buf = getattr(_scratch, "buffer", None)
+    with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+        if buf is None or buf.numel() < n * k:
+            buf = _scratch.buffer = torch.empty(n * k)
+            _scratches.add(buf)
+        return buf[:n * k].view(n, k)
+
+
+def scratch_bytes() -> int:
+    """Bytes of the dequantisation buffers the threads hold."""
+    return sum(buf.nbytes for buf in _scratches)
 
 
 def dequantize_into(src: DenseSource, out: torch.Tensor) -> torch.Tensor:
     """The weight src stands for, written into `out` [N, K]; the same fp32 operations, in the same
     order, as compiler.quant.dequantize_weight, so bit-identical to it."""
     n, k = src.out_features, src.in_features
-    if src.scheme in NIBBLE_SCHEMES:
+    if src.halves:
+        halves = out.view(n, k // 32, 2, 16)
+        blocks = src.codes.view(n, k // 32, 16)
+        halves[:, :, 0].copy_(blocks & 0x0F)
+        halves[:, :, 1].copy_(blocks >> 4)
+    elif src.scheme in NIBBLE_SCHEMES:
         pairs = out.view(n, k // 2, 2)
         pairs[..., 0].copy_(src.codes & 0x0F)
         pairs[..., 1].copy_(src.codes >> 4)
@@ -150,15 +179,17 @@ def dispatch_record(steps, weights: dict, threads: int, rows: tuple[int, ...] = 
                 if not isinstance(prepared, DispatchedWeights):
                     continue
                 run = packed_run(prepared.packed, made.get("native_gemv"))
-                shapes[key] = {**_recalled_measure(key, threads, run, prepared.dense, rows), "steps": 0}
+                kind = type(prepared.packed).__name__
+                shapes[key] = {**_recalled_measure(key, kind, threads, run, prepared.dense, rows), "steps": 0}
             shapes[key]["steps"] += 1
     finally:
         torch.set_num_threads(previous)
     return {"threads": threads, "rows": list(rows), "shapes": shapes}
 
 
-def _recalled_measure(key: str, threads: int, packed_run, src: DenseSource, rows: tuple[int, ...]) -> dict:
-    """measure_shape's record for this shape, from the machine's timing cache when measured before."""
+def _recalled_measure(key: str, kind: str, threads: int, packed_run, src: DenseSource, rows: tuple[int, ...]) -> dict:
+    """measure_shape's record for this shape and packed form (`kind`), from the machine's timing cache
+    when measured before."""
     from llmc.codegen.ort_timing_cache import recall
 
     def run() -> dict:
@@ -166,8 +197,8 @@ def _recalled_measure(key: str, threads: int, packed_run, src: DenseSource, rows
             return measure_shape(packed_run, src, rows=rows)
     from llmc.codegen.cpu_native import timing_key as native_key
 
-    return recall({"what": "qlinear dense switch", "shape": key, "threads": threads, "rows": list(rows),
-                   "native": native_key()}, run)
+    return recall({"what": "qlinear dense switch", "shape": key, "packed": kind, "threads": threads,
+                   "rows": list(rows), "native": native_key()}, run)
 
 
 # (shape key, threads) -> measure_shape's record, for the shapes measured at load in this process
@@ -247,6 +278,6 @@ def measure_shape(packed_run, src: DenseSource, repeats: int = 5, rows: tuple[in
             "dense_from": dense_from}
 
 
-__all__ = ["DenseSource", "DispatchedWeights", "dense_source", "dequantize_into", "run_dense", "rows_of",
-           "shape_key", "choose_dense_from", "dispatch_record", "recorded", "measure_shape", "MEASURED",
-           "DENSE_FROM_ENV", "DISPATCH_META", "PROBE_ROWS", "NEVER_DENSE"]
+__all__ = ["DenseSource", "DispatchedWeights", "dense_source", "halves_source", "scratch_bytes", "dequantize_into",
+           "run_dense", "rows_of", "shape_key", "choose_dense_from", "dispatch_record", "recorded", "measure_shape",
+           "MEASURED", "DENSE_FROM_ENV", "DISPATCH_META", "PROBE_ROWS", "NEVER_DENSE"]

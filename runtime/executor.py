@@ -16,6 +16,7 @@ from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime import native_decode
 from llmc.runtime.attention import AttentionBackend, NoCacheAttention
+from llmc.runtime.host_memory import release_file_pages
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
 from llmc.runtime.plan_check import check_plan
@@ -60,8 +61,8 @@ class PlanExecutor:
         # the configs the plan's Triton kernels were rendered with; kernels launch with exactly these
         self.launch_configs = plan_launch_configs(plan) if self.family == "triton" else {}
         self._registers = {p: i for i, p in enumerate(plan.params)}
-        # safetensors hands out tensors at arbitrary byte offsets; copy into fresh (aligned) memory
-        self._params = [torch.empty_like(weights[p], device=self.device).copy_(weights[p]) for p in plan.params]
+        self._ort_initializers: dict = {}   # shared by the ORT sessions (ort_segment.load_session)
+        self._params = [_held(weights[p], self.device) for p in plan.params]
         base = len(self._registers)
         self._registers.update({name: base + i for i, name in enumerate(plan.inputs)})
         base += len(plan.inputs)
@@ -74,6 +75,8 @@ class PlanExecutor:
         self.decode_graph = self._load_decode_graph()
         # decode steps of a few rows run their covered layers as one native call (None: walk them)
         self.native_decode = native_decode.build(self)
+        if self.device.type == "cpu":   # the weights read at load only to be repacked leave the RSS
+            release_file_pages(self._params)
 
     def weight(self, name: str) -> torch.Tensor:
         """The plan parameter `name` as the executor holds it (on its device)."""
@@ -207,7 +210,7 @@ class PlanExecutor:
             raise ArtifactError(f"plan.json meta.decode_graph: ONNX Runtime runs on the CPU, not {self.device}; "
                                 f"load the artifact on the CPU or compile it for this device's target")
         weights = {name: self._params[self._registers[name]] for name in self.plan.params}
-        return load_decode_graph(self.plan, self._data, weights)
+        return load_decode_graph(self.plan, self._data, weights, self._ort_initializers)
 
     def _dying(self, index: int, step) -> tuple[int, ...]:
         """Registers whose value is last used at step `index`."""
@@ -224,7 +227,7 @@ class PlanExecutor:
             raise ArtifactError(f"{where}: ONNX Runtime segments run on the CPU, not {self.device}; load the "
                                 f"artifact on the CPU or compile it for this device's target")
         weights = {name: self._params[self._registers[name]] for name in self.plan.params}
-        segment = load_segment(step, self._data, weights, self.plan.type_of, where)
+        segment = load_segment(step, self._data, weights, self.plan.type_of, where, self._ort_initializers)
         return Launch(segment, tuple(self._register(i, where) for i in step.inputs),
                       tuple(self._register(o, where) for o in step.outputs), {}, (), self._dying(index, step),
                       frozenset(), where)
@@ -344,6 +347,15 @@ class PlanExecutor:
                                        f"{self.plan.max_tokens} batched tokens the plan was built "
                                        f"for; split the batch or recompile with a larger max_tokens")
         return t.to(self.device)
+
+
+def _held(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A param as the executor holds it: on the CPU the loaded tensor itself (a view of the artifact's
+    weights file mapping, its pages shared with the page cache), copied only where its bytes sit off
+    its dtype's alignment, which torch's kernels assume; on another device, a copy there."""
+    if device.type == "cpu" and weight.device.type == "cpu" and weight.data_ptr() % weight.element_size() == 0:
+        return weight
+    return torch.empty_like(weight, device=device).copy_(weight)
 
 
 def kernel_family(plan: Plan) -> str:

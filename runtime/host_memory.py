@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 ENV_VAR = "LLMC_KEEP_FREED_MEMORY"   # "0" leaves the C heap's settings alone
 # mallopt parameters (glibc malloc.h)
@@ -73,4 +74,60 @@ def huge_pages(tensors) -> int:
     return done
 
 
-__all__ = ["keep_freed_memory", "huge_pages"]
+MADV_DONTNEED = 4
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of each private mapping of a file in this process (/proc/self/maps; none off Linux)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    spans = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[1].endswith("p") and fields[4] != "0" and fields[5].startswith("/"):
+            start, end = fields[0].split("-")
+            spans.append((int(start, 16), int(end, 16)))
+    return spans
+
+
+def release_file_pages(tensors) -> int:
+    """Unmap the resident pages of those CPU tensors that are views of a private file mapping (the
+    artifact's weights): pages read at load only to be repacked leave the process's RSS, and any page a
+    kernel reads later faults back in from the page cache, unchanged (nothing writes a weight, so no
+    page holds a private copy that this would drop). Only pages wholly inside the tensors' bytes go.
+    Returns the bytes unmapped (0 off Linux)."""
+    mappings = file_mappings()
+    ranges = sorted({(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors
+                     if t.device.type == "cpu" and t.nbytes and _inside(t.data_ptr(), t.nbytes, mappings)})
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    released = 0
+    for start, end in _merged(ranges):
+        first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+        if last > first and madvise(first, last - first, MADV_DONTNEED) == 0:
+            released += last - first
+    return released
+
+
+def _inside(address: int, size: int, mappings: list[tuple[int, int]]) -> bool:
+    return any(start <= address and address + size <= end for start, end in mappings)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted byte ranges joined where they touch or overlap: pages shared by neighbouring tensors go too."""
+    merged: list[list[int]] = []
+    for start, end in ranges:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+__all__ = ["keep_freed_memory", "huge_pages", "file_mappings", "release_file_pages"]

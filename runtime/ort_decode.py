@@ -21,7 +21,8 @@ class DecodeGraph:
     """Callable on a decode-only step: (inputs by plan input name, its metadata, the cache) -> the
     plan's logits, the cache holding the step's keys and values afterwards."""
 
-    def __init__(self, record: dict, plan, data: dict[str, bytes], weights: dict[str, torch.Tensor]):
+    def __init__(self, record: dict, plan, data: dict[str, bytes], weights: dict[str, torch.Tensor],
+                 made: dict | None = None):
         from llmc.runtime.ort_segment import load_session
 
         where = "plan.json meta.decode_graph"
@@ -35,7 +36,7 @@ class DecodeGraph:
                    for name in cache_inputs(layers)]
         outputs = [(name, plan.type_of(name)) for name in record["outputs"]]
         outputs += [(name, TensorType((layers, "tokens", kv, hd), "float32")) for name in (NEW_KEYS, NEW_VALUES)]
-        self.session = load_session(record, inputs, outputs, data, weights, where, spin=True)
+        self.session = load_session(record, inputs, outputs, data, weights, where, spin=True, made=made)
         outs = record["outputs"]
         self._logits = outs.index("logits") if "logits" in outs else 0   # the output the runner samples
         # decode steps the native decode program takes run it instead (codegen/ort_decode.py)
@@ -80,14 +81,15 @@ def check_record(record, plan, where: str) -> None:
                                 f"and a transform of this llmc ({', '.join(TRANSFORMS)}); {RECOMPILE}")
 
 
-def load_decode_graph(plan, data: dict[str, bytes], weights: dict[str, torch.Tensor]) -> DecodeGraph | None:
-    """The plan's decode graph, or None when its compile chose none."""
+def load_decode_graph(plan, data: dict[str, bytes], weights: dict[str, torch.Tensor],
+                      made: dict | None = None) -> DecodeGraph | None:
+    """The plan's decode graph, or None when its compile chose none (`made`: see load_session)."""
     record = plan.meta.get("decode_graph")
     if record is None or (isinstance(record, dict) and record.get("chosen") is False):
         return None
     if not isinstance(record, dict) or record.get("chosen") is not True:
         raise ArtifactError(f"plan.json meta.decode_graph: {record!r:.80} is no decode-graph record; {RECOMPILE}")
-    return DecodeGraph(record, plan, data, weights)
+    return DecodeGraph(record, plan, data, weights, made)
 
 
 __all__ = ["DecodeGraph", "load_decode_graph", "check_record"]

@@ -11,6 +11,7 @@ import torch
 
 from llmc.codegen import cpu_native
 from llmc.compiler.ops import apply_rope, rope_cos_sin
+from llmc.compiler.quant import pack_int4
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"native kernels {cpu_native.status()}")
 
@@ -388,7 +389,7 @@ def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads, i
         torch.randn(scales.shape, generator=g) * 0.05
     if half:
         scales, second = scales.half().float(), second.half().float()
-    w = cpu_native.q4_weights(codes, scales, second, zero_point)
+    w = cpu_native.q4_weights(pack_int4(codes), scales, second, zero_point)
     assert w.params.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(rows, k + 5, generator=g)[:, 2:2 + k]
     y = _with_int16(int16, lambda: _on_threads(threads, lambda: cpu_native.gemv_q4(x, w)))
@@ -409,7 +410,7 @@ def test_gemv_int16_activations_keep_non_finite_values():
     keep their codes"""
     if not cpu_native.int16_activations():
         pytest.skip("this build multiplies fp32 activations only")
-    q4 = cpu_native.q4_weights(torch.randint(0, 16, (8, 128), dtype=torch.uint8), torch.rand(8, 2), 8, True)
+    q4 = cpu_native.q4_weights(torch.randint(0, 256, (8, 64), dtype=torch.uint8), torch.rand(8, 2), 8, True)
     q8 = cpu_native.q8_weights(torch.randint(-128, 128, (8, 128), dtype=torch.int8), torch.rand(8))
     for bad in (float("inf"), float("nan")):
         x = torch.randn(2, 128)
@@ -423,9 +424,10 @@ def test_gemv_int16_activations_keep_non_finite_values():
 
 
 def test_gemv_q4_refuses_what_it_cannot_run():
-    codes = torch.randint(0, 16, (8, 48), dtype=torch.uint8)
-    assert cpu_native.q4_weights(codes, torch.rand(8, 3), torch.zeros(8, 3), True) is None   # groups of 16
-    w = cpu_native.q4_weights(torch.randint(0, 16, (8, 64), dtype=torch.uint8), torch.rand(8, 2), 8, True)
+    packed = torch.randint(0, 256, (8, 24), dtype=torch.uint8)
+    assert cpu_native.q4_weights(packed, torch.rand(8, 3), torch.zeros(8, 3), True) is None   # groups of 16
+    assert cpu_native.q4_weights(packed.to(torch.int8), torch.rand(8, 1), 8, True) is None   # codes as stored
+    w = cpu_native.q4_weights(torch.randint(0, 256, (8, 32), dtype=torch.uint8), torch.rand(8, 2), 8, True)
     assert cpu_native.gemv_q4(torch.randn(cpu_native.MAX_ROWS + 1, 64), w) is None
     assert cpu_native.gemv_q4(torch.randn(2, 32), w) is None
     assert cpu_native.gemv_q4(torch.randn(2, 64, dtype=torch.float64), w) is None

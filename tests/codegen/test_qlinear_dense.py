@@ -9,7 +9,8 @@ import torch
 from llmc.codegen import cpu_native
 from llmc.codegen import cpu_qlinear_dense as dense
 from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
-from llmc.codegen.cpu_qlinear_dense import DispatchedWeights, dense_source, measure_shape, run_dense
+from llmc.codegen.cpu_qlinear_dense import DispatchedWeights, dense_source, halves_source, measure_shape, run_dense
+from llmc.codegen.cpu_qlinear_native import native_gemv_weights
 from llmc.compiler.ops import qlinear_ref
 from llmc.compiler.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
 from llmc.errors import RuntimeLlmcError
@@ -52,6 +53,17 @@ def test_dense_path_is_the_reference_bit_for_bit(scheme):
     want = qlinear_ref(*inputs_of(params, attrs, x), **attrs)[0]
     got = run_dense(x, dense_source(attrs["scheme"], *params))
     assert got.shape == (2, 9, 48) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "affine4", "affine4-q4_0"])
+def test_dense_path_from_the_native_form_is_the_reference_bit_for_bit(scheme):
+    """A 4-bit weight held only in the native GEMV's nibble order dequantises to the reference's weight."""
+    params, attrs = stored(scheme, 48, 128, seed=len(scheme) + 7)
+    qweight, scales, zeros, _ = params
+    native = native_gemv_weights(attrs["scheme"], qweight, scales, zeros)
+    x = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(2))
+    want = qlinear_ref(*inputs_of(params, attrs, x), **attrs)[0]
+    assert torch.equal(run_dense(x, halves_source(attrs["scheme"], native)), want)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "affine4", "w8a8"])

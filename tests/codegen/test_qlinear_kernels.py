@@ -1,8 +1,9 @@
 """The CPU qlinear kernel (torch's packed int8/int4 GEMMs on bf16 activations) against float64
 math over the dequantised weight, at decode, odd and prefill batch sizes, several K and group
 sizes, N that torch's int4 packing must pad, and K that the int8 GEMM must pad; GGUF's affine4
-(torch's int4 GEMM) and affine8 (dequantised once, the reference exactly); the executor packs
-weights once at load through the kernel's prepare hook."""
+(the native GEMV where built, else torch's int4 GEMM) and affine8 (the native GEMV on the stored
+codes, or dequantised: the reference exactly); the executor packs weights once at load through the
+kernel's prepare hook."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from llmc.codegen import cpu_native
 from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
 from llmc.codegen.cpu_qlinear import DenseWeights, Int4Weights, Int8Weights, pack_qlinear
+from llmc.codegen.cpu_qlinear_dense import DENSE_FROM_ENV
 from llmc.codegen.plan import build_plan
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret
@@ -155,16 +157,27 @@ def test_affine4_kernel_matches_float64_dequantised_matmul(m, n, k, mins):
 
 @pytest.mark.parametrize("m", [1, 9])
 @pytest.mark.parametrize("n, k, g, mins", [(48, 64, 32, False), (24, 256, 16, False), (16, 128, 32, True)])
-def test_affine8_kernel_is_the_reference_dequantised_once(m, n, k, g, mins):
+def test_affine8_kernel_is_the_native_gemv_or_the_reference(m, n, k, g, mins, monkeypatch):
+    """Q8_0-like blocks (no minimums) run the native GEMV on the stored codes below the dense switch and the
+    reference (dequantise, fp32 GEMM) from it; blocks with minimums are dequantised once, the reference."""
     qweight, scales, minimums = draw_affine(m + n + k, "affine8", n, k, g, mins)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * n))
     inputs, attrs = [x, qweight, scales] + ([minimums] if mins else []), affine_attrs("affine8", k, n, g, mins)
     assert isinstance(pack_qlinear("affine8", qweight, scales, minimums, g), DenseWeights)
     want = x.double() @ dequantize_affine("affine8", qweight, scales, minimums, torch.float64).T
-    prepared, reference = run_kernel(inputs, attrs, prepared=True), qlinear_ref(*inputs, **attrs)[0]
-    if not mins and m <= cpu_native.MAX_ROWS and cpu_native.available():   # Q8_0-like: the native GEMV
-        int16 = cpu_native.int16_activations() and k % 64 == 0 and g == 32   # activations rounded to int16 codes
-        assert ((prepared.double() - want).abs().max() / want.abs().max()) < (1e-4 if int16 else 1e-6)
-    else:
-        assert torch.equal(prepared, reference)
-    assert ((run_kernel(inputs, attrs, prepared=False).double() - want).abs().max() / want.abs().max()) < 1e-5
+    reference = qlinear_ref(*inputs, **attrs)[0]
+    if mins or not cpu_native.gemv_runs():
+        assert torch.equal(run_kernel(inputs, attrs, prepared=True), reference)
+        return
+    monkeypatch.setenv(DENSE_FROM_ENV, str(m + 1))
+    prepared = run_kernel(inputs, attrs, prepared=True)
+    assert prepared_codes(inputs, attrs).data_ptr() == qweight.data_ptr()   # read as stored
+    int16 = cpu_native.int16_activations() and k % 64 == 0 and g == 32   # activations rounded to int16 codes
+    assert ((prepared.double() - want).abs().max() / want.abs().max()) < (1e-4 if int16 else 1e-6)
+    assert torch.equal(run_kernel(inputs, attrs, prepared=False), prepared)
+    monkeypatch.setenv(DENSE_FROM_ENV, str(m))
+    assert torch.equal(run_kernel(inputs, attrs, prepared=True), reference)
+
+
+def prepared_codes(inputs, attrs) -> torch.Tensor:
+    return prepare_qlinear([None] + list(inputs[1:]), attrs)["cpu_weights"].packed.weights.codes
