@@ -28,7 +28,9 @@ class NativeGemm(NamedTuple):
 def native_gemv_weights(scheme: str, qweight, scales, zeros):
     """The native GEMV's form of a qlinear's weights for decode rows (None: it has none): int8 codes
     w = q * s (per channel, or GGUF's Q8_0 blocks), int4 w = (q - z) * s, GGUF's 4-bit blocks w = q * s + m
-    (or (q - 8) * s without minimums, Q4_0)."""
+    (or (q - 8) * s without minimums, Q4_0); none either where the native kernels are not built."""
+    if not cpu_native.available():
+        return None
     if scheme in ("int8", "affine8") and zeros is None:
         return cpu_native.q8_weights(qweight, scales)
     if scheme == "int4" and zeros is not None:

@@ -10,7 +10,6 @@ from llmc.codegen import cpu_native
 from llmc.codegen import cpu_qlinear_dense as dense
 from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
 from llmc.codegen.cpu_qlinear_dense import DispatchedWeights, dense_source, halves_source, measure_shape, run_dense
-from llmc.codegen.cpu_qlinear_native import native_gemv_weights
 from llmc.compiler.ops import qlinear_ref
 from llmc.compiler.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
 from llmc.errors import RuntimeLlmcError
@@ -60,7 +59,8 @@ def test_dense_path_from_the_native_form_is_the_reference_bit_for_bit(scheme):
     """A 4-bit weight held only in the native GEMV's nibble order dequantises to the reference's weight."""
     params, attrs = stored(scheme, 48, 128, seed=len(scheme) + 7)
     qweight, scales, zeros, _ = params
-    native = native_gemv_weights(attrs["scheme"], qweight, scales, zeros)
+    second, zero_point = (zeros, True) if scheme == "int4" else (8, True) if zeros is None else (zeros, False)
+    native = cpu_native.q4_weights(qweight, scales, second, zero_point)
     x = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(2))
     want = qlinear_ref(*inputs_of(params, attrs, x), **attrs)[0]
     assert torch.equal(run_dense(x, halves_source(attrs["scheme"], native)), want)
