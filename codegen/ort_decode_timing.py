@@ -71,9 +71,11 @@ class _Primed:
         ids = torch.randint(0, _vocab(graph), (context + 1,), generator=torch.Generator().manual_seed(context))
         feed = lambda **values: {k: t for k, t in values.items() if k in plan.inputs}
         self.backend = PagedAttention(self.cache)
-        self.backend.metadata = StepMetadata.build([(table, 0, context)], BLOCK)
-        executor.run_values(feed(input_ids=ids[:context], positions=torch.arange(context),
-                                 logits_indices=torch.tensor([context - 1])), self.backend)
+        for start in range(0, context, plan.max_tokens):   # the prefill in chunks the plan takes
+            end = min(start + plan.max_tokens, context)
+            self.backend.metadata = StepMetadata.build([(table, start, end - start)], BLOCK)
+            executor.run_values(feed(input_ids=ids[start:end], positions=torch.arange(start, end),
+                                     logits_indices=torch.tensor([end - start - 1])), self.backend)
         self.meta = StepMetadata.build([(table, context, 1)], BLOCK)
         self.inputs = feed(input_ids=ids[context:], positions=torch.tensor([context]),
                            logits_indices=torch.tensor([0]))

@@ -24,7 +24,8 @@ from typing import Callable, Iterator
 import torch
 
 from llmc.compiler.manifest_schema import RECOMPILE, check_manifest, check_model_agrees
-from llmc.compiler.weights_file import map_weights_file, pending, write_weights_file
+from llmc.compiler.weight_store import Entry, LazyTensor, WeightStore
+from llmc.compiler.weights_file import map_weights_file, write_weights_file
 from llmc.errors import ArtifactError
 
 FORMAT_VERSION = 1
@@ -230,21 +231,28 @@ def write_rank_files(folder: Path, files: RankFiles) -> dict[str, str]:
     folder.mkdir(exist_ok=True)
     (folder / GRAPH).write_bytes(files.graph_json.encode())
     (folder / PLAN).write_bytes(files.plan_json.encode())
-    stored, aliases = dedupe_weights(files.weights)
-    write_weights_file(folder / WEIGHTS, {name: pending(t) for name, t in stored.items()})
+    stored, aliases = dedupe_weights(weight_entries(files.weights))
+    write_weights_file(folder / WEIGHTS, stored)
     return aliases
 
 
-def dedupe_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def weight_entries(weights) -> dict[str, Entry]:
+    """Each weight as stored: a WeightStore's lazy entries stay unmade until written."""
+    if isinstance(weights, WeightStore):
+        return {name: weights.entry(name) for name in weights}
+    return dict(weights)
+
+
+def dedupe_weights(weights: dict[str, Entry]) -> tuple[dict[str, Entry], dict[str, str]]:
     """Store each distinct view once (tied embeddings share one tensor); the other names become
     aliases of the first name in sorted order. Returns (stored, {alias: stored name})."""
     first_name: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
     for name in sorted(weights):
-        tensor = weights[name]
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        first = first_name.setdefault(view_key(name, tensor), name)
+        entry = weights[name]
+        if not isinstance(entry, (torch.Tensor, LazyTensor)):
+            raise TypeError(f"weight {name!r} is a {type(entry).__name__}, not a torch.Tensor")
+        first = first_name.setdefault(view_key(name, entry), name)
         if first != name:
             aliases[name] = first
     storage_uses: dict[object, int] = {}
@@ -252,14 +260,20 @@ def dedupe_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
         storage_uses[key[0]] = storage_uses.get(key[0], 0) + 1
     stored = {}
     for key, name in sorted(first_name.items(), key=lambda item: item[1]):
-        tensor = weights[name].detach().to("cpu").contiguous()
-        # different views of one storage (slices of a fused tensor) must be saved as separate copies
-        stored[name] = tensor.clone() if storage_uses[key[0]] > 1 else tensor
+        entry = weights[name]
+        if isinstance(entry, torch.Tensor):
+            entry = entry.detach().to("cpu").contiguous()
+            # different views of one storage (slices of a fused tensor) must be saved as separate copies
+            entry = entry.clone() if storage_uses[key[0]] > 1 else entry
+        stored[name] = entry
     return stored, aliases
 
 
-def view_key(name: str, tensor: torch.Tensor) -> tuple:
-    """Equal for two tensors exactly when they are the same view of the same memory."""
+def view_key(name: str, tensor: Entry) -> tuple:
+    """Equal for two tensors exactly when they are the same view of the same memory (a lazy
+    tensor: the same lazy tensor)."""
+    if isinstance(tensor, LazyTensor):
+        return (("lazy", id(tensor)),)
     if tensor.numel() == 0 or tensor.device.type == "meta":
         return (name,)  # no memory to share
     storage = (tensor.device.type, tensor.device.index, tensor.untyped_storage().data_ptr())

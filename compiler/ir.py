@@ -9,6 +9,7 @@ import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from llmc.compiler.weight_store import WeightStore
 from llmc.errors import IRError
 
 # A dim is a concrete int or a symbolic name such as "tokens".
@@ -134,8 +135,17 @@ class Graph:
         self.nodes: list[Node] = []
         self.outputs: list[str] = []
         self.meta: dict[str, Any] = {}
-        self.weights: dict[str, Any] = {}
+        self.weights = WeightStore()
         self._counter = 0
+
+    @property
+    def weights(self) -> WeightStore:
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights) -> None:
+        """A plain dict of tensors is taken as a store of them."""
+        self._weights = weights if isinstance(weights, WeightStore) else WeightStore(weights)
 
     # -- building -----------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -250,7 +260,7 @@ class Graph:
 
     def copy(self) -> "Graph":
         g = Graph.from_json(self.to_json())
-        g.weights = dict(self.weights)
+        g.weights = self.weights.copy()
         return g
 
     # -- verification -------------------------------------------------------------

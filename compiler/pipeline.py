@@ -16,7 +16,7 @@ import torch
 import llmc
 from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.ort_accuracy import CalibrationReference
-from llmc.codegen.ort_lowering import check_kernels_option, lower_plans
+from llmc.codegen.ort_lowering import DEFAULT_MODE, check_kernels_option, lower_plans
 from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
 from llmc.compiler.artifact import RankFiles, staged_output, write_contents
@@ -204,6 +204,49 @@ def instantiate(configs: list[PassConfig]) -> list[Pass]:
     return [c.instantiate() for c in configs]
 
 
+def measures_kernels(mode: str | None, tgt: Target) -> bool:
+    """Whether the plan stage times kernels on the weights (--kernels auto on a CPU target)."""
+    return tgt.device == "cpu" and (mode or DEFAULT_MODE) == "auto"
+
+
+def runs_model(pipeline: list) -> bool:
+    """Whether a pass runs the source model (calibration samples from it and measures it)."""
+    return any("calibration" in p.needs for p in pipeline)
+
+
+def materialise(loaded, pipeline: list, log) -> None:
+    """Read the whole source model into memory for the passes that run it, where it fits."""
+    need, limit = loaded.weight_bytes, whole_model_limit()
+    names = ", ".join(p.name for p in pipeline if "calibration" in p.needs)
+    if need > limit:
+        raise PassError(f"{names} run the whole model in float32 ({need / 2**30:.1f} GiB), over the "
+                        f"{limit / 2**30:.1f} GiB this compile may hold (half this machine's memory); "
+                        f"keep the source's quantisation (--quant gguf) or compile on a larger machine")
+    t = time.perf_counter()
+    loaded.materialise()
+    log("materialise", time.perf_counter() - t, {"bytes": need, "for": names})
+
+
+def whole_model_limit() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total // 2
+
+
+def attach_lazy_weights(graph: Graph, loaded) -> None:
+    """The traced graph's params read from the source when their values are needed, not from the
+    module's placeholders; a param left on a placeholder is refused (its values were never read)."""
+    placeholders = {loaded.module.get_parameter(name).data_ptr(): name for name in loaded.lazy_weights}
+    for name in list(graph.weights):
+        if name in loaded.lazy_weights:
+            graph.weights[name] = loaded.lazy_weights[name]
+        elif graph.weights.is_lazy(name):
+            continue
+        elif graph.weights[name].numel() and graph.weights[name].data_ptr() in placeholders:
+            raise RuntimeError(f"param {name!r} of the traced graph holds the unread placeholder of source "
+                            f"weight {placeholders[graph.weights[name].data_ptr()]!r}; this is a bug in llmc")
+
+
 def calibrate(loaded, pipeline: list, opts: CompileOptions, log) -> list[torch.Tensor] | None:
     """Calibration sequences, made only when a lossy (or otherwise calibrated) pass will use
     them (so lossless compiles stay fast and never sample from the model)."""
@@ -286,7 +329,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
 
     t = time.perf_counter()
     with transformers_bars(not opts.quiet):
-        loaded = load_model(source)
+        loaded = load_model(source, lazy=True)
     log("load", time.perf_counter() - t, {"kind": loaded.kind, "name": loaded.name})
     if draft_target is not None:  # how many layers to cut depends on the loaded model
         opts = draft_options(opts, loaded, draft_target)
@@ -296,7 +339,10 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
         if note and not opts.quiet:
             (echo or echo_stderr)(note)
     pipeline = instantiate(configs)
+    if loaded.lazy_weights and runs_model(pipeline):
+        materialise(loaded, pipeline, log)
     graph = trace(loaded.module, opts.max_num_batched_tokens, log)
+    attach_lazy_weights(graph, loaded)
     calibration = calibrate(loaded, pipeline, opts, log)
     ctx = PassContext(target=tgt, options=budget_options(opts), calibration=calibration,
                       source_weights=loaded.stored_quant,
@@ -310,6 +356,9 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     note_calibration(records, calibration, opts)
     model = set_model_meta(graphs, records, loaded)
     t = time.perf_counter()
+    if measures_kernels(opts.kernels, tgt):
+        for g in graphs:   # timed kernels read the weights at every call: lazy ones would be timed decoding
+            g.weights.materialise()
     reference = None if ctx.reference_logits is None else CalibrationReference(calibration, ctx.reference_logits)
     plans, ort_files = lower_plans(graphs, [rank_plan(g, tgt, opts, echo) for g in graphs], tgt, opts.kernels, echo,
                                    reference)

@@ -9,9 +9,11 @@ import json
 import mmap
 import struct
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable
 
 import torch
+
+from llmc.compiler.weight_store import Entry, as_lazy, values_of
 
 # safetensors orders tensors by dtype, widest first as its Rust enum lists them, then by name
 DTYPE_CODES = {
@@ -25,32 +27,14 @@ DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 HEADER_ALIGN = 8
 
 
-class PendingTensor(NamedTuple):
-    """A tensor to write: its shape and dtype now, its values when `load` is called."""
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    load: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        count = 1
-        for d in self.shape:
-            count *= d
-        return count * self.dtype.itemsize
-
-
-def pending(tensor: torch.Tensor) -> PendingTensor:
-    return PendingTensor(tuple(tensor.shape), tensor.dtype, lambda: tensor)
-
-
-def file_order(tensors: dict[str, PendingTensor]) -> list[str]:
+def file_order(tensors: dict[str, Entry]) -> list[str]:
     return sorted(tensors, key=lambda name: (DTYPE_RANK[tensors[name].dtype], name))
 
 
-def header_bytes(tensors: dict[str, PendingTensor], order: list[str]) -> bytes:
+def header_bytes(tensors: dict[str, Entry], order: list[str]) -> bytes:
     header, offset = {}, 0
     for name in order:
-        t = tensors[name]
+        t = as_lazy(tensors[name])
         header[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
@@ -59,21 +43,18 @@ def header_bytes(tensors: dict[str, PendingTensor], order: list[str]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def write_weights_file(path: Path, tensors: dict[str, PendingTensor],
+def write_weights_file(path: Path, tensors: dict[str, Entry],
                        progress: Callable[[int], None] | None = None) -> None:
-    """Write `tensors` to `path`, loading one at a time; `progress(bytes)` after each."""
+    """Write `tensors` (tensors or lazy tensors) to `path`, making one at a time; `progress(bytes)`
+    after each."""
     order = file_order(tensors)
     with open(path, "wb") as f:
         f.write(header_bytes(tensors, order))
         for name in order:
-            t = tensors[name]
-            values = t.load().detach().to("cpu").contiguous()
-            if tuple(values.shape) != t.shape or values.dtype != t.dtype:
-                raise ValueError(f"weight {name!r} loaded as {values.dtype} {list(values.shape)}, "
-                                 f"declared {t.dtype} {list(t.shape)}")
-            f.write(memoryview(values.view(torch.uint8).reshape(-1).numpy()) if values.numel() else b"")
+            values = values_of(tensors[name]).detach().to("cpu").contiguous()
+            f.write(memoryview(values.reshape(-1).view(torch.uint8).numpy()) if values.numel() else b"")
             if progress is not None:
-                progress(t.nbytes)
+                progress(values.numel() * values.element_size())
 
 
 def map_weights_file(path: Path) -> dict[str, torch.Tensor]:
@@ -103,6 +84,3 @@ def mapped_tensor(mapped: mmap.mmap | None, base: int, name: str, entry: dict) -
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start).reshape(shape)
 
-
-def written_size(tensors: Iterable[PendingTensor]) -> int:
-    return sum(t.nbytes for t in tensors)

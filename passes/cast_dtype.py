@@ -108,15 +108,20 @@ def cast_params(graph: Graph, dtype: str) -> tuple[int, int]:
         if p.type.dtype != "float32" or name in kept:
             continue
         new_type = TensorType(p.type.shape, dtype)
-        key = view_key(name, graph.weights[name]) if name in graph.weights else (name,)
+        key = view_key(name, graph.weights.entry(name)) if name in graph.weights else (name,)
         if key not in copies:
-            copies[key] = graph.weights[name].to(TORCH_DTYPES[dtype]) if name in graph.weights else None
+            copies[key] = cast_weight(graph, name, TORCH_DTYPES[dtype]) if name in graph.weights else None
             saved += p.type.nbytes() - new_type.nbytes()
         if name in graph.weights:
             graph.weights[name] = copies[key]
         p.type = new_type
         count += 1
     return count, saved
+
+
+def cast_weight(graph: Graph, name: str, dtype):
+    """The weight in `dtype`: a tensor now, or lazily cast when its values are not made yet."""
+    return graph.weights.derive([name], lambda values: values[0].to(dtype), graph.params[name].type.shape, dtype)
 
 
 def retype_nodes(graph: Graph, dtype: str) -> int:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from llmc.compiler.ir import Graph, Node, TensorType
-from llmc.compiler.ops import ATTENTION_OPS, DTYPE_NAMES, run_reference
+from llmc.compiler.ops import ATTENTION_OPS, DTYPE_NAMES, TORCH_DTYPES, run_reference
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.options import PassOptions, option
@@ -193,7 +193,7 @@ class FoldConstants(Pass):
             if not self._foldable(graph, node):
                 kept.append(node)
                 continue
-            for value, tensor in zip(node.outputs, self._evaluate(graph, node)):
+            for value, tensor in zip(node.outputs, self._folded(graph, node)):
                 # The param takes the value's name, so every use stays as it is.
                 graph.add_param(value.name, value.type, tensor)
                 added += value.type.nbytes()
@@ -215,7 +215,7 @@ class FoldConstants(Pass):
             return False
         for name in node.inputs:
             p = graph.params.get(name)
-            if p is None or p.quant or p.shard or not isinstance(graph.weights.get(name), torch.Tensor):
+            if p is None or p.quant or p.shard or name not in graph.weights:
                 return False
         out_types = [v.type for v in node.outputs]
         if any(t.dtype == "symint" or not all(isinstance(d, int) for d in t.shape) for t in out_types):
@@ -223,9 +223,16 @@ class FoldConstants(Pass):
         in_bytes = sum(graph.params[name].type.nbytes() for name in set(node.inputs))
         return sum(t.nbytes() for t in out_types) <= self.options.max_growth * in_bytes
 
-    def _evaluate(self, graph: Graph, node: Node) -> list[torch.Tensor]:
+    def _folded(self, graph: Graph, node: Node) -> list:
+        """The node's results: tensors now, or lazy ones where an input's values are not made yet."""
+        if not any(graph.weights.is_lazy(name) for name in node.inputs):
+            return self._evaluate(node, [graph.weights[name] for name in node.inputs])
+        return [graph.weights.derive(node.inputs, lambda values, i=i: self._evaluate(node, values)[i],
+                                     v.type.shape, TORCH_DTYPES[v.type.dtype]) for i, v in enumerate(node.outputs)]
+
+    def _evaluate(self, node: Node, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
-            outs = run_reference(node, [graph.weights[name] for name in node.inputs])
+            outs = run_reference(node, inputs)
         if len(outs) != len(node.outputs):
             raise PassError(f"fold_constants: node {node.name} ({node.op}) gave {len(outs)} results "
                             f"for {len(node.outputs)} outputs; its reference and IR disagree")

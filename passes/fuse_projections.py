@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from llmc.compiler.ir import Graph, Node, TensorType
-from llmc.compiler.ops import ATTENTION_OPS, DTYPE_NAMES, qlinear_inputs
+from llmc.compiler.ops import ATTENTION_OPS, DTYPE_NAMES, TORCH_DTYPES, qlinear_inputs
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.quantize import param_bytes, quant_param_names
 
@@ -63,7 +63,7 @@ def fusion_blocker(graph: Graph, nodes: list[Node]) -> str | None:
     if any(n.op != first.op or n.inputs[0] != first.inputs[0] for n in nodes):
         return "projections differ in op or read different inputs"
     params = [name for n in nodes for name in n.inputs[1:]]
-    if not all(name in graph.params and isinstance(graph.weights.get(name), torch.Tensor) for name in params):
+    if not all(name in graph.params and name in graph.weights for name in params):
         return "a weight is not a stored param"
     if any(graph.params[name].shard for name in params):
         return "a weight is sharded"
@@ -130,6 +130,19 @@ def add_concat_param(graph: Graph, name: str, tensors: list[torch.Tensor], quant
     return name
 
 
+def add_concat_params(graph: Graph, name: str, parts: list[str], rows: list[int] | None = None, quant=None) -> str:
+    """Param `name`: the params `parts` concatenated along dim 0 (with `rows`, a per-tensor scale
+    made per channel first), made lazily where a part's values are not made yet."""
+    types = [graph.params[p].type for p in parts]
+    lengths = rows if rows is not None else [t.shape[0] for t in types]
+    shape = (sum(lengths), *types[0].shape[1:])
+    widen = (lambda values: [per_channel(v, n) for v, n in zip(values, rows)]) if rows else (lambda values: values)
+    entry = graph.weights.derive(parts, lambda values: torch.cat(widen(values), dim=0).contiguous(), shape,
+                                 TORCH_DTYPES[types[0].dtype])
+    graph.add_param(name, TensorType(shape, types[0].dtype), entry, quant=quant)
+    return name
+
+
 def concat_bias(graph: Graph, name: str, biases: list[str | None], sizes: list[int]) -> list[str]:
     """The fused bias (zeros for projections without one, an exact no-op), or none at all."""
     present = [graph.weights[b] for b in biases if b is not None]
@@ -140,7 +153,7 @@ def concat_bias(graph: Graph, name: str, biases: list[str | None], sizes: list[i
 
 
 def concat_linear(graph: Graph, nodes: list[Node], base: str, sizes: list[int]) -> tuple[list[str], dict]:
-    weight = add_concat_param(graph, f"{base}.weight", [graph.weights[n.inputs[1]] for n in nodes])
+    weight = add_concat_params(graph, f"{base}.weight", [n.inputs[1] for n in nodes])
     biases = [n.inputs[2] if len(n.inputs) > 2 else None for n in nodes]
     return [weight] + concat_bias(graph, f"{base}.bias", biases, sizes), dict(nodes[0].attrs)
 
@@ -156,11 +169,10 @@ def concat_qlinear(graph: Graph, nodes: list[Node], base: str, sizes: list[int])
     first = parts[0]
     quant = replace(graph.params[first.qweight].quant, scales=names["scales"],
                     zeros=names["zeros"] if first.zeros else "")
-    inputs = [add_concat_param(graph, names["qweight"], [graph.weights[p.qweight] for p in parts], quant),
-              add_concat_param(graph, names["scales"],
-                               [per_channel(graph.weights[p.scales], n) for p, n in zip(parts, sizes)])]
+    inputs = [add_concat_params(graph, names["qweight"], [p.qweight for p in parts], quant=quant),
+              add_concat_params(graph, names["scales"], [p.scales for p in parts], rows=sizes)]
     if first.zeros:
-        inputs.append(add_concat_param(graph, names["zeros"], [graph.weights[p.zeros] for p in parts]))
+        inputs.append(add_concat_params(graph, names["zeros"], [p.zeros for p in parts]))
     if first.act_scale:
         # equal in every part (qlinear_blocker), so one copy serves the fused GEMM
         graph.add_param(names["act_scale"], graph.params[first.act_scale].type, graph.weights[first.act_scale])

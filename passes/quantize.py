@@ -15,6 +15,7 @@ import torch
 from llmc.compiler.ir import Graph, Node, QuantScheme, TensorType
 from llmc.compiler.ops import DTYPE_NAMES, QLINEAR_STORAGE
 from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
+from llmc.compiler.weight_store import as_dtype, as_lazy, contiguous
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.options import PassOptions, option
@@ -97,17 +98,19 @@ def quant_param_names(weight: str) -> dict[str, str]:
     return {k: f"{weight}.{k}" for k in ("qweight", "scales", "zeros", "act_scale")}
 
 
-def quantize_linear_weights(graph: Graph, node: Node, method_fn: WeightQuantizer, ctx: PassContext,
-                            fmt: WeightFormat, act_scale: torch.Tensor | None = None) -> tuple[int, int]:
+def quantize_linear_weights(graph: Graph, node: Node, method_fn: WeightQuantizer | None, ctx: PassContext,
+                            fmt: WeightFormat, act_scale: torch.Tensor | None = None,
+                            parts: tuple | None = None) -> tuple[int, int]:
     """Rewrite the linear `node` into a qlinear in place, storing its weight as `fmt` through
-    `method_fn` (once per weight: linears sharing a weight share the stored params). Returns
-    (bytes of the float weight, bytes of the params added); (0, 0) when already stored."""
+    `method_fn` or as the given (codes, scales, zeros) `parts` (once per weight: linears sharing a
+    weight share the stored params). Returns (bytes of the float weight, bytes of the params
+    added); (0, 0) when already stored."""
     x, weight, *bias = node.inputs
     names = quant_param_names(weight)
     before = after = 0
     if names["qweight"] not in graph.params:
         before = graph.params[weight].type.nbytes()
-        codes, scales, zeros = method_fn(graph.weights[weight].float(), ctx, node)
+        codes, scales, zeros = parts or method_fn(graph.weights[weight].float(), ctx, node)
         after = add_quant_params(graph, weight, fmt, codes, scales, zeros, act_scale)
     k, n = graph.params[weight].type.shape[1], graph.params[weight].type.shape[0]
     has_zeros, has_act = names["zeros"] in graph.params, names["act_scale"] in graph.params
@@ -131,15 +134,15 @@ def add_quant_params(graph: Graph, weight: str, fmt: WeightFormat, codes: torch.
         raise PassError(f"quantising {weight}: the {fmt.method} method gave {stored.dtype} codes, "
                         f"the {fmt.scheme} format stores {want}")
     # float16 scales stay so (GGUF's own, kept exactly); every other scale is stored as float32
-    scales = scales if scales.dtype == torch.float16 else scales.float()
+    scales = scales if scales.dtype == torch.float16 else as_dtype(scales, torch.float32)
     tensors = {"qweight": stored, "scales": scales, "zeros": zeros, "act_scale": act_scale}
-    tensors = {k: t.contiguous() for k, t in tensors.items() if t is not None}
+    tensors = {k: contiguous(t) for k, t in tensors.items() if t is not None}
     scheme = QuantScheme(fmt.method, fmt.bits, fmt.group_size, fmt.symmetric, names["scales"],
                          names["zeros"] if zeros is not None else "", graph.params[weight].type.dtype)
     for key, tensor in tensors.items():
         t = TensorType(tuple(tensor.shape), DTYPE_NAMES[tensor.dtype])
         graph.add_param(names[key], t, tensor, quant=scheme if key == "qweight" else None)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(as_lazy(t).nbytes for t in tensors.values())
 
 
 # -- embeddings: the token table, and the LM head when it is tied to it ----------------------

@@ -20,8 +20,10 @@ from collections import Counter
 
 import torch
 
+from llmc.compiler.frontends.gguf_dequant import AffineWeight, LazyBlocks
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine, dequantize_int4, unpack_int4
+from llmc.compiler.weight_store import LazyTensor
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.quantize import (
@@ -42,7 +44,7 @@ def weight_format(stored) -> WeightFormat:
     if stored.scheme == "int4":
         return WeightFormat("int4", METHOD_PREFIX + stored.format, 4, stored.group_size, symmetric=False)
     return WeightFormat(stored.scheme, METHOD_PREFIX + stored.format, AFFINE_SCHEMES[stored.scheme],
-                        stored.group_size, symmetric=stored.mins is None)
+                        stored.group_size, symmetric=stored.symmetric)
 
 
 def stored_parts(stored) -> tuple:
@@ -64,6 +66,10 @@ def keep_reason(graph: Graph, weight: str, stored) -> str | None:
     param = graph.params.get(weight)
     if param is None or param.quant or weight not in graph.weights or param.type.dtype not in FLOAT_DTYPES:
         return "weight is not a float param"
+    if isinstance(stored, LazyBlocks):
+        if graph.weights.entry(weight) is stored.values:
+            return None   # the source's own values, untouched by any pass
+        stored = stored.load()
     values = graph.weights[weight]
     decoded = stored_values(stored)
     if tuple(values.shape) != tuple(decoded.shape) or not torch.equal(values.float(), decoded):
@@ -91,9 +97,24 @@ def keep_embedding(graph: Graph, node: Node, stored) -> tuple[int, int]:
 
 def keep_stored(graph: Graph, node: Node, stored, ctx: PassContext) -> tuple[int, int]:
     """Rewrite the linear or embedding `node` over its stored form; (float bytes, stored bytes)."""
+    if isinstance(stored, LazyBlocks):
+        stored = lazy_parts(stored)
     if node.op == "embedding":
         return keep_embedding(graph, node, stored)
-    return quantize_linear_weights(graph, node, lambda w, c, n: stored_parts(stored), ctx, weight_format(stored))
+    return quantize_linear_weights(graph, node, None, ctx, weight_format(stored), parts=stored_parts(stored))
+
+
+def lazy_parts(blocks: LazyBlocks) -> AffineWeight:
+    """The weight's affine parts as lazy tensors, each decoded from the file when written. One
+    decode now learns their dtypes (scales are float16 where that holds them exactly)."""
+    probe = blocks.load()
+
+    def part(key: str) -> LazyTensor | None:
+        made = getattr(probe, key)
+        return None if made is None else LazyTensor(tuple(made.shape), made.dtype,
+                                                    lambda: getattr(blocks.load(), key))
+
+    return probe._replace(qweight=part("qweight"), scales=part("scales"), mins=part("mins"))
 
 
 @register_pass

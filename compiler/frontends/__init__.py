@@ -16,11 +16,12 @@ __all__ = ["load_model", "LoadedModel", "SAMPLES", "SUPPORTED_GGUF_ARCHITECTURES
 ACCEPTED = "a sample name, a .gguf or .onnx file, or a Hugging Face model directory with config.json"
 
 
-def load_model(source: str) -> LoadedModel:
+def load_model(source: str, lazy: bool = False) -> LoadedModel:
     """Load a model source: a sample name, a path to a .gguf or .onnx file (or a directory holding
-    one .onnx file and no safetensors), or an HF checkpoint directory."""
+    one .onnx file and no safetensors), or an HF checkpoint directory. With `lazy`, a source that
+    can (a GGUF file) leaves its weights in the file until read (LoadedModel.lazy_weights)."""
     if source in SAMPLES:
-        return load_sample(source)
+        return load_sample(source, lazy)
     path = Path(source).expanduser()
     if is_onnx_source(path):
         from llmc.compiler.frontends.onnx_frontend import load_onnx  # imports onnx, which other sources never need
@@ -29,7 +30,7 @@ def load_model(source: str) -> LoadedModel:
     if path.is_dir():
         return load_hf_dir(path, source=source)
     if path.is_file():
-        return load_file(path, source)
+        return load_file(path, source, lazy)
     raise missing_source_error(source)
 
 
@@ -39,11 +40,11 @@ def is_onnx_source(path: Path) -> bool:
         path.is_dir() and any(path.glob("*.onnx")) and not any(path.glob("*.safetensors")))
 
 
-def load_file(path: Path, source: str) -> LoadedModel:
+def load_file(path: Path, source: str, lazy: bool = False) -> LoadedModel:
     if path.suffix.lower() != ".gguf":
         hint = "; pass the directory that holds it" if path.suffix in (".safetensors", ".json") else ""
         raise ModelLoadError(f"'{path}' is not a model source: expected {ACCEPTED}{hint}")
-    return load_gguf_file(path, source=source)
+    return load_gguf_file(path, source=source, lazy=lazy)
 
 
 def missing_source_error(source: str) -> ModelLoadError:

@@ -20,13 +20,11 @@ import torch
 from accelerate import init_empty_weights
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor, get_tensor_name_map
 from gguf.quants import _type_traits as DEQUANTIZERS  # the types gguf.dequantize handles besides F32/F16
-from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import modeling_gguf_pytorch_utils as gguf_checkpoint
-from transformers.utils import logging as hf_logging
 
 from llmc.compiler.frontends.config_check import check_config_values
-from llmc.compiler.frontends.gguf_dequant import AffineWeight, decode
+from llmc.compiler.frontends.gguf_dequant import LazyBlocks, lazy_decode, torch_shape
 from llmc.compiler.frontends.model import (
     SUPPORTED_GGUF_ARCHITECTURES,
     LoadedModel,
@@ -40,6 +38,7 @@ from llmc.compiler.frontends.tensor_table import (
     check_tensor_table,
     meta_model,
 )
+from llmc.compiler.weight_store import LazyTensor
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
@@ -47,8 +46,9 @@ PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 VOCABULARY = "tokenizer.ggml.tokens"
 
 
-def load_gguf_file(path: Path, source: str | None = None) -> LoadedModel:
-    """Check and load the model in GGUF file `path`."""
+def load_gguf_file(path: Path, source: str | None = None, lazy: bool = False) -> LoadedModel:
+    """Check and load the model in GGUF file `path`; with `lazy`, its weights stay in the file
+    until read (LoadedModel.lazy_weights), else they are decoded into the module."""
     reader, architecture = check_gguf(path)
     where = f"GGUF file '{path}'"
     kwargs = dict(gguf_file=path.name, local_files_only=True)
@@ -60,13 +60,17 @@ def load_gguf_file(path: Path, source: str | None = None) -> LoadedModel:
         check_tensor_table(meta, tensor_table(reader, names), where)
         tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path.parent, **kwargs)
     module = empty_model(config, where)
-    state, stored = decoded_state_dict(reader, names, q_k_heads(reader, architecture, config))
-    load_weights(module, state, where)
-    stored = with_tied_names(module, stored)
+    values, stored = lazy_state_dict(reader, names, q_k_heads(reader, architecture, config))
+    load_weights(module, {name: placeholder(t) for name, t in values.items()}, where)
     record_gguf_source(module.config, path)
-    return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
-                       name=path.stem, source_hash=sha256_file(path), source=source or str(path),
-                       kind="gguf", stored_quant=stored)
+    loaded = LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
+                         name=path.stem, source_hash=sha256_file(path), source=source or str(path),
+                         kind="gguf", stored_quant=with_tied_names(module, stored),
+                         lazy_weights=with_tied_names(module, values))
+    if not lazy:
+        with one_thread():
+            loaded.materialise()
+    return loaded
 
 
 @contextlib.contextmanager
@@ -238,29 +242,31 @@ def unpermute_rows(weights: torch.Tensor, heads: int) -> torch.Tensor:
     return weights.reshape(heads, half, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape).contiguous()
 
 
-def decoded_state_dict(reader: GGUFReader, names: dict[str, str], heads: tuple[int, int] | None
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, AffineWeight]]:
-    """The file's tensors as float32 under their transformers names, and those in a block format
-    llmc imports as affine params, with a progress bar; tensors with no such name (ones the table
-    check lets pass, named after computed buffers) are skipped, as transformers skips them."""
-    show = hf_logging.is_progress_bar_enabled() and sys.stderr.isatty()
-    tensors = [tensor for tensor in reader.tensors if tensor.name in names]
-    state, stored = {}, {}
-    with one_thread():
-        for tensor in tqdm(tensors, desc="dequantising GGUF weights", unit="tensor", leave=False,
-                           file=sys.stderr, disable=not show):
-            weights, affine = decode(tensor)
-            rope_heads = permuted_heads(tensor.name, heads)
-            if rope_heads is not None:
-                weights = unpermute_rows(weights, rope_heads)
-                affine = affine and affine.rows(unpermute_rows(torch.arange(weights.shape[0]), rope_heads))
-            state[names[tensor.name]] = weights
-            if affine is not None:
-                stored[names[tensor.name]] = affine
-    return state, stored
+def lazy_state_dict(reader: GGUFReader, names: dict[str, str], heads: tuple[int, int] | None
+                    ) -> tuple[dict[str, LazyTensor], dict[str, LazyBlocks]]:
+    """The file's tensors under their transformers names as lazy float32 values, and those in a
+    block format llmc imports as lazy affine params: nothing is decoded until asked. Tensors with
+    no such name (ones the table check lets pass, named after computed buffers) are skipped, as
+    transformers skips them."""
+    lazy, stored = {}, {}
+    for tensor in (t for t in reader.tensors if t.name in names):
+        rope_heads = permuted_heads(tensor.name, heads)
+        rows = None if rope_heads is None else unpermute_rows(torch.arange(torch_shape(tensor)[0]), rope_heads)
+        values, blocks = lazy_decode(tensor, rows)
+        lazy[names[tensor.name]] = values
+        if blocks is not None:
+            stored[names[tensor.name]] = blocks
+    return lazy, stored
 
 
-def with_tied_names(module: torch.nn.Module, stored: dict[str, AffineWeight]) -> dict[str, AffineWeight]:
+def placeholder(lazy: LazyTensor) -> torch.Tensor:
+    """Uninitialised memory of the lazy tensor's shape for the module to be traced with: never
+    read, so never resident (the compile swaps in the lazy values after tracing, see
+    LoadedModel.lazy_weights)."""
+    return torch.empty(lazy.shape, dtype=lazy.dtype)
+
+
+def with_tied_names(module: torch.nn.Module, stored: dict) -> dict:
     """`stored` under every name its weights go by once the config's ties are made: a tied LM
     head is the embedding's tensor, and tracing may name it either way."""
     params = list(module.named_parameters(remove_duplicate=False))

@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize as reference_dequantize
 
 from llmc.compiler.quant import AFFINE4_CENTRE, dequantize_affine_codes, pack_int4
+from llmc.compiler.weight_store import LazyTensor
 
 Q = GGMLQuantizationType
 
@@ -37,10 +38,55 @@ class AffineWeight(NamedTuple):
     scales: torch.Tensor          # float16 where that holds every value exactly, else float32 [N, K/g]
     mins: torch.Tensor | None
 
+    @property
+    def symmetric(self) -> bool:
+        return self.mins is None
+
     def rows(self, index: torch.Tensor) -> AffineWeight:
         """The weight with its output rows reordered by `index` (undoing llama.cpp's q/k permutation)."""
         pick = (lambda t: None if t is None else t.index_select(0, index).contiguous())
         return self._replace(qweight=pick(self.qweight), scales=pick(self.scales), mins=pick(self.mins))
+
+
+class LazyBlocks(NamedTuple):
+    """A GGUF weight's AffineWeight before its blocks are decoded: what it is now, the parts when
+    `load` is called (decoded afresh each time), and the lazy float values of the same tensor."""
+    scheme: str
+    format: str
+    group_size: int
+    symmetric: bool
+    load: Callable[[], AffineWeight]
+    values: LazyTensor
+
+
+# block formats decoded into affine parts: (scheme, group size, stores a minimum per group)
+BLOCK_LAYOUTS: dict[GGMLQuantizationType, tuple[str, int, bool]] = {
+    Q.Q4_0: ("affine4", 32, False), Q.Q4_1: ("affine4", 32, True), Q.Q5_0: ("affine8", 32, False),
+    Q.Q5_1: ("affine8", 32, True), Q.Q8_0: ("affine8", 32, False), Q.Q4_K: ("affine4", 32, True),
+    Q.Q5_K: ("affine8", 32, True), Q.Q6_K: ("affine8", 16, False),
+}
+
+
+def lazy_decode(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> tuple[LazyTensor, LazyBlocks | None]:
+    """decode(tensor) made lazy: its float32 values, and for a 2-D block-format tensor its affine
+    parts, each decoded when asked (with its output rows reordered by `rows` when given)."""
+    shape = torch_shape(tensor)
+
+    def values() -> torch.Tensor:
+        decoded = decode(tensor)[0]
+        return decoded if rows is None else decoded.index_select(0, rows).contiguous()
+
+    lazy = LazyTensor(shape, torch.float32, values)
+    layout = BLOCK_LAYOUTS.get(tensor.tensor_type)
+    if layout is None or len(shape) != 2:
+        return lazy, None
+
+    def parts() -> AffineWeight:
+        affine = decode(tensor)[1]
+        return affine if rows is None else affine.rows(rows)
+
+    scheme, group_size, has_mins = layout
+    return lazy, LazyBlocks(scheme, tensor.tensor_type.name, group_size, not has_mins, parts, lazy)
 
 
 def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Literal
 
 import torch
 
+from llmc.compiler.weight_store import LazyTensor, values_of
 from llmc.errors import ModelLoadError
 
 try:
@@ -37,6 +38,22 @@ class LoadedModel:
     # param name -> the quantised form the source stores it in (a GGUF block format's codes,
     # scales and minimums), for `--quant gguf` to keep; float-stored weights are absent
     stored_quant: dict[str, Any] = field(default_factory=dict)
+    # param name -> its values as a lazy tensor read from the source when asked; the module's
+    # own tensors for these names are uninitialised placeholders until materialise()
+    lazy_weights: dict[str, LazyTensor] = field(default_factory=dict)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the module's float32 parameters (each shared tensor once)."""
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    def materialise(self) -> None:
+        """Read every lazy weight into the module (whole-model memory: for passes that run it)."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, lazy in self.lazy_weights.items():
+                params[name].copy_(values_of(lazy))
+        self.lazy_weights = {}
 
 
 def sha256_file(path: Path) -> str:

@@ -63,11 +63,11 @@ Hello! How are you? I am fine, thanks. What would you like to talk about?
 """
 
 
-def load_sample(name: str) -> LoadedModel:
+def load_sample(name: str, lazy: bool = False) -> LoadedModel:
     if name == "tiny-llama":
         return build_tiny_llama()
     if name == "smollm2-135m":
-        return load_smollm2()
+        return load_smollm2(lazy)
     raise ModelLoadError(f"unknown sample model {name!r}; samples are: {', '.join(SAMPLES)}")
 
 
@@ -130,8 +130,8 @@ def hash_built_model(module: torch.nn.Module, tokenizer: PreTrainedTokenizerFast
     return digest.hexdigest()
 
 
-def load_smollm2() -> LoadedModel:
-    loaded = load_gguf_file(fetch_smollm2())
+def load_smollm2(lazy: bool = False) -> LoadedModel:
+    loaded = load_gguf_file(fetch_smollm2(), lazy=lazy)
     loaded.name, loaded.source, loaded.kind = "smollm2-135m", "smollm2-135m", "sample"
     return loaded
 

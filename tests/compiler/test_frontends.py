@@ -235,7 +235,7 @@ def test_smollm2_name_loads_the_cached_gguf_via_the_gguf_frontend(monkeypatch, t
     cached.write_bytes(b"GGUF")
     seen = []
 
-    def fake_load(path, source=None):
+    def fake_load(path, source=None, lazy=False):
         seen.append(path)
         return samples.LoadedModel(module=None, config=None, tokenizer=None, name=path.stem,
                                    source_hash="h", source=str(path), kind="gguf")
