@@ -120,7 +120,8 @@ def _vocab(graph: Graph) -> int:
     graph's gather behind a cast) of the smallest matrix."""
     sizes = [graph.weights[i].shape[0] for node in graph.nodes if "input_ids" in node.inputs
              for i in node.inputs if i in graph.weights]
-    return min(sizes or [w.shape[0] for w in graph.weights.values() if w.dim() == 2])
+    return min(sizes or [p.type.shape[0] for name, p in graph.params.items()
+                         if name in graph.weights and p.type.rank == 2])
 
 
 def _measure(graph: Graph, candidates: dict[str, tuple], threads: int) -> dict:

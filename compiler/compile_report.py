@@ -66,9 +66,21 @@ def process_age() -> float | None:
 
 
 def timing_line(report: dict) -> str:
-    """One line: the total, then each stage (the passes by their count), then the process's time before it."""
+    """One line: the total, then each stage (the passes by their count), the time per GB of
+    weights written and the process's peak memory, then the process's time before it."""
     parts = [f"{len(report['passes'])} passes {s['seconds']:.2f} s" if s["name"] == "passes"
              else f"{s['name']} {s['seconds']:.2f} s" for s in report["stages"]]
     startup = report.get("startup_seconds")
     after = f", after {startup:.1f} s in this process before it" if startup is not None else ""
-    return f"llmc: compiled in {report['seconds']:.1f} s ({', '.join(parts)}){after}"
+    scale = ""
+    if report.get("weight_bytes") and report.get("peak_rss_bytes"):
+        scale = (f"; {report['seconds'] / (report['weight_bytes'] / 1e9):.1f} s per GB of weights, "
+                 f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")
+    return f"llmc: compiled in {report['seconds']:.1f} s ({', '.join(parts)}){scale}{after}"
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

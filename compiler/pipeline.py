@@ -21,7 +21,7 @@ from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
 from llmc.compiler.artifact import RankFiles, staged_output, write_contents
 from llmc.compiler.calibration import calibration_sequences, calibration_source
-from llmc.compiler.compile_report import check_report_path, process_age, timing_line, write_report
+from llmc.compiler.compile_report import check_report_path, peak_rss_bytes, process_age, timing_line, write_report
 from llmc.compiler.draft import draft_options, read_draft_target
 from llmc.compiler.frontends import load_model
 from llmc.compiler.frontends.gguf import one_thread
@@ -325,7 +325,8 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     stages: list[dict] = []
 
     def log(name, seconds, details):
-        stages.append({"name": name, "seconds": round(seconds, 4), "details": details})
+        stages.append({"name": name, "seconds": round(seconds, 4), "details": details,
+                       "peak_rss_bytes": peak_rss_bytes()})
 
     t = time.perf_counter()
     with transformers_bars(not opts.quiet):
@@ -389,4 +390,5 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
                    loaded.tokenizer, manifest, kernels, kernel_index or None, ort_files)
     log("write", time.perf_counter() - t, {})
     return {"stages": stages, "passes": [{"name": r.name, "stage": r.stage, "seconds": round(r.seconds, 4)}
-                                         for r in records], "host": platform.machine()}
+                                         for r in records], "host": platform.machine(),
+            "weight_bytes": sum(manifest["report"]["weight_bytes"].values()), "peak_rss_bytes": peak_rss_bytes()}

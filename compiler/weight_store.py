@@ -86,6 +86,10 @@ class WeightStore(MutableMapping):
     def __contains__(self, name) -> bool:
         return name in self._entries
 
+    def pop(self, name: str, *default):
+        """Remove `name`; returns its entry as stored (a lazy one is not made just to be dropped)."""
+        return self._entries.pop(name, *default)
+
     def entry(self, name: str) -> Entry:
         """The stored entry itself: a tensor, or a lazy tensor left unmade."""
         return self._entries[name]

@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize as reference_dequantize
 
-from llmc.compiler.quant import AFFINE4_CENTRE, dequantize_affine_codes, pack_int4
+from llmc.compiler.quant import AFFINE4_CENTRE, dequantize_affine_codes, pack_int4, unpack_int4
 from llmc.compiler.weight_store import LazyTensor
 
 Q = GGMLQuantizationType
@@ -24,9 +24,17 @@ Q = GGMLQuantizationType
 class BlockParts(NamedTuple):
     """One GGUF tensor's blocks as codes and per-group scales (and minimums)."""
     scheme: str                   # "affine4": codes 0..15; "affine8": codes -128..127
-    codes: torch.Tensor           # uint8 / int8 [blocks, block_size]
-    scales: torch.Tensor          # float32 [blocks, block_size / group_size]
-    mins: torch.Tensor | None     # float32 like scales, or None: w = q * s (affine4: (q - 8) * s)
+    codes: torch.Tensor | None    # uint8 / int8 [blocks, block_size]; None where `packed` holds them
+    scales: torch.Tensor          # float16 (the file's own) or float32 [blocks, block_size / group_size]
+    mins: torch.Tensor | None     # like scales, or None: w = q * s (affine4: (q - 8) * s)
+    packed: torch.Tensor | None = None   # affine4: uint8 [blocks, block_size / 2] as pack_int4 packs codes
+
+    @property
+    def block_size(self) -> int:
+        return self.codes.shape[1] if self.codes is not None else 2 * self.packed.shape[1]
+
+    def unpacked_codes(self) -> torch.Tensor:
+        return self.codes if self.codes is not None else unpack_int4(self.packed)
 
 
 class AffineWeight(NamedTuple):
@@ -67,6 +75,28 @@ BLOCK_LAYOUTS: dict[GGMLQuantizationType, tuple[str, int, bool]] = {
 }
 
 
+class RecentParts:
+    """The last few tensors' decoded parts: a weight's codes, scales and minimums are written as
+    three params (and a fused projection reads each part of each source), so without this every
+    block would be decoded once per part. Bounded by count, so by a few weights' bytes."""
+
+    def __init__(self, size: int = 4):
+        self.size, self.entries = size, []   # (tensor, parts), most recent last
+
+    def get(self, tensor: ReaderTensor) -> AffineWeight | None:
+        for i, (held, parts) in enumerate(self.entries):
+            if held is tensor:
+                self.entries.append(self.entries.pop(i))
+                return parts
+        return None
+
+    def put(self, tensor: ReaderTensor, parts: AffineWeight) -> None:
+        self.entries = (self.entries + [(tensor, parts)])[-self.size:]
+
+
+RECENT_PARTS = RecentParts()
+
+
 def lazy_decode(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> tuple[LazyTensor, LazyBlocks | None]:
     """decode(tensor) made lazy: its float32 values, and for a 2-D block-format tensor its affine
     parts, each decoded when asked (with its output rows reordered by `rows` when given)."""
@@ -82,8 +112,12 @@ def lazy_decode(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> tuple
         return lazy, None
 
     def parts() -> AffineWeight:
-        affine = decode(tensor)[1]
-        return affine if rows is None else affine.rows(rows)
+        affine = RECENT_PARTS.get(tensor)
+        if affine is None:
+            affine = affine_weight(block_parts(tensor), tensor.tensor_type.name, shape)
+            affine = affine if rows is None else affine.rows(rows)
+            RECENT_PARTS.put(tensor, affine)
+        return affine
 
     scheme, group_size, has_mins = layout
     return lazy, LazyBlocks(scheme, tensor.tensor_type.name, group_size, not has_mins, parts, lazy)
@@ -111,23 +145,27 @@ def decode(tensor: ReaderTensor) -> tuple[torch.Tensor, AffineWeight | None]:
         values = np.array(reference_dequantize(tensor.data, tensor.tensor_type))
         return torch.from_numpy(values).reshape(shape), None
     centre = AFFINE4_CENTRE if parts.scheme == "affine4" and parts.mins is None else 0
-    values = dequantize_affine_codes(parts.codes, parts.scales, parts.mins, centre).reshape(shape)
+    values = dequantize_affine_codes(parts.unpacked_codes(), parts.scales, parts.mins, centre).reshape(shape)
     return values, (affine_weight(parts, tensor.tensor_type.name, shape) if len(shape) == 2 else None)
 
 
 def affine_weight(parts: BlockParts, source_format: str, shape: tuple[int, int]) -> AffineWeight:
     """A [rows, K] tensor's block parts as llmc's affine params (scales and minimums per group)."""
     rows, k = shape
-    group_size = parts.codes.shape[1] // parts.scales.shape[1]
-    codes = parts.codes.reshape(rows, k)
+    group_size = parts.block_size // parts.scales.shape[1]
+    if parts.packed is not None:
+        qweight = parts.packed.reshape(rows, k // 2)
+    else:
+        qweight = parts.codes.reshape(rows, k)
+        qweight = pack_int4(qweight) if parts.scheme == "affine4" else qweight
     store = (lambda t: None if t is None else narrowest_float(t.reshape(rows, k // group_size)))
-    return AffineWeight(parts.scheme, source_format, group_size,
-                        pack_int4(codes) if parts.scheme == "affine4" else codes,
-                        store(parts.scales), store(parts.mins))
+    return AffineWeight(parts.scheme, source_format, group_size, qweight, store(parts.scales), store(parts.mins))
 
 
 def narrowest_float(values: torch.Tensor) -> torch.Tensor:
     """float16 when it holds every value exactly (GGUF's own fp16 scales), else float32."""
+    if values.dtype == torch.float16:
+        return values.contiguous()
     half = values.to(torch.float16)
     return half if torch.equal(half.float(), values) else values.contiguous()
 
@@ -146,7 +184,22 @@ def block_parts(tensor: ReaderTensor) -> BlockParts | None:
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """One fp16 field per block, as float32 of shape (blocks, 1)."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    return _half16(blocks, start).float()
+
+
+def _half16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """One fp16 field per block, as it is stored: float16 of shape (blocks, 1)."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16)
+
+
+def _repacked(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """GGUF's nibbles (each run of `width` bytes holds `width` codes in its low nibbles, then the
+    next `width` in its high ones) as pack_int4 packs those codes (two consecutive codes a byte,
+    the first low), byte by byte without unpacking: (n, bytes) uint8."""
+    runs = packed.reshape(packed.shape[0], -1, width)
+    even, odd = runs[..., 0::2], runs[..., 1::2]     # codes 2i, 2i+1 (low) and width+2i, width+2i+1 (high)
+    low, high = (even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)
+    return torch.cat([low, high], dim=-1).reshape(packed.shape[0], -1)
 
 
 def _nibbles(packed: torch.Tensor, width: int) -> torch.Tensor:
@@ -166,11 +219,11 @@ def _flat(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_0(blocks: torch.Tensor) -> BlockParts:
-    return BlockParts("affine4", _flat(_nibbles(blocks[:, 2:], 16)), _half(blocks, 0), None)
+    return BlockParts("affine4", None, _half16(blocks, 0), None, _repacked(blocks[:, 2:], 16))
 
 
 def _q4_1(blocks: torch.Tensor) -> BlockParts:
-    return BlockParts("affine4", _flat(_nibbles(blocks[:, 4:], 16)), _half(blocks, 0), _half(blocks, 2))
+    return BlockParts("affine4", None, _half16(blocks, 0), _half16(blocks, 2), _repacked(blocks[:, 4:], 16))
 
 
 def _q5_0(blocks: torch.Tensor) -> BlockParts:
@@ -186,7 +239,7 @@ def _q5_1(blocks: torch.Tensor) -> BlockParts:
 
 
 def _q8_0(blocks: torch.Tensor) -> BlockParts:
-    return BlockParts("affine8", blocks[:, 2:].contiguous().view(torch.int8), _half(blocks, 0), None)
+    return BlockParts("affine8", blocks[:, 2:].contiguous().view(torch.int8), _half16(blocks, 0), None)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +257,7 @@ def _k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q4_k(blocks: torch.Tensor) -> BlockParts:
-    return BlockParts("affine4", _flat(_nibbles(blocks[:, 16:], 32)), *_k_groups(blocks))
+    return BlockParts("affine4", None, *_k_groups(blocks), _repacked(blocks[:, 16:], 32))
 
 
 def _q5_k(blocks: torch.Tensor) -> BlockParts:
