@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token
+from llmc.compiler.weight_store import WeightStore
 from llmc.errors import RuntimeLlmcError
 
 # row counts timed per shape (a prefill chunk or a batch of 64 decodes is hundreds of rows); timing
@@ -167,12 +168,14 @@ def dispatch_record(steps, weights: dict, threads: int, rows: tuple[int, ...] = 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        entry = weights.entry if isinstance(weights, WeightStore) else weights.__getitem__
         for kernel, inputs, attrs in steps:
-            params = [weights.get(i) for i in inputs]
+            params = [entry(i) if i in weights else None for i in inputs]
             if kernel != "cpu.qlinear" or None in params[1:]:
                 continue
             key = shape_key(attrs["scheme"], params[1], params[2])
-            if key not in shapes:
+            if key not in shapes:   # the first step of a shape is measured on its weights' values
+                params = [weights.get(i) for i in inputs]
                 made = prepare_qlinear(params, attrs, {"kernel_choice": {DISPATCH_META: {"shapes": {
                     key: {"dense_from": 1}}}}})
                 prepared = made.get("cpu_weights")
@@ -274,6 +277,7 @@ def measure_shape(packed_run, src: DenseSource, repeats: int = 5, rows: tuple[in
                 dense_from, wins = NEVER_DENSE, 0
     finally:
         torch.set_num_threads(previous)
+        _scratch.buffer = None   # a load's probe of the LM head's shape would keep its fp32 size held
     return {"us": {name: {str(r): t for r, t in times.items()} for name, times in us.items()},
             "dense_from": dense_from}
 

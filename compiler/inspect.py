@@ -58,12 +58,14 @@ def _rank0_plan(path: Path, manifest: dict) -> dict:
     return _read_json(path, manifest, rank_file(rank_view(manifest, 0, f"artifact '{path}'"), PLAN))
 
 
-def report(artifact: str | Path) -> dict:
-    """Machine-readable summary; keys are stable for pipelines."""
+def report(artifact: str | Path, kv_memory: str = "1GiB") -> dict:
+    """Machine-readable summary; keys are stable for pipelines. `kv_memory`: the KV cache budget
+    memory_at_load assumes."""
     path = Path(artifact)
     manifest = _read_manifest(path)
     rep = manifest["report"]
-    plan_meta = _rank0_plan(path, manifest)["meta"]
+    plan = _rank0_plan(path, manifest)
+    plan_meta = plan["meta"]
     return {
         "target": manifest["target"]["name"],
         "target_device": manifest["target"]["device"],
@@ -85,7 +87,42 @@ def report(artifact: str | Path) -> dict:
         "kernel_choice": plan_meta.get("kernel_choice"),  # cpu: --kernels
         "decode_graph": _decode_graph_summary(plan_meta.get("decode_graph")),
         "parallel": manifest.get("parallel"),   # tensor parallel: what each rank holds and runs per step
+        "memory_at_load": _memory_at_load(plan, manifest["model"], kv_memory),   # rank 0's
     }
+
+
+def _memory_at_load(plan: dict, model: dict, kv_memory: str) -> dict:
+    from llmc.runtime.memory_report import expected
+
+    return expected(plan, model, kv_memory)
+
+
+def measured_memory(artifact: str | Path, kv_memory: str) -> dict:
+    """Load the artifact (its KV cache at `kv_memory`) and split this process's RSS as the runtime holds it
+    (runtime/memory_report.py)."""
+    import llmc
+    from llmc.runtime.memory_report import measure
+
+    return measure(llmc.load(artifact, kv_memory=kv_memory).engine).to_dict()
+
+
+def memory_lines(at_load: dict, measured: dict | None = None) -> list[str]:
+    """What a load holds: expected from the plan, and measured when the artifact was loaded."""
+    repacked = at_load["weights_repacked"]
+    lines = [f"  memory at load: weights {_mib(at_load['weights_file'])} mapped from the weights file"
+             + (f", {_mib(repacked)} of them held repacked instead (4-bit codes in the native GEMV's order)"
+                if repacked else ""),
+             f"    KV cache {_mib(at_load['kv_cache'])} at --kv-memory {at_load['kv_memory']} "
+             f"({at_load['kv_blocks']:,} blocks); activations up to {_mib(at_load['activations_planned'])} planned"]
+    if at_load["ort_sessions"]:
+        lines.append(f"    {at_load['ort_sessions']} ONNX Runtime sessions: each packs its own copy of the weights "
+                     f"its MatMulNBits read (in the rest), beside their fp32 scales made once for all (--memory "
+                     f"measures)")
+    if measured:
+        from llmc.runtime.memory_report import memory_line
+
+        lines.append(f"  memory measured after a load: {memory_line(measured)}")
+    return lines
 
 
 def quant_summary(pipeline: list[dict]) -> dict:
@@ -176,8 +213,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) -> str:
-    r = report(artifact)
+def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, memory: dict | None = None,
+              kv_memory: str = "1GiB") -> str:
+    """The text report; `memory`: a measured_memory split to show beside what the plan expects."""
+    r = report(artifact, kv_memory)
     m = r["model"]
     lines = [f"artifact {artifact}: {m['name']} ({m['architecture']}) for target {r['target']}",
              "  ops: " + ", ".join(f"{k} {v}" for k, v in r["op_counts"].items()),
@@ -191,7 +230,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False) 
         d = r["draft_of"]
         lines.append(f"  draft of: {d['model']} ({d['num_layers']} layers; this draft has {m['num_layers']}), "
                      f"target manifest sha256 {d['manifest_sha256'][:16]}")
-    lines += _quant_lines(r["quant"]) + _parallel_lines(r["parallel"])
+    lines += memory_lines(r["memory_at_load"], memory) + _quant_lines(r["quant"]) + _parallel_lines(r["parallel"])
     if r["target_device"] == "cpu":
         lines += kernel_choice_lines(r["kernel_choice"]) + decode_graph_lines(r["decode_graph"])
     if brief:

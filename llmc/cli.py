@@ -133,9 +133,13 @@ def passes_command(as_json):
 @click.option("--ir", is_flag=True, help="Also print the graph IR.")
 @click.option("--kernels", is_flag=True, help="List the Triton kernels of a GPU-target artifact.")
 @click.option("--source", metavar="NAME", help="With --kernels: print this kernel's source (file or kernel name).")
-def inspect(artifact, as_json, ir, kernels, source):
+@click.option("--memory", is_flag=True, help="Load the artifact and show what its load holds: the RSS split into "
+              "weights (mapped, repacked), KV cache, activations and the rest.")
+@click.option("--kv-memory", default="1GiB", show_default=True,
+              help="The KV cache budget the memory figures assume (and --memory loads).")
+def inspect(artifact, as_json, ir, kernels, source, memory, kv_memory):
     """Show an artifact's graph summary, pass log, and memory figures."""
-    from llmc.compiler.inspect import kernel_source, kernels_summary, report, summarize
+    from llmc.compiler.inspect import kernel_source, kernels_summary, measured_memory, report, summarize
 
     if source is not None and not kernels:
         raise LlmcError("--source NAME prints a kernel's source and goes with --kernels; "
@@ -143,10 +147,13 @@ def inspect(artifact, as_json, ir, kernels, source):
     if kernels:
         click.echo(kernel_source(artifact, source) if source is not None else kernels_summary(artifact, as_json),
                    nl=source is None)
-    elif as_json:
-        click.echo(json.dumps(report(artifact), indent=2, sort_keys=True))
+        return
+    measured = measured_memory(artifact, kv_memory) if memory else None
+    if as_json:
+        click.echo(json.dumps({**report(artifact, kv_memory), **({"memory_measured": measured} if memory else {})},
+                              indent=2, sort_keys=True))
     else:
-        click.echo(summarize(artifact, show_ir=ir))
+        click.echo(summarize(artifact, show_ir=ir, memory=measured, kv_memory=kv_memory))
 
 
 @cli.command()
@@ -364,6 +371,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
+    from llmc.runtime import memory_report
     from llmc.runtime.bench import (
         Workload,
         hf_model_from_artifact,
@@ -421,6 +429,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     runs = run_engine_repeated(engine, requests, repeat, progress=not as_json, after_each=hf_run)
     ours = median_run(runs)
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
+              "memory": memory_report.measure(engine).to_dict(),   # this process's RSS split, after the runs
               "native_kernels": _native_kernels(engine) if engine.device.type == "cpu" else None,
               "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives
               "speculative": speculative_summary(engine, ours, plain) if plain else None,
@@ -486,6 +495,7 @@ def _window_lines(w: dict | None) -> list[str]:
 
 
 def _bench_table(r: dict) -> str:
+    from llmc.runtime.memory_report import memory_line
     from llmc.runtime.parallel.report import format_ranks
     from llmc.runtime.roofline import format_roofline
 
@@ -500,6 +510,7 @@ def _bench_table(r: dict) -> str:
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
              *_window_lines(r.get("kv_window")),
              f"threads           {r['threads']}",
+             *([f"memory            {memory_line(r['memory'])}"] if r.get("memory") else []),
              *([f"native kernels    {r['native_kernels']}"] if r.get("native_kernels") else []),
              *(format_roofline(r["roofline"]) if r["roofline"] else []),
              *format_ranks(r["ranks"])]

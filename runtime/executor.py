@@ -85,6 +85,12 @@ class PlanExecutor:
                                    f"{self.plan.params[:5]}{' ...' if len(self.plan.params) > 5 else ''}")
         return self._params[self._registers[name]]
 
+    def held(self) -> list:
+        """What the launches keep from load on beside the params: each launch's prepared attrs and each
+        ONNX Runtime session's initializers (the memory report finds the tensors in them)."""
+        sessions = [launch.fn for launch in self._program] + [getattr(self.decode_graph, "session", None)]
+        return [launch.attrs for launch in self._program] + [getattr(s, "initializers", {}) for s in sessions]
+
     def _register(self, name: str, where: str) -> int:
         try:
             return self._registers[name]
