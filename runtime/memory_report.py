@@ -16,7 +16,7 @@ import torch
 
 from llmc.codegen.cpu_qlinear_dense import scratch_bytes
 from llmc.runtime.block_manager import num_blocks_for_budget, parse_bytes
-from llmc.runtime.host_memory import file_mappings
+from llmc.runtime.host_memory import file_mappings, resident_bytes
 
 NATIVE_4BIT = ("int4", "affine4")   # qlinear schemes the CPU kernels hold repacked (cpu_qlinear_native.py)
 
@@ -28,7 +28,8 @@ class MemorySplit:
     weights_mapped: int      # resident pages of the weights files' mappings: weights read as stored
     weights_file: int        # the mapped weights' bytes, resident or not
     weights_repacked: int    # copies made at load that the kernels read instead of the stored weights
-    kv_cache: int
+    kv_cache: int            # its resident pages: a CPU cache's pages are zero-filled as tokens first fill them
+    kv_cache_allocated: int
     activations: int         # the native decode arena and the dequantisation scratch
 
     @property
@@ -46,7 +47,8 @@ def memory_line(split: dict) -> str:
     """One line of a MemorySplit's dict (as `llmc bench --json` holds it)."""
     return (f"RSS {_mib(split['rss'])}: weights {_mib(split['weights_mapped'])} mapped (of "
             f"{_mib(split['weights_file'])} in the file) + {_mib(split['weights_repacked'])} repacked, KV cache "
-            f"{_mib(split['kv_cache'])}, activations {_mib(split['activations'])}, rest {_mib(split['rest'])}")
+            f"{_mib(split['kv_cache'])} (of {_mib(split['kv_cache_allocated'])}), activations "
+            f"{_mib(split['activations'])}, rest {_mib(split['rest'])}")
 
 
 def measure(engine) -> MemorySplit:
@@ -60,12 +62,15 @@ def measure(engine) -> MemorySplit:
     for executor, _ in runners:
         params = [executor.weight(name) for name in executor.plan.params]
         for t in _tensors(params + executor.held()):
-            (mapped if _mapping_of(t, mappings) else copies)[t.untyped_storage().data_ptr()] = _storage_bytes(t)
-    kv = {t.untyped_storage().data_ptr(): _storage_bytes(t)
-          for _, cache in runners for t in _tensors([cache.k_cache, cache.v_cache, cache.kv_scales])}
+            if t.layout is not torch.strided:   # oneDNN's blocked copies (speculation's fp32 linears): opaque
+                copies[id(t)] = t.numel() * t.element_size()
+            else:
+                (mapped if _mapping_of(t, mappings) else copies)[t.untyped_storage().data_ptr()] = _storage_bytes(t)
+    kv = list(_tensors([[cache.k_cache, cache.v_cache, cache.kv_scales] for _, cache in runners]))
     arenas = sum(ex.native_decode.arena.nbytes for ex, _ in runners if ex.native_decode is not None)
     return MemorySplit(psutil.Process().memory_info().rss, _resident(mapped, mappings), sum(mapped.values()),
-                       sum(copies.values()), sum(kv.values()), arenas + scratch_bytes())
+                       sum(copies.values()), sum(map(resident_bytes, kv)), sum(t.nbytes for t in kv),
+                       arenas + scratch_bytes())
 
 
 def _tensors(value):

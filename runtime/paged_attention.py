@@ -13,7 +13,16 @@ import torch
 from llmc.codegen import cpu_native
 from llmc.compiler.ops import scaled_dot_product
 from llmc.runtime.attention import AttentionBackend, attend
+from llmc.runtime.host_memory import zeroed
 from llmc.runtime.kv_quant import dequantize_kv, is_quantized_kv, quantize_kv
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A cache tensor of zeros; on the CPU in pages zero-filled at first touch (host_memory.zeroed), so the
+    RSS grows as tokens fill the cache rather than by the whole budget at load."""
+    if torch.device(device).type == "cpu":
+        return zeroed(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class PagedKVCache:
@@ -33,8 +42,8 @@ class PagedKVCache:
         self.kv_scales = None if kv_scales is None else [s.to(device=device, dtype=torch.float32)
                                                          for s in kv_scales]
         # every layer's cache is a view into one tensor, so a step's keys for all layers are one copy
-        self._k_layers = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
-        self._v_layers = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
+        self._k_layers = _zeros((num_layers, *shape), dtype, device)
+        self._v_layers = _zeros((num_layers, *shape), dtype, device)
         self.k_cache, self.v_cache = list(self._k_layers.unbind(0)), list(self._v_layers.unbind(0))
         # each layer's cache as one row per slot, [slots, kv_heads * head_dim]: views made once, so a
         # decode step's write and span read cost no reshaping calls per layer

@@ -83,3 +83,50 @@ def test_weights_move_onto_huge_pages_unchanged(monkeypatch):
     if done < small.numel() * 4 + large.numel() * 4:   # THP off, Linux before 6.1, or no free huge page now
         pytest.skip(f"the kernel collapsed {done} bytes of the weights' spans")
     assert _huge_bytes(small) == small.numel() * 4 and _huge_bytes(large) == large.numel() * 4
+
+
+def test_released_file_pages_leave_the_rss_and_read_back_unchanged(tmp_path):
+    """Pages of a private file mapping read at load go from the RSS; a later read faults them back in from
+    the file, the same bytes; memory that is not a file mapping is left alone."""
+    import mmap
+
+    import torch
+
+    from llmc.runtime.host_memory import release_file_pages
+
+    values = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(values.numpy().tobytes())
+    with open(path, "rb") as f:
+        mapped = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.float32)
+    anonymous = values.clone()
+    assert torch.equal(mapped, values) and mapping_rss(mapped) == mapped.nbytes
+    assert release_file_pages([mapped, anonymous]) == mapped.nbytes   # 4 MiB: whole pages
+    assert mapping_rss(mapped) == 0 and torch.equal(anonymous, values)
+    assert torch.equal(mapped, values) and mapping_rss(mapped) == mapped.nbytes
+
+
+def mapping_rss(t) -> int:
+    """Resident bytes of the mapping that holds t (/proc/self/smaps; mincore would report the page cache)."""
+    inside, rss = False, 0
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= t.data_ptr() < end
+        elif head == "Rss:" and inside:
+            rss += int(line.split()[1]) * 1024
+    return rss
+
+
+def test_zeroed_tensors_are_zeros_that_take_pages_as_written():
+    import torch
+
+    from llmc.runtime.host_memory import resident_bytes, zeroed
+
+    cache = zeroed((64, 1024, 256), torch.bfloat16)   # 32 MiB
+    assert cache.dtype == torch.bfloat16 and cache.shape == (64, 1024, 256)
+    assert resident_bytes(cache) == 0
+    cache[3].fill_(1.5)   # 512 KiB: a huge page or two
+    assert 0 < resident_bytes(cache) < cache.nbytes // 4
+    assert not cache[4:].any() and cache.sum() == 1.5 * 1024 * 256
