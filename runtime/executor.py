@@ -16,7 +16,7 @@ from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime import native_decode
 from llmc.runtime.attention import AttentionBackend, NoCacheAttention
-from llmc.runtime.host_memory import release_file_pages
+from llmc.runtime.host_memory import file_mappings, release_file_pages
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
 from llmc.runtime.plan_check import check_plan
@@ -68,6 +68,7 @@ class PlanExecutor:
         base += len(plan.inputs)
         self._registers.update({v: base + s for v, s in plan.memory.slot_of.items()})
         self._num_registers = base + len(plan.memory.slot_bytes)
+        self._file_maps = file_mappings() if self.device.type == "cpu" else []   # where the mapped weights lie
         self._program = [self._launch(i, step) for i, step in enumerate(plan.steps)]
         self._mark_norms_feeding_qlinears()
         self._outputs = [self._register(o, "graph output") for o in plan.outputs]
@@ -75,8 +76,7 @@ class PlanExecutor:
         self.decode_graph = self._load_decode_graph()
         # decode steps of a few rows run their covered layers as one native call (None: walk them)
         self.native_decode = native_decode.build(self)
-        if self.device.type == "cpu":   # the weights read at load only to be repacked leave the RSS
-            release_file_pages(self._params)
+        self._release_read(self.plan.params)
 
     def weight(self, name: str) -> torch.Tensor:
         """The plan parameter `name` as the executor holds it (on its device)."""
@@ -189,9 +189,20 @@ class PlanExecutor:
         args = tuple(self._register(i, where) for i in step.inputs)
         attrs = {k: v for k, v in step.attrs.items() if k != "kernels"}
         recorded = frozenset(k["sha256"] for k in step.attrs.get("kernels", ()))
-        return Launch(fn, args, tuple(self._register(o, where) for o in step.outputs),
-                      self._prepared_attrs(fn, args, attrs),
-                      getattr(fn, "context", ()), self._dying(index, step), recorded, where)
+        launch = Launch(fn, args, tuple(self._register(o, where) for o in step.outputs),
+                        self._prepared_attrs(fn, args, attrs),
+                        getattr(fn, "context", ()), self._dying(index, step), recorded, where)
+        self._release_read(step.inputs)
+        return launch
+
+    def _release_read(self, names) -> None:
+        """Unmap the pages of the params among `names`, read by a launch's preparation just now
+        (host_memory.release_file_pages): stored weights repacked at load leave the RSS, and the load's
+        peak holds one launch's of them rather than all; a kernel reading them as stored faults them back."""
+        if self._file_maps:
+            registers = (self._registers.get(n) for n in names)
+            release_file_pages([self._params[r] for r in registers if r is not None and r < len(self._params)],
+                               self._file_maps)
 
     def _mark_norms_feeding_qlinears(self) -> None:
         """Tell each torch norm whose result only quantised GEMMs read that it may round as the native
@@ -234,6 +245,7 @@ class PlanExecutor:
                                 f"artifact on the CPU or compile it for this device's target")
         weights = {name: self._params[self._registers[name]] for name in self.plan.params}
         segment = load_segment(step, self._data, weights, self.plan.type_of, where, self._ort_initializers)
+        self._release_read(param for param, _ in step.attrs["initializers"].values())
         return Launch(segment, tuple(self._register(i, where) for i in step.inputs),
                       tuple(self._register(o, where) for o in step.outputs), {}, (), self._dying(index, step),
                       frozenset(), where)

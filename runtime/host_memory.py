@@ -133,13 +133,13 @@ def file_mappings() -> list[tuple[int, int]]:
     return spans
 
 
-def release_file_pages(tensors) -> int:
+def release_file_pages(tensors, mappings: list[tuple[int, int]] | None = None) -> int:
     """Unmap the resident pages of those CPU tensors that are views of a private file mapping (the
-    artifact's weights): pages read at load only to be repacked leave the process's RSS, and any page a
-    kernel reads later faults back in from the page cache, unchanged (nothing writes a weight, so no
-    page holds a private copy that this would drop). Only pages wholly inside the tensors' bytes go.
-    Returns the bytes unmapped (0 off Linux)."""
-    mappings = file_mappings()
+    artifact's weights; `mappings`: file_mappings(), read now when not given): pages read at load only
+    to be repacked leave the process's RSS, and any page a kernel reads later faults back in from the
+    page cache, unchanged (nothing writes a weight, so no page holds a private copy that this would
+    drop). Only pages wholly inside the tensors' bytes go. Returns the bytes unmapped (0 off Linux)."""
+    mappings = file_mappings() if mappings is None else mappings
     ranges = sorted({(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors
                      if t.device.type == "cpu" and t.nbytes and _inside(t.data_ptr(), t.nbytes, mappings)})
     released = 0
