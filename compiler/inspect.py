@@ -116,8 +116,7 @@ def memory_lines(at_load: dict, measured: dict | None = None) -> list[str]:
              f"({at_load['kv_blocks']:,} blocks); activations up to {_mib(at_load['activations_planned'])} planned"]
     if at_load["ort_sessions"]:
         lines.append(f"    {at_load['ort_sessions']} ONNX Runtime sessions: each packs its own copy of the weights "
-                     f"its MatMulNBits read (in the rest), beside their fp32 scales made once for all (--memory "
-                     f"measures)")
+                     f"its MatMulNBits read, beside their fp32 scales made once for all (--memory measures them)")
     if measured:
         from llmc.runtime.memory_report import memory_line
 

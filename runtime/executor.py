@@ -85,6 +85,11 @@ class PlanExecutor:
                                    f"{self.plan.params[:5]}{' ...' if len(self.plan.params) > 5 else ''}")
         return self._params[self._registers[name]]
 
+    def ort_packed_bytes(self) -> int:
+        """What the ONNX Runtime sessions hold of their own (OrtSegment.packed_bytes)."""
+        sessions = [launch.fn for launch in self._program] + [getattr(self.decode_graph, "session", None)]
+        return sum(getattr(s, "packed_bytes", 0) for s in sessions)
+
     def held(self) -> list:
         """What the launches keep from load on beside the params: each launch's prepared attrs and each
         ONNX Runtime session's initializers (the memory report finds the tensors in them)."""

@@ -118,6 +118,15 @@ def resident_bytes(tensor: torch.Tensor) -> int:
     return min(tensor.nbytes, sum(b & 1 for b in bytes(pages)) * PAGE)
 
 
+def anonymous_rss() -> int:
+    """Bytes of this process's resident anonymous memory (/proc/self/status RssAnon; 0 off Linux)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:")), 0)
+
+
 def file_mappings() -> list[tuple[int, int]]:
     """(start, end) of each private mapping of a file in this process (/proc/self/maps; none off Linux)."""
     try:
@@ -165,4 +174,5 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(start, end) for start, end in merged]
 
 
-__all__ = ["keep_freed_memory", "huge_pages", "zeroed", "resident_bytes", "file_mappings", "release_file_pages"]
+__all__ = ["keep_freed_memory", "huge_pages", "zeroed", "resident_bytes", "anonymous_rss", "file_mappings",
+           "release_file_pages"]

@@ -1,10 +1,10 @@
 """What a loaded model holds in memory, as `llmc bench` and `llmc inspect --memory` print it: the process's
 resident memory (RSS) split into weights (the pages of the artifact's weights file the kernels read as
-stored, and the copies they read instead: 4-bit codes in the native GEMV's order, ONNX Runtime initializers
-made by a transform), the KV cache, activations (the native decode arena, the dequantisation scratch) and
-the rest (Python, torch, the tokenizer, ONNX Runtime's sessions with their own packed weights, freed
-activations the heap keeps for the next step). `expected` says what a load will hold, from the artifact's
-plan alone."""
+stored; the copies they read instead: 4-bit codes in the native GEMV's order, ONNX Runtime initializers
+made by a transform; what ONNX Runtime's sessions hold of their own, its packed weights, measured as they
+were built), the KV cache, activations (the native decode arena, the dequantisation scratch) and the rest
+(Python, torch, the tokenizer, freed activations the heap keeps for the next step). `expected` says what
+a load will hold, from the artifact's plan alone."""
 
 from __future__ import annotations
 
@@ -28,13 +28,15 @@ class MemorySplit:
     weights_mapped: int      # resident pages of the weights files' mappings: weights read as stored
     weights_file: int        # the mapped weights' bytes, resident or not
     weights_repacked: int    # copies made at load that the kernels read instead of the stored weights
+    weights_ort: int         # what ONNX Runtime's sessions hold of their own (their packed weights), measured at load
     kv_cache: int            # its resident pages: a CPU cache's pages are zero-filled as tokens first fill them
     kv_cache_allocated: int
     activations: int         # the native decode arena and the dequantisation scratch
 
     @property
     def rest(self) -> int:
-        return self.rss - self.weights_mapped - self.weights_repacked - self.kv_cache - self.activations
+        return (self.rss - self.weights_mapped - self.weights_repacked - self.weights_ort - self.kv_cache
+                - self.activations)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "rest": self.rest}
@@ -45,8 +47,9 @@ class MemorySplit:
 
 def memory_line(split: dict) -> str:
     """One line of a MemorySplit's dict (as `llmc bench --json` holds it)."""
+    ort = f" + {_mib(split['weights_ort'])} in ONNX Runtime" if split["weights_ort"] else ""
     return (f"RSS {_mib(split['rss'])}: weights {_mib(split['weights_mapped'])} mapped (of "
-            f"{_mib(split['weights_file'])} in the file) + {_mib(split['weights_repacked'])} repacked, KV cache "
+            f"{_mib(split['weights_file'])} in the file) + {_mib(split['weights_repacked'])} repacked{ort}, KV cache "
             f"{_mib(split['kv_cache'])} (of {_mib(split['kv_cache_allocated'])}), activations "
             f"{_mib(split['activations'])}, rest {_mib(split['rest'])}")
 
@@ -69,8 +72,8 @@ def measure(engine) -> MemorySplit:
     kv = list(_tensors([[cache.k_cache, cache.v_cache, cache.kv_scales] for _, cache in runners]))
     arenas = sum(ex.native_decode.arena.nbytes for ex, _ in runners if ex.native_decode is not None)
     return MemorySplit(psutil.Process().memory_info().rss, _resident(mapped, mappings), sum(mapped.values()),
-                       sum(copies.values()), sum(map(resident_bytes, kv)), sum(t.nbytes for t in kv),
-                       arenas + scratch_bytes())
+                       sum(copies.values()), sum(ex.ort_packed_bytes() for ex, _ in runners),
+                       sum(map(resident_bytes, kv)), sum(t.nbytes for t in kv), arenas + scratch_bytes())
 
 
 def _tensors(value):

@@ -14,6 +14,7 @@ import torch
 from llmc.codegen.plan import RECOMPILE
 from llmc.compiler.ir import TensorType, eval_dim
 from llmc.errors import ArtifactError, RuntimeLlmcError
+from llmc.runtime.host_memory import anonymous_rss
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32,
                 torch.uint8: np.uint8, torch.int8: np.int8, torch.float16: np.float16}
@@ -136,12 +137,16 @@ class OrtSegment:
         names = sorted(initializers)
         options.add_external_initializers(names, [onnxruntime.OrtValue.ortvalue_from_numpy(initializers[n].numpy())
                                                   for n in names])
+        before = anonymous_rss()
         try:
             self.session = onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 - ORT raises its own types for any graph it refuses
             message = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise ArtifactError(f"{where}: onnxruntime refuses the segment ({message}); recompile the "
                                 f"model with this llmc, or with --kernels cpu") from None
+        # what the session holds of its own, measured since ORT does not say: the copies of the weights its
+        # kernels prepack (MatMulNBits' codes), for the memory report
+        self.packed_bytes = max(0, anonymous_rss() - before)
         self.binding = self.session.io_binding()
         # the C-level binding and run: the Python wrappers re-make the device and re-check capture
         # state on every call, which cost more than a decode step's small segments compute
