@@ -186,15 +186,21 @@ CLOSE_CALL = 2.0   # segments costing up to this many times the plan walk's in O
 
 
 def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nbits_level: int,
-                      levels: dict[str, int] | None = None, measure_step: bool = True) -> dict:
+                      levels: dict[str, int] | None = None, measure_step: bool = True,
+                      refusal: str | None = None) -> dict:
     """The plan.meta record of the decode graph `mode` gives the lowered `plan` (its ONNX bytes
     added to `files`), or a record saying why there is none ({"chosen": False, "why": ...}).
     MatMulNBits runs at `nbits_level`, or `levels[node]` (the nodes auto put on int8 activations).
     Without `measure_step` auto offers a graph its kinds' timings keep or call close, the caller timing
-    whole steps (codegen/ort_plan_choice.py)."""
+    whole steps (codegen/ort_plan_choice.py); with a `refusal` of whole-step timing (a large model)
+    auto keeps none where a whole step would have decided."""
     why = decode_refusal(graph)
     if why:
         return {"chosen": False, "why": why}
+    if mode == "auto" and refusal is not None:   # decided before building it: a large model's graph is large
+        verdict = choose_decode_graph(plan.meta["kernel_choice"])
+        if verdict.get("close_call") or (verdict["chosen"] and cpu_native.available()):
+            return {"chosen": False, "decode_us": verdict["decode_us"], "why": refusal}
     model, record = build_decode_graph(graph, nbits_level, levels)
     record["sha256"] = hashlib.sha256(model).hexdigest()
     missing = _missing_ops(model, mode)

@@ -296,19 +296,19 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
                                                 graph.weights, choice["measured"]["threads"])
     lowered.meta = {**plan.meta, "kernel_choice": choice}
     from llmc.codegen.ort_decode import plan_decode_graph
-    from llmc.codegen.ort_plan_choice import whole_plan_question
+    from llmc.codegen.ort_plan_choice import whole_plan_question, whole_step_refusal
     levels = {node.name: INT8_COMPUTE for i in int8 for node in segments[i].nodes}
-    cpu_plan, question = None, "--kernels ort"
+    cpu_plan, question, too_large = None, "--kernels ort", None
     if mode == "auto":
         cpu_plan = restep(plan, plan.steps)
         cpu_plan.meta = trial_meta()
-        question = whole_plan_question(cpu_plan, lowered)
+        question, too_large = whole_plan_question(cpu_plan, lowered), whole_step_refusal(graph)
     lowered.meta["decode_graph"] = plan_decode_graph(graph, lowered, files, mode,
                                                      INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels,
-                                                     measure_step=question is not None)
-    if question is not None:
+                                                     measure_step=question is not None, refusal=too_large)
+    if question is not None or too_large is not None:
         if mode == "auto":
-            choice["whole_plan"] = {"chosen": "lowered", "why": question}
+            choice["whole_plan"] = {"chosen": "lowered", "why": question or too_large}
         return lowered, files
     return _whole_plan(graph, cpu_plan, lowered, files, choice)
 

@@ -12,6 +12,20 @@ from llmc.codegen.ort_timing import PREFILL_TOKENS
 from llmc.codegen.plan import ORT_SEGMENT
 from llmc.compiler.ir import Graph
 
+# auto times whole decode steps (every candidate plan loaded on all the weights) only for models up
+# to this many bytes of weights; above it each candidate would hold the model again, and the per-launch
+# overhead a whole step shows beyond the segments' own timings is small against streaming the weights
+WHOLE_STEP_LIMIT = 512 * 2**20
+
+
+def whole_step_refusal(graph: Graph) -> str | None:
+    """Why auto may not time whole decode steps of `graph` (None when it may)."""
+    size = sum(p.type.nbytes() for name, p in graph.params.items() if name in graph.weights)
+    if size <= WHOLE_STEP_LIMIT:
+        return None
+    return (f"not timed: the model's {size / 2**30:.2f} GiB of weights are over the {WHOLE_STEP_LIMIT >> 20} MiB "
+            f"auto times whole decode steps on; the segments' own timings stand")
+
 
 def whole_plan_question(cpu_plan, lowered) -> str | None:
     """Why the lowered plan stands without a whole-step timing, or None: it must be timed."""
@@ -50,4 +64,4 @@ def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], 
             "cost": f"prefill + {PREFILL_TOKENS} x decode"}
 
 
-__all__ = ["choose_whole_plan", "whole_plan_question"]
+__all__ = ["choose_whole_plan", "whole_plan_question", "whole_step_refusal", "WHOLE_STEP_LIMIT"]

@@ -76,16 +76,17 @@ class TorchSegment:
         self.seg = seg
         self.launches = []
         steps = [(f"cpu.{n.op}", n.inputs, n.attrs) for n in seg.nodes]
-        record = dispatch_record(steps, graph.weights, threads, rows=(1, PREFILL_TOKENS))
+        weights = segment_weights(graph, seg)
+        record = dispatch_record(steps, weights, threads, rows=(1, PREFILL_TOKENS))
         meta = {"kernel_choice": {DISPATCH_META: record}}
         for node in seg.nodes:
             fn = resolve_kernel(f"cpu.{node.op}")
             attrs = dict(node.attrs)
             if getattr(fn, "prepare", None) is not None:
-                params = [graph.weights.get(i) for i in node.inputs]
+                params = [weights.get(i) for i in node.inputs]
                 attrs.update(fn.prepare(params, attrs, meta))
             self.launches.append((node, fn, attrs))
-        self.weights = graph.weights
+        self.weights = weights
 
     @torch.inference_mode()
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -103,7 +104,7 @@ class ReferenceSegment:
     """The segment's nodes under their reference semantics, as the interpreter runs them."""
 
     def __init__(self, graph: Graph, seg):
-        self.seg, self.weights = seg, graph.weights
+        self.seg, self.weights = seg, segment_weights(graph, seg)
 
     @torch.inference_mode()
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -113,6 +114,12 @@ class ReferenceSegment:
             for v, t in zip(node.outputs, run_reference(node, args)):
                 values[v.name] = t
         return [values[o] for o in self.seg.outputs]
+
+
+def segment_weights(graph: Graph, seg) -> dict[str, torch.Tensor]:
+    """The values of the weights the segment reads, made once: a lazy weight read on every call
+    would be timed decoding from its source."""
+    return {i: graph.weights[i] for node in seg.nodes for i in node.inputs if i in graph.weights}
 
 
 def _time(fn, inputs) -> float:

@@ -17,6 +17,7 @@ import llmc
 from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.ort_accuracy import CalibrationReference
 from llmc.codegen.ort_lowering import DEFAULT_MODE, check_kernels_option, lower_plans
+from llmc.codegen.ort_plan_choice import whole_step_refusal
 from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
 from llmc.compiler.artifact import RankFiles, staged_output, write_contents
@@ -357,8 +358,8 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     note_calibration(records, calibration, opts)
     model = set_model_meta(graphs, records, loaded)
     t = time.perf_counter()
-    if measures_kernels(opts.kernels, tgt):
-        for g in graphs:   # timed kernels read the weights at every call: lazy ones would be timed decoding
+    if measures_kernels(opts.kernels, tgt) and all(whole_step_refusal(g) is None for g in graphs):
+        for g in graphs:   # whole decode steps are timed on every weight: made once, not per candidate
             g.weights.materialise()
     reference = None if ctx.reference_logits is None else CalibrationReference(calibration, ctx.reference_logits)
     plans, ort_files = lower_plans(graphs, [rank_plan(g, tgt, opts, echo) for g in graphs], tgt, opts.kernels, echo,

@@ -17,12 +17,18 @@ class LazyTensor(NamedTuple):
     dtype: torch.dtype
     load: Callable[[], torch.Tensor]
 
-    @property
-    def nbytes(self) -> int:
+    def numel(self) -> int:
         count = 1
         for d in self.shape:
             count *= d
-        return count * self.dtype.itemsize
+        return count
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.dtype.itemsize
 
 
 Entry = torch.Tensor | LazyTensor

@@ -8,6 +8,9 @@ version here go through the reference itself."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -171,7 +174,25 @@ def narrowest_float(values: torch.Tensor) -> torch.Tensor:
 
 
 def raw_bytes(tensor: ReaderTensor) -> torch.Tensor:
-    return torch.from_numpy(np.array(tensor.data).reshape(-1).view(np.uint8))  # a copy: the map is read-only
+    """The tensor's bytes, copied (the map is read-only); the mapped pages they were read from
+    are then given back, so reading a whole file leaves none of it in the process's memory."""
+    copied = torch.from_numpy(np.array(tensor.data).reshape(-1).view(np.uint8))
+    unmap_pages(tensor.data)
+    return copied
+
+
+def unmap_pages(mapped: np.ndarray) -> None:
+    """Drop the process's pages wholly inside `mapped`, a view of a read-only shared file mapping:
+    a later read faults them back in from the page cache, unchanged (Linux; a no-op elsewhere)."""
+    start, end = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    madvise = getattr(LIBC, "madvise", None)
+    if last > first and madvise is not None:
+        madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+
+
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+MADV_DONTNEED = 4
 
 
 def block_parts(tensor: ReaderTensor) -> BlockParts | None:

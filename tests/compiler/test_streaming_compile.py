@@ -1,0 +1,134 @@
+"""The streaming compile: a GGUF's weights stay in the file until the artifact is written (one
+weight's values in memory at a time), the artifact it writes is byte for byte the one the
+whole-model compile wrote, and its peak memory stays bounded by a layer, not by the model."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import llmc
+from llmc.compiler import pipeline
+from llmc.compiler.frontends import load_model
+from llmc.compiler.weight_store import LazyTensor, WeightStore
+from llmc.compiler.weights_file import map_weights_file, write_weights_file
+from llmc.errors import PassError
+
+MAKE_MODEL = Path(__file__).resolve().parents[2] / "bench" / "make_model.py"
+
+
+def random_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64,
+              torch.float8_e4m3fn, torch.bool]
+    out = {}
+    for i, dtype in enumerate(dtypes):
+        for j in range(2):
+            shape = (int(torch.randint(1, 9, (1,), generator=g)), 5)
+            values = torch.randn(shape, generator=g)
+            out[f"w{j}.{i}"] = values > 0 if dtype == torch.bool else values.to(dtype)
+    out["scalar"] = torch.randn((), generator=g)
+    return out
+
+
+def test_weights_file_is_byte_for_byte_safetensors_and_maps_back(tmp_path):
+    tensors = random_tensors(1)
+    save_file(tensors, tmp_path / "reference.safetensors")
+    lazy = {name: LazyTensor(tuple(t.shape), t.dtype, lambda t=t: t.clone()) for name, t in tensors.items()}
+    write_weights_file(tmp_path / "ours.safetensors", lazy)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    mapped, loaded = map_weights_file(tmp_path / "ours.safetensors"), load_file(tmp_path / "reference.safetensors")
+    assert set(mapped) == set(loaded)
+    for name, tensor in loaded.items():
+        assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
+
+
+def test_a_lazy_weight_is_made_on_each_read_and_checked_against_its_declared_type():
+    made = []
+    store = WeightStore({"w": LazyTensor((2, 3), torch.float32, lambda: made.append(1) or torch.ones(2, 3))})
+    assert store.is_lazy("w") and all(torch.equal(store["w"], torch.ones(2, 3)) for _ in range(2))
+    assert len(made) == 2 and store.is_lazy("w")     # nothing kept
+    store.pop("w")
+    assert len(made) == 2                              # dropped unmade
+    store["bad"] = LazyTensor((2, 3), torch.float32, lambda: torch.ones(3, 2))
+    with pytest.raises(ValueError, match="declared"):
+        store["bad"]
+
+
+def test_derived_weights_stay_lazy_over_lazy_inputs_and_survive_their_removal():
+    store = WeightStore({"a": LazyTensor((2,), torch.float32, lambda: torch.tensor([1.0, 2.0])),
+                         "b": torch.tensor([3.0])})
+    store["ab"] = store.derive(["a", "b"], torch.cat, (3,), torch.float32)
+    assert store.is_lazy("ab")
+    del store["a"], store["b"]
+    assert torch.equal(store["ab"], torch.tensor([1.0, 2.0, 3.0]))
+    eager = WeightStore({"x": torch.ones(2)})
+    assert isinstance(eager.derive(["x"], lambda v: v[0] * 2, (2,), torch.float32), torch.Tensor)
+
+
+def compiled_files(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("target", ["cpu", "cpu-bf16"])
+def test_streaming_compile_writes_the_bytes_the_whole_model_compile_wrote(smollm2_gguf, tmp_path, monkeypatch, target):
+    streamed = llmc.compile(str(smollm2_gguf), target=target, kernels="cpu", output=tmp_path / "streamed", quiet=True)
+    seen = []
+
+    def whole(source, lazy=False):
+        loaded = load_model(source)   # every weight decoded into the module first, as before streaming
+        seen.append(loaded.lazy_weights)
+        return loaded
+
+    monkeypatch.setattr(pipeline, "load_model", whole)
+    in_memory = llmc.compile(str(smollm2_gguf), target=target, kernels="cpu", output=tmp_path / "whole", quiet=True)
+    assert seen == [{}]
+    assert compiled_files(streamed) == compiled_files(in_memory)
+
+
+@pytest.mark.smollm2
+def test_the_traced_graph_reads_a_gguf_s_weights_from_the_file(smollm2_gguf):
+    """Every source weight of the traced graph is a lazy read of the file, none the module's
+    uninitialised placeholder (whose values were never read)."""
+    loaded = load_model(str(smollm2_gguf), lazy=True)
+    graph = pipeline.trace(loaded.module, 64, lambda *a: None)
+    pipeline.attach_lazy_weights(graph, loaded)
+    sourced = [name for name in graph.weights if name in loaded.lazy_weights]
+    assert len(sourced) >= 270 and all(graph.weights.is_lazy(name) for name in sourced)
+    assert all(not graph.weights.is_lazy(name) for name in graph.weights if name not in loaded.lazy_weights)
+
+
+@pytest.mark.smollm2
+def test_a_pass_that_runs_the_model_is_refused_above_the_memory_it_may_hold(smollm2_gguf, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "whole_model_limit", lambda: 1 << 20)
+    with pytest.raises(PassError, match="quantize_int8.*whole model in float32"):
+        llmc.compile(str(smollm2_gguf), target="cpu", quant="int8", output=tmp_path / "a", quiet=True)
+    assert not (tmp_path / "a").exists()
+
+
+def test_auto_times_no_whole_step_of_a_model_over_its_limit(tmp_path, monkeypatch):
+    from llmc.codegen import ort_plan_choice
+
+    monkeypatch.setattr(ort_plan_choice, "WHOLE_STEP_LIMIT", 0)
+    art = llmc.compile("tiny-llama", target="cpu", kernels="auto", output=tmp_path / "a", quiet=True)
+    plan = (art / "plan.json").read_text()
+    assert "not timed: the model's" in plan
+
+
+@pytest.mark.smollm2
+def test_compiling_a_300mb_gguf_stays_under_its_memory_bound(smollm2_gguf, tmp_path):
+    """A 0.27 GB Q4_1 file (377M params: 1.5 GB in float32) compiles in under 1 GB, most of it the
+    interpreter, torch and transformers (0.77 GiB measured); before streaming it took 5 GB."""
+    gguf = tmp_path / "ci-300m.gguf"
+    subprocess.run([sys.executable, str(MAKE_MODEL), "--shape", "ci-300m", "--format", "q4_1", "-o", str(gguf),
+                    "--tokenizer-gguf", str(smollm2_gguf)], check=True, capture_output=True)
+    measure = ("import resource, sys, llmc; llmc.compile(sys.argv[1], target='cpu', kernels='cpu', "
+               "output=sys.argv[2], quiet=True); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", measure, str(gguf), str(tmp_path / "ci.llmc")], check=True,
+                         capture_output=True, text=True).stdout
+    peak = int(out.split()[-1]) * 1024
+    assert peak < 1.25 * 2**30, f"compiling a 0.27 GB GGUF peaked at {peak / 2**30:.2f} GiB"
