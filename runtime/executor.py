@@ -85,16 +85,18 @@ class PlanExecutor:
                                    f"{self.plan.params[:5]}{' ...' if len(self.plan.params) > 5 else ''}")
         return self._params[self._registers[name]]
 
-    def ort_packed_bytes(self) -> int:
-        """What the ONNX Runtime sessions hold of their own (OrtSegment.packed_bytes)."""
-        sessions = [launch.fn for launch in self._program] + [getattr(self.decode_graph, "session", None)]
-        return sum(getattr(s, "packed_bytes", 0) for s in sessions)
-
     def held(self) -> list:
         """What the launches keep from load on beside the params: each launch's prepared attrs and each
         ONNX Runtime session's initializers (the memory report finds the tensors in them)."""
+        return [launch.attrs for launch in self._program] + [s.initializers for s in self._ort_sessions()]
+
+    def ort_packed_bytes(self) -> int:
+        """What the ONNX Runtime sessions hold of their own (OrtSegment.packed_bytes)."""
+        return sum(s.packed_bytes for s in self._ort_sessions())
+
+    def _ort_sessions(self) -> list:
         sessions = [launch.fn for launch in self._program] + [getattr(self.decode_graph, "session", None)]
-        return [launch.attrs for launch in self._program] + [getattr(s, "initializers", {}) for s in sessions]
+        return [s for s in sessions if hasattr(s, "packed_bytes")]
 
     def _register(self, name: str, where: str) -> int:
         try:
