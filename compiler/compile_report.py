@@ -80,7 +80,12 @@ def timing_line(report: dict) -> str:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
-    import resource
+    """The process's peak resident memory so far: Linux's VmHWM, which is this program's own (the
+    ru_maxrss of a process started by a large one counts the parent's pages it was forked with)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
