@@ -63,6 +63,8 @@ class PlanExecutor:
         self._registers = {p: i for i, p in enumerate(plan.params)}
         self._ort_initializers: dict = {}   # shared by the ORT sessions (ort_segment.load_session)
         self._params = [_held(weights[p], self.device) for p in plan.params]
+        if self.device.type != "cpu":   # copied to the device: the host's mapped pages are not read again
+            release_file_pages([weights[p] for p in plan.params])
         base = len(self._registers)
         self._registers.update({name: base + i for i, name in enumerate(plan.inputs)})
         base += len(plan.inputs)
