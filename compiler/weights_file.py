@@ -1,7 +1,7 @@
 """The artifact's weights file (safetensors) written a tensor at a time and read as a memory map.
 safetensors' own save_file takes every tensor as bytes at once and load_file copies every tensor
-into memory; a model larger than memory needs neither. The bytes are those save_file writes for
-the same tensors (its header, order and padding), so artifacts stay byte-identical either way."""
+into memory; a model larger than memory needs neither. The file is what save_file writes for the
+same tensors (its order and data bytes), but for a header padded to 64 bytes, not 8."""
 
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ DTYPE_CODES = {
 }
 DTYPE_RANK = {dtype: rank for rank, dtype in enumerate(DTYPE_CODES)}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-HEADER_ALIGN = 8
+# the header is padded with spaces (as safetensors pads it to 8) so the data starts on a 64-byte
+# boundary: weights whose sizes are multiples of 64 bytes then sit where SIMD kernels may read them
+# in place from the mapping (torch's int8 GEMM crashes on an int8 weight 4 bytes off)
+HEADER_ALIGN = 64
 
 
 def file_order(tensors: dict[str, Entry]) -> list[str]:
@@ -39,7 +42,7 @@ def header_bytes(tensors: dict[str, Entry], order: list[str]) -> bytes:
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % HEADER_ALIGN)
+    text += b" " * (-(8 + len(text)) % HEADER_ALIGN)   # after the 8 bytes of its length
     return struct.pack("<Q", len(text)) + text
 
 

@@ -376,11 +376,16 @@ class PlanExecutor:
         return t.to(self.device)
 
 
+WEIGHT_ALIGN = 64
+
+
 def _held(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A param as the executor holds it: on the CPU the loaded tensor itself (a view of the artifact's
     weights file mapping, its pages shared with the page cache), copied only where its bytes sit off
-    its dtype's alignment, which torch's kernels assume; on another device, a copy there."""
-    if device.type == "cpu" and weight.device.type == "cpu" and weight.data_ptr() % weight.element_size() == 0:
+    a 64-byte boundary, which torch's kernels assume (its int8 GEMM crashes on an int8 weight 4
+    bytes off: the weights file aligns its data, see compiler/weights_file.py); on another device,
+    a copy there."""
+    if device.type == "cpu" and weight.device.type == "cpu" and weight.data_ptr() % WEIGHT_ALIGN == 0:
         return weight
     return torch.empty_like(weight, device=device).copy_(weight)
 

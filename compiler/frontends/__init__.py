@@ -28,7 +28,7 @@ def load_model(source: str, lazy: bool = False) -> LoadedModel:
 
         return load_onnx(path, source=source)
     if path.is_dir():
-        return load_hf_dir(path, source=source)
+        return load_hf_dir(path, source=source, lazy=lazy)
     if path.is_file():
         return load_file(path, source, lazy)
     raise missing_source_error(source)

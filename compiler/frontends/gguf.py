@@ -17,10 +17,9 @@ from unittest import mock
 import gguf
 import numpy as np
 import torch
-from accelerate import init_empty_weights
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor, get_tensor_name_map
 from gguf.quants import _type_traits as DEQUANTIZERS  # the types gguf.dequantize handles besides F32/F16
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers import modeling_gguf_pytorch_utils as gguf_checkpoint
 
 from llmc.compiler.frontends.config_check import check_config_values
@@ -34,9 +33,12 @@ from llmc.compiler.frontends.model import (
 )
 from llmc.compiler.frontends.tensor_table import (
     StoredTensor,
-    check_loading_info,
     check_tensor_table,
+    empty_model,
+    load_weights,
     meta_model,
+    placeholder,
+    with_tied_names,
 )
 from llmc.compiler.weight_store import LazyTensor
 from llmc.errors import ModelLoadError, UnsupportedModelError
@@ -259,21 +261,6 @@ def lazy_state_dict(reader: GGUFReader, names: dict[str, str], heads: tuple[int,
     return lazy, stored
 
 
-def placeholder(lazy: LazyTensor) -> torch.Tensor:
-    """Uninitialised memory of the lazy tensor's shape for the module to be traced with: never
-    read, so never resident (the compile swaps in the lazy values after tracing, see
-    LoadedModel.lazy_weights)."""
-    return torch.empty(lazy.shape, dtype=lazy.dtype)
-
-
-def with_tied_names(module: torch.nn.Module, stored: dict) -> dict:
-    """`stored` under every name its weights go by once the config's ties are made: a tied LM
-    head is the embedding's tensor, and tracing may name it either way."""
-    params = list(module.named_parameters(remove_duplicate=False))
-    source = {id(tensor): name for name, tensor in params if name in stored}
-    return stored | {name: stored[source[id(tensor)]] for name, tensor in params if id(tensor) in source}
-
-
 def permuted_heads(gguf_name: str, heads: tuple[int, int] | None) -> int | None:
     """The head count whose rope permutation the rows of tensor `gguf_name` carry, if any."""
     if heads is not None and ".attn_q." in gguf_name:
@@ -293,26 +280,6 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def empty_model(config, where: str) -> torch.nn.Module:
-    """The config's causal-LM module with its parameters on the meta device (to be assigned the
-    file's tensors) and its computed buffers (rotary frequencies) built as from_pretrained does."""
-    try:
-        with init_empty_weights(include_buffers=False):
-            return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    except (ValueError, TypeError, RuntimeError, AttributeError, KeyError) as e:
-        raise ModelLoadError(f"{where}: the config does not describe a model transformers can build "
-                             f"({first_line(e)}); fix or re-download the config") from e
-
-
-def load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    """Assign `state` to `module`'s parameters and tie what the config ties; any tensor still
-    without weights (on the meta device) is refused, as from_pretrained's missing keys are."""
-    module.load_state_dict(state, strict=False, assign=True)
-    module.tie_weights()
-    empty = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    check_loading_info({"missing_keys": empty}, where)
 
 
 def record_gguf_source(config, path: Path) -> None:

@@ -20,8 +20,18 @@ from llmc.compiler.frontends.model import (
     hash_files,
     read_json_object,
 )
-from llmc.compiler.frontends.safetensors_table import INDEX, read_safetensors_table
-from llmc.compiler.frontends.tensor_table import check_loading_info, check_tensor_table, meta_model
+from llmc.compiler.frontends.safetensors_table import INDEX, read_safetensors_table, read_tensor, tensor_files
+from llmc.compiler.frontends.tensor_table import (
+    StoredTensor,
+    check_loading_info,
+    check_tensor_table,
+    empty_model,
+    load_weights,
+    meta_model,
+    placeholder,
+    with_tied_names,
+)
+from llmc.compiler.weight_store import LazyTensor
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
 EXPECTED_FILES = "config.json, *.safetensors and tokenizer files (tokenizer.json or tokenizer.model)"
@@ -31,8 +41,9 @@ JSON_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
               "added_tokens.json", "vocab.json", INDEX)
 
 
-def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
-    """Check and load the checkpoint in directory `path`."""
+def load_hf_dir(path: Path, source: str | None = None, lazy: bool = False) -> LoadedModel:
+    """Check and load the checkpoint in directory `path`; with `lazy`, a checkpoint whose tensors
+    load under their own names stays in its files until read (LoadedModel.lazy_weights)."""
     config_path = find_config(path)
     check_config_values(read_config(config_path), f"'{config_path}'")
     for weights in find_safetensors(path):
@@ -42,17 +53,44 @@ def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     config = call_transformers(path, AutoConfig.from_pretrained, path, local_files_only=True)
     check_attention_fields(config, f"'{config_path}'")
     where, stored = read_safetensors_table(path)
-    check_tensor_table(meta_model(config, f"'{config_path}'"), stored, where)
+    meta = meta_model(config, f"'{config_path}'")
+    check_tensor_table(meta, stored, where)
     tokenizer = call_transformers(path, AutoTokenizer.from_pretrained, path, local_files_only=True)
     check_tokenizer(tokenizer, path)
+    if lazy and loads_by_name(meta, stored):
+        module, values = lazy_module(path, config, stored, where)
+    else:
+        module, values = pretrained_module(path, config, where), {}
+    return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
+                       name=path.resolve().name, source_hash=hash_source_dir(path),
+                       source=source or str(path), kind="hf", lazy_weights=values)
+
+
+def pretrained_module(path: Path, config, where: str) -> torch.nn.Module:
+    """The model as transformers loads it, every weight read into float32."""
     module, info = call_transformers(path, AutoModelForCausalLM.from_pretrained, path, config=config,
                                      dtype=torch.float32, attn_implementation=attention_implementation(config),
                                      use_safetensors=True,
                                      local_files_only=True, output_loading_info=True)
     check_loading_info(info, where)
-    return LoadedModel(module=module.eval(), config=module.config, tokenizer=tokenizer,
-                       name=path.resolve().name, source_hash=hash_source_dir(path),
-                       source=source or str(path), kind="hf")
+    return module
+
+
+def loads_by_name(meta: torch.nn.Module, stored: dict[str, StoredTensor]) -> bool:
+    """Whether every stored tensor is a float tensor the model holds under the same name, so it can
+    be read into place without transformers' renames and merges."""
+    names = set(meta.state_dict())
+    return all(name in names and tensor.is_float for name, tensor in stored.items())
+
+
+def lazy_module(path: Path, config, stored: dict[str, StoredTensor], where: str):
+    """The model on untouched placeholders, and each weight as a lazy float32 read of its file."""
+    module = empty_model(config, where, attention_implementation(config))
+    files = tensor_files(path)
+    values = {name: LazyTensor(t.shape, torch.float32, lambda f=files[name], n=name: read_tensor(f, n).float())
+              for name, t in stored.items()}
+    load_weights(module, {name: placeholder(t) for name, t in values.items()}, where)
+    return module, with_tied_names(module, values)
 
 
 def find_config(path: Path) -> Path:

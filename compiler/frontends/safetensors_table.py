@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from llmc.compiler.frontends.model import read_json_object
@@ -26,6 +27,22 @@ def read_safetensors_table(path: Path) -> tuple[str, dict[str, StoredTensor]]:
     found = ", ".join(sorted(p.name for p in path.glob("*.safetensors")))
     raise ModelLoadError(f"directory '{path}' has neither {SINGLE} nor {INDEX} (found {found}); "
                          f"name a single weights file {SINGLE}, or add the index of its shards")
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Each tensor's file: the shard the index places it in, or the single weights file (both
+    already checked by read_safetensors_table)."""
+    index = path / INDEX
+    if index.is_file():
+        return {name: path / shard for name, shard in read_weight_map(index).items()}
+    with safe_open(path / SINGLE, framework="pt") as f:
+        return dict.fromkeys(f.keys(), path / SINGLE)
+
+
+def read_tensor(file: Path, name: str) -> torch.Tensor:
+    """One tensor's values from a safetensors file, the rest of the file left unread."""
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def read_header(file: Path) -> dict[str, StoredTensor]:

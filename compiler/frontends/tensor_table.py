@@ -8,9 +8,11 @@ import re
 from dataclasses import dataclass
 
 import torch
+from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
 from llmc.compiler.frontends.model import first_line
+from llmc.compiler.weight_store import LazyTensor
 from llmc.errors import ModelLoadError
 
 SHOWN_NAMES = 4
@@ -32,6 +34,41 @@ def meta_model(config, where: str) -> torch.nn.Module:
     except (ValueError, TypeError, RuntimeError, AttributeError, KeyError) as e:
         raise ModelLoadError(f"{where}: the config does not describe a model transformers can build "
                              f"({first_line(e)}); fix or re-download the config") from e
+
+
+def empty_model(config, where: str, attention: str = "sdpa") -> torch.nn.Module:
+    """The config's causal-LM module with its parameters on the meta device (to be assigned the
+    file's tensors) and its computed buffers (rotary frequencies) built as from_pretrained does."""
+    try:
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+    except (ValueError, TypeError, RuntimeError, AttributeError, KeyError) as e:
+        raise ModelLoadError(f"{where}: the config does not describe a model transformers can build "
+                             f"({first_line(e)}); fix or re-download the config") from e
+
+
+def load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Assign `state` to `module`'s parameters and tie what the config ties; any tensor still
+    without weights (on the meta device) is refused, as from_pretrained's missing keys are."""
+    module.load_state_dict(state, strict=False, assign=True)
+    module.tie_weights()
+    empty = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    check_loading_info({"missing_keys": empty}, where)
+
+
+def placeholder(lazy: LazyTensor) -> torch.Tensor:
+    """Uninitialised memory of the lazy tensor's shape for the module to be traced with: never
+    read, so never resident (the compile swaps in the lazy values after tracing, see
+    compiler/frontends/model.py: LoadedModel.lazy_weights)."""
+    return torch.empty(lazy.shape, dtype=lazy.dtype)
+
+
+def with_tied_names(module: torch.nn.Module, stored: dict) -> dict:
+    """`stored` under every name its weights go by once the config's ties are made: a tied LM
+    head is the embedding's tensor, and tracing may name it either way."""
+    params = list(module.named_parameters(remove_duplicate=False))
+    source = {id(tensor): name for name, tensor in params if name in stored}
+    return stored | {name: stored[source[id(tensor)]] for name, tensor in params if id(tensor) in source}
 
 
 def check_tensor_table(module: torch.nn.Module, stored: dict[str, StoredTensor], where: str) -> None:

@@ -34,13 +34,21 @@ def random_tensors(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_weights_file_is_byte_for_byte_safetensors_and_maps_back(tmp_path):
+def data_bytes(path: Path) -> bytes:
+    raw = path.read_bytes()
+    return raw[8 + int.from_bytes(raw[:8], "little"):]
+
+
+def test_weights_file_is_safetensors_with_aligned_data_and_maps_back(tmp_path):
     tensors = random_tensors(1)
     save_file(tensors, tmp_path / "reference.safetensors")
     lazy = {name: LazyTensor(tuple(t.shape), t.dtype, lambda t=t: t.clone()) for name, t in tensors.items()}
     write_weights_file(tmp_path / "ours.safetensors", lazy)
-    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
-    mapped, loaded = map_weights_file(tmp_path / "ours.safetensors"), load_file(tmp_path / "reference.safetensors")
+    ours = tmp_path / "ours.safetensors"
+    assert data_bytes(ours) == data_bytes(tmp_path / "reference.safetensors")   # safetensors' order and bytes
+    assert (ours.stat().st_size - len(data_bytes(ours))) % 64 == 0                # the data starts 64-aligned
+    assert all(torch.equal(load_file(ours)[name], t) for name, t in tensors.items())
+    mapped, loaded = map_weights_file(ours), load_file(tmp_path / "reference.safetensors")
     assert set(mapped) == set(loaded)
     for name, tensor in loaded.items():
         assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
@@ -134,3 +142,15 @@ def test_compiling_a_300mb_gguf_stays_under_its_memory_bound(smollm2_gguf, tmp_p
                          capture_output=True, text=True).stdout
     peak = int(out.split()[-1])
     assert peak < 1.25 * 2**30, f"compiling a 0.27 GB GGUF peaked at {peak / 2**30:.2f} GiB"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_a_checkpoint_folder_streams_to_the_bytes_of_its_whole_model_compile(arch, tmp_path, monkeypatch):
+    import tiny_hf_models as tiny
+
+    tiny.save_checkpoint(tiny.ARCHS[arch](), tmp_path / "hf", seed=3)
+    streamed = llmc.compile(str(tmp_path / "hf"), target="cpu-bf16", kernels="cpu", output=tmp_path / "s", quiet=True)
+    monkeypatch.setattr(pipeline, "load_model", lambda source, lazy=False: load_model(source))
+    whole = llmc.compile(str(tmp_path / "hf"), target="cpu-bf16", kernels="cpu", output=tmp_path / "w", quiet=True)
+    assert compiled_files(streamed) == compiled_files(whole)
+    assert load_model(str(tmp_path / "hf"), lazy=True).lazy_weights
