@@ -87,8 +87,9 @@ def test_load_grows_rss_by_the_weights_once_and_the_split_adds_up(lean_artifact)
     assert got["written_kib"] == 0   # nothing writes a weight: pages unmapped after load fault back unchanged
     expected = report(lean_artifact, kv_memory=KV_MEMORY)["memory_at_load"]   # what `llmc inspect` says
     assert split["kv_cache_allocated"] == expected["kv_cache"] and split["weights_file"] == expected["weights_file"]
-    if cpu_native.available():
-        assert split["weights_repacked"] == expected["weights_repacked"] > 0
+    if cpu_native.available():   # and params off a 64-byte boundary, copied (executor._held): few if any
+        repacked = expected["weights_repacked"]
+        assert 0 < repacked <= split["weights_repacked"] <= repacked + 0.01 * weights
 
 
 def test_weights_read_as_stored_are_views_of_the_file_mapping(lean_artifact):
@@ -96,8 +97,10 @@ def test_weights_read_as_stored_are_views_of_the_file_mapping(lean_artifact):
     executor = PlanExecutor(verified_plan(art), art.weights)
     mappings = file_mappings()
     mapped = lambda t: any(start <= t.data_ptr() < end for start, end in mappings)
-    for name in executor.plan.params:
-        assert executor.weight(name).data_ptr() == art.weights[name].data_ptr() and mapped(art.weights[name])
+    assert all(mapped(art.weights[name]) for name in executor.plan.params)
+    held = [name for name in executor.plan.params if executor.weight(name).data_ptr() == art.weights[name].data_ptr()]
+    copied = sum(art.weights[name].nbytes for name in set(executor.plan.params) - set(held))
+    assert copied <= 0.01 * sum(art.weights[name].nbytes for name in executor.plan.params)   # off 64-byte lines only
     if not cpu_native.available():
         return
     prepared = [attrs.get("native_gemv") for attrs in executor.held() if isinstance(attrs, dict)]
