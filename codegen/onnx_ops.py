@@ -7,7 +7,6 @@ codegen modules."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Callable
 
@@ -16,6 +15,7 @@ import torch
 
 from llmc.codegen.onnx_weights import initializer, integral_zeros
 from llmc.codegen.ort_int8 import signed_int8_exact
+from llmc.compiler.weight_store import WeightStore, values_of
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -83,14 +83,16 @@ class OnnxBuilder:
             f"{name}.{transform}" + ("" if dims is None else "." + "x".join(map(str, dims)))
         if key in self._inits:
             return key
-        tensor = self.weights[name].detach().cpu()
         if not self.segment:
-            return self.const(key, initializer(tensor, transform, dims).numpy())
+            return self.const(key, initializer(self.weights[name].detach().cpu(), transform, dims).numpy())
         self._inits.add(key)
-        # declared from its shape alone: the tensor is made only if a session is built here
-        self.initializers.append(_external(key, initializer(tensor.to("meta"), transform, dims)))
+        # declared from its shape alone: the weight is read (a lazy one from its source) and made
+        # only if a session is built here, and not held by the builder before that
+        entry = self.weights.entry(name) if isinstance(self.weights, WeightStore) else self.weights[name]
+        shape = torch.empty(tuple(entry.shape), dtype=entry.dtype, device="meta")
+        self.initializers.append(_external(key, initializer(shape, transform, dims)))
         self.sources[key] = (name, transform)
-        self.values.add(key, functools.partial(initializer, tensor, transform, dims))
+        self.values.add(key, lambda: initializer(values_of(entry).detach().cpu(), transform, dims))
         return key
 
     def value(self, ir_name: str) -> str:

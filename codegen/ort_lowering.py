@@ -262,8 +262,10 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     CalibrationReference, or None) is what auto checks int8 activations on."""
     check_kernels_option(mode, plan.target, device)
     mode = mode or DEFAULT_MODE
-    if device != "cpu" or mode == "cpu":
+    if device != "cpu":
         return plan, {}
+    if mode == "cpu":
+        return torch_dispatch_plan(plan, graph), {}
     kept = kept_in_torch(graph)
     if mode == "ort":
         _refuse_torch_ops(graph, kept)
@@ -311,6 +313,17 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
             choice["whole_plan"] = {"chosen": "lowered", "why": question or too_large}
         return lowered, files
     return _whole_plan(graph, cpu_plan, lowered, files, choice)
+
+
+def torch_dispatch_plan(plan: Plan, graph: Graph) -> Plan:
+    """The torch plan with its quantised linears' switch to dense GEMMs measured now (once per shape,
+    per machine), as auto records it: otherwise every load would measure it (31 s for a 1B model)."""
+    from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
+    from llmc.runtime.threads import resolve_threads
+
+    record = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, resolve_threads())
+    plan.meta = {**plan.meta, "kernel_choice": {"mode": "cpu", DISPATCH_META: record}}
+    return plan
 
 
 def _whole_plan(graph: Graph, cpu_plan: Plan, lowered: Plan, files: dict[str, bytes], choice: dict):

@@ -253,7 +253,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
 def kernel_choice_lines(choice: dict | None) -> list[str]:
     """What --kernels chose for a cpu artifact: ORT segments or torch, and for auto what was measured
     (microseconds per call at decode and prefill shapes, each kind of segment once)."""
-    if not choice:
+    if not choice or choice["mode"] == "cpu":
         return ["  kernels: cpu (torch)"]
     lines = [f"  kernels: {choice['mode']} (ONNX Runtime segments where chosen, torch attention)"]
     measured = choice.get("measured")
