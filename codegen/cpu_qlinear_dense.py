@@ -51,6 +51,12 @@ class DenseSource(NamedTuple):
     in_features: int
     halves: bool = False            # nibbles in the native GEMV's order (cpu_native.Q4Weights), not as stored
 
+    def rows(self, start: int, end: int) -> DenseSource:
+        """Output rows start..end of the weight (views)."""
+        cut = (lambda t: None if t is None else t[start:end])
+        return self._replace(codes=self.codes[start:end], scales=self.scales[start:end], zeros=cut(self.zeros),
+                             mins=cut(self.mins), out_features=end - start)
+
 
 class DispatchedWeights(NamedTuple):
     """A low-bit kernel's packed weights for few rows, the dense source from `dense_from` rows."""
@@ -85,6 +91,9 @@ def halves_source(scheme: str, w) -> DenseSource:
 
 _scratch = threading.local()
 _scratches: weakref.WeakSet = weakref.WeakSet()   # every thread's, for scratch_bytes
+
+
+DENSE_BLOCK_BYTES = 256 * 2**20
 
 
 def _scratch_for(n: int, k: int) -> torch.Tensor:
@@ -131,14 +140,24 @@ def dequantize_into(src: DenseSource, out: torch.Tensor) -> torch.Tensor:
 
 
 def run_dense(x: torch.Tensor, src: DenseSource, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] as qlinear_ref computes it (activations fake-quantised for fp8/w8a8)."""
-    weight = dequantize_into(src, _scratch_for(src.out_features, src.in_features))
+    """x [..., K] -> [..., N] as qlinear_ref computes it (activations fake-quantised for fp8/w8a8).
+    A weight over DENSE_BLOCK_BYTES in fp32 (an 8B model's LM head: 805 MB) is dequantised and
+    multiplied a block of output rows at a time, so the scratch stays that size."""
     h = x.float()
     if src.scheme == "fp8" and src.act_scale is not None:
         h = fake_quant_fp8(h, src.act_scale)
     elif src.scheme == "w8a8":
         h = fake_quant_int8_per_token(h)
-    return F.linear(h, weight, None if bias is None else bias.float()).to(x.dtype)
+    bias = None if bias is None else bias.float()
+    block = max(1, DENSE_BLOCK_BYTES // (4 * src.in_features))
+    if src.out_features <= block:
+        return F.linear(h, dequantize_into(src, _scratch_for(src.out_features, src.in_features)), bias).to(x.dtype)
+    out = h.new_empty(*h.shape[:-1], src.out_features)
+    for start in range(0, src.out_features, block):
+        end = min(start + block, src.out_features)
+        weight = dequantize_into(src.rows(start, end), _scratch_for(end - start, src.in_features))
+        out[..., start:end] = F.linear(h, weight, None if bias is None else bias[start:end])
+    return out.to(x.dtype)
 
 
 def rows_of(x: torch.Tensor) -> int:

@@ -54,6 +54,19 @@ def test_dense_path_is_the_reference_bit_for_bit(scheme):
     assert got.shape == (2, 9, 48) and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_weight_over_the_block_budget_is_multiplied_a_block_of_rows_at_a_time(scheme, monkeypatch):
+    """Blocks of 20 output rows (the last short): each row's dot products as the whole weight's."""
+    from llmc.codegen import cpu_qlinear_dense
+
+    params, attrs = stored(scheme, 48, 128, seed=len(scheme) + 3)
+    x = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(4))
+    want = qlinear_ref(*inputs_of(params, attrs, x), **attrs)[0]
+    monkeypatch.setattr(cpu_qlinear_dense, "DENSE_BLOCK_BYTES", 20 * 4 * 128)
+    got = run_dense(x, dense_source(attrs["scheme"], *params))
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("scheme", ["int4", "affine4", "affine4-q4_0"])
 def test_dense_path_from_the_native_form_is_the_reference_bit_for_bit(scheme):
     """A 4-bit weight held only in the native GEMV's nibble order dequantises to the reference's weight."""
