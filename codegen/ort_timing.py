@@ -9,9 +9,11 @@ busy machine biases neither side."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import re
+import sys
 import time
 
 import torch
@@ -114,6 +116,17 @@ class ReferenceSegment:
             for v, t in zip(node.outputs, run_reference(node, args)):
                 values[v.name] = t
         return [values[o] for o in self.seg.outputs]
+
+
+def return_freed_memory() -> None:
+    """Give the C heap's freed pages back to the system (glibc keeps them otherwise, and a large
+    model's timings free a layer's worth at a time)."""
+    trim = getattr(LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 
 
 def segment_weights(graph: Graph, seg) -> dict[str, torch.Tensor]:
@@ -230,7 +243,12 @@ def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int) -> dic
             runners[INT8_ACTIVATIONS] = session(*build_segment(graph, seg, INT8_COMPUTE))
         outputs: dict = {}
         us = measure(runners, graph, seg, outputs)
-        error = errors(runners, ReferenceSegment(graph, seg), graph, seg, outputs)
+        # measure kept every runner's outputs: the runners (each holding the segment's weights in its
+        # own form) go before the reference dequantises them again, so a large model's layer is held once
+        names = dict.fromkeys(runners)
+        del runners
+        return_freed_memory()
+        error = errors(names, ReferenceSegment(graph, seg), graph, seg, outputs)
     finally:
         torch.set_num_threads(previous)
     return {"us": us, "error": error}
