@@ -245,10 +245,10 @@ def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int) -> dic
         us = measure(runners, graph, seg, outputs)
         # measure kept every runner's outputs: the runners (each holding the segment's weights in its
         # own form) go before the reference dequantises them again, so a large model's layer is held once
-        names = dict.fromkeys(runners)
-        del runners
-        return_freed_memory()
-        error = errors(names, ReferenceSegment(graph, seg), graph, seg, outputs)
+        if all((name, tokens) in outputs for name in runners for tokens in (1, PREFILL_TOKENS)):
+            runners = dict.fromkeys(runners)
+            return_freed_memory()
+        error = errors(runners, ReferenceSegment(graph, seg), graph, seg, outputs)
     finally:
         torch.set_num_threads(previous)
     return {"us": us, "error": error}
