@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers import modeling_gguf_pytorch_utils as gguf_checkpoint
 
 from llmc.compiler.frontends.config_check import check_config_values
-from llmc.compiler.frontends.gguf_dequant import LazyBlocks, lazy_decode, torch_shape
+from llmc.compiler.frontends.gguf_dequant import LazyBlocks, RecentParts, lazy_decode, torch_shape
 from llmc.compiler.frontends.model import (
     SUPPORTED_GGUF_ARCHITECTURES,
     LoadedModel,
@@ -250,11 +250,11 @@ def lazy_state_dict(reader: GGUFReader, names: dict[str, str], heads: tuple[int,
     block format llmc imports as lazy affine params: nothing is decoded until asked. Tensors with
     no such name (ones the table check lets pass, named after computed buffers) are skipped, as
     transformers skips them."""
-    lazy, stored = {}, {}
+    lazy, stored, recent = {}, {}, RecentParts()
     for tensor in (t for t in reader.tensors if t.name in names):
         rope_heads = permuted_heads(tensor.name, heads)
         rows = None if rope_heads is None else unpermute_rows(torch.arange(torch_shape(tensor)[0]), rope_heads)
-        values, blocks = lazy_decode(tensor, rows)
+        values, blocks = lazy_decode(tensor, rows, recent)
         lazy[names[tensor.name]] = values
         if blocks is not None:
             stored[names[tensor.name]] = blocks

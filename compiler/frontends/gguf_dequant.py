@@ -81,7 +81,7 @@ BLOCK_LAYOUTS: dict[GGMLQuantizationType, tuple[str, int, bool]] = {
 class RecentParts:
     """The last few tensors' decoded parts: a weight's codes, scales and minimums are written as
     three params (and a fused projection reads each part of each source), so without this every
-    block would be decoded once per part. Bounded by count, so by a few weights' bytes."""
+    block would be decoded once per part. Bounded by count, so by a few weights' bytes; one per loaded file."""
 
     def __init__(self, size: int = 4):
         self.size, self.entries = size, []   # (tensor, parts), most recent last
@@ -97,10 +97,8 @@ class RecentParts:
         self.entries = (self.entries + [(tensor, parts)])[-self.size:]
 
 
-RECENT_PARTS = RecentParts()
-
-
-def lazy_decode(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> tuple[LazyTensor, LazyBlocks | None]:
+def lazy_decode(tensor: ReaderTensor, rows: torch.Tensor | None = None,
+                recent: RecentParts | None = None) -> tuple[LazyTensor, LazyBlocks | None]:
     """decode(tensor) made lazy: its float32 values, and for a 2-D block-format tensor its affine
     parts, each decoded when asked (with its output rows reordered by `rows` when given)."""
     shape = torch_shape(tensor)
@@ -115,11 +113,12 @@ def lazy_decode(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> tuple
         return lazy, None
 
     def parts() -> AffineWeight:
-        affine = RECENT_PARTS.get(tensor)
+        affine = None if recent is None else recent.get(tensor)
         if affine is None:
             affine = affine_weight(block_parts(tensor), tensor.tensor_type.name, shape)
             affine = affine if rows is None else affine.rows(rows)
-            RECENT_PARTS.put(tensor, affine)
+            if recent is not None:
+                recent.put(tensor, affine)
         return affine
 
     scheme, group_size, has_mins = layout
