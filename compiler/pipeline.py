@@ -251,7 +251,7 @@ def attach_lazy_weights(graph: Graph, loaded) -> None:
 def calibrate(loaded, pipeline: list, opts: CompileOptions, log) -> list[torch.Tensor] | None:
     """Calibration sequences, made only when a lossy (or otherwise calibrated) pass will use
     them (so lossless compiles stay fast and never sample from the model)."""
-    if not any("calibration" in p.needs for p in pipeline):
+    if not runs_model(pipeline):
         return None
     t = time.perf_counter()
     seqs = calibration_sequences(loaded, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.calib_seed)
