@@ -5,6 +5,7 @@ entry makes its values and keeps none of them; only assigning a tensor stores on
 
 from __future__ import annotations
 
+import math
 from collections.abc import MutableMapping
 from typing import Callable, Iterator, NamedTuple
 
@@ -18,10 +19,7 @@ class LazyTensor(NamedTuple):
     load: Callable[[], torch.Tensor]
 
     def numel(self) -> int:
-        count = 1
-        for d in self.shape:
-            count *= d
-        return count
+        return math.prod(self.shape)
 
     def dim(self) -> int:
         return len(self.shape)

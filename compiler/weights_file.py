@@ -6,6 +6,7 @@ same tensors (its order and data bytes), but for a header padded to 64 bytes, no
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -78,9 +79,7 @@ def mapped_tensor(mapped: mmap.mmap | None, base: int, name: str, entry: dict) -
     shape, (start, end) = entry.get("shape"), entry.get("data_offsets", (0, -1))
     if dtype is None or not isinstance(shape, list):
         raise ValueError(f"tensor {name!r} has dtype {entry.get('dtype')!r} and shape {shape!r}")
-    count = 1
-    for d in shape:
-        count *= d
+    count = math.prod(shape)
     if end - start != count * dtype.itemsize or start < 0 or (mapped is not None and base + end > len(mapped)):
         raise ValueError(f"tensor {name!r}: bytes {start}..{end} do not hold {dtype} {shape} within the file")
     if count == 0:
