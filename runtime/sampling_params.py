@@ -54,8 +54,8 @@ class SamplingParams:
             self.top_k = -1
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop, "a string, a list of strings or None")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of integers or None")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -103,6 +103,16 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, "must be True or False", getattr(self, name))
+
+
+def _as_list(name, value, shown) -> list:
+    """A list of the items of `value` (None: none); a value that is no sequence is refused by name
+    rather than left to list()'s TypeError."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        _fail(name, f"must be {shown}", value)
+    return list(value)
 
 
 def _is_int(value) -> bool:

@@ -55,6 +55,9 @@ def test_greedy_when_temperature_zero_or_top_k_one(kwargs):
     ({"stop": ["ok", ""]}, "SamplingParams.stop must hold non-empty strings, got ''"),
     ({"stop_token_ids": [3, -1]}, "SamplingParams.stop_token_ids must hold integers >= 0"),
     ({"ignore_eos": 1}, "SamplingParams.ignore_eos must be True or False, got 1"),
+    ({"stop": 5}, "SamplingParams.stop must be a string, a list of strings or None, got 5"),
+    ({"stop": {"a"}}, "SamplingParams.stop must be a string, a list of strings or None"),
+    ({"stop_token_ids": 5}, "SamplingParams.stop_token_ids must be a list of integers or None, got 5"),
     ({"temperature": "hot"}, "SamplingParams.temperature must be a number, got 'hot'"),
 ])
 def test_invalid_field_names_the_field_and_range(kwargs, message):
