@@ -1,6 +1,8 @@
 """The memory roofline of a benchmark run: the machine's read bandwidth and fp32 GEMM peak
-(measured once per CPU model, thread count and page size, cached in $LLMC_CACHE/bandwidth.json) against
-the weight bytes a decode step reads and the GEMM FLOPs a run does."""
+(measured once per CPU model, thread count and page size, cached in $LLMC_CACHE/bandwidth.json with
+when and under what load they were measured; a figure measured on a busy machine, or whose samples
+spread too far, is used for that run only) against the weight bytes a decode step reads and the GEMM
+FLOPs a run does."""
 
 from __future__ import annotations
 
@@ -9,13 +11,23 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from llmc.cache import cache_root
+from llmc.cache import busy_reason, cache_root, remeasuring, spread, trusting, watch_load
 
 BANDWIDTH_BYTES = 512 << 20      # a buffer far beyond any last-level cache
 GEMM_SIZE = 1024
+# a figure whose median sample is this much slower than its best is not cached: the machine was
+# not steady while it ran
+SPREAD_LIMIT = 0.15
+
+
+class Figure(NamedTuple):
+    """A measured machine figure and how far its samples spread (llmc.cache.spread)."""
+    value: float
+    spread: float
 
 
 def cache_file() -> Path:
@@ -32,31 +44,34 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def _sample_seconds(fn, repeats: int) -> list[float]:
     fn()   # warm-up: page faults and thread-pool start-up are not bandwidth
-    best = float("inf")
+    samples = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        samples.append(time.perf_counter() - t)
+    return samples
 
 
-def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
+def _rate(amount: float, samples: list[float]) -> Figure:
+    """amount per second at the best sample, and the samples' spread."""
+    return Figure(amount / min(samples), spread(samples))
+
+
+def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> Figure:
     """GB/s of an fp32 GEMV over `nbytes` of matrix (what a batch-1 decode step does), best of
     `repeats`, in torch's current thread count."""
     cols = 4096
     w = torch.empty(max(1, nbytes // (4 * cols)), cols).fill_(1.0)
     x = torch.ones(cols)
-    seconds = _best_seconds(lambda: torch.mv(w, x), repeats)
-    return w.numel() * 4 / seconds / 1e9
+    return _rate(w.numel() * 4 / 1e9, _sample_seconds(lambda: torch.mv(w, x), repeats))
 
 
-def measure_gemm_peak(size: int = GEMM_SIZE, repeats: int = 5) -> float:
+def measure_gemm_peak(size: int = GEMM_SIZE, repeats: int = 5) -> Figure:
     """GFLOP/s of an fp32 square torch.mm, best of `repeats`, in torch's current thread count."""
     a, b = torch.rand(size, size), torch.rand(size, size)
-    seconds = _best_seconds(lambda: torch.mm(a, b), repeats)
-    return 2 * size ** 3 / seconds / 1e9
+    return _rate(2 * size ** 3 / 1e9, _sample_seconds(lambda: torch.mm(a, b), repeats))
 
 
 def cache_key(threads: int) -> str:
@@ -66,26 +81,55 @@ def cache_key(threads: int) -> str:
     return f"{cpu_model()} / {threads} threads{pages}"
 
 
-def machine_figure(name: str, threads: int, measure) -> float:
-    """`name` ("bandwidth_gbps" or "gemm_peak_gflops") for this CPU at `threads` threads: from
-    the cache, else measured by `measure()` and cached."""
-    path = cache_file()
-    key = cache_key(threads)
+def _read_cache(path: Path) -> dict:
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
-        cache = {}
-    if not isinstance(cache, dict):
-        cache = {}
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def figure_record(name: str, threads: int, measure, remeasure: bool = False) -> dict:
+    """`name` ("bandwidth_gbps" or "gemm_peak_gflops") for this CPU at `threads` threads, as
+    {"value", "source": "cache" or "measured", "measured": when and under what load, "not_cached":
+    why, where it was not}: from the cache (unless `remeasure` or $LLMC_REMEASURE), else measured by
+    `measure()` (a Figure, or a bare number) and cached if the machine was quiet and the samples steady.
+    A cached figure without its measured record (an older llmc's) is measured again."""
+    path, key = cache_file(), cache_key(threads)
+    cache = _read_cache(path)
     entry = cache.get(key) if isinstance(cache.get(key), dict) else {}
-    if isinstance(entry.get(name), (int, float)) and entry[name] > 0:
-        return float(entry[name])
-    cache[key] = {**entry, name: measure()}
+    measured = entry.get("measured") if isinstance(entry.get("measured"), dict) else {}
+    value = entry.get(name)
+    if not (remeasure or remeasuring()) and isinstance(value, (int, float)) and value > 0 and name in measured:
+        return {"value": float(value), "source": "cache", "measured": measured[name]}
+    with watch_load(threads) as load:
+        figure = measure()
+    figure = figure if isinstance(figure, Figure) else Figure(float(figure), 0.0)
+    record = {**load.record, "spread": figure.spread}
+    why = busy_reason(load.record) or _spread_reason(figure)
+    if why is None:
+        cache[key] = {**entry, name: figure.value, "measured": {**measured, name: record}}
+        _write_cache(path, cache)
+    return {"value": figure.value, "source": "measured", "measured": record,
+            **({"not_cached": why} if why else {})}
+
+
+def _spread_reason(figure: Figure) -> str | None:
+    if trusting() or figure.spread <= SPREAD_LIMIT:
+        return None
+    return f"its samples spread {figure.spread:.0%} (over {SPREAD_LIMIT:.0%})"
+
+
+def _write_cache(path: Path, cache: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cache, indent=2, sort_keys=True))
     tmp.replace(path)
-    return cache[key][name]
+
+
+def machine_figure(name: str, threads: int, measure, remeasure: bool = False) -> float:
+    """figure_record's value."""
+    return figure_record(name, threads, measure, remeasure)["value"]
 
 
 def weight_bytes(manifest: dict) -> int:
@@ -110,12 +154,17 @@ def gemm_weights(plan) -> tuple[int, int]:
 
 
 def bench_roofline(engine, result, threads: int, bandwidth_gbps: float | None = None,
-                   gemm_peak_gflops: float | None = None) -> dict:
+                   gemm_peak_gflops: float | None = None, remeasure: bool = False) -> dict:
     """The roofline block of `llmc bench --json` for `result` (a run_engine BenchResult): decode
     weight-read GB/s against the memory bandwidth, and the run's GEMM GFLOP/s (2 per weight per
-    token) against the fp32 GEMM peak; peaks not given are measured once and cached."""
-    bandwidth_gbps = bandwidth_gbps or machine_figure("bandwidth_gbps", threads, measure_bandwidth)
-    gemm_peak_gflops = gemm_peak_gflops or machine_figure("gemm_peak_gflops", threads, measure_gemm_peak)
+    token) against the fp32 GEMM peak; peaks not given are measured once and cached (`remeasure`:
+    measured again and the cache refreshed), and "peaks" says where each came from."""
+    peaks = {}
+    for name, given, measure in (("bandwidth_gbps", bandwidth_gbps, measure_bandwidth),
+                                 ("gemm_peak_gflops", gemm_peak_gflops, measure_gemm_peak)):
+        peaks[name] = ({"value": given, "source": "given"} if given else
+                       figure_record(name, threads, measure, remeasure))
+    bandwidth_gbps, gemm_peak_gflops = peaks["bandwidth_gbps"]["value"], peaks["gemm_peak_gflops"]["value"]
     wbytes, st, m = weight_bytes(engine.manifest), result.steps, result.metrics or engine.metrics
     steps_per_s = st.decode_steps / st.decode_seconds if st.decode_steps and st.decode_seconds > 0 else None
     achieved = wbytes * steps_per_s / 1e9 if steps_per_s else None
@@ -126,7 +175,7 @@ def bench_roofline(engine, result, threads: int, bandwidth_gbps: float | None = 
             "decode_steps_per_s": steps_per_s, "decode_tokens_per_step":
                 st.decode_tokens / st.decode_steps if st.decode_steps else None,
             "gemm_peak_gflops": gemm_peak_gflops, "achieved_gflops": flops,
-            "gemm_fraction": flops / gemm_peak_gflops, "threads": threads}
+            "gemm_fraction": flops / gemm_peak_gflops, "threads": threads, "peaks": peaks}
 
 
 def format_roofline(r: dict) -> list[str]:
@@ -140,4 +189,7 @@ def format_roofline(r: dict) -> list[str]:
     if batched or not lines:
         lines.append(f"GEMM              {r['achieved_gflops']:.2f} GFLOP/s = {r['gemm_fraction']:.0%} of "
                      f"{r['gemm_peak_gflops']:.1f} GFLOP/s fp32 peak")
+    for name, peak in (r.get("peaks") or {}).items():
+        if peak.get("not_cached"):
+            lines.append(f"  {name.split('_')[0]} peak measured now, not cached: {peak['not_cached']}")
     return lines

@@ -139,13 +139,16 @@ def test_peaks_are_measured_once_and_cached_per_cpu_and_thread_count(tmp_path):
     assert roofline.machine_figure("gemm_peak_gflops", 1, lambda: roofline.measure_gemm_peak(64, repeats=2)) > 0
     assert roofline.machine_figure("bandwidth_gbps", 2, lambda: 7.0) == 7.0   # another thread count: its own entry
     cache = json.loads(path.read_text())
-    assert set(cache[key]) == {"bandwidth_gbps", "gemm_peak_gflops"} and len(cache) == 2
+    assert set(cache[key]) == {"bandwidth_gbps", "gemm_peak_gflops", "measured"} and len(cache) == 2
+    assert set(cache[key]["measured"]) == {"bandwidth_gbps", "gemm_peak_gflops"}
 
 
 def test_bench_reads_the_cached_peaks(artifact, tmp_path):
     path = tmp_path / "cache" / "bandwidth.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({roofline.cache_key(1): {"bandwidth_gbps": 12.5, "gemm_peak_gflops": 33.0}}))
+    measured = {"at": "2026-01-01T00:00:00Z", "other_cores": 0.0, "cores": 2, "threads": 1, "spread": 0.01}
+    path.write_text(json.dumps({roofline.cache_key(1): {"bandwidth_gbps": 12.5, "gemm_peak_gflops": 33.0, "measured": {
+        "bandwidth_gbps": measured, "gemm_peak_gflops": measured}}}))
     r = _bench_json(artifact, "--threads", "1")["roofline"]
     assert (r["bandwidth_gbps"], r["gemm_peak_gflops"]) == (12.5, 33.0)
 
