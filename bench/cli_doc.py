@@ -20,8 +20,8 @@ def help_text(command: click.Command, name: str, parent: click.Context | None) -
 
 
 def markdown() -> str:
-    root = click.Context(cli, info_name="llmc", terminal_width=WIDTH, max_content_width=WIDTH)
-    sections = [HEADER, "## llmc\n\n```\n" + help_text(cli, "llmc", None) + "\n```\n"]
+    root = click.Context(cli, info_name="llmc", terminal_width=WIDTH, max_content_width=WIDTH, **cli.context_settings)
+    sections = [HEADER, "## llmc\n\n```\n" + cli.get_help(root) + "\n```\n"]
     for name in sorted(cli.commands):
         sections.append(f"## llmc {name}\n\n```\n" + help_text(cli.commands[name], name, root) + "\n```\n")
     return "\n".join(sections)
