@@ -21,7 +21,7 @@ from llmc.compiler.artifact import (
     read_manifest,
     verify_file,
 )
-from llmc.compiler.manifest_schema import check_kernel_records, check_model_agrees
+from llmc.compiler.manifest_schema import RECOMPILE, check_kernel_records, check_model_agrees
 from llmc.errors import ArtifactError
 
 
@@ -74,6 +74,7 @@ def report(artifact: str | Path, kv_memory: str = "1GiB") -> dict:
         "weight_bytes": rep["weight_bytes"],
         "weight_bytes_total": sum(rep["weight_bytes"].values()),
         "quant": quant_summary(manifest["pipeline"]),
+        "weights": weight_summary(_rank0_graph(path, manifest), manifest),
         "kv_bytes_per_token": rep["kv_bytes_per_token"],
         "kv_bytes_full_context": rep["kv_bytes_full_context"],
         "activation_peak_bytes": rep["activation_peak_bytes"],
@@ -89,6 +90,67 @@ def report(artifact: str | Path, kv_memory: str = "1GiB") -> dict:
         "parallel": manifest.get("parallel"),   # tensor parallel: what each rank holds and runs per step
         "memory_at_load": _memory_at_load(plan, manifest["model"], kv_memory),   # rank 0's
     }
+
+
+def _rank0_graph(path: Path, manifest: dict) -> dict:
+    return _read_json(path, manifest, rank_file(rank_view(manifest, 0, f"artifact '{path}'"), GRAPH))
+
+
+# short names of float weight dtypes (compiler/targets.py PRECISION_DTYPES, inverted)
+FLOAT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+def linear_format(node: dict, params: dict[str, dict]) -> str:
+    """The weight format of a linear or qlinear node of graph.json: a float dtype, a scheme (int4
+    with its group), or for a GGUF's kept blocks the file's own format (Q4_1, Q8_0, ...)."""
+    attrs = node["attrs"]
+    if node["op"] == "linear":
+        dtype = params[node["inputs"][1]]["type"]["dtype"]
+        return FLOAT_NAMES.get(dtype, dtype)
+    scheme = attrs["scheme"]
+    if scheme in ("affine4", "affine8"):
+        method = (params[node["inputs"][1]].get("quant") or {}).get("method", "")
+        return method.removeprefix("gguf:") or scheme
+    if scheme == "int4":
+        return f"int4 g{attrs['group_size']}"
+    if scheme == "w8a8":
+        return "int8 (int8 activations)"
+    return f"{scheme} ({scheme} activations)" if attrs.get("has_act_scale") else scheme
+
+
+def weight_summary(graph: dict, manifest: dict) -> dict:
+    """Which weight format the compiled graph's linears hold (counted by format, after fusion) and
+    why: the manifest's record of the --quant recipe applied (its reason: target default, user
+    flag, kept from source, user pipeline), and why the quantising passes left weights in float."""
+    params = {p["name"]: p for p in graph["params"]}
+    formats = Counter(linear_format(n, params) for n in graph["nodes"] if n["op"] in ("linear", "qlinear"))
+    left: Counter = Counter()
+    for record in manifest["pipeline"]:
+        if (record.get("details") or {}).get("quant"):
+            for why, weights in (record["details"].get("skipped") or {}).items():
+                left[why] += len(weights)
+    return {**_recipe_record(manifest), "formats": dict(formats.most_common()), "left_in_float": dict(left)}
+
+
+def _recipe_record(manifest: dict) -> dict:
+    """The manifest's `weights` record (absent from artifacts compiled before it was kept)."""
+    record = manifest.get("weights")
+    if record is None:
+        return {"quant": None, "reason": "not recorded", "origin": "compiled by an llmc that did not record it"}
+    fields = (record.get("quant"), record.get("reason"), record.get("origin")) if isinstance(record, dict) else ()
+    if not fields or not isinstance(fields[0], (str, type(None))) or not all(isinstance(f, str) for f in fields[1:]):
+        raise ArtifactError(f"manifest.json: weights must be an object of quant (string or null), reason and origin "
+                            f"(strings), not {json.dumps(record)[:80]}; {RECOMPILE}")
+    return {"quant": fields[0], "reason": fields[1], "origin": fields[2]}
+
+
+def _weight_lines(weights: dict) -> list[str]:
+    formats = ", ".join(f"{n} {fmt}" for fmt, n in weights["formats"].items()) or "none"
+    recipe = "float weights" if weights["quant"] in (None, "none") else f"--quant {weights['quant']}"
+    lines = [f"  linear weights: {formats}; from {recipe} ({weights['reason']}: {weights['origin']})"]
+    if weights["left_in_float"]:
+        lines.append("    left in float: " + "; ".join(f"{n} {why}" for why, n in weights["left_in_float"].items()))
+    return lines
 
 
 def _memory_at_load(plan: dict, model: dict, kv_memory: str) -> dict:
@@ -229,7 +291,8 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
         d = r["draft_of"]
         lines.append(f"  draft of: {d['model']} ({d['num_layers']} layers; this draft has {m['num_layers']}), "
                      f"target manifest sha256 {d['manifest_sha256'][:16]}")
-    lines += memory_lines(r["memory_at_load"], memory) + _quant_lines(r["quant"]) + _parallel_lines(r["parallel"])
+    lines += (memory_lines(r["memory_at_load"], memory) + _weight_lines(r["weights"]) + _quant_lines(r["quant"])
+              + _parallel_lines(r["parallel"]))
     if r["target_device"] == "cpu":
         lines += kernel_choice_lines(r["kernel_choice"]) + decode_graph_lines(r["decode_graph"])
     if brief:
@@ -253,9 +316,10 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
 def kernel_choice_lines(choice: dict | None) -> list[str]:
     """What --kernels chose for a cpu artifact: ORT segments or torch, and for auto what was measured
     (microseconds per call at decode and prefill shapes, each kind of segment once)."""
+    timed = _timings_lines((choice or {}).get("timings"))
     if not choice or choice["mode"] == "cpu":
-        return ["  kernels: cpu (torch)"]
-    lines = [f"  kernels: {choice['mode']} (ONNX Runtime segments where chosen, torch attention)"]
+        return ["  kernels: cpu (torch)"] + timed
+    lines = [f"  kernels: {choice['mode']} (ONNX Runtime segments where chosen, torch attention)"] + timed
     measured = choice.get("measured")
     if measured and measured["kinds"]:
         tokens = measured["tokens"]
@@ -296,7 +360,15 @@ def _whole_plan_lines(verdict: dict | None) -> list[str]:
              "launches": "lowered, walked launch by launch"}
     steps = ", ".join(f"{us:.0f} us {names[name]}" for name, us in verdict["step_us"].items())
     return [f"    whole plan: {runs[verdict['chosen']]}; a decode step {steps}; the unlowered prefill "
-            f"{verdict['prefill_extra_us']:+.0f} us; by {verdict['cost']}"]
+            f"{verdict['prefill_extra_us']:+.0f} us; by {verdict['cost']}"
+            + (f"; {verdict['why']}" if verdict.get("why") else "")]
+
+
+def _timings_lines(record: dict | None) -> list[str]:
+    """When and under what load the compile's kernel timings were measured (codegen/ort_timing_cache.py)."""
+    from llmc.cache import summary_line
+
+    return [f"    timings: {summary_line(record)}"] if record else []
 
 
 def _int8_gate_lines(gate: dict | None) -> list[str]:

@@ -323,6 +323,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     check_kernels_option(opts.kernels, tgt.name, tgt.device)
     draft_target = read_draft_target(opts.draft_of, opts.draft_layers)  # checked before the slow load
     configs = pass_configs(tgt, opts)
+    recipes.check_quant_kernels(tgt, opts.quant)
     stages: list[dict] = []
 
     def log(name, seconds, details):
@@ -335,11 +336,12 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     log("load", time.perf_counter() - t, {"kind": loaded.kind, "name": loaded.name})
     if draft_target is not None:  # how many layers to cut depends on the loaded model
         opts = draft_options(opts, loaded, draft_target)
-    if draft_target is not None or loaded.stored_quant:  # a GGUF file keeps its quantisation by default
+    if draft_target is not None or loaded.stored_quant:  # on the cpu targets a GGUF keeps its blocks by default
         configs = pass_configs(tgt, opts, source_quantised=bool(loaded.stored_quant))
-        note = recipes.requantise_note(opts.quant, loaded.stored_quant)
-        if note and not opts.quiet:
-            (echo or echo_stderr)(note)
+    weights = recipes.weight_choice(tgt, opts.quant, opts.passes is not None, bool(loaded.stored_quant))
+    note = recipes.requantise_note(weights, loaded.stored_quant, tgt)
+    if note and not opts.quiet:
+        (echo or echo_stderr)(note)
     pipeline = instantiate(configs)
     if loaded.lazy_weights and runs_model(pipeline):
         materialise(loaded, pipeline, log)
@@ -374,6 +376,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
         # lowering's records apart, so "pipeline" lists the passes a target or the flags chose
         "lowering": [r.to_dict(include_timing=False) for r in records if r.stage == Stage.LOWER.label],
         "pipeline": [r.to_dict(include_timing=False) for r in records if r.stage != Stage.LOWER.label],
+        "weights": weights.record(),   # the --quant recipe applied and why (llmc inspect)
         "report": {
             "op_counts": graph.op_counts(), "weight_bytes": total_weight_bytes(graphs),
             "kv_bytes_per_token": model["kv_bytes_per_token"],

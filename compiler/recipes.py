@@ -5,8 +5,10 @@ Flag syntax is checked here; option values are checked by the passes' own option
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmc.compiler.quant import AFFINE_SCHEMES
 from llmc.errors import PassError
 
 if TYPE_CHECKING:
@@ -66,22 +68,108 @@ def quant_passes(quant: str | None, group_size: int | None = None) -> list[PassC
 
 
 def default_quant(explicit_passes: bool, source_quantised: bool, target_quant: str | None) -> str | None:
-    """The --quant recipe a compile without one gets: none under --passes, the source's own
-    quantisation when it stores quantised weights (a GGUF file), else the target's."""
+    """The --quant recipe a compile without one gets: none under --passes, else the target's
+    recipe whatever the source; a target without one (None: the cpu targets) keeps the source's
+    own quantisation where it stores quantised weights (a GGUF file), else none."""
     if explicit_passes:
         return None
-    return SOURCE_QUANT if source_quantised else target_quant
+    if target_quant is not None:
+        return target_quant
+    return SOURCE_QUANT if source_quantised else None
 
 
-def requantise_note(quant: str | None, stored: dict) -> str | None:
-    """What to tell the user when --quant re-quantises the weights a source stores quantised
-    (`stored`: param name -> its stored form, which names its format)."""
-    if not stored or quant in (None, SOURCE_QUANT, "none"):
+# What each --quant recipe makes of the linears' weights (and their activations), for `llmc targets`
+# and the notes a compile prints.
+RECIPE_FORMATS = {
+    "int8": "int8 weights per output channel",
+    "int4-rtn": f"int4 weights in groups of {DEFAULT_GROUP_SIZE} (round to nearest)",
+    "int4-gptq": f"GPTQ int4 weights in groups of {DEFAULT_GROUP_SIZE}",
+    "int4-awq": f"AWQ int4 weights in groups of {DEFAULT_GROUP_SIZE}",
+    "fp8": "fp8 e4m3 weights per output channel, activations fp8 (static scales) into each GEMM",
+    "w8a8": "SmoothQuant int8 weights per channel, activations int8 per token into each GEMM",
+    "gguf": "a GGUF file's own block formats, kept",
+    "none": "float weights",
+}
+
+# Why a compile's linears hold the format they do (the manifest's "weights" record, `llmc inspect`).
+TARGET_DEFAULT, USER_FLAG, KEPT_FROM_SOURCE, USER_PASSES = (
+    "target default", "user flag", "kept from source", "user pipeline")
+
+
+@dataclass(frozen=True)
+class WeightChoice:
+    """The --quant recipe a compile applies (None: none; the weights stay float in the target's
+    dtype) and why: the target's recipe, the user's flag, the source's own quantisation kept, or
+    the user's --passes."""
+    quant: str | None
+    reason: str
+    origin: str          # what said so: "target h100-fp8", "--quant int8", "--passes"
+
+    def record(self) -> dict:
+        return {"quant": self.quant, "reason": self.reason, "origin": self.origin}
+
+    def describe(self) -> str:
+        """`fp8 (target default: target h100-fp8's recipe --quant fp8)`."""
+        what = "float weights" if self.quant in (None, "none") else f"--quant {self.quant}"
+        return f"{what} ({self.reason}: {self.origin})"
+
+
+def weight_choice(tgt, quant: str | None, explicit_passes: bool, source_quantised: bool) -> WeightChoice:
+    """Which recipe `default_quant` (or the user) picks for a compile for `tgt`, and why."""
+    if quant is not None:
+        return WeightChoice(quant, USER_FLAG, f"--quant {quant}")
+    if explicit_passes:
+        return WeightChoice(None, USER_PASSES, "--passes")
+    chosen = default_quant(False, source_quantised, tgt.default_quant)
+    if chosen == SOURCE_QUANT and tgt.default_quant is None:
+        return WeightChoice(chosen, KEPT_FROM_SOURCE, f"target {tgt.name} keeps a quantised source's own blocks")
+    return WeightChoice(chosen, TARGET_DEFAULT, f"target {tgt.name}'s recipe")
+
+
+def target_recipe(tgt) -> str:
+    """What a target makes of the weights when the user names no --quant, in words."""
+    if tgt.default_quant is None:
+        return f"recipe: a quantised source's own blocks kept (a GGUF's), other sources {tgt.weight_dtype} weights"
+    if tgt.default_quant == "none":
+        return f"recipe: {tgt.weight_dtype} weights whatever the source"
+    return f"recipe: --quant {tgt.default_quant}, {RECIPE_FORMATS[tgt.default_quant]}, whatever the source"
+
+
+def check_quant_kernels(tgt, quant: str | None) -> None:
+    """Refuse `--quant gguf` on a target whose kernels cannot read a GGUF's block formats as stored."""
+    if quant != SOURCE_QUANT:
+        return
+    missing = sorted(set(AFFINE_SCHEMES) - set(served_schemes(tgt.device)))
+    if missing:
+        raise PassError(f"--quant {SOURCE_QUANT} keeps a GGUF file's blocks ({', '.join(missing)} codes), but target "
+                        f"{tgt.name} has no kernels for them; choose another --quant or --target cpu")
+
+
+def served_schemes(device: str) -> tuple[str, ...]:
+    """The qlinear schemes the kernel families of `device` run (each family declares its own)."""
+    if device == "cuda":
+        from llmc.codegen.triton_gemm import GEMM_SCHEMES
+
+        return GEMM_SCHEMES
+    from llmc.codegen.cpu_qlinear import PACKERS
+
+    return tuple(PACKERS)
+
+
+def requantise_note(choice: WeightChoice, stored: dict, tgt) -> str | None:
+    """What to tell the user when the compile re-quantises (or dequantises) the weights a source
+    stores quantised (`stored`: param name -> its stored form, which names its format)."""
+    if not stored or choice.quant == SOURCE_QUANT or choice.reason == USER_PASSES:
+        return None
+    if choice.reason == USER_FLAG and choice.quant == "none":
         return None
     counts = Counter(weight.format for weight in stored.values())
     formats = ", ".join(f"{count} {name}" for name, count in sorted(counts.items()))
-    return (f"llmc: the source stores quantised weights ({formats}); --quant {quant} re-quantises them from "
-            f"their dequantised values (--quant {SOURCE_QUANT} keeps the file's own)")
+    becomes = (f"stores them as {tgt.weight_dtype} from their dequantised values" if choice.quant in (None, "none")
+               else f"re-quantises them from their dequantised values into {RECIPE_FORMATS[choice.quant]}")
+    who = f"--quant {choice.quant}" if choice.reason == USER_FLAG else f"target {tgt.name}'s recipe"
+    return (f"llmc: the source stores quantised weights ({formats}); {who} {becomes} "
+            f"(--quant {SOURCE_QUANT} keeps the file's own)")
 
 
 def kv_cache_passes(kv_cache: str | None) -> list[PassConfig]:
@@ -197,5 +285,6 @@ def added_passes(add: list[str]) -> list[PassConfig]:
 
 __all__ = ["QUANT_RECIPES", "QUANT_CHOICES", "KV_CACHE_CHOICES", "KV_GROUPING_CHOICES", "SPARSITY_METHODS",
            "PRUNE_KINDS", "DEFAULT_GROUP_SIZE", "SOURCE_QUANT", "default_quant", "requantise_note",
+           "RECIPE_FORMATS", "WeightChoice", "weight_choice", "target_recipe", "check_quant_kernels",
            "quant_passes", "kv_cache_passes", "kv_heads_passes",
            "parse_prune", "prune_passes", "shard_passes", "added_passes"]

@@ -38,7 +38,8 @@ class Target:
     default_pipeline: list[str] = field(hash=False)
     compile_ready: bool = True
     not_ready_reason: str = ""
-    # the --quant recipe (compiler/recipes.py) applied when the user names none
+    # the --quant recipe (compiler/recipes.py) applied when the user names none, whatever the
+    # source; None keeps a quantised source's own blocks (a GGUF's), else float weights
     default_quant: str | None = None
     # the --kv-cache dtype (int8 | fp8) applied when the user names none
     default_kv_cache: str | None = None
@@ -90,7 +91,13 @@ class Target:
         return (f"{self.name}: {self.description}; {self.device} {self.arch}, "
                 f"{self.memory_bytes / GiB:.0f} GiB at {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
                 f"{self.peak_tflops[self.compute_dtype]:g} {self.compute_dtype} {unit}, "
-                f"weights {self.weight_dtype}, activations {self.activation_dtype}; {ready}")
+                f"weights {self.weight_dtype}, activations {self.activation_dtype}; {self.recipe()}; {ready}")
+
+    def recipe(self) -> str:
+        """What a compile for this target makes of the weights when the user names no --quant."""
+        from llmc.compiler.recipes import target_recipe
+
+        return target_recipe(self)
 
 
 def host_memory_bytes() -> int:
@@ -105,7 +112,8 @@ def gpu_target(name: str, description: str, arch: str, memory_gib: int, bandwidt
                peak_tflops: dict[str, float], weight_dtype: str, compute_dtype: str,
                default_quant: str | None = None, default_kv_cache: str | None = None) -> Target:
     """A GPU target: bf16 activations, compiled into a static plan of Triton kernels. Its
-    quantisation comes from `default_quant` (inserted before the cleanup passes)."""
+    quantisation comes from `default_quant` (inserted before the cleanup passes): "none" gives
+    bf16 weights whatever the source."""
     return Target(name, description, "cuda", arch, memory_gib * GiB, bandwidth, peak_tflops,
                   supports_fp8="fp8" in peak_tflops, weight_dtype=weight_dtype,
                   activation_dtype="bf16", compute_dtype=compute_dtype,
@@ -143,9 +151,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
                "sm_90", 80, 3.35e12, H100, "fp8", "fp8", default_quant="fp8",
                default_kv_cache="fp8"),
     gpu_target("h100-bf16", "NVIDIA H100 SXM 80GB, bf16 weights", "sm_90", 80, 3.35e12, H100,
-               "bf16", "bf16"),
+               "bf16", "bf16", default_quant="none"),
     gpu_target("a100-bf16", "NVIDIA A100 SXM 80GB, bf16 weights", "sm_80", 80, 2.039e12, A100,
-               "bf16", "bf16"),
+               "bf16", "bf16", default_quant="none"),
     gpu_target("a100-int8", "NVIDIA A100 SXM 80GB, SmoothQuant int8 weights and activations",
                "sm_80", 80, 2.039e12, A100, "int8", "int8", default_quant="w8a8"),
     gpu_target("rtx4090-int4", "NVIDIA GeForce RTX 4090 24GB, AWQ int4 weights (group 128)",
