@@ -107,6 +107,19 @@ def test_the_python_examples_print_text(smollm2_gguf, tmp_path):
     assert completions.strip()
 
 
+def github_anchor(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_readme_link_leads_somewhere():
+    for target in re.findall(r"\]\(([^)#]+)(?:#([^)]+))?\)", README.read_text()):
+        path, anchor = ROOT / target[0], target[1]
+        assert path.exists(), target
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+            assert anchor in {github_anchor(h) for h in headings}, target
+
+
 def test_docs_cli_md_is_current():
     spec = importlib.util.spec_from_file_location("cli_doc", ROOT / "bench" / "cli_doc.py")
     module = importlib.util.module_from_spec(spec)
