@@ -1,5 +1,7 @@
 """llmc's native CPU kernels (codegen/native/decode_kernels.c) for decode-sized work: built with the
-machine's C compiler at first use, cached per source, compiler and CPU, and called through ctypes.
+machine's C compiler at first use, cached per source, compiler and CPU in a private directory whose
+libraries are loaded only after their owner, mode and sha256 check (native_cache.py), and called
+through ctypes.
 A decode step's attention runs ~15 small torch operators a layer (rotary, the cache write, the
 attention itself), each costing 2-5 us of dispatch for about a microsecond of arithmetic; one call
 here. Likewise a residual add and its norm where quantised GEMMs read the norm, and the int8 and 4-bit
@@ -28,6 +30,8 @@ from typing import NamedTuple
 import torch
 
 from llmc.cache import cache_root
+from llmc.codegen.native_cache import CacheRefused, digest_path, private_directory, record, verified_open, warn
+from llmc.errors import LlmcError
 
 SOURCES = tuple(Path(__file__).with_name("native") / name
                 for name in ("decode_kernels.c", "gemv_int16.c", "decode_program.c"))
@@ -69,12 +73,18 @@ def _source_text() -> str:
 
 
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:
+    """The cached library for these sources, flags, compiler and CPU, built into the private cache
+    directory (native_cache.py) unless one is there whose recorded sha256 still holds."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([_source_text(), " ".join(flags), version, _cpu_id()]).encode()).hexdigest()
-    target = cache_root() / "native" / f"decode_kernels-{key[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = private_directory(cache_root() / "native") / f"decode_kernels-{key[:16]}.so"
+    try:
+        with verified_open(target):
+            return target
+    except FileNotFoundError:
+        pass
+    except (CacheRefused, OSError):
+        _remove(target)   # a file llmc did not build, or one changed since: built afresh below
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -82,11 +92,27 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
                               timeout=120)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed on {' '.join(p.name for p in SOURCES)}: {done.stderr.strip()[:300]}")
-        os.replace(tmp, target)   # atomic: a concurrent build of the same key writes the same bytes
+        record(Path(tmp), target)   # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _remove(target: Path) -> None:
+    for path in (target, digest_path(target)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            shutil.rmtree(path)
+
+
+def _open_library(target: Path) -> ctypes.CDLL:
+    """The library at `target`, loaded from the very file whose owner, mode and sha256 were checked."""
+    with verified_open(target) as checked:
+        return ctypes.CDLL(checked)
 
 
 @lru_cache(maxsize=1)
@@ -98,20 +124,34 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "off (no C compiler: set CC or install gcc)"
     try:
         try:
-            lib = ctypes.CDLL(str(_build(compiler, FLAGS + OPENMP)))
+            target = _build(compiler, FLAGS + OPENMP)
+            lib = _open_library(target)
         except (OSError, RuntimeError):
-            lib = ctypes.CDLL(str(_build(compiler, FLAGS)))
+            target = _build(compiler, FLAGS)
+            lib = _open_library(target)
+    except CacheRefused as e:
+        warn(f"native kernels off, the torch kernels run instead: {e}")
+        return None, f"off ({e})"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"off ({e})"
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    for name in ("llmc_openmp", "llmc_gemv_int16", "llmc_gemv_int16_built"):
-        getattr(lib, name).restype = ctypes.c_int64
+    _bind(lib, target)
     lib.openmp = bool(lib.llmc_openmp())
     lib.llmc_gemv_int16(os.environ.get("LLMC_INT16_ACTIVATIONS", "1") != "0")
     threads = "OpenMP" if lib.openmp else "no OpenMP: the int8 GEMV runs on one thread only"
     return lib, f"on ({Path(compiler).name}, {' '.join(FLAGS[:2])}, {threads})"
+
+
+def _bind(lib: ctypes.CDLL, target: Path) -> None:
+    """Give each kernel its C signature; a library without one is an error naming the file."""
+    for name, argtypes in SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise LlmcError(f"native kernel library '{target}' has no symbol {name} (built from other sources?); "
+                            f"delete it to rebuild, or set LLMC_NATIVE=0 to run the torch kernels") from None
+        fn.argtypes, fn.restype = argtypes, None
+    for name in ("llmc_openmp", "llmc_gemv_int16", "llmc_gemv_int16_built"):
+        getattr(lib, name).restype = ctypes.c_int64
 
 
 def set_int16_activations(on: bool) -> bool:
