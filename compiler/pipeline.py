@@ -216,13 +216,15 @@ def runs_model(pipeline: list) -> bool:
 
 
 def materialise(loaded, pipeline: list, log) -> None:
-    """Read the whole source model into memory for the passes that run it, where it fits."""
+    """Read the whole source model into memory so that it can sample its own calibration text,
+    where it fits. (With --calib FILE the passes stream: calibration runs layer by layer.)"""
     need, limit = loaded.weight_bytes, whole_model_limit()
     names = ", ".join(p.name for p in pipeline if "calibration" in p.needs)
     if need > limit:
-        raise PassError(f"{names} run the whole model in float32 ({need / 2**30:.1f} GiB), over the "
-                        f"{limit / 2**30:.1f} GiB this compile may hold (half this machine's memory); "
-                        f"keep the source's quantisation (--quant gguf) or compile on a larger machine")
+        raise PassError(f"{names} calibrate on text the model samples itself, which needs the whole model "
+                        f"in float32 ({need / 2**30:.1f} GiB), over the {limit / 2**30:.1f} GiB this compile "
+                        f"may hold (half this machine's memory); pass --calib FILE (a text file) to "
+                        f"calibrate layer by layer, or keep the source's quantisation (--quant gguf)")
     t = time.perf_counter()
     loaded.materialise()
     log("materialise", time.perf_counter() - t, {"bytes": need, "for": names})
@@ -343,8 +345,8 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     if note and not opts.quiet:
         (echo or echo_stderr)(note)
     pipeline = instantiate(configs)
-    if loaded.lazy_weights and runs_model(pipeline):
-        materialise(loaded, pipeline, log)
+    if loaded.lazy_weights and runs_model(pipeline) and opts.calib is None:
+        materialise(loaded, pipeline, log)   # the model samples its own calibration text
     graph = trace(loaded.module, opts.max_num_batched_tokens, log)
     attach_lazy_weights(graph, loaded)
     calibration = calibrate(loaded, pipeline, opts, log)

@@ -8,23 +8,23 @@ import math
 
 import torch
 
-from llmc.compiler.interpreter import interpret
+from llmc.compiler.interpreter import interpret_many
 from llmc.compiler.ir import Graph
 from llmc.compiler.scoring import row_agreement, row_kl, token_nll
 from llmc.errors import PassError
 
 
 def graph_logits(graph: Graph, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each sequence's logits [T, vocab] from the reference interpreter, all T rows."""
+    """Each sequence's logits [T, vocab] from the reference interpreter, all T rows (the
+    sequences run node by node: each weight is read once for all of them)."""
     names = {v.name for v in graph.inputs}
-    out = []
+    inputs = []
     for seq in seqs:
         positions = torch.arange(len(seq), dtype=torch.long)
-        inputs = {"input_ids": seq.long(), "positions": positions}
+        inputs.append({"input_ids": seq.long(), "positions": positions})
         if "logits_indices" in names:
-            inputs["logits_indices"] = positions
-        out.append(interpret(graph, inputs)[graph.outputs[0]].float())
-    return out
+            inputs[-1]["logits_indices"] = positions
+    return [out[graph.outputs[0]].float() for out in interpret_many(graph, inputs)]
 
 
 def perplexity(logits: list[torch.Tensor], seqs: list[torch.Tensor]) -> float:

@@ -9,9 +9,8 @@ from typing import Callable
 
 import torch
 
-from llmc.compiler.interpreter import interpret
+from llmc.compiler.interpreter import SequentialRun, interpret
 from llmc.compiler.ir import Graph
-from llmc.compiler.ops import run_reference
 from llmc.errors import PassError
 from llmc.passes.base import PassContext
 
@@ -40,7 +39,8 @@ def prefill_inputs(graph: Graph, ids: torch.Tensor, pass_name: str) -> dict[str,
 def observe(graph: Graph, ctx: PassContext, values: set[str], pass_name: str,
             on_sequence: Callable[[dict[str, torch.Tensor]], None]) -> None:
     """Run every calibration sequence; after each, on_sequence({value: tensor}) gets the
-    `values` (node outputs) it produced."""
+    `values` (node outputs) it produced. (A sequence at a time: its values may span every
+    layer, and the pruning passes that observe them compare layers.)"""
     for ids in calibration_tokens(ctx, pass_name):
         seen: dict[str, torch.Tensor] = {}
 
@@ -52,32 +52,15 @@ def observe(graph: Graph, ctx: PassContext, values: set[str], pass_name: str,
         on_sequence(seen)
 
 
-class StagedRun:
+class StagedRun(SequentialRun):
     """Every calibration sequence run through the graph a stretch of nodes at a time, so that a
     pass can change weights between stretches (GPTQ quantises layer by layer: each linear's
     inputs come from the already-quantised linears before it). Each sequence keeps only its
     live values; `weights` (name -> tensor) is read when a node runs, so later changes count."""
 
     def __init__(self, graph: Graph, ctx: PassContext, pass_name: str, weights: Mapping[str, torch.Tensor]):
-        self.graph, self.weights, self.done = graph, weights, 0
-        self.envs = [prefill_inputs(graph, ids, pass_name) for ids in calibration_tokens(ctx, pass_name)]
-        self.last_use = {name: i for i, node in enumerate(graph.nodes) for name in node.inputs}
-        self.last_use.update({name: len(graph.nodes) for name in graph.outputs})
-
-    def run_until(self, stop: int) -> list[dict[str, torch.Tensor]]:
-        """Run nodes [done, stop) on every sequence; returns each sequence's live values."""
-        with torch.no_grad():
-            for env in self.envs:
-                for i in range(self.done, stop):
-                    node = self.graph.nodes[i]
-                    args = [env[x] if x in env else self.weights[x] for x in node.inputs]
-                    for value, out in zip(node.outputs, run_reference(node, args)):
-                        env[value.name] = out
-                    for name in node.inputs:
-                        if self.last_use[name] == i:
-                            env.pop(name, None)
-        self.done = max(self.done, stop)
-        return self.envs
+        envs = [prefill_inputs(graph, ids, pass_name) for ids in calibration_tokens(ctx, pass_name)]
+        super().__init__(graph, envs, weights)
 
 
 def channel_norms(graph: Graph, ctx: PassContext, values: set[str], pass_name: str) -> dict[str, torch.Tensor]:

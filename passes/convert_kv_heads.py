@@ -221,7 +221,7 @@ def observe(graph: Graph, seqs: list[torch.Tensor], sites: list[AttentionSite]):
     def hook(node, args, outs):
         if node.name in sims:
             sims[node.name].add(args[1], args[2])
-    logits = [run_logits(graph, seq, hook)[:-1] for seq in seqs]
+    logits = [lg[:-1] for lg in run_logits(graph, seqs, hook)]
     return {name: s.matrix() for name, s in sims.items()}, logits
 
 

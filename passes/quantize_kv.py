@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmc.compiler.interpreter import interpret
+from llmc.compiler.interpreter import interpret_many
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS, attention_prologue
 from llmc.compiler.quant import KV_QMAX
@@ -48,12 +48,15 @@ def calibration_of(ctx: PassContext) -> list[torch.Tensor]:
     return [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in ctx.calibration]
 
 
-def run_logits(graph: Graph, seq: torch.Tensor, hook) -> torch.Tensor:
-    """Logits [T, vocab] of every row of one calibration sequence."""
-    positions = torch.arange(seq.numel())
-    known = {"input_ids": seq, "positions": positions, "logits_indices": positions}
-    inputs = {v.name: known[v.name] for v in graph.inputs if v.name in known}
-    return interpret(graph, inputs, hook=hook)[graph.outputs[0]].float()
+def run_logits(graph: Graph, seqs: list[torch.Tensor], hook) -> list[torch.Tensor]:
+    """Logits [T, vocab] of every row of each calibration sequence (run node by node: each
+    weight is read once for all of them)."""
+    inputs = []
+    for seq in seqs:
+        positions = torch.arange(seq.numel())
+        known = {"input_ids": seq, "positions": positions, "logits_indices": positions}
+        inputs.append({v.name: known[v.name] for v in graph.inputs if v.name in known})
+    return [out[graph.outputs[0]].float() for out in interpret_many(graph, inputs, hook=hook)]
 
 
 def split_heads(x: torch.Tensor, node: Node) -> torch.Tensor:
@@ -71,8 +74,7 @@ def observe_absmax(graph: Graph, seqs: list[torch.Tensor], layers: dict[int, Nod
             for row, x in enumerate(attention_prologue(args, node.attrs)[1:3]):
                 amax = split_heads(x, node).abs().amax(dim=(0, 2)).float()
                 torch.maximum(absmax[by_name[node.name]][row], amax, out=absmax[by_name[node.name]][row])
-    logits = [run_logits(graph, s, hook) for s in seqs]
-    return absmax, logits
+    return absmax, run_logits(graph, seqs, hook)
 
 
 def accuracy_of(seqs, ref_logits, logits) -> dict:
@@ -110,7 +112,7 @@ class QuantizeKVCache(Pass):
             graph.add_param(name, TensorType((2, scales.shape[1]), "float32"), scales.contiguous())
             node.inputs.append(name)
             node.attrs["kv_cache"] = storage
-        accuracy = accuracy_of(seqs, ref_logits, [run_logits(graph, s, None) for s in seqs])
+        accuracy = accuracy_of(seqs, ref_logits, run_logits(graph, seqs, None))
         check_budget(self.name, accuracy, ctx.options.get("max_ppl_increase"))
         return PassResult(len(layers), True, self._details(graph, layers, absmax, storage), accuracy=accuracy)
 

@@ -15,7 +15,7 @@ from llmc.passes.activation_ranges import input_abs_max, require_calibration
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.options import PassOptions, option
 from llmc.passes.quantize import WeightFormat, quantize_linears, rtn_int8, select_linears
-from llmc.passes.quantize_calibrated import fold_into_rms_norm
+from llmc.passes.quantize_calibrated import own_weight, scale_weight
 
 # The linear attr smoothquant sets, by which quantize_w8a8 finds the linears it smoothed.
 SMOOTHED = "smoothed"
@@ -58,13 +58,14 @@ def norm_fed_groups(graph: Graph, nodes: list[Node]) -> tuple[dict[str, list[Nod
 
 
 def smooth_group(graph: Graph, x: str, group: list[Node], s: torch.Tensor) -> bool:
-    """rms_norm(h, w / s) · (W · s)ᵀ == rms_norm(h, w) · Wᵀ; False when the norm's weight is shared."""
+    """rms_norm(h, w / s) · (W · s)ᵀ == rms_norm(h, w) · Wᵀ; False when the norm's weight is shared.
+    The weights are rescaled as they are read (lazily where the source is still in its file)."""
     norm = graph.producers()[x]
-    if not fold_into_rms_norm(graph, norm, s, graph.users()):
+    if norm.op != "rms_norm" or not own_weight(graph, norm.inputs[1], graph.users()):
         return False
+    scale_weight(graph, norm.inputs[1], lambda w: w / s)
     for node in group:
-        w = graph.weights[node.inputs[1]]
-        graph.weights[node.inputs[1]] = (w.float() * s[None, :]).to(w.dtype)
+        scale_weight(graph, node.inputs[1], lambda w: w * s[None, :])
         node.attrs[SMOOTHED] = True
     return True
 
