@@ -265,8 +265,13 @@ def choose_decode_graph(choice: dict) -> dict:
 
 
 def _step_verdict(decode_us: dict, step_us: dict) -> dict:
+    from llmc.codegen.ort_decode_timing import doubt
+
     record = {"decode_us": {**decode_us, "graph_step": step_us["graph"], "plan_step": step_us["plan"],
                             "launches_step": step_us["launches"]}}
+    why = doubt(step_us, "plan", "graph")   # busy, or too close to call: no graph, the default
+    if why:
+        return {**record, "chosen": False, "why": why}
     return {**record, **graph_step_verdict(step_us["graph"], step_us["plan"], step_us["launches"])}
 
 

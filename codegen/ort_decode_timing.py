@@ -3,8 +3,9 @@
 besides decides), and wherever the walk runs the native decode program (runtime/native_decode.py),
 whose saving the per-segment timings cannot see. And the unlowered cpu plan, walked with that program,
 against the lowered one (codegen/ort_plan_choice.py). One decode step over a paged cache of CONTEXT
-tokens is timed each way, interleaved, minimum of REPEATS; what was measured is kept per machine
-(codegen/ort_timing_cache.py)."""
+tokens is timed each way, interleaved, minimum of REPEATS (with each way's spread, best to median);
+what was measured is kept per machine (codegen/ort_timing_cache.py), unless the machine was busy or
+the ways' ranges overlap: those timings decide nothing (doubt())."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 
 import torch
 
+from llmc.cache import spread
+from llmc.codegen.ort_timing_cache import Timings
 from llmc.compiler.ir import Graph
 
 CONTEXT = 128         # cached tokens the timed decode step attends to
@@ -45,14 +48,43 @@ def measure_plans(graph: Graph, candidates: dict[str, tuple]) -> dict:
     return _recalled(key, graph, candidates)
 
 
+# the order a close call falls back in: the default first
+DEFAULTS = ("cpu", "plan", "walk", "graph")
+
+
 def _recalled(key: dict, graph: Graph, candidates: dict[str, tuple]) -> dict:
     from llmc.codegen.cpu_native import timing_key as native_key
-    from llmc.codegen.ort_timing_cache import recall
+    from llmc.codegen.ort_timing_cache import recall_measured
     from llmc.runtime.threads import resolve_threads
 
     threads = resolve_threads()
     key = {**key, "threads": threads, "context": CONTEXT, "repeats": REPEATS, "native": native_key()}
-    return recall(key, lambda: _measure(graph, candidates, threads))
+    value, measured = recall_measured(key, lambda: _measure(graph, candidates, threads), _close_call)
+    return Timings(value["us"], value["spread"], measured)
+
+
+def step_ranges(timings, names) -> dict[str, tuple[float, float]]:
+    """{name: (best us, median us)} of a decode step each way, from a Timings (a bare dict: no spread)."""
+    spreads = getattr(timings, "spread", {})
+    return {name: (timings[name], timings[name] * (1 + spreads.get(name, 0.0))) for name in names}
+
+
+def _close_call(value: dict) -> str | None:
+    from llmc.cache import pick
+
+    names = [name for name in value["us"] if name != "launches"]
+    return pick(step_ranges(Timings(value["us"], value["spread"]), names), DEFAULTS)[1]
+
+
+def doubt(timings, *names: str) -> str | None:
+    """Why `timings` (measure_decode_step's or measure_plans') may not choose among `names` (the
+    default first), or None: measured on a busy machine, or the fastest's range overlaps an earlier one's."""
+    from llmc.cache import pick
+
+    measured = getattr(timings, "measured", {})
+    if measured.get("busy"):
+        return f"measured on a busy machine ({measured['busy']})"
+    return pick(step_ranges(timings, names), names)[1]
 
 
 class _Primed:
@@ -132,15 +164,16 @@ def _measure(graph: Graph, candidates: dict[str, tuple], threads: int) -> dict:
         runners = {name: _runner(graph, primed, *candidate) for name, candidate in candidates.items()}
         for run in runners.values():
             run()    # warm: first runs allocate and pack
-        best = dict.fromkeys(runners, float("inf"))
+        samples: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(REPEATS):
             for name, run in runners.items():
                 start = time.perf_counter()
                 run()
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e6)
+                samples[name].append((time.perf_counter() - start) * 1e6)
     finally:
         torch.set_num_threads(previous)
-    return {name: round(us, 1) for name, us in best.items()}
+    return {"us": {name: round(min(s), 1) for name, s in samples.items()},
+            "spread": {name: spread(s) for name, s in samples.items()}}
 
 
-__all__ = ["measure_decode_step", "measure_plans", "CONTEXT"]
+__all__ = ["measure_decode_step", "measure_plans", "doubt", "step_ranges", "CONTEXT", "DEFAULTS"]

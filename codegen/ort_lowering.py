@@ -251,7 +251,13 @@ def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None
                           f"tensor-parallel ranks: drop --kernels or compile without sharding")
     if len(plans) > 1:
         return plans, {}
+    from llmc.codegen import ort_timing_cache
+
+    since = ort_timing_cache.mark()
     plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo, reference)
+    timings = ort_timing_cache.summary(since)   # when and under what load the choices were measured
+    if timings and "kernel_choice" in plan.meta:
+        plan.meta["kernel_choice"] = {**plan.meta["kernel_choice"], "timings": timings}
     return [plan], files
 
 

@@ -4,7 +4,9 @@ runs as one call (runtime/native_decode.py): a saving the per-segment timings ca
 time each segment's torch kernels launch by launch. It matters where ORT segments sit among the layers
 the program would run; elsewhere (an embedding or LM head segment) the kinds' timings stand. Priced as
 the kinds were chosen, a request of one prefill and PREFILL_TOKENS decode steps: the prefill difference
-from the kinds' timings, the decode steps timed whole (codegen/ort_decode_timing.py), all ways at once."""
+from the kinds' timings, the decode steps timed whole (codegen/ort_decode_timing.py), all ways at once.
+Where those timings were taken on a busy machine, or the cheapest way's range overlaps a way before it
+in DEFAULTS (the unlowered plan first), the earlier way stays and the record says why."""
 
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], 
     the lowered one through its decode graph (where plan.meta["decode_graph"] offers one; then the walk
     launch by launch is timed too, for the graph's native_first: codegen/ort_lowering.py). `cpu_plan`
     carries the qlinear dispatch its torch kernels load with; `files` are the lowered plan's ONNX files."""
+    from llmc.cache import pick
     from llmc.codegen.ort_decode import DECODE_FILE
-    from llmc.codegen.ort_decode_timing import measure_plans
+    from llmc.codegen.ort_decode_timing import DEFAULTS, measure_plans, step_ranges
 
     kinds = [k for k in choice["measured"]["kinds"] if k["chosen"] != "cpu"]
     prefill_us = sum(k["segments"] * (k["us"]["cpu"]["prefill"] - k["us"][k["chosen"]]["prefill"]) for k in kinds)
@@ -57,11 +60,16 @@ def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], 
     record = lowered.meta.get("decode_graph") or {}
     if record.get("chosen"):   # and the walk launch by launch, which steps the program does not take run
         candidates.update(graph=(lowered, files, (files[DECODE_FILE], record)), launches=(lowered, files, None, False))
-    step_us = measure_plans(graph, candidates)
-    cost = {name: PREFILL_TOKENS * us + (prefill_us if name == "cpu" else 0) for name, us in step_us.items()
-            if name != "launches"}
-    return {"chosen": min(cost, key=cost.get), "step_us": step_us, "prefill_extra_us": round(prefill_us, 1),
-            "cost": f"prefill + {PREFILL_TOKENS} x decode"}
+    timings = measure_plans(graph, candidates)
+    extra = lambda name: prefill_us if name == "cpu" else 0
+    ranges = {name: (PREFILL_TOKENS * low + extra(name), PREFILL_TOKENS * high + extra(name))
+              for name, (low, high) in step_ranges(timings, [n for n in timings if n != "launches"]).items()}
+    chosen, why = pick(ranges, DEFAULTS)
+    busy = getattr(timings, "measured", {}).get("busy")
+    if busy:
+        chosen, why = "cpu", f"measured on a busy machine ({busy}): the unlowered plan, the default, stays"
+    return {"chosen": chosen, "step_us": dict(timings), "prefill_extra_us": round(prefill_us, 1),
+            "cost": f"prefill + {PREFILL_TOKENS} x decode", **({"why": why} if why else {})}
 
 
 __all__ = ["choose_whole_plan", "whole_plan_question", "whole_step_refusal", "WHOLE_STEP_LIMIT"]

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from llmc.cache import pick
 from llmc.codegen.cpu_kernels import RopeCache, resolve_kernel
 from llmc.compiler.ir import Graph, eval_dim
 from llmc.compiler.ops import TORCH_DTYPES, run_reference
@@ -142,9 +143,13 @@ def _time(fn, inputs) -> float:
 
 
 def measure(runners: dict, graph: Graph, seg, outputs: dict | None = None) -> dict[str, dict[str, float]]:
-    """Microseconds per call of each runner, at decode and prefill shapes; each runner's first
-    (warm) outputs at each token count go into `outputs`, for errors() to reuse."""
-    us = {name: {} for name in runners}
+    """Microseconds per call of each runner, at decode and prefill shapes (a Timings: with each
+    runner's spread at each shape); each runner's first (warm) outputs at each token count go into
+    `outputs`, for errors() to reuse."""
+    from llmc.cache import spread
+    from llmc.codegen.ort_timing_cache import Timings
+
+    us = Timings({name: {} for name in runners}, {name: {} for name in runners})
     rivals = [name for name in runners if name != INT8_ACTIVATIONS]
     for shape, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
         inputs = sample_inputs(graph, seg.inputs, tokens)
@@ -152,17 +157,18 @@ def measure(runners: dict, graph: Graph, seg, outputs: dict | None = None) -> di
             first = run(*inputs)        # warm: first calls allocate and pack
             if outputs is not None:
                 outputs[name, tokens] = [t.clone() for t in first]
-        best = {name: float("inf") for name in runners}
+        samples: dict[str, list[float]] = {name: [] for name in runners}
         timed = list(runners)
         for repeat in range(REPEATS[shape]):
             for name in timed:
-                best[name] = min(best[name], _time(runners[name], inputs))
+                samples[name].append(_time(runners[name], inputs))
             for after, loss, slowest in CLEAR_CUTS:
                 if repeat + 1 == after:
-                    fastest = min(best[name] for name in rivals)
-                    timed = [name for name in timed if best[name] <= max(loss * fastest, slowest)]
+                    fastest = min(min(samples[name]) for name in rivals)
+                    timed = [name for name in timed if min(samples[name]) <= max(loss * fastest, slowest)]
         for name in runners:
-            us[name][shape] = round(best[name], 1)
+            us[name][shape] = round(min(samples[name]), 1)
+            us.spread[name][shape] = spread(samples[name])
     return us
 
 
@@ -214,18 +220,23 @@ def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> d
     and the choice."""
     from llmc.codegen.cpu_native import timing_key as native_key
     from llmc.codegen.ort_lowering import segment_ops
-    from llmc.codegen.ort_timing_cache import recall
+    from llmc.codegen.ort_timing_cache import recall_measured
     from llmc.runtime.ort_segment import cpu_kernel_ops
 
     entry = {"first": seg.span, "ops": _op_counts(seg), "segments": 0}
     missing = sorted(segment_ops(model) - cpu_kernel_ops())
     if missing:
         return {**entry, "chosen": "cpu", "why": f"onnxruntime lacks {'.'.join(missing[0]).lstrip('.')}"}
-    measured = recall({"what": "ort segment", "signature": key, "onnx": hashlib.sha256(model).hexdigest(),
-                       "threads": threads, "tokens": PREFILL_TOKENS, "repeats": REPEATS,
-                       "clear_cuts": CLEAR_CUTS, "native": native_key()},
-                      lambda: _measure_kind(graph, seg, model, builder, threads))
-    return {**entry, **measured, **_verdict(measured)}
+    measured, how = recall_measured({"what": "ort segment", "signature": key, "onnx": hashlib.sha256(model).hexdigest(),
+                                     "threads": threads, "tokens": PREFILL_TOKENS, "repeats": REPEATS,
+                                     "clear_cuts": CLEAR_CUTS, "native": native_key()},
+                                    lambda: _measure_kind(graph, seg, model, builder, threads),
+                                    lambda value: _verdict(value).get("close"))
+    verdict = _verdict(measured)
+    if how.get("busy") and verdict["chosen"] != "cpu":
+        verdict = {**verdict, "chosen": "cpu", "why": f"measured on a busy machine ({how['busy']}): the torch "
+                                                      f"kernels, the default, stay"}
+    return {**entry, **measured, **verdict}
 
 
 def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int) -> dict:
@@ -251,7 +262,8 @@ def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int) -> dic
         error = errors(runners, ReferenceSegment(graph, seg), graph, seg, outputs)
     finally:
         torch.set_num_threads(previous)
-    return {"us": us, "error": error}
+    spreads = getattr(us, "spread", None)
+    return {"us": dict(us), "error": error, **({"spread": spreads} if spreads else {})}
 
 
 def _verdict(measured: dict) -> dict:
@@ -263,10 +275,21 @@ def _verdict(measured: dict) -> dict:
         out.update(chosen="cpu", why=f"ORT's outputs are {error['ort']:.1e} of the largest off the reference, "
                                      f"the torch kernels' {error['cpu']:.1e}: it would change the numbers")
     else:
-        out["chosen"] = min(("cpu", "ort"), key=lambda name: request_cost(us[name]))
-    if INT8_ACTIVATIONS in us and request_cost(us[INT8_ACTIVATIONS]) < request_cost(us[out["chosen"]]):
+        out["chosen"], close = pick(cost_ranges(measured, ("cpu", "ort")), ("cpu", "ort"))
+        if close:
+            out.update(why=close, close=close)
+    if (INT8_ACTIVATIONS in us and "close" not in out
+            and pick(cost_ranges(measured, (out["chosen"], INT8_ACTIVATIONS)), (out["chosen"], INT8_ACTIVATIONS))[0]
+            == INT8_ACTIVATIONS):
         out["int8_candidate"] = True
     return out
+
+
+def cost_ranges(measured: dict, names) -> dict[str, tuple[float, float]]:
+    """Each family's request cost at its best timings and at its median ones (best x (1 + spread))."""
+    us, spreads = measured["us"], measured.get("spread") or {}
+    typical = lambda name: {shape: t * (1 + (spreads.get(name) or {}).get(shape, 0.0)) for shape, t in us[name].items()}
+    return {name: (request_cost(us[name]), request_cost(typical(name))) for name in names}
 
 
 def _op_counts(seg) -> str:

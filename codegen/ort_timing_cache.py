@@ -3,7 +3,10 @@ file per measurement, keyed by everything the figures depend on (what was timed,
 and thread count, on which CPU model, with which torch and onnxruntime). Compiling segments that
 were measured before (a model's layers, the same model again, a test suite's tiny models) times
 nothing, and two compiles on one machine record the same figures, so their artifacts are
-byte-identical. Delete the folder to measure again."""
+byte-identical. Each entry records when and under what load it was measured (llmc/cache.py); one
+measured while the machine was busy, or whose candidates' timings overlap (too close to call), is
+used by this process only and measured again by the next. `llmc cache clear` (or $LLMC_REMEASURE=1)
+measures everything again."""
 
 from __future__ import annotations
 
@@ -16,12 +19,23 @@ from typing import Callable
 
 import torch
 
-from llmc.cache import cache_root
+from llmc.cache import busy_reason, cache_root, remeasuring, trusting, watch_load
 
 # bump when what is measured, or how, changes: older entries then stop matching
-TIMING_FORMAT = 3
+TIMING_FORMAT = 4
 
-_memo: dict[Path, dict | None] = {}   # this process's entries (also when the cache folder is not writable)
+_memo: dict[Path, dict] = {}   # this process's entries ({"value", "measured"}; also when the folder is not writable)
+_log: list[dict] = []          # the measured records of every outermost recall in this process, in order
+_depth: list[Path] = []        # the recalls measuring now
+
+
+class Timings(dict):
+    """{candidate: us} as measured, with each candidate's `spread` ((median - best) / best) and the
+    `measured` record (when, under what load; "busy" or "close" where it decides nothing)."""
+
+    def __init__(self, us: dict, spread: dict | None = None, measured: dict | None = None):
+        super().__init__(us)
+        self.spread, self.measured = spread or {}, measured or {}
 
 
 def cache_dir() -> Path:
@@ -37,18 +51,57 @@ def machine() -> dict:
             "format": TIMING_FORMAT}
 
 
-def recall(key: dict, measure: Callable[[], dict]) -> dict:
-    """The cached value for `key` on this machine, else `measure()`, cached. A file that does not
-    parse or holds another key is measured again and replaced."""
+def recall(key: dict, measure: Callable[[], dict], close_call: Callable[[dict], str | None] | None = None) -> dict:
+    """recall_measured's value."""
+    return recall_measured(key, measure, close_call)[0]
+
+
+def recall_measured(key: dict, measure: Callable[[], dict],
+                    close_call: Callable[[dict], str | None] | None = None) -> tuple[dict, dict]:
+    """(value, measured record) for `key` on this machine: cached, else `measure()` under a load watch
+    (at key["threads"]), cached unless the machine was busy ("busy": why) or `close_call(value)` says
+    why its candidates are too close to call ("close"). A file that does not parse or holds another
+    key is measured again and replaced."""
     full = {**key, "machine": machine()}
     text = json.dumps(full, sort_keys=True, default=str)
     path = cache_dir() / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
     if path not in _memo:
-        _memo[path] = _read(path, text)
+        _memo[path] = None if remeasuring() else _read(path, text)
     if _memo[path] is None:
-        _memo[path] = json.loads(json.dumps(measure()))   # as a later read will give it
-        _write(path, text, _memo[path])
-    return _memo[path]
+        _depth.append(path)
+        try:
+            with watch_load(key.get("threads") or torch.get_num_threads()) as load:
+                value = json.loads(json.dumps(measure()))   # as a later read will give it
+        finally:
+            _depth.pop()
+        measured = {**load.record, "busy": busy_reason(load.record),
+                    "close": None if close_call is None or trusting() else close_call(value)}
+        measured = {k: v for k, v in measured.items() if v is not None or k == "other_cores"}
+        _memo[path] = {"value": value, "measured": measured}
+        if "busy" not in measured and "close" not in measured:
+            _write(path, text, _memo[path])
+    if not _depth:   # a recall inside another's measurement happens only when that one is measured
+        _log.append(_memo[path]["measured"])
+    return _memo[path]["value"], _memo[path]["measured"]
+
+
+def mark() -> int:
+    """A place in this process's log of measurements, for summary()."""
+    return len(_log)
+
+
+def summary(since: int = 0) -> dict | None:
+    """When and under what load the timings recalled since `since` were measured (plan.meta's
+    kernel_choice["timings"]; the same whether they came from the cache or were measured now)."""
+    records = _log[since:]
+    if not records:
+        return None
+    others = [r["other_cores"] for r in records if r.get("other_cores") is not None]
+    return {"measurements": len(records), "first": min(r["at"] for r in records),
+            "last": max(r["at"] for r in records), "other_cores_max": max(others) if others else None,
+            "loadavg_max": max(r.get("loadavg", 0.0) for r in records), "cores": records[0].get("cores"),
+            "threads": records[0].get("threads"), "busy": sum("busy" in r for r in records),
+            "close_calls": sum("close" in r for r in records)}
 
 
 def _read(path: Path, text: str) -> dict | None:
@@ -56,21 +109,23 @@ def _read(path: Path, text: str) -> dict | None:
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    ok = isinstance(entry, dict) and entry.get("key") == json.loads(text) and isinstance(entry.get("value"), dict)
-    return entry["value"] if ok else None
+    ok = (isinstance(entry, dict) and entry.get("key") == json.loads(text) and isinstance(entry.get("value"), dict)
+          and isinstance(entry.get("measured"), dict))
+    return {"value": entry["value"], "measured": entry["measured"]} if ok else None
 
 
-def _write(path: Path, text: str, value: dict) -> None:
+def _write(path: Path, text: str, entry: dict) -> None:
     """Atomically (a rename), so concurrent compiles never read half a file; a cache that cannot
     be written only costs measuring again."""
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"key": json.loads(text), "value": value}, sort_keys=True))
+        tmp.write_text(json.dumps({"key": json.loads(text), **entry}, sort_keys=True))
         tmp.replace(path)
     except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
 
 
-__all__ = ["recall", "cache_dir", "machine", "TIMING_FORMAT"]
+__all__ = ["recall", "recall_measured", "Timings", "mark", "summary", "cache_dir",
+           "machine", "TIMING_FORMAT"]

@@ -23,6 +23,8 @@ REMEASURE_ENV = "LLMC_REMEASURE"
 # cores other processes may take beyond those this process leaves spare, on average over a
 # measurement: a background daemon's blips pass, a compile or a test suite beside it does not
 BUSY_MARGIN = 0.5
+# the shortest measurement whose CPU times (counted in 10 ms ticks) say what other processes took
+MIN_WINDOW_S = 0.5
 
 # what the cache holds: name in cache_root() -> what it is, and whether it is a measurement
 ENTRIES = {
@@ -62,9 +64,9 @@ class LoadWatch:
     def __exit__(self, *exc) -> None:
         wall, busy, own = time.perf_counter(), busy_cpu_seconds(), own_cpu_seconds()
         seconds = max(wall - self._start[0], 1e-9)
-        other = None
-        if busy is not None and self._start[1] is not None:
-            other = max(0.0, (busy - self._start[1]) - (own - self._start[2])) / seconds
+        other = None   # a short window's CPU times are a few clock ticks: the load average decides then
+        if busy is not None and self._start[1] is not None and seconds >= MIN_WINDOW_S:
+            other = min(os.cpu_count() or 1, max(0.0, (busy - self._start[1]) - (own - self._start[2])) / seconds)
         self.record = {"at": now(), "seconds": round(seconds, 3),
                        "other_cores": None if other is None else round(other, 2),
                        "loadavg": round(load_average(), 2), "cores": os.cpu_count() or 1, "threads": self.threads}
@@ -127,6 +129,8 @@ def pick(ranges: dict[str, tuple[float, float]], order: Sequence[str]) -> tuple[
     """The cheapest candidate by `ranges` ({name: (best, typical) cost}), unless its range overlaps
     that of a candidate earlier in `order` (the default first): then the earliest such, and why."""
     fastest = min(ranges, key=lambda name: ranges[name][0])
+    if trusting():
+        return fastest, None
     low, high = ranges[fastest]
     for name in order:
         if name == fastest:
@@ -147,6 +151,19 @@ def describe_load(record: dict) -> str:
     others = "other processes' share unknown" if other is None else f"other processes {other:.1f} cores"
     return (f"{record.get('at', '?')}, {others} of {record.get('cores', '?')} beside its {record.get('threads', '?')} "
             f"threads, load average {record.get('loadavg', 0):.1f}")
+
+
+def summary_line(record: dict) -> str:
+    """A compile's record of its kernel timings (codegen/ort_timing_cache.summary) in one line (llmc inspect)."""
+    if not record.get("measurements"):
+        return "nothing measured"
+    other = record.get("other_cores_max")
+    load = "other processes' share unknown" if other is None else f"other processes at most {other:.1f}"
+    doubts = [f"{record[k]} {what}" for k, what in (("busy", "measured busy (not cached, defaults kept)"),
+                                                   ("close_calls", "too close to call (defaults kept)")) if record[k]]
+    return (f"{record['measurements']} timings measured {record['first']} to {record['last']}, {load} of "
+            f"{record['cores']} cores beside {record['threads']} threads, load average at most "
+            f"{record['loadavg_max']:.1f}" + ("; " + ", ".join(doubts) if doubts else ""))
 
 
 def cache_info() -> list[dict]:
@@ -198,5 +215,5 @@ def clear_cache(names: Sequence[str] | None = None) -> list[Path]:
     return removed
 
 
-__all__ = ["cache_root", "watch_load", "busy_reason", "spread", "pick", "describe_load", "cache_info",
+__all__ = ["cache_root", "watch_load", "busy_reason", "spread", "pick", "describe_load", "summary_line", "cache_info",
            "clear_cache", "trusting", "remeasuring", "ENTRIES", "TRUST_ENV", "REMEASURE_ENV"]
