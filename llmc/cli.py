@@ -357,6 +357,8 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
               help="Memory bandwidth for the roofline (default: measured once per machine and cached).")
 @click.option("--gemm-peak", type=FiniteFloat(min=0.0, min_open=True), default=None, metavar="GFLOPS",
               help="fp32 GEMM peak for the roofline (default: measured once per machine and cached).")
+@click.option("--remeasure", is_flag=True, help="Measure the bandwidth and GEMM peak again, ignoring and refreshing "
+              "what is cached (a figure measured on a busy machine is used once and not cached).")
 @click.option("--repeat", type=POSITIVE, default=1, show_default=True,
               help="Run the workload (and the baseline, alternating with it) this many times and report the "
                    "median run of each: on a busy machine one run can be off by 2x.")
@@ -366,7 +368,7 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @ring_attention_option
 def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
           seed, workload_kind, ignore_eos, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
-          baseline_batch_size, as_json, plot, bandwidth, gemm_peak, repeat, device, threads, speculative,
+          baseline_batch_size, as_json, plot, bandwidth, gemm_peak, remeasure, repeat, device, threads, speculative,
           num_speculative_tokens, ring_attention_threshold):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
@@ -434,7 +436,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
               "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives
               "speculative": speculative_summary(engine, ours, plain) if plain else None,
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
-              "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak)
+              "roofline": bench_roofline(engine, ours, threads, bandwidth, gemm_peak, remeasure)
               if engine.device.type == "cpu" else None}
     if baseline not in ("hf", "none"):
         del engine   # one model in memory at a time
@@ -612,6 +614,51 @@ def eval_command(artifact, text_file, ref, max_tokens, as_json, device, threads)
 
 # Bare `llmc` raises this (click >= 8.2) to show the help, which is what the user asked for.
 _SHOW_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+@cli.group()
+def cache():
+    """What llmc keeps on this machine ($LLMC_CACHE, else ~/.cache/llmc): kernel timings, the
+    roofline's peaks, built kernels, the sample model."""
+
+
+@cache.command("info")
+@click.option("--json", "as_json", is_flag=True)
+def cache_info_command(as_json):
+    """Where each part of the cache is, its size, and when and under what load its measurements were taken."""
+    from llmc.cache import cache_info, cache_root
+
+    entries = cache_info()
+    if as_json:
+        click.echo(json.dumps({"root": str(cache_root()), "entries": entries}, indent=2, sort_keys=True))
+        return
+    click.echo(f"cache {cache_root()}")
+    for e in entries:
+        click.echo(f"  {e['name']:<16} {e['files']:>5} files {e['bytes'] / 2**20:>9.1f} MiB  {e['what']}")
+        measured = e.get("measured") or []
+        if measured:
+            click.echo(f"  {'':<16} {_measured_line(measured)}")
+
+
+def _measured_line(records: list[dict]) -> str:
+    """When and under what load the cached measurements `records` were taken, in one line."""
+    times = sorted(r.get("at", "?") for r in records)
+    others = [r["other_cores"] for r in records if r.get("other_cores") is not None]
+    load = f"other processes at most {max(others):.1f} cores" if others else "other processes' share unknown"
+    return (f"measured {times[0]} to {times[-1]}, {load}, load average at most "
+            f"{max(r.get('loadavg', 0.0) for r in records):.1f}")
+
+
+@cache.command("clear")
+@click.argument("what", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Everything, built kernels and the sample model too.")
+def cache_clear_command(what, everything):
+    """Remove WHAT (names from `llmc cache info`; default: the measurements, kernel timings and
+    bandwidth.json) from the cache; they are measured or built again when next needed."""
+    from llmc.cache import ENTRIES, clear_cache
+
+    removed = clear_cache(list(ENTRIES) if everything else list(what) or None)
+    click.echo("\n".join(f"removed {p}" for p in removed) or "nothing to remove")
 
 
 def main(argv=None):
