@@ -29,6 +29,7 @@ def export_onnx(artifact_path, output, force: bool = False) -> Path:
     from llmc.compiler.ir import Graph
 
     artifact = read_artifact(artifact_path)
+    refuse_target(artifact.manifest["target"], artifact_path)
     graph = Graph.from_json(artifact.graph_json)
     with staged_output(Path(output), force, EXPORT) as staging:
         model, config = build_model(graph, artifact.weights)
@@ -39,6 +40,16 @@ def export_onnx(artifact_path, output, force: bool = False) -> Path:
         shutil.copytree(artifact.tokenizer_dir, staging / "tokenizer")
         (staging / MARKER).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     return Path(output)
+
+
+def refuse_target(target: dict, path) -> None:
+    """The export writes a float32 graph: an artifact compiled for bf16 activations (the GPU targets,
+    cpu-bf16) holds casts and bf16 weights it has no float32 form of."""
+    activations = target.get("activation_dtype")
+    if activations != "fp32":
+        raise ExportError(f"artifact '{path}' was compiled for target {target.get('name')!r}, whose activations are "
+                          f"{activations}; ONNX export takes float32 activations: compile the model for --target "
+                          f"cpu and export that artifact")
 
 
 def _fits_protobuf(model) -> bool:
@@ -117,7 +128,7 @@ def _refuse_unsupported(graph) -> None:
             why = (f"quantisation scheme {n.attrs['scheme']} does not export (int8, int4 and a GGUF's kept "
                    f"formats do); export an fp32, int8, int4 or GGUF-kept artifact")
         elif any(v.type.dtype not in ("float32", "int64", "int32") for v in n.outputs):
-            why = "only float32 activations export; compile without --dtype/cast passes"
+            why = "only float32 activations export; compile for --target cpu without cast passes (cast_bf16)"
         elif n.op in ("attention", "flash_attention") and any(
                 len(graph.type_of(i).shape) != 2 for i in n.inputs[:3]):
             why = "attention inputs with leading batch dims do not export"

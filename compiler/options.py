@@ -41,8 +41,9 @@ class CompileOptions:
     report: str | None = flag(None, "Write the compile report (stage and pass timings) to this JSON file; "
                                     "the artifact itself holds no timings.", path="file")
     max_num_batched_tokens: int = flag(2048, "Largest token batch the plan is sized for.", kind=int)
-    quant: str | None = flag(None, "Quantise the linears' weights (default: a GGUF file's own quantisation, "
-                                   "gguf; else the target's, if any; none: float weights).",
+    quant: str | None = flag(None, "Quantise the linears' weights (default: the target's recipe, whatever the "
+                                   "source; the cpu targets keep a GGUF file's own blocks; gguf: keep them on "
+                                   "any target; none: float weights).",
                              choices=QUANT_CHOICES)
     group_size: int | None = flag(None, "int4 group size along K (default 128).", kind=int)
     kv_cache: str | None = flag(None, "Quantise the KV cache (none: keep it unquantised where the target "

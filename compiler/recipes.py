@@ -24,7 +24,7 @@ QUANT_RECIPES: dict[str, list[tuple[str, dict]]] = {
     "int4-awq": [("quantize_int4", {"method": "awq"})],
     "fp8": [("quantize_fp8", {})],
     "w8a8": [("smoothquant", {}), ("quantize_w8a8", {"all_linears": True})],  # o_proj/down_proj unsmoothed
-    # a GGUF file's own block formats, kept (the default for GGUF sources); none: float weights
+    # a GGUF file's own block formats, kept (the cpu targets' default for GGUF sources); none: float weights
     "gguf": [("keep_gguf_quant", {})],
     "none": [],
 }

@@ -49,13 +49,22 @@ def compile_flags(f):
     return f
 
 
+def target_help() -> str:
+    from llmc.compiler.targets import TARGETS
+
+    return (f"Target: {', '.join(TARGETS)}. Each applies its own weight recipe (the cpu targets keep a "
+            f"GGUF's blocks); `llmc targets` lists their hardware and recipes.")
+
+
 @cli.command()
 @click.argument("model")
-@click.option("--target", "-t", default="cpu", show_default=True, help="Target name (see `llmc targets`).")
+@click.option("--target", "-t", default="cpu", show_default=True, help=target_help())
 @click.option("--output", "-o", required=True, help="Artifact directory to write.")
 @compile_flags
 def compile(model, target, output, **options):
-    """Compile MODEL (a sample name, an HF checkpoint dir, or a .gguf file) into an artifact."""
+    """Compile MODEL into an artifact: an HF checkpoint dir, a .gguf or .onnx file, or a sample:
+    smollm2-135m (SmolLM2-135M-Instruct, a Q4_1 GGUF fetched once) or tiny-llama (random weights,
+    built in-process for tests: it prints gibberish)."""
     from llmc.api import compile as compile_api
     from llmc.passes.registry import parse_pass_options
 
@@ -284,12 +293,20 @@ def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     if len(prompts) == 1 and not no_stream:
-        for piece in model.stream(prompts[0], params):
-            click.echo(piece, nl=False)
-        click.echo()
+        _echo_stream(model.stream(prompts[0], params))
         return
     for out in model.generate(prompts, params):
         click.echo(f"--- {out.prompt!r}\n{out.outputs[0].text}")
+
+
+def _echo_stream(pieces) -> None:
+    """Print text as it comes; the output ends with a newline however the stream ends (finished,
+    refused midway, Ctrl-C), so the shell prompt or the error line starts on a line of its own."""
+    try:
+        for piece in pieces:
+            click.echo(piece, nl=False)
+    finally:
+        click.echo()
 
 
 @cli.command()

@@ -1,4 +1,4 @@
-"""`keep_gguf_quant` (`--quant gguf`, the default for GGUF sources): each linear and embedding
+"""`keep_gguf_quant` (`--quant gguf`, the cpu targets' default for GGUF sources): each linear and embedding
 whose weight a GGUF file stores in a block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K) becomes a qlinear / qembedding over that format's own codes, scales and minimums, as the
 grouped-affine schemes affine4 / affine8 (compiler/quant.py, docs/quantization.md): no second
