@@ -17,6 +17,7 @@ from typing import Iterator
 import jinja2
 
 from llmc.cache import cache_root
+from llmc.codegen.native_cache import private_directory
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 
@@ -48,7 +49,8 @@ def render_kernel(template: str, name: str, constants: dict) -> RenderedKernel:
 
 
 def kernel_cache_dir() -> Path:
-    return cache_root() / "triton"
+    """<cache>/triton, a private directory (codegen/native_cache.py): the sources in it are imported."""
+    return private_directory(cache_root() / "triton")
 
 
 def load_kernel(kernel: RenderedKernel):
@@ -84,7 +86,6 @@ def _write_source(source: str, digest: str) -> Path:
     path = directory / f"{digest}.py"
     if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest:
         return path
-    directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
         f.write(source)

@@ -10,7 +10,7 @@ from llmc.codegen.triton_configs import TILE_CONFIGS, TileConfig, tile_config
 from llmc.codegen.triton_gemm import dequant_gemm, render_dequant_gemm
 from llmc.codegen.triton_render import kernel_cache_dir, load_kernel
 from llmc.compiler import quant
-from llmc.errors import TargetError
+from llmc.errors import LlmcError, TargetError
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/codegen/triton/conftest.py sets the interpreter"
 pytestmark = pytest.mark.triton
@@ -143,10 +143,19 @@ def test_tampered_cache_file_is_rewritten(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMC_CACHE", str(tmp_path))
     kernel = render_dequant_gemm("fp8", TileConfig(16, 32, 32, 2, 1), per_channel_scale=False)
     path = kernel_cache_dir() / f"{kernel.sha256}.py"
-    path.parent.mkdir(parents=True)
     path.write_text("raise SystemExit('tampered')\n")
     load_kernel(kernel)
     assert path.read_text(encoding="utf-8") == kernel.source
+
+
+def test_a_kernel_cache_others_can_write_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMC_CACHE", str(tmp_path))
+    kernel = render_dequant_gemm("fp8", TileConfig(16, 16, 32, 2, 1), per_channel_scale=False)   # not loaded yet
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton").chmod(0o777)
+    with pytest.raises(LlmcError, match="writable by others"):
+        load_kernel(kernel)
+    assert list((tmp_path / "triton").iterdir()) == []
 
 
 def test_target_names_map_to_gpu_families():
