@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -60,12 +62,15 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, **options
 
 
 class LLM:
-    """An artifact on the llmc engine. `engine_options` are EngineConfig fields (kv_memory,
-    block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, device, threads: CPU
-    threads, default $LLMC_NUM_THREADS or the physical cores; speculative: {"method": "ngram",
-    "num_speculative_tokens": 5} or {"method": "draft", "model": DRAFT_ARTIFACT}, see
-    runtime/speculative_config.py; ring_attention_threshold: a --tp artifact's prefills of this many
-    tokens or more run ring attention, 0 never, default $LLMC_RING_ATTENTION_THRESHOLD or 4096)."""
+    """An artifact on the llmc engine, safe to call from several threads at once: their requests join one
+    batch (whichever call holds the engine steps it for all), and each call gets its own outputs, as
+    it would alone (greedy and seeded sampling are batch-invariant). `engine_options` are
+    EngineConfig fields (kv_memory, block_size, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, device, threads: CPU threads, default $LLMC_NUM_THREADS or the physical
+    cores; speculative: {"method": "ngram", "num_speculative_tokens": 5} or {"method": "draft",
+    "model": DRAFT_ARTIFACT}, see runtime/speculative_config.py; ring_attention_threshold: a --tp
+    artifact's prefills of this many tokens or more run ring attention, 0 never, default
+    $LLMC_RING_ATTENTION_THRESHOLD or 4096)."""
 
     def __init__(self, path: str | Path, **engine_options):
         from dataclasses import fields
@@ -79,6 +84,56 @@ class LLM:
         self.path = Path(path)
         self.engine = Engine(self.path, EngineConfig(**engine_options))
         self.tokenizer = self.engine.tokenizer
+        # The engine and its tokenizer (a Rust tokenizer used from two threads can fail "Already
+        # borrowed") are touched only under this lock.
+        self._lock = threading.Lock()
+        self._holder: int | None = None             # the thread holding _lock
+        self._outputs: dict[str, object] = {}       # latest RequestOutput of each request a call waits on
+        self._abandoned: list[str] = []             # streams closed while their thread held _lock
+
+    @contextmanager
+    def _held(self):
+        """The engine, for this thread alone; requests of streams closed meanwhile are aborted first."""
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                abandoned, self._abandoned = self._abandoned, []
+                self._drop(abandoned)
+                yield self.engine
+            finally:
+                self._holder = None
+
+    def _add(self, requests: list[dict]) -> list[str]:
+        """Add every request or none (held)."""
+        ids: list[str] = []
+        try:
+            for r in requests:
+                ids.append(self.engine.add_request(**r))
+                self._outputs[ids[-1]] = None
+        except BaseException:
+            self._drop(ids)
+            raise
+        return ids
+
+    def _step(self) -> None:
+        """One engine step for every thread's requests (held); each output is kept for its caller."""
+        for out in self.engine.step():
+            if out.request_id in self._outputs:
+                self._outputs[out.request_id] = out
+
+    def _drop(self, ids) -> None:
+        for i in ids:
+            self.engine.abort(i)
+            self._outputs.pop(i, None)
+
+    def _forget(self, ids: list[str]) -> None:
+        """Abort `ids` and drop their outputs; deferred when this thread holds the engine (a stream
+        collected in the middle of a step), since the step is not to be changed under it."""
+        if self._holder == threading.get_ident():
+            self._abandoned.extend(ids)
+            return
+        with self._held():
+            self._drop(ids)
 
     def generate(self, prompts=None, sampling_params=None, *, messages=None, priority=None, use_tqdm=False):
         """One prompt or a list: strings or {"prompt_token_ids": [...]}. `sampling_params` is one
@@ -93,24 +148,23 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else _as_list(prompts, "prompts")
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         prio = _per_prompt(priority, len(prompts), "priority")
-        requests = [self._checked(p, sp, pr, f"{label}[{i}]")
-                    for i, (p, sp, pr) in enumerate(zip(prompts, params, prio))]
-        ids: list[str] = []
+        with self._held():
+            requests = [self._checked(p, sp, pr, f"{label}[{i}]")
+                        for i, (p, sp, pr) in enumerate(zip(prompts, params, prio))]
+            ids = self._add(requests)
         try:
-            for r in requests:
-                ids.append(self.engine.add_request(**r))
-            ours, done = set(ids), {}
-            bar = _progress(len(ids), use_tqdm)
-            while any(i in self.engine.requests for i in ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in ours:
-                        done[out.request_id] = out
-                        bar.update(1)
+            bar, waiting = _progress(len(ids), use_tqdm), set(ids)
+            while waiting:
+                with self._held() as engine:
+                    if any(i in engine.requests for i in waiting):
+                        self._step()
+                    done = {i for i in waiting if i not in engine.requests}
+                waiting -= done
+                bar.update(len(done))
             bar.close()
-            return [done[i] for i in ids]
+            return [self._outputs[i] for i in ids]
         finally:
-            for i in ids:
-                self.engine.abort(i)
+            self._forget(ids)
 
     def close(self) -> None:
         """Stop what the engine runs outside this process now (a tensor-parallel artifact's other
@@ -125,30 +179,29 @@ class LLM:
 
     def stream(self, prompt, sampling_params=None) -> Iterator[str]:
         """Yield the text of one prompt's first sample as it is generated."""
-        request = self._checked(prompt, sampling_params, None, "prompt")
-        request_id = None
+        with self._held() as engine:
+            [request_id] = self._add([self._checked(prompt, sampling_params, None, "prompt")])
+            sample = engine.requests[request_id].samples[0]
         try:
-            request_id = self.engine.add_request(**request)
-            sample = self.engine.requests[request_id].samples[0]
-            while request_id in self.engine.requests:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        piece = sample.stop.new_text()
-                        if piece:
-                            yield piece
-                        if out.outputs[0].finish_reason == "abort" and out.outputs[0].stop_reason:
-                            raise RuntimeLlmcError(str(out.outputs[0].stop_reason))
-            rest = sample.stop.new_text()
-            if rest:
-                yield rest
+            running = True
+            while running:
+                with self._held() as engine:
+                    if request_id in engine.requests:
+                        self._step()
+                    running = request_id in engine.requests
+                    piece, out = sample.stop.new_text(), self._outputs[request_id]
+                if piece:   # yielded without the engine: the consumer may take its time
+                    yield piece
+                if out is not None and out.outputs[0].finish_reason == "abort" and out.outputs[0].stop_reason:
+                    raise RuntimeLlmcError(str(out.outputs[0].stop_reason))
         finally:
-            if request_id is not None:
-                self.engine.abort(request_id)
+            self._forget([request_id])
 
     def apply_chat_template(self, messages) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeLlmcError(f"the model in {self.path} has no chat template; pass plain prompts")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        with self._held():
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def _checked(self, prompt, params, priority, where: str) -> dict:
         """add_request's arguments for one prompt, every value checked (nothing is added yet)."""

@@ -1,7 +1,10 @@
 """The FastAPI app of `llmc serve`: OpenAI's `/v1/models`, `/v1/completions` and
 `/v1/chat/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
 `/health` and Prometheus' `/metrics`. Every error answers in OpenAI's envelope with the status
-OpenAI's clients expect: 400 (not FastAPI's 422) naming the field, 401, 404, 429, 500, 503."""
+OpenAI's clients expect: 400 (not FastAPI's 422) naming the field, 401, 404, 413, 429, 500, 503,
+body-parse failures and unknown routes included. The event loop only parses bodies (capped in
+size) and moves results: templates and tokenisers run on prepare.py's thread, the model on
+engine_loop.py's."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import asyncio
 import copy
 import hmac
 import json
+import reprlib
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,38 +20,61 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime import request_values
 from llmc.runtime.server.engine_loop import AsyncEngine, Job, Update
+from llmc.runtime.server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from llmc.runtime.server.metrics import ServerMetrics
-from llmc.runtime.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from llmc.runtime.server.prepare import Prepared, RequestPreparer
+from llmc.runtime.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse
 from llmc.runtime.server.responses import ResponseBuilder
+
+# What the /v1 routes may answer besides 200, for the OpenAPI schema (and the clients and fuzzers
+# that read it): every error is OpenAI's envelope.
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 499, 500, 503)}
+
+
+def _shown_repr() -> reprlib.Repr:
+    """Request values as a 400's message shows them: a few characters, however large the value."""
+    shown = reprlib.Repr()   # its keyword arguments are Python 3.12's
+    shown.maxstring, shown.maxother, shown.maxlist, shown.maxdict, shown.maxlevel = 60, 60, 6, 6, 2
+    return shown
+
+
+_SHOWN = _shown_repr()
 
 
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
-              ttft_slo_ms: float | None = None) -> FastAPI:
+              ttft_slo_ms: float | None = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_n: int = DEFAULT_MAX_N, metrics_need_key: bool = False) -> FastAPI:
     """An app serving `engine` (an `llmc.runtime.engine.Engine`, or `llmc.load(...)`'s LLM) under the
     model name `served_model_name` (default: the artifact's directory name). With `api_key`, the
-    /v1 routes need `Authorization: Bearer <api_key>`. `max_queue`: requests waiting beyond the
-    engine's batch before 429s; `ttft_slo_ms`: refuse (429) requests predicted to miss it."""
+    /v1 routes need `Authorization: Bearer <api_key>` (and /metrics too with `metrics_need_key`; by
+    default it stays open for Prometheus, as vLLM's). `max_queue`: requests waiting beyond the
+    engine's batch before 429s; `ttft_slo_ms`: refuse (429) requests predicted to miss it;
+    `max_request_bytes`: a larger body is a 413, unread; `max_n`: the most choices (n) per request."""
     path, engine = getattr(engine, "path", None), getattr(engine, "engine", engine)
     name = served_model_name or (model_name(path) if path is not None else None)
     if not name:
         raise RuntimeLlmcError("build_app(engine) needs served_model_name=... (an Engine does not know its "
                                "artifact's path; an LLM from llmc.load does)")
     metrics = ServerMetrics(name)
-    # The handlers' own copy: a Rust tokenizer used from two threads at once can fail "Already borrowed".
+    # The event loop's own copy (token texts of logprobs): a Rust tokenizer used from two threads at
+    # once can fail "Already borrowed".
     tokenizer = copy.deepcopy(engine.tokenizer)
     core = AsyncEngine(engine, metrics, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms)
+    preparer = RequestPreparer(engine, max_n)
 
     @asynccontextmanager
     async def lifespan(app):
         core.start()
         yield
         core.stop()
+        preparer.close()
 
     app = FastAPI(title="llmc", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.state.core, app.state.model_name = core, name
     _add_error_handlers(app)
     auth = [Depends(_api_key_check(api_key))]
@@ -56,34 +83,30 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     async def health():
         return Response(status_code=503 if core.draining else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=auth if metrics_need_key else [], responses={401: {"model": ErrorResponse}})
     async def prometheus():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses={401: {"model": ErrorResponse}})
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmc",
                                             "root": name, "max_model_len": engine.max_model_len,
                                             "vocab_size": engine.model["vocab_size"]}]}
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, name)
-        text, ids = body.one_prompt()
         builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", name, tokenizer, False, body.logprobs)
-        ids = ids if ids is not None else _encoded(tokenizer, text, "prompt")
-        return await _serve(core, body, _job(engine, body, builder.request_id, text, ids, body.sampling_params(),
-                                             "prompt"), builder, request)
+        prepared = await preparer.completion(body)
+        return await _serve(core, body, _job(engine, body, builder.request_id, prepared), builder, request)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
-        text = _chat_prompt(tokenizer, body.conversation())
         top = (body.top_logprobs or 0) if body.logprobs else None
         builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", name, tokenizer, True, top)
-        ids = _encoded(tokenizer, text, "messages")
-        return await _serve(core, body, _job(engine, body, builder.request_id, text, ids, body.sampling_params(),
-                                             "messages"), builder, request)
+        prepared = await preparer.chat(body)
+        return await _serve(core, body, _job(engine, body, builder.request_id, prepared), builder, request)
 
     return app
 
@@ -99,27 +122,9 @@ def _check_model(asked: str, served: str) -> None:
                        param="model", code="model_not_found", kind="NotFoundError")
 
 
-def _chat_prompt(tokenizer, conversation: list[dict]) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "the served model has no chat template; use /v1/completions", param="messages")
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-
-
-def _encoded(tokenizer, text: str, field: str) -> list[int]:
-    try:
-        return tokenizer(request_values.prompt_text(text, field))["input_ids"]
-    except RuntimeLlmcError as e:
-        raise ApiError(400, str(e), param=field) from None
-
-
-def _job(engine, body, request_id: str, text, ids: list[int], params, field: str) -> Job:
-    """The checked job of one request: a prompt longer than the context is a 400 with both lengths."""
-    try:
-        prompt_ids = engine.prompt_ids(None, ids, field)
-    except RuntimeLlmcError as e:
-        code = "context_length_exceeded" if "longer than the model's context" in str(e) else None
-        raise ApiError(400, str(e), param=field, code=code) from None
-    return Job(request_id, body.user or "", body.priority, text, prompt_ids, params, engine.max_model_len)
+def _job(engine, body, request_id: str, prepared: Prepared) -> Job:
+    return Job(request_id, body.user or "", body.priority, prepared.text, prepared.token_ids, prepared.params,
+               engine.max_model_len)
 
 
 async def _serve(core: AsyncEngine, body, job: Job, builder: ResponseBuilder, request: Request):
@@ -208,7 +213,32 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_field(request, e: RequestValidationError):
         first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            message = (f"the request body is not valid JSON: {first.get('ctx', {}).get('error')} at character "
+                       f"{first['loc'][-1]}")
+            return JSONResponse(ApiError(400, message).body(), status_code=400)
         field = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        shown = json.dumps(first.get("input"), default=str)[:80]
-        message = f"{field or 'the request body'}: {first['msg']} (got {shown})"
+        message = f"{field or 'the request body'}: {first['msg']} (got {_SHOWN.repr(first.get('input'))})"
         return JSONResponse(ApiError(400, message, param=field).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        """Starlette's and FastAPI's own errors: unknown routes and methods, and bodies that do not
+        decode (invalid UTF-8, an integer of over 4300 digits) with the decoder's reason."""
+        cause = e.__cause__
+        if e.status_code == 400 and cause is not None:
+            message = f"the request body could not be parsed as JSON: {type(cause).__name__}: {str(cause)[:200]}"
+        elif e.status_code in (404, 405):
+            message = (f"{e.detail}: {request.method} {request.url.path}; this server answers GET /health, "
+                       "GET /metrics, GET /v1/models, POST /v1/completions and POST /v1/chat/completions")
+        else:
+            message = str(e.detail)
+        kind = "invalid_request_error" if e.status_code < 500 else "internal_server_error"
+        return JSONResponse(ApiError(e.status_code, message, kind=kind).body(), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def bug(request, e: Exception):
+        return JSONResponse(ApiError(500, f"the server failed on this request ({type(e).__name__}: {e}); this is a "
+                                          "bug in llmc, please report it", kind="internal_server_error").body(),
+                            status_code=500)

@@ -28,6 +28,18 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The envelope of every error (for the OpenAPI schema; ApiError.body() writes it)."""
+    error: ErrorDetail
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -81,6 +93,7 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None   # only as n: every sample drawn is returned
 
     def one_prompt(self) -> tuple[str | None, list[int] | None]:
         """(text, token ids) of the request's single prompt."""
