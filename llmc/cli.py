@@ -587,11 +587,17 @@ def export(artifact, format_, output, force):
 @click.option("--shutdown-timeout", type=FiniteFloat(min=0.0), default=30.0, show_default=True,
               help="On SIGTERM, seconds running requests may finish before they are aborted.")
 @click.option("--kv-memory", default="1GiB", show_default=True, help="KV cache budget.")
+@click.option("--max-request-bytes", type=POSITIVE, default=8 << 20, show_default=True,
+              help="A request body over this many bytes is refused (413) before it is read.")
+@click.option("--max-n", type=POSITIVE, default=16, show_default=True,
+              help="The most choices (n, best_of) one request may ask for; more is a 400.")
+@click.option("--metrics-need-key", is_flag=True,
+              help="/metrics needs the --api-key too (by default it is open to Prometheus, as vLLM's).")
 @device_option
 @threads_option
 @speculative_options
 def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_ms, max_num_seqs, shutdown_timeout,
-          kv_memory, device, threads, speculative, num_speculative_tokens):
+          kv_memory, max_request_bytes, max_n, metrics_need_key, device, threads, speculative, num_speculative_tokens):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions),
     with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
     `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
@@ -600,6 +606,7 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
 
     serve_artifact(artifact, host, port, api_key=api_key, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms,
                    served_model_name=served_model_name, shutdown_timeout=shutdown_timeout, kv_memory=kv_memory,
+                   max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key,
                    device=device, threads=_threads(threads), max_num_seqs=max_num_seqs,
                    speculative=_speculative(speculative, num_speculative_tokens))
 

@@ -13,6 +13,7 @@ import uvicorn
 
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.server.app import build_app
+from llmc.runtime.server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 
 
 class DrainingServer(uvicorn.Server):
@@ -32,15 +33,18 @@ class DrainingServer(uvicorn.Server):
 
 def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None, max_queue: int = 256,
           ttft_slo_ms: float | None = None, served_model_name: str | None = None, shutdown_timeout: float = 30.0,
-          log_level: str = "info", **engine_options) -> None:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_n: int = DEFAULT_MAX_N,
+          metrics_need_key: bool = False, log_level: str = "info", **engine_options) -> None:
     """Serve the artifact at `path` on http://host:port (OpenAI API under /v1) until SIGTERM or Ctrl-C.
     `engine_options` are `llmc.load`'s (kv_memory, threads, max_num_seqs, device, ...)."""
     import llmc
 
     _check_options(max_queue, ttft_slo_ms, shutdown_timeout)
+    _check_limits(max_request_bytes, max_n, metrics_need_key, api_key)
     sock = listening_socket(host, port)   # before the model loads: a taken port fails at once
     try:
-        app = build_app(llmc.load(path, **engine_options), served_model_name, api_key, max_queue, ttft_slo_ms)
+        app = build_app(llmc.load(path, **engine_options), served_model_name, api_key, max_queue, ttft_slo_ms,
+                        max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key)
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=math.ceil(shutdown_timeout))
         DrainingServer(config, app.state.core, shutdown_timeout).run(sockets=[sock])
     finally:
@@ -74,3 +78,11 @@ def _check_options(max_queue, ttft_slo_ms, shutdown_timeout) -> None:
         raise RuntimeLlmcError(f"ttft_slo_ms={ttft_slo_ms!r} must be a positive number of milliseconds or None")
     if not (isinstance(shutdown_timeout, (int, float)) and 0 <= shutdown_timeout < math.inf):
         raise RuntimeLlmcError(f"shutdown_timeout={shutdown_timeout!r} must be a number of seconds >= 0")
+
+
+def _check_limits(max_request_bytes, max_n, metrics_need_key, api_key) -> None:
+    for name, value in (("max_request_bytes", max_request_bytes), ("max_n", max_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RuntimeLlmcError(f"{name}={value!r} must be an integer >= 1")
+    if metrics_need_key and api_key is None:
+        raise RuntimeLlmcError("--metrics-need-key needs --api-key (or $LLMC_API_KEY): there is no key to ask for")
