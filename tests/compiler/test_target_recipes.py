@@ -100,6 +100,33 @@ def test_llmc_targets_states_each_recipe(target):
         assert f"recipe: --quant {quant}, {recipes.RECIPE_FORMATS[quant]}, whatever the source" in line
 
 
+@pytest.fixture(scope="module")
+def smollm2_stored(smollm2_gguf):
+    """SmolLM2's GGUF as a compile loads it (lazily: its stored blocks, no weights read)."""
+    from llmc.compiler.frontends import load_model
+
+    return load_model(str(smollm2_gguf), lazy=True).stored_quant
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("target", list(EXPECTED))
+def test_smollm2s_gguf_gets_each_targets_recipe_and_the_compile_says_what_becomes_of_its_blocks(
+        smollm2_stored, target):
+    """What `llmc compile smollm2-135m --target T` resolves, as build_into does, without the
+    (calibrated, minutes-long) compile."""
+    tgt = get_target(target)
+    passes, reason, _ = EXPECTED[target]
+    assert quant_specs(target, source_quantised=bool(smollm2_stored)) == passes
+    choice = recipes.weight_choice(tgt, None, False, bool(smollm2_stored))
+    note = recipes.requantise_note(choice, smollm2_stored, tgt)
+    assert choice.reason == reason
+    if reason == recipes.KEPT_FROM_SOURCE:
+        assert note is None
+    else:
+        assert note.startswith("llmc: the source stores quantised weights (210 Q4_1, 2 Q8_0); "
+                               f"target {target}'s recipe ")
+
+
 # -- a tiny GGUF of SmolLM2's block formats, compiled ---------------------------------------------
 def write_gguf(path) -> None:
     """A random tiny llama whose linears are Q4_1 blocks and whose embedding is Q8_0, as SmolLM2's file."""
