@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.errors import RuntimeLlmcError
@@ -33,6 +33,9 @@ from llmc.runtime.server.responses import ResponseBuilder
 # What the /v1 routes may answer besides 200, for the OpenAPI schema (and the clients and fuzzers
 # that read it): every error is OpenAI's envelope.
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 499, 500, 503)}
+# A completion answers JSON, or server-sent events with `stream: true`.
+_COMPLETED = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}},
+              **_ERRORS}
 
 
 def _shown_repr() -> reprlib.Repr:
@@ -79,11 +82,13 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     _add_error_handlers(app)
     auth = [Depends(_api_key_check(api_key))]
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "Serving (empty body)"},
+                                                            503: {"description": "Shutting down (empty body)"}})
     async def health():
         return Response(status_code=503 if core.draining else 200)
 
-    @app.get("/metrics", dependencies=auth if metrics_need_key else [], responses={401: {"model": ErrorResponse}})
+    @app.get("/metrics", dependencies=auth if metrics_need_key else [], response_class=PlainTextResponse,
+             responses={401: {"model": ErrorResponse}})
     async def prometheus():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -93,14 +98,14 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
                                             "root": name, "max_model_len": engine.max_model_len,
                                             "vocab_size": engine.model["vocab_size"]}]}
 
-    @app.post("/v1/completions", dependencies=auth, responses=_ERRORS)
+    @app.post("/v1/completions", dependencies=auth, responses=_COMPLETED)
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, name)
         builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", name, tokenizer, False, body.logprobs)
         prepared = await preparer.completion(body)
         return await _serve(core, body, _job(engine, body, builder.request_id, prepared), builder, request)
 
-    @app.post("/v1/chat/completions", dependencies=auth, responses=_ERRORS)
+    @app.post("/v1/chat/completions", dependencies=auth, responses=_COMPLETED)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
         top = (body.top_logprobs or 0) if body.logprobs else None

@@ -91,6 +91,10 @@ class RequestPreparer:
     def _prepared(self, text: str | None, ids: list[int], params: SamplingParams, field: str) -> Prepared:
         """The checked prompt ids (a prompt longer than the context is a 400 with both lengths) and
         params whose max_tokens is at most what the context leaves after the prompt."""
+        context = self.engine.max_model_len
+        if len(ids) > context:   # before each id is checked: a list of millions takes seconds
+            raise ApiError(400, f"{field}: prompt of {len(ids)} tokens is longer than the model's context of "
+                                f"{context} tokens; shorten the prompt", param=field, code="context_length_exceeded")
         try:
             ids = self.engine.prompt_ids(None, ids, field)
         except RuntimeLlmcError as e:
