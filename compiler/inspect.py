@@ -119,9 +119,10 @@ def linear_format(node: dict, params: dict[str, dict]) -> str:
 
 
 def weight_summary(graph: dict, manifest: dict) -> dict:
-    """Which weight format the compiled graph's linears hold (counted by format, after fusion) and
-    why: the manifest's record of the --quant recipe applied (its reason: target default, user
-    flag, kept from source, user pipeline), and why the quantising passes left weights in float."""
+    """Which weight format the compiled graph's linears hold (counted by GEMM: a fused q/k/v or
+    gate/up projection counts once) and why: the manifest's record of the --quant recipe applied
+    (its reason: target default, user flag, kept from source, user pipeline), and why the
+    quantising passes left weights in float."""
     params = {p["name"]: p for p in graph["params"]}
     formats = Counter(linear_format(n, params) for n in graph["nodes"] if n["op"] in ("linear", "qlinear"))
     left: Counter = Counter()
@@ -147,7 +148,8 @@ def _recipe_record(manifest: dict) -> dict:
 def _weight_lines(weights: dict) -> list[str]:
     formats = ", ".join(f"{n} {fmt}" for fmt, n in weights["formats"].items()) or "none"
     recipe = "float weights" if weights["quant"] in (None, "none") else f"--quant {weights['quant']}"
-    lines = [f"  linear weights: {formats}; from {recipe} ({weights['reason']}: {weights['origin']})"]
+    lines = [f"  linear weights (by GEMM, a fused one once): {formats}; from {recipe} "
+             f"({weights['reason']}: {weights['origin']})"]
     if weights["left_in_float"]:
         lines.append("    left in float: " + "; ".join(f"{n} {why}" for why, n in weights["left_in_float"].items()))
     return lines

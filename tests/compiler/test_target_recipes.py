@@ -184,7 +184,7 @@ def test_the_tiny_ggufs_linears_end_in_the_targets_format_and_the_manifest_says_
     else:   # the file's blocks are re-quantised (or stored as bf16): the compile says so, once
         assert len(said) == 1 and f"target {target}'s recipe" in said[0] and "--quant gguf keeps" in said[0]
     listed = ", ".join(f"{n} {fmt}" for fmt, n in weights["formats"].items())
-    assert f"  linear weights: {listed}; from " in summarize(path, brief=True)
+    assert f"  linear weights (by GEMM, a fused one once): {listed}; from " in summarize(path, brief=True)
     assert f"({reason}: target {target}" in summarize(path, brief=True)
 
 
@@ -193,7 +193,7 @@ def test_quant_gguf_on_h100_fp8_keeps_the_blocks_and_says_it_was_the_users_flag(
     assert set(rep["weights"]["formats"]) == {"Q4_1", "Q8_0"} and rep["weights"]["reason"] == recipes.USER_FLAG
     assert not [m for m in messages if "the source stores quantised weights" in m]
     assert rep["model"]["kv_dtype"] == "float8_e4m3fn"   # the rest of the target's recipe stands
-    assert "linear weights: " in summarize(path) and "(user flag: --quant gguf)" in summarize(path)
+    assert "linear weights (by GEMM" in summarize(path) and "(user flag: --quant gguf)" in summarize(path)
 
 
 def test_float_weights_the_recipe_left_say_why(tmp_path):
