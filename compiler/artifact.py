@@ -23,6 +23,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from llmc.compiler.bounded_input import parse_json as parse_bounded_json
+from llmc.compiler.bounded_input import file_kind, read_json_bytes
 from llmc.compiler.manifest_schema import RECOMPILE, check_manifest, check_model_agrees
 from llmc.compiler.weight_store import Entry, LazyTensor, WeightStore
 from llmc.compiler.weights_file import map_weights_file, write_weights_file
@@ -136,8 +138,8 @@ def artifact_problem(path: Path) -> str | None:
     if manifest_path.is_symlink() or not manifest_path.is_file():
         return f"is a directory without an llmc {MANIFEST}"
     try:
-        manifest = json.loads(read_bounded(manifest_path))
-    except (OSError, ValueError, ArtifactError):
+        manifest = parse_json(path, MANIFEST, read_bounded(manifest_path))
+    except (OSError, ArtifactError):
         manifest = None
     if not (isinstance(manifest, dict) and isinstance(manifest.get("format_version"), int)
             and isinstance(manifest.get("files"), dict)):
@@ -329,8 +331,8 @@ def read_artifact(path, verify: bool = True, rank: int = 0) -> Artifact:
     plan.json."""
     path = Path(path)
     if not path.is_dir():
-        raise ArtifactError(f"artifact '{path}' not found (no such directory); "
-                            f"compile one with `llmc compile`")
+        raise ArtifactError(f"artifact '{path}' {not_a_directory(path)}; an artifact is the directory "
+                            f"`llmc compile` writes")
     manifest = rank_view(read_manifest(path), rank, f"artifact '{path}'")
     if verify:
         verify_files(path, manifest)
@@ -341,6 +343,12 @@ def read_artifact(path, verify: bool = True, rank: int = 0) -> Artifact:
     return Artifact(path=path, manifest=manifest, graph_json=graph_json, plan_json=plan_json,
                     weights=read_weights(folder, manifest), tokenizer_dir=path / TOKENIZER_DIR,
                     kernels=read_kernels(path), data=read_data(path))
+
+
+def not_a_directory(path: Path) -> str:
+    """What `path`, which is no directory, is: missing, or which kind of thing."""
+    kind = file_kind(path)
+    return f"not found ({kind})" if kind.startswith("no such") else f"exists but is {kind}, not an artifact directory"
 
 
 def rank_file(view: dict, name: str) -> str:
@@ -406,10 +414,8 @@ def read_bounded(file: Path) -> str:
 
 
 def parse_json(path: Path, name: str, text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"artifact '{path}': {name} is not valid JSON ({e}); recompile") from None
+    """The JSON of the artifact's file `name`, nested within bounded_input's depth."""
+    return parse_bounded_json(text, f"artifact '{path}': {name}", ArtifactError, "; recompile")
 
 
 def refuse_links(path: Path) -> None:
@@ -484,16 +490,18 @@ def read_data(path: Path) -> dict[str, bytes]:
 
 
 def read_text(path: Path, name: str) -> str:
+    """A JSON document of the artifact (graph.json, plan.json), within bounded_input's cap."""
     try:
-        return (path / name).read_bytes().decode()
+        return read_json_bytes(path / name, f"artifact '{path}': file {name}", ArtifactError).decode()
     except (OSError, UnicodeDecodeError) as e:
         raise ArtifactError(f"artifact '{path}': file {name} cannot be read ({e}); recompile") from e
 
 
 def load_tokenizer(artifact: Artifact):
-    """The artifact's tokenizer as a transformers PreTrainedTokenizerFast."""
-    from transformers import AutoTokenizer  # the runtime pays for transformers only when it asks
-    return AutoTokenizer.from_pretrained(artifact.tokenizer_dir, local_files_only=True)
+    """The artifact's tokenizer as a transformers PreTrainedTokenizerFast, checked as untrusted input
+    and against the model's vocabulary (compiler/tokenizer_files.py)."""
+    from llmc.compiler.tokenizer_files import load_tokenizer as load_checked
+    return load_checked(artifact.tokenizer_dir, artifact.manifest["model"]["vocab_size"], f"artifact '{artifact.path}'")
 
 
 def list_files(root: Path) -> list[str]:

@@ -61,8 +61,10 @@ def check_sizes(num_samples: int, seq_len: int, config) -> None:
 
 
 def read_calib_bytes(path: Path) -> bytes:
+    """The --calib file's bytes, refused once past the input cap (compiler/bounded_input.py)."""
+    from llmc.compiler.bounded_input import read_input
     try:
-        return path.read_bytes()
+        return read_input(path, f"calibration file '{path}'", PassError)
     except OSError as e:
         raise PassError(f"calibration file '{path}' cannot be read ({e.strerror}); "
                         f"pass an existing text file to --calib") from None

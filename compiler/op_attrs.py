@@ -26,6 +26,10 @@ INT = AttrKind("an int", lambda v: type(v) is int and abs(v) <= MAX_COUNT)
 COUNT = AttrKind("a positive int", lambda v: type(v) is int and 0 < v <= MAX_COUNT)
 INDEX = AttrKind("a non-negative int", lambda v: type(v) is int and 0 <= v <= MAX_COUNT)
 FLOAT = AttrKind("a finite number", lambda v: type(v) in (int, float) and math.isfinite(v))
+# Numbers whose absurd values run without complaint and print garbage (eps -1 or 1e38): bounded far
+# beyond any real model's (eps ~1e-6, attention scales 1/sqrt(head_dim), softcaps ~30, rope factors ~64).
+EPS = AttrKind("a norm epsilon in [0, 1]", lambda v: type(v) in (int, float) and 0 <= v <= 1)
+SCALE = AttrKind("a positive number up to 1e6", lambda v: type(v) in (int, float) and 0 < v <= 1e6)
 BOOL = AttrKind("true or false", lambda v: type(v) is bool)
 STRING = AttrKind("a string", lambda v: isinstance(v, str) and len(v) <= 256)
 LIST = AttrKind("a list", lambda v: isinstance(v, list))
@@ -73,5 +77,5 @@ class AttrSpec:
         return None
 
 
-__all__ = ["AttrKind", "AttrSpec", "INT", "COUNT", "INDEX", "FLOAT", "BOOL", "STRING", "LIST", "OBJECT",
+__all__ = ["AttrKind", "AttrSpec", "INT", "COUNT", "INDEX", "FLOAT", "EPS", "SCALE", "BOOL", "STRING", "LIST", "OBJECT",
            "one_of", "optional", "list_of", "object_of"]

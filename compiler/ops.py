@@ -27,11 +27,12 @@ from llmc.compiler.ir import Node, TensorType
 from llmc.compiler.op_attrs import (
     BOOL,
     COUNT,
-    FLOAT,
+    EPS,
     INDEX,
     INT,
     LIST,
     OBJECT,
+    SCALE,
     STRING,
     AttrSpec,
     list_of,
@@ -232,7 +233,7 @@ def embedding_ref(ids, weight, **attrs):
     return [F.embedding(ids, weight)]
 
 
-@op("rms_norm", _rms_norm_type, attrs=AttrSpec({"eps": FLOAT}), inputs=2)
+@op("rms_norm", _rms_norm_type, attrs=AttrSpec({"eps": EPS}), inputs=2)
 def rms_norm_ref(x, weight, *, eps, **attrs):
     # Normalise in fp32 then cast back before the weight, as HF Llama does.
     h = x.float()
@@ -403,7 +404,7 @@ def _add_rms_norm_type(ts, attrs):
     return _rms_norm_type([x, weight], attrs) * 2
 
 
-@op("add_rms_norm", _add_rms_norm_type, attrs=AttrSpec({"eps": FLOAT}), inputs=3)
+@op("add_rms_norm", _add_rms_norm_type, attrs=AttrSpec({"eps": EPS}), inputs=3)
 def add_rms_norm_ref(x, residual, weight, *, eps, **attrs):
     """[rms_norm(x + residual), x + residual]: the residual stream's add and the next norm."""
     summed = x + residual
@@ -473,7 +474,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: 
     return out.reshape(shape)
 
 
-@op("rope", _rope_type, attrs=AttrSpec({"head_dim": COUNT}, {"scaling": FLOAT}), inputs=3)
+@op("rope", _rope_type, attrs=AttrSpec({"head_dim": COUNT}, {"scaling": SCALE}), inputs=3)
 def rope_ref(x, positions, inv_freq, *, head_dim, scaling=1.0, **attrs):
     cos, sin = rope_cos_sin(positions.reshape(-1), inv_freq, scaling, x.dtype)
     return [apply_rope(x, cos, sin, head_dim)]
@@ -487,7 +488,7 @@ def _layer_norm_type(ts, attrs):
     return [x]
 
 
-@op("layer_norm", _layer_norm_type, attrs=AttrSpec({"eps": FLOAT}), inputs=(1, 3))
+@op("layer_norm", _layer_norm_type, attrs=AttrSpec({"eps": EPS}), inputs=(1, 3))
 def layer_norm_ref(x, weight=None, bias=None, *, eps, **attrs):
     """LayerNorm over the last dim, with an optional gain and bias (GPT-2, GPT-NeoX, OPT, OLMo)."""
     return [F.layer_norm(x, x.shape[-1:], weight, bias, eps)]
@@ -508,7 +509,7 @@ def _qk_norm_type(ts, attrs):
     return [x]
 
 
-@op("qk_norm", _qk_norm_type, attrs=AttrSpec({"head_dim": COUNT, "eps": FLOAT}), inputs=2)
+@op("qk_norm", _qk_norm_type, attrs=AttrSpec({"head_dim": COUNT, "eps": EPS}), inputs=2)
 def qk_norm_ref(x, weight, *, head_dim, eps, **attrs):
     """RMS norm of each head of x [..., heads * head_dim] by one weight [head_dim] (Qwen3's q_norm
     and k_norm, applied after the head split and before rotary)."""
@@ -526,7 +527,7 @@ def _partial_rope_type(ts, attrs):
     return [x]
 
 
-@op("partial_rope", _partial_rope_type, attrs=AttrSpec({"head_dim": COUNT, "rotary_dim": COUNT}, {"scaling": FLOAT}),
+@op("partial_rope", _partial_rope_type, attrs=AttrSpec({"head_dim": COUNT, "rotary_dim": COUNT}, {"scaling": SCALE}),
     inputs=3)
 def partial_rope_ref(x, positions, inv_freq, *, head_dim, rotary_dim, scaling=1.0, **attrs):
     """Rotary on the first rotary_dim features of each head (inv_freq [rotary_dim / 2]); the rest
@@ -636,7 +637,7 @@ def qmoe_ref(*inputs, top_k, scheme, **attrs):
 # `kv_cache`: the dtype a quantised KV cache stores; the op then takes the layer's static scales
 # (fp32 [2, kv_heads]: keys, values) as its last input and reads keys and values through them.
 ATTENTION_ATTRS = AttrSpec({"layer": INDEX, "num_heads": COUNT, "num_kv_heads": COUNT, "head_dim": COUNT,
-                            "scale": FLOAT}, {"causal": BOOL, "window": optional(COUNT), "softcap": optional(FLOAT),
+                            "scale": SCALE}, {"causal": BOOL, "window": optional(COUNT), "softcap": optional(SCALE),
                                               "kv_cache": optional(one_of(*KV_QMAX))})
 
 
@@ -718,7 +719,7 @@ def attention_prologue(inputs: list, attrs: dict) -> tuple:
 
 
 @op("flash_attention", _flash_attention_type, inputs=(3, 6), attrs=AttrSpec(
-    ATTENTION_ATTRS.required, {**ATTENTION_ATTRS.optional, "rope": optional(object_of(scaling=FLOAT))}))
+    ATTENTION_ATTRS.required, {**ATTENTION_ATTRS.optional, "rope": optional(object_of(scaling=SCALE))}))
 def flash_attention_ref(*inputs, **attrs):
     """Attention fused with its rotary prologue (fuse_attention's output); same result as
     rope, rope, attention."""

@@ -201,8 +201,9 @@ class LLM:
     def apply_chat_template(self, messages) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeLlmcError(f"the model in {self.path} has no chat template; pass plain prompts")
+        from llmc.compiler.tokenizer_files import render_chat_template
         with self._held():
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return render_chat_template(self.tokenizer, messages, f"the model in {self.path}")
 
     def _checked(self, prompt, params, priority, where: str) -> dict:
         """add_request's arguments for one prompt, every value checked (nothing is added yet)."""

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 
 import click
 
-from llmc.cli_values import NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, checked_text, prompt_lines, stdin_prompts
+from llmc.cli_values import (NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, checked_text, prompt_lines, read_prompts,
+                             stdin_prompts)
 from llmc.errors import LlmcError
 
 
@@ -223,7 +224,8 @@ def speculative_options(f):
 
 
 def _whole_file_prompt(file) -> str:
-    data, source = file.read(), f"--prompt-file '{file.name}'"
+    source = f"--prompt-file '{file.name}'"
+    data = read_prompts(file, source)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -281,7 +283,8 @@ def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens
     speculative = _speculative(speculative, num_speculative_tokens)
     prompts = [checked_text(p, f"--prompt {i}") for i, p in enumerate(prompt, 1)]
     if prompts_file:
-        prompts += prompt_lines(prompts_file.read(), f"--prompts-file '{prompts_file.name}'")
+        source = f"--prompts-file '{prompts_file.name}'"
+        prompts += prompt_lines(read_prompts(prompts_file, source), source)
     prompts += [_whole_file_prompt(f) for f in prompt_file]
     if not prompts and not sys.stdin.isatty():
         prompts = stdin_prompts()

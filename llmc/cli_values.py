@@ -1,14 +1,17 @@
 """Values the run-time commands (run, chat, bench, eval) take from the command line: numbers
-that must be finite and in range, and prompt text that must be UTF-8. A bad one is refused
+that must be finite and in range, and prompt text that must be UTF-8 and within the input size
+cap. A bad one is refused
 before any model loads, in one line naming the option (or source) and what it accepts."""
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 
 import click
 
+from llmc.compiler.bounded_input import INPUT_BYTES_ENV, input_limit, read_stream
 from llmc.errors import LlmcError
 
 # torch.Generator.manual_seed takes at most an unsigned 64-bit seed.
@@ -56,12 +59,20 @@ def prompt_lines(data: bytes, source: str) -> list[str]:
     return [line.rstrip("\r") for line in text.split("\n") if line.strip()]
 
 
+def read_prompts(stream, source: str) -> bytes:
+    """The bytes of a prompts file, --prompt-file or stdin, refused once past the input cap
+    (compiler/bounded_input.py: 64 MiB, LLMC_MAX_INPUT_BYTES), checked while reading."""
+    return read_stream(stream, source, input_limit(), INPUT_BYTES_ENV)
+
+
 def stdin_prompts() -> list[str]:
     """The prompts piped on stdin, read as bytes where stdin has them (a replaced text stdin is
     encoded back, its lone surrogates kept, so that they are refused)."""
     binary = getattr(sys.stdin, "buffer", None)
-    data = binary.read() if binary is not None else sys.stdin.read().encode("utf-8", "surrogatepass")
-    return prompt_lines(data, "stdin")
+    if binary is not None:
+        return prompt_lines(read_prompts(binary, "stdin"), "stdin")
+    text = sys.stdin.read(input_limit() + 1)   # characters: at most 4 bytes each, so still bounded
+    return prompt_lines(read_prompts(io.BytesIO(text.encode("utf-8", "surrogatepass")), "stdin"), "stdin")
 
 
 def _escaped_byte(char: str) -> str:

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from llmc.compiler.artifact import load_tokenizer, read_artifact
+from llmc.compiler.bounded_input import read_input
 from llmc.compiler.scoring import row_agreement, row_kl, token_nll
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.device import resolve_device
@@ -160,7 +161,7 @@ def read_eval_text(path: str | Path | None) -> str:
     """The text at `path`, or the shipped samples/eval.txt when `path` is None."""
     file = Path(path) if path is not None else DEFAULT_TEXT
     try:
-        text = file.read_text(encoding="utf-8")
+        text = read_input(file, f"evaluation text '{file}'", RuntimeLlmcError).decode("utf-8")
     except FileNotFoundError:
         hint = "" if path is not None else " (the default, shipped in a source checkout)"
         raise RuntimeLlmcError(f"evaluation text '{file}'{hint} not found; pass --text FILE") from None

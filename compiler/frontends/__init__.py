@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmc.compiler.bounded_input import file_kind
 from llmc.compiler.frontends.gguf import load_gguf_file
 from llmc.compiler.frontends.hf import load_hf_dir
 from llmc.compiler.frontends.model import SUPPORTED_GGUF_ARCHITECTURES, LoadedModel
@@ -48,6 +49,9 @@ def load_file(path: Path, source: str, lazy: bool = False) -> LoadedModel:
 
 
 def missing_source_error(source: str) -> ModelLoadError:
+    kind = file_kind(Path(source).expanduser()) if source else "no such file or directory"
+    if not kind.startswith("no such"):   # /dev/zero, a FIFO: there, but no model
+        return ModelLoadError(f"model path '{source}' exists but is {kind}, not a model; pass {ACCEPTED}")
     if any(c in source for c in "/\\~.") or not source:
         return ModelLoadError(f"model path '{source}' does not exist; pass {ACCEPTED}")
     return ModelLoadError(f"unknown model {source!r}: not a sample ({', '.join(SAMPLES)}) "
