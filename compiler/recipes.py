@@ -119,7 +119,7 @@ def weight_choice(tgt, quant: str | None, explicit_passes: bool, source_quantise
     if quant is not None:
         return WeightChoice(quant, USER_FLAG, f"--quant {quant}")
     if explicit_passes:
-        return WeightChoice(None, USER_PASSES, "--passes")
+        return WeightChoice(None, USER_PASSES, "--passes, in the order given")
     chosen = default_quant(False, source_quantised, tgt.default_quant)
     if chosen == SOURCE_QUANT and tgt.default_quant is None:
         return WeightChoice(chosen, KEPT_FROM_SOURCE, f"target {tgt.name} keeps a quantised source's own blocks")

@@ -220,3 +220,9 @@ def test_an_artifact_without_the_record_says_so_and_a_bad_record_is_refused(tmp_
     (bad / "manifest.json").write_text(json.dumps({**manifest, "weights": {"quant": 3}}))
     with pytest.raises(ArtifactError, match="manifest.json: weights must be an object"):
         report(bad)
+
+
+def test_a_users_pass_list_is_named_as_the_reason(tiny_gguf, tmp_path):
+    rep, messages, path = compile_tiny(tiny_gguf, "cpu", tmp_path / "a.llmc", passes="keep_gguf_quant,dce")
+    assert set(rep["weights"]["formats"]) == {"Q4_1", "Q8_0"} and rep["weights"]["reason"] == recipes.USER_PASSES
+    assert "; from the passes given (user pipeline: --passes, in the order given)" in summarize(path)
