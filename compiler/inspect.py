@@ -14,6 +14,7 @@ from llmc.compiler.artifact import (
     GRAPH,
     KERNEL_INDEX,
     PLAN,
+    not_a_directory,
     parse_json,
     rank_count,
     rank_file,
@@ -21,6 +22,7 @@ from llmc.compiler.artifact import (
     read_manifest,
     verify_file,
 )
+from llmc.compiler.bounded_input import read_json_bytes
 from llmc.compiler.manifest_schema import RECOMPILE, check_kernel_records, check_model_agrees
 from llmc.errors import ArtifactError
 
@@ -29,7 +31,7 @@ def _read_manifest(path: Path) -> dict:
     """The artifact's manifest, after checking its schema and that graph.json and plan.json (every
     rank's) say the same of the model."""
     if not path.is_dir():
-        raise ArtifactError(f"artifact '{path}' not found (no such directory); "
+        raise ArtifactError(f"artifact '{path}' {not_a_directory(path)}; "
                             f"compile one with `llmc compile MODEL -o DIR`")
     manifest = read_manifest(path)
     for rank in range(rank_count(manifest)):
@@ -44,7 +46,8 @@ def _read_listed(path: Path, manifest: dict, name: str) -> str:
     if name not in manifest["files"]:
         raise ArtifactError(f"artifact '{path}': {name} is not listed in its manifest.json; recompile")
     try:
-        return verify_file(path, name, manifest["files"][name]).read_bytes().decode()
+        file = verify_file(path, name, manifest["files"][name])
+        return read_json_bytes(file, f"artifact '{path}': {name}", ArtifactError).decode()
     except UnicodeDecodeError as e:
         raise ArtifactError(f"artifact '{path}': {name} is not UTF-8 text ({e}); recompile") from None
 
