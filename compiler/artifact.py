@@ -43,6 +43,11 @@ KERNEL_INDEX = "kernels.json"  # what each file under kernels/ is and which plan
 DATA_DIR = "ort"  # ONNX files of the plan's ONNX Runtime segments, read by the runtime (hashed as all files)
 
 
+# A write that fails for want of room: the user's to fix, not a bug (one line, not a traceback).
+FULL_DISK = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+             errno.EFBIG: "a file grew larger than the file system takes"}
+
+
 @dataclass(frozen=True)
 class OutputKind:
     """What a staged output directory is, for --force: `problem(path)` says why an existing path
@@ -105,9 +110,13 @@ def staged_output(path: Path, force: bool, kind: OutputKind | None = None) -> It
         yield staging
         set_modes(staging)
         move_into_place(staging, path, force, kind)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty(made)
+        if isinstance(e, OSError) and e.errno in FULL_DISK:
+            raise ArtifactError(f"cannot write output '{path}': {FULL_DISK[e.errno]} while writing "
+                                f"{Path(e.filename).name if e.filename else 'it'}; nothing was left behind; free "
+                                f"space or choose another -o") from None
         raise
 
 
@@ -465,8 +474,9 @@ def verify_file(path: Path, name: str, digest: str) -> Path:
 def read_weights(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     try:
         weights = map_weights_file(path / WEIGHTS)  # safetensors: plain bytes, no code runs on load
-    except (ValueError, OSError) as e:
-        raise ArtifactError(f"artifact '{path}': file {WEIGHTS} cannot be read ({e}); recompile") from e
+    except (ValueError, OSError, RecursionError) as e:   # a header nested 100,000 deep: RecursionError
+        raise ArtifactError(f"artifact '{path}': file {WEIGHTS} cannot be read "
+                            f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}); recompile") from None
     for alias, name in sorted(manifest.get("weight_aliases", {}).items()):
         if name not in weights:
             raise ArtifactError(f"artifact '{path}': weight alias {alias!r} names missing weight {name!r}; "

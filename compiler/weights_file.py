@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import struct
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,7 @@ DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 # boundary: weights whose sizes are multiples of 64 bytes then sit where SIMD kernels may read them
 # in place from the mapping (torch's int8 GEMM crashes on an int8 weight 4 bytes off)
 HEADER_ALIGN = 64
+MAX_HEADER_BYTES = 100 << 20   # safetensors' own bound on a header
 
 
 def file_order(tensors: dict[str, Entry]) -> list[str]:
@@ -67,7 +69,11 @@ def map_weights_file(path: Path) -> dict[str, torch.Tensor]:
     copies its page rather than changing the file."""
     with open(path, "rb") as f:
         size = struct.unpack("<Q", f.read(8))[0]
+        if size > min(MAX_HEADER_BYTES, os.fstat(f.fileno()).st_size - 8):   # read nothing a lie asks for
+            raise ValueError(f"its header claims {size} bytes, more than the file or {MAX_HEADER_BYTES >> 20} MiB")
         header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("its header is no JSON object")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if f.seek(0, 2) else None
     base = 8 + size
     header.pop("__metadata__", None)

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Literal
 
 import torch
 
+from llmc.compiler.bounded_input import MAX_JSON_DEPTH, json_depth, read_json_bytes
 from llmc.compiler.weight_store import LazyTensor, values_of
 from llmc.errors import ModelLoadError
 
@@ -84,10 +85,17 @@ JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool
 
 def read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object; NaN and Infinity, which JSON itself lacks, are refused."""
+    data = read_json_bytes(path, f"'{path}'", ModelLoadError)
     try:
-        value = json.loads(path.read_bytes(), parse_constant=refuse_constant)
+        value = json.loads(data, parse_constant=refuse_constant)
+        deep = json_depth(value) > MAX_JSON_DEPTH
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError and refuse_constant's are ValueErrors
         raise ModelLoadError(f"'{path}' is not valid JSON ({first_line(e)}); re-download the model") from e
+    except RecursionError:   # json's parser recurses once a level
+        deep = True
+    if deep:
+        raise ModelLoadError(f"'{path}' is nested more than {MAX_JSON_DEPTH} levels deep, which no model's "
+                             f"file is; re-download the model")
     if not isinstance(value, dict):
         kind = JSON_KINDS.get(type(value), type(value).__name__)
         raise ModelLoadError(f"'{path}' holds a JSON {kind}, not an object; re-download the model")

@@ -5,11 +5,13 @@ custom code or does not fit the model's embedding; chat templates the Jinja sand
 that exists but is no artifact or model. Each is one `llmc: error:` line, exit 2, and writes
 nothing: the working directory stays empty and the artifact as it was."""
 
+import errno
 import hashlib
 import io
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -272,3 +274,42 @@ def test_an_absurd_numeric_attr_is_refused_at_load_naming_node_and_attr(artifact
     assert f"kernel cpu.{kernel}): attr {attr!r} is {shown}, not " in line and "(node '" in line
     with pytest.raises(LlmcError, match=f"attr {attr!r} is"):
         llmc.load(copy)
+
+
+# --- a full disk ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_compile_that_fills_the_disk_is_one_line_and_leaves_nothing(work, capfd, tmp_path, monkeypatch, code):
+    from llmc.compiler import artifact as artifact_module
+
+    def full_disk(path, tensors, progress=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)   # part of the file, then the device is full
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(artifact_module, "write_weights_file", full_disk)
+    out = tmp_path / "sub" / "out.llmc"
+    line = compile_refused(capfd, "tiny-llama", "-o", out)
+    assert line.startswith(f"cannot write output '{out}': ") and "free space or choose another -o" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]   # no staging directory, no made parent
+
+
+@pytest.mark.parametrize("header,message", [
+    (struct.pack("<Q", 2**62) + b"{}", "its header claims 4611686018427387904 bytes"),
+    (struct.pack("<Q", 200_000) + DEEP.encode(), "maximum recursion depth"),
+    (struct.pack("<Q", 2) + b"[]", "its header is no JSON object"),
+])
+def test_a_rehashed_weights_file_with_a_lying_header_is_one_line(artifact, work, capfd, tmp_path, header, message):
+    copy = tampered(artifact, tmp_path, lambda c: (c / "weights.safetensors").write_bytes(header))
+    line = refused(capfd, "run", copy, "-p", "hi")
+    assert "file weights.safetensors cannot be read" in line and message in line
+
+
+def test_a_model_config_nested_100000_deep_is_one_line(work, capfd, tmp_path):
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "config.json").write_text('{"a": ' + DEEP + "}")
+    (source / "model.safetensors").write_bytes(b"")
+    (source / "tokenizer.json").write_text("{}")
+    line = compile_refused(capfd, source, "-o", tmp_path / "out.llmc")
+    assert "config.json' is nested more than 64 levels deep" in line
+    assert not (tmp_path / "out.llmc").exists()

@@ -161,7 +161,10 @@ def test_an_allowed_aten_step_runs_when_everything_about_it_checks_out(artifact)
 
 # -- LLM-op attrs ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kernel, attr, value, why", [
-    ("cpu.rms_norm", "eps", "1e-5", "attr 'eps' is '1e-5', not a finite number"),
+    ("cpu.rms_norm", "eps", "1e-5", "attr 'eps' is '1e-5', not a norm epsilon in [0, 1]"),
+    ("cpu.add_rms_norm", "eps", -1, "attr 'eps' is -1, not a norm epsilon in [0, 1]"),
+    ("cpu.add_rms_norm", "eps", 1e38, "attr 'eps' is 1e+38, not a norm epsilon in [0, 1]"),
+    ("cpu.flash_attention", "scale", -0.25, "attr 'scale' is -0.25, not a positive number up to 1e6"),
     ("cpu.add_rms_norm", "eps", None, "attr 'eps' is None"),
     ("cpu.flash_attention", "num_heads", 3.5, "attr 'num_heads' is 3.5, not a positive int"),
     ("cpu.flash_attention", "num_kv_heads", 0, "attr 'num_kv_heads' is 0"),
