@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import click
 
-from llmc.cli_values import (NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, checked_text, prompt_lines, read_prompts,
-                             stdin_prompts)
+from llmc.cli_values import (NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, chat_line, checked_text, prompt_lines,
+                             read_prompts, stdin_prompts)
 from llmc.errors import LlmcError
 
 
@@ -327,7 +327,7 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
     messages = [{"role": "system", "content": system}] if system else []
     while True:
         try:
-            user = checked_text(click.prompt(">>>", prompt_suffix=" "), "the line read from stdin")
+            user = checked_text(chat_line(">>>"), "the line read from stdin")
         except (EOFError, click.Abort):
             click.echo()
             return

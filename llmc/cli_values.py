@@ -75,6 +75,27 @@ def stdin_prompts() -> list[str]:
     return prompt_lines(read_prompts(io.BytesIO(text.encode("utf-8", "surrogatepass")), "stdin"), "stdin")
 
 
+def chat_line(prompt: str) -> str:
+    """The next user line of `llmc chat` (EOFError at the end of input). From a terminal through
+    click (the terminal bounds a line); from a pipe or file read as bytes, at most the input cap a
+    line (a pipe of /dev/zero has no newline), blank lines skipped as click skips them."""
+    binary = getattr(sys.stdin, "buffer", None)
+    if binary is None or sys.stdin.isatty():
+        return click.prompt(prompt, prompt_suffix=" ")
+    limit = input_limit()
+    while True:
+        click.echo(f"{prompt} ", nl=False)
+        line = binary.readline(limit + 1)
+        if not line:
+            raise EOFError
+        if len(line) > limit and not line.endswith(b"\n"):
+            raise LlmcError(f"a line read from stdin is larger than {limit} bytes; pass shorter lines, or set "
+                            f"{INPUT_BYTES_ENV} (bytes) to raise the limit")
+        text = line.rstrip(b"\r\n").decode("utf-8", "surrogateescape")
+        if text.strip():
+            return text
+
+
 def _escaped_byte(char: str) -> str:
     code = ord(char)
     return f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"

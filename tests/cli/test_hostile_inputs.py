@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,8 @@ import llmc
 from llmc.compiler import bounded_input
 from llmc.compiler.calibration import read_calib_bytes
 from llmc.errors import ArtifactError, LlmcError, PassError
+
+LLMC = Path(sys.executable).parent / "llmc"
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +317,27 @@ def test_a_model_config_nested_100000_deep_is_one_line(work, capfd, tmp_path):
     line = compile_refused(capfd, source, "-o", tmp_path / "out.llmc")
     assert "config.json' is nested more than 64 levels deep" in line
     assert not (tmp_path / "out.llmc").exists()
+
+
+def _chat(artifact, stdin, work) -> subprocess.CompletedProcess:
+    """`llmc chat` as a process reading `stdin` (a path, or bytes piped in)."""
+    env = {**os.environ, "LLMC_MAX_INPUT_BYTES": str(1 << 20)}
+    command = [LLMC, "chat", artifact, "--max-tokens", "2"]
+    if isinstance(stdin, bytes):
+        return subprocess.run(command, input=stdin, capture_output=True, timeout=300, cwd=work, env=env)
+    with open(stdin, "rb") as f:
+        return subprocess.run(command, stdin=f, capture_output=True, timeout=300, cwd=work, env=env)
+
+
+def test_chat_reading_dev_zero_is_refused_at_the_line_cap(artifact, work):
+    result = _chat(artifact, "/dev/zero", work)
+    assert result.returncode == 2
+    assert error_line(result.stderr.decode()) == ("a line read from stdin is larger than 1048576 bytes; pass shorter "
+                                                  "lines, or set LLMC_MAX_INPUT_BYTES (bytes) to raise the limit")
+
+
+def test_chat_answers_piped_lines_and_refuses_one_that_is_not_utf8(artifact, work):
+    result = _chat(artifact, b"hello\n\nagain\n", work)
+    assert result.returncode == 0 and result.stdout.decode().count(">>> ") == 4   # blank line re-prompted
+    result = _chat(artifact, b"hello\n\xff\xfe\n", work)
+    assert result.returncode == 2 and "the line read from stdin is not valid UTF-8" in error_line(result.stderr.decode())
