@@ -33,15 +33,17 @@ def interpret(graph: Graph, inputs: dict[str, torch.Tensor], want: list[str] | N
 
 
 def interpret_many(graph: Graph, inputs: list[dict[str, torch.Tensor]], want: list[str] | None = None,
-                   weights=None, hook: Hook | None = None) -> list[dict[str, torch.Tensor]]:
+                   weights=None, hook: Hook | None = None,
+                   progress: Callable[[int], None] | None = None) -> list[dict[str, torch.Tensor]]:
     """`interpret` over several input sets (calibration sequences) node by node: each weight is
     read once per node for all of them, not once per sequence (a lazily stored weight is made
     from its source file once per pass over the model), and a value is dropped after its last
     reader, so the memory held is one node's weights plus the live activations of every set.
-    Per input set the arithmetic and the hook's calls are those of `interpret`, in the same order."""
+    Per input set the arithmetic and the hook's calls are those of `interpret`, in the same order.
+    progress(n) is told of each n nodes run."""
     params = weights if weights is not None else graph.weights
     wanted = list(want or graph.outputs)
-    run = SequentialRun(graph, [dict(i) for i in inputs], params, keep=set(wanted))
+    run = SequentialRun(graph, [dict(i) for i in inputs], params, keep=set(wanted), progress=progress)
     envs = run.run_until(len(graph.nodes), hook)
     return [{name: env[name] if name in env else params[name] for name in wanted} for env in envs]
 
@@ -52,8 +54,9 @@ class SequentialRun:
     layer before the calibration text reaches the next one. `weights` (name -> tensor) is read
     when a node runs, so the caller's changes to it count for the nodes not yet run."""
 
-    def __init__(self, graph: Graph, envs: list[dict[str, torch.Tensor]], weights, keep: set[str] = frozenset()):
-        self.graph, self.envs, self.weights, self.done = graph, envs, weights, 0
+    def __init__(self, graph: Graph, envs: list[dict[str, torch.Tensor]], weights, keep: set[str] = frozenset(),
+                 progress: Callable[[int], None] | None = None):
+        self.graph, self.envs, self.weights, self.done, self.progress = graph, envs, weights, 0, progress
         self.last_use = {name: i for i, node in enumerate(graph.nodes) for name in node.inputs}
         self.last_use.update({name: len(graph.nodes) for name in (*graph.outputs, *keep)})
 
@@ -62,6 +65,8 @@ class SequentialRun:
         with torch.no_grad():
             for i in range(self.done, stop):
                 self._run_node(i, hook)
+                if self.progress is not None:
+                    self.progress(1)
         self.done = max(self.done, stop)
         return self.envs
 

@@ -31,6 +31,7 @@ from llmc.compiler.layer_stamp import traced_graph
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.compiler.options import CompileOptions
 from llmc.compiler.parallel_build import parallel_section, run_passes, shard_record, whole_model_meta
+from llmc.compiler.progress import Stages
 from llmc.compiler.recipes import (
     added_passes,
     kv_cache_passes,
@@ -305,8 +306,8 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
     check_report_path(opts.report)
     startup = process_age()
     start = time.perf_counter()
-    with staged_output(output, opts.force) as staging:
-        report = build_into(staging, source, target, opts, echo)
+    with staged_output(output, opts.force) as staging, Stages(echo or echo_stderr, opts.quiet) as announce:
+        report = build_into(staging, source, target, opts, echo, announce)
     report["seconds"] = round(time.perf_counter() - start, 4)
     if startup is not None:
         report["startup_seconds"] = round(startup, 4)
@@ -318,8 +319,10 @@ def compile_model(source: str, target: str | Target = "cpu", output: str | Path 
 
 
 def build_into(staging: Path, source: str, target: str | Target, opts: CompileOptions,
-               echo: Callable[[str], None] | None) -> dict:
+               echo: Callable[[str], None] | None, announce: Stages | None = None) -> dict:
     """Compile `source` into the empty directory `staging`; return the compile report (timings)."""
+    announce = announce or Stages(echo or echo_stderr, quiet=True)
+    say = announce.start
     tgt = get_target(target)
     tgt.check_ready()
     check_kernels_option(opts.kernels, tgt.name, tgt.device)
@@ -332,6 +335,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
         stages.append({"name": name, "seconds": round(seconds, 4), "details": details,
                        "peak_rss_bytes": peak_rss_bytes()})
 
+    say(f"loading {source}")
     t = time.perf_counter()
     with transformers_bars(not opts.quiet):
         loaded = load_model(source, lazy=True)
@@ -347,13 +351,18 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     pipeline = instantiate(configs)
     if loaded.lazy_weights and runs_model(pipeline) and opts.calib is None:
         materialise(loaded, pipeline, log)   # the model samples its own calibration text
+    say(f"tracing {loaded.name}")
     graph = trace(loaded.module, opts.max_num_batched_tokens, log)
     attach_lazy_weights(graph, loaded)
+    if runs_model(pipeline):
+        say(f"calibration text: {opts.calib_samples} x {opts.calib_seq_len} tokens "
+            + (f"from {opts.calib}" if opts.calib else "sampled from the model"))
     calibration = calibrate(loaded, pipeline, opts, log)
+    say(f"running {len(configs)} passes for target {tgt.name}")
     ctx = PassContext(target=tgt, options=budget_options(opts), calibration=calibration,
                       source_weights=loaded.stored_quant,
                       print_ir_after=set(opts.print_ir_after), dump_ir=opts.dump_ir,
-                      quiet=opts.quiet, **({"echo": echo} if echo else {}))
+                      quiet=opts.quiet, stages=announce, **({"echo": echo} if echo else {}))
     t = time.perf_counter()
     with pass_threads(calibration):
         graphs, records = run_passes(graph, configs, ctx)  # one graph per tensor-parallel rank
@@ -365,6 +374,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     if measures_kernels(opts.kernels, tgt) and all(whole_step_refusal(g) is None for g in graphs):
         for g in graphs:   # whole decode steps are timed on every weight: made once, not per candidate
             g.weights.materialise()
+    say("planning kernels" + (" (timing candidates on this machine)" if measures_kernels(opts.kernels, tgt) else ""))
     reference = None if ctx.reference_logits is None else CalibrationReference(calibration, ctx.reference_logits)
     plans, ort_files = lower_plans(graphs, [rank_plan(g, tgt, opts, echo) for g in graphs], tgt, opts.kernels, echo,
                                    reference)
@@ -391,6 +401,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
         manifest["draft_of"] = draft_target.record()
     if len(graphs) > 1:
         manifest["parallel"] = parallel_section(graphs, plans)
+    say(f"writing the artifact ({sum(manifest['report']['weight_bytes'].values()) / 2**20:.0f} MiB of weights)")
     t = time.perf_counter()
     write_contents(staging, [RankFiles(g.to_json(), p.to_json(), g.weights) for g, p in zip(graphs, plans)],
                    loaded.tokenizer, manifest, kernels, kernel_index or None, ort_files)

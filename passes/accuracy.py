@@ -14,7 +14,7 @@ from llmc.compiler.scoring import row_agreement, row_kl, token_nll
 from llmc.errors import PassError
 
 
-def graph_logits(graph: Graph, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+def graph_logits(graph: Graph, seqs: list[torch.Tensor], progress=None) -> list[torch.Tensor]:
     """Each sequence's logits [T, vocab] from the reference interpreter, all T rows (the
     sequences run node by node: each weight is read once for all of them)."""
     names = {v.name for v in graph.inputs}
@@ -24,7 +24,7 @@ def graph_logits(graph: Graph, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
         inputs.append({"input_ids": seq.long(), "positions": positions})
         if "logits_indices" in names:
             inputs[-1]["logits_indices"] = positions
-    return [out[graph.outputs[0]].float() for out in interpret_many(graph, inputs)]
+    return [out[graph.outputs[0]].float() for out in interpret_many(graph, inputs, progress=progress)]
 
 
 def perplexity(logits: list[torch.Tensor], seqs: list[torch.Tensor]) -> float:
@@ -53,21 +53,29 @@ class AccuracyMeter:
     """Measures lossy passes against the graph as it was before the first of them ran; the
     reference logits are computed once per pipeline run."""
 
-    def __init__(self, seqs: list[torch.Tensor]):
+    def __init__(self, seqs: list[torch.Tensor], walk=None):
+        """walk(desc, graph), when given, makes the progress bar of one run through the graph."""
         self.seqs = [torch.as_tensor(s, dtype=torch.long) for s in seqs]
         self.ref_logits: list[torch.Tensor] | None = None
         self.ref_ppl: float | None = None
+        self.walk = walk
+
+    def _logits(self, graph: Graph, desc: str) -> list[torch.Tensor]:
+        # the logits rows that predict a next token: the last row of each sequence has none
+        if self.walk is None:
+            return [lg[:-1] for lg in graph_logits(graph, self.seqs)]
+        with self.walk(desc, graph) as bar:
+            return [lg[:-1] for lg in graph_logits(graph, self.seqs, bar.update)]
 
     def capture_reference(self, graph: Graph) -> None:
         if self.ref_logits is None:
-            # the logits rows that predict a next token: the last row of each sequence has none
-            self.ref_logits = [lg[:-1] for lg in graph_logits(graph, self.seqs)]
+            self.ref_logits = self._logits(graph, "reference logits")
             self.ref_ppl = perplexity(self.ref_logits, self.seqs)
 
     def measure(self, graph: Graph) -> dict:
         """Figures of `graph` against the reference: call capture_reference first."""
         assert self.ref_logits is not None, "capture_reference must run before measure"
-        logits = [lg[:-1] for lg in graph_logits(graph, self.seqs)]
+        logits = self._logits(graph, "accuracy")
         return {"ppl_before": significant(self.ref_ppl),
                 "ppl_after": significant(perplexity(logits, self.seqs)),
                 "kl": significant(mean_kl(self.ref_logits, logits)),

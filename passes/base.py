@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar
 from tqdm import tqdm
 
 from llmc.compiler.ir import Graph
+from llmc.compiler.progress import bar
 from llmc.errors import IRError, PassError
 from llmc.passes.accuracy import AccuracyMeter, check_budget
 from llmc.passes.options import PassOptions
@@ -104,6 +105,14 @@ class Pass(abc.ABC):
         return f"{self.name}({opts})"
 
 
+def calibration_size(calibration) -> str:
+    """"8 x 128 tokens" (or "N sequences, T tokens" when their lengths differ)."""
+    lengths = {len(s) for s in calibration or []}
+    if len(lengths) == 1:
+        return f"{len(calibration)} x {lengths.pop()} tokens"
+    return f"{len(calibration or [])} sequences, {sum(len(s) for s in calibration or [])} tokens"
+
+
 def echo_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -125,6 +134,15 @@ class PassContext:
     verbose: bool = False
     quiet: bool = False
     echo: Callable[[str], None] = echo_stderr
+    stages: Any = None                  # a compiler.progress.Stages announcing long passes, if any
+
+    def bar(self, desc: str, total: int | None, unit: str = "node"):
+        """A progress bar for long work inside a pass (a terminal only; none when quiet)."""
+        return bar(total, desc, unit, quiet=self.quiet)
+
+    def calibration_walk(self, desc: str, graph: Graph):
+        """The bar of one walk of the calibration text through `graph`, node by node."""
+        return self.bar(f"{desc} ({calibration_size(self.calibration)})", len(graph.nodes))
 
     @property
     def target_name(self) -> str | None:
@@ -178,7 +196,8 @@ class PassManager:
             raise IRError(f"graph {graph.name} is invalid before any pass ran: {e}") from e
         records = []
         # lossy passes are measured against the graph as it was before the first of them
-        self._meter = AccuracyMeter(self.ctx.calibration) if self.ctx.calibration is not None else None
+        calibration = self.ctx.calibration
+        self._meter = None if calibration is None else AccuracyMeter(calibration, self.ctx.calibration_walk)
         bar = tqdm(self.passes, desc="passes", unit="pass", leave=False, file=sys.stderr,
                    disable=self.ctx.quiet or not sys.stderr.isatty())
         for index, p in enumerate(bar, start=1):
@@ -193,6 +212,8 @@ class PassManager:
     def _run_one(self, index: int, p: Pass, graph: Graph) -> PassRecord:
         before = graph.op_counts()
         meter = self._meter if p.lossy else None
+        if "calibration" in p.needs and self.ctx.stages is not None:
+            self.ctx.stages.start(f"{p.name}: calibrating on {calibration_size(self.ctx.calibration)}, node by node")
         if meter is not None:
             meter.capture_reference(graph)
         self._dump(index, p.name, "before", graph)

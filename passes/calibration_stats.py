@@ -58,9 +58,10 @@ class StagedRun(SequentialRun):
     inputs come from the already-quantised linears before it). Each sequence keeps only its
     live values; `weights` (name -> tensor) is read when a node runs, so later changes count."""
 
-    def __init__(self, graph: Graph, ctx: PassContext, pass_name: str, weights: Mapping[str, torch.Tensor]):
+    def __init__(self, graph: Graph, ctx: PassContext, pass_name: str, weights: Mapping[str, torch.Tensor],
+                 progress=None):
         envs = [prefill_inputs(graph, ids, pass_name) for ids in calibration_tokens(ctx, pass_name)]
-        super().__init__(graph, envs, weights)
+        super().__init__(graph, envs, weights, progress=progress)
 
 
 def channel_norms(graph: Graph, ctx: PassContext, values: set[str], pass_name: str) -> dict[str, torch.Tensor]:

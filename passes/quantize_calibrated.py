@@ -36,7 +36,9 @@ def observe_linear_inputs(graph: Graph, ctx: PassContext, nodes: list[Node], met
             x = args[0]
             observers[inputs[node.name]].add(x.reshape(-1, x.shape[-1]))
     where = f"quantize_int4 method={method}"
-    interpret_many(graph, [prefill_inputs(graph, ids, where) for ids in calibration_tokens(ctx, where)], hook=hook)
+    envs = [prefill_inputs(graph, ids, where) for ids in calibration_tokens(ctx, where)]
+    with ctx.calibration_walk(method, graph) as bar:
+        interpret_many(graph, envs, hook=hook, progress=bar.update)
     return observers
 
 
@@ -91,27 +93,25 @@ def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Cal
     Hessians of the float model's activations, gathered in one run, gave a held-out perplexity
     above RTN's."""
     accumulator, quantize = import_method("gptq", ["HessianAccumulator", "gptq_quantize_weight"], "gptq")
-    stored = StoredCodes()
-    dequantized = WeightStore()
-    run = StagedRun(graph, ctx, "quantize_int4 method=gptq", ChainMap(dequantized, graph.weights))
+    stored, dequantized = StoredCodes(), WeightStore()
     position = {id(n): i for i, n in enumerate(graph.nodes)}
-    for x, group in linears_by_input(nodes, position).items():
-        todo = [n for n in group if n.inputs[1] not in stored]
-        if not todo:
-            continue
-        hessian = accumulator(graph.type_of(x).shape[-1])
-        for env in run.run_until(min(position[id(n)] for n in group)):
-            hessian.add(env[x].reshape(-1, env[x].shape[-1]))
-        weights = [graph.weights[n.inputs[1]] for n in todo]
-        # GPTQ treats rows independently: the linears sharing this Hessian go in one call
-        codes, scales, zeros = quantize(torch.cat([w.float() for w in weights]), hessian.hessian(),
-                                        group_size=group_of(todo[0]), act_order=act_order, damp=damp,
-                                        tokens=hessian.tokens, clip=clip)
-        rows = [w.shape[0] for w in weights]
-        for n, w, c, s, z in zip(todo, weights, codes.split(rows), scales.split(rows), zeros.split(rows)):
-            stored.put(n.inputs[1], c, s, z)
-            dequantized[n.inputs[1]] = stored.dequantized(n.inputs[1], w.dtype)
-        del weights, codes
+    with ctx.calibration_walk("gptq", graph) as bar:
+        run = StagedRun(graph, ctx, "quantize_int4 method=gptq", ChainMap(dequantized, graph.weights), bar.update)
+        for x, group in linears_by_input(nodes, position).items():
+            todo = [n for n in group if n.inputs[1] not in stored]
+            if not todo:
+                continue
+            hessian = accumulator(graph.type_of(x).shape[-1])
+            for env in run.run_until(min(position[id(n)] for n in group)):
+                hessian.add(env[x].reshape(-1, env[x].shape[-1]))
+            weights = [graph.weights[n.inputs[1]] for n in todo]
+            # GPTQ treats rows independently: the linears sharing this Hessian go in one call
+            parts = quantize(torch.cat([w.float() for w in weights]), hessian.hessian(), group_size=group_of(todo[0]),
+                             act_order=act_order, damp=damp, tokens=hessian.tokens, clip=clip)
+            rows = [w.shape[0] for w in weights]
+            for n, w, c, s, z in zip(todo, weights, *(p.split(rows) for p in parts)):
+                stored.put(n.inputs[1], c, s, z)
+                dequantized[n.inputs[1]] = stored.dequantized(n.inputs[1], w.dtype)
     return stored.method
 
 
@@ -157,8 +157,16 @@ def awq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Call
     down projection's search), so memory holds a layer's weights and samples, not the model's.
     The folds are applied after the walk, which ran on the unscaled graph throughout."""
     search, quantize = import_method("awq", ["awq_search_shared", "awq_quantize_with_scales"], "awq")
-    where = "quantize_int4 method=awq"
-    run = StagedRun(graph, ctx, where, graph.weights)
+    with ctx.calibration_walk("awq", graph) as bar:
+        run = StagedRun(graph, ctx, "quantize_int4 method=awq", graph.weights, bar.update)
+        scales, stored = awq_walk(graph, run, nodes, group_of, search, quantize)
+    for x, group in linears_by_input(nodes, {id(n): i for i, n in enumerate(graph.nodes)}).items():
+        fold_input_scale(graph, x, group, scales[x])
+    return stored.method
+
+
+def awq_walk(graph: Graph, run: StagedRun, nodes: list[Node], group_of, search, quantize):
+    """({input: its searched scale}, the codes of every linear), from one walk of the float graph."""
     position = {id(n): i for i, n in enumerate(graph.nodes)}
     groups = linears_by_input(nodes, position)
     folded_by = {lin.name: x for x, group in groups.items()
@@ -186,9 +194,7 @@ def awq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Call
         pending.update({n.name: (n, stats.sample()) for n in group})
         quantize_ready()
     assert not pending, f"awq left {sorted(pending)} unquantised"
-    for x, group in groups.items():
-        fold_input_scale(graph, x, group, scales[x])
-    return stored.method
+    return scales, stored
 
 
 def fold_input_scale(graph: Graph, x: str, group: list[Node], s: torch.Tensor) -> str:

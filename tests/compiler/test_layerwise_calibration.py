@@ -5,13 +5,13 @@ wrote. Without one, the model samples its own text and must fit in memory, or is
 
 import pytest
 import torch
+from test_streaming_compile import compiled_files
 
 import llmc
 from llmc.compiler import pipeline
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret, interpret_many
 from llmc.errors import PassError
-from test_streaming_compile import compiled_files
 
 CALIB_WORDS = ("the river keeps a quiet count of stones and every lantern on the bridge hums "
                "an old tune while the baker folds bread for seven neighbours before dawn ")

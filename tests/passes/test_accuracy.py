@@ -174,7 +174,7 @@ def test_reference_logits_are_computed_once_per_run(tiny_graph, monkeypatch):
     import llmc.passes.accuracy as accuracy
     calls = []
     real = accuracy.graph_logits
-    monkeypatch.setattr(accuracy, "graph_logits", lambda g, s: calls.append(1) or real(g, s))
+    monkeypatch.setattr(accuracy, "graph_logits", lambda g, s, progress=None: calls.append(1) or real(g, s, progress))
     run_pipeline(tiny_graph, [Identity(), Identity(), Identity()], token_seqs(8, (6,)))
     assert len(calls) == 1 + 3  # one reference, one measurement per lossy pass
 
