@@ -33,15 +33,22 @@ def shared_allowed() -> bool:
 
 
 def private_directory(path: Path) -> Path:
-    """`path`, created 0700 where missing (parents too), after checking it and its parent are
-    directories of this user that no one else can write to (the parent may be a sticky one, as
-    /tmp); an own directory left group- or world-readable by an older llmc is narrowed to 0700."""
+    """`path` (its parent resolved), created 0700 where missing (parents too), after checking it
+    and its parent are directories of this user that no one else can write to (the parent may be a
+    sticky one, as /tmp); an own directory left group- or world-readable by an older llmc is
+    narrowed to 0700. `path` itself may not be a symlink."""
     path = Path(path)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:
+        if not os.path.lexists(path.parent):
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.path.lexists(path):
+            path.mkdir(mode=0o700)
+    except FileExistsError:   # made by a concurrent run: checked below as any other
         pass
+    except OSError as e:
+        raise CacheRefused(f"cache directory '{path}' cannot be made ({e.strerror}); point LLMC_CACHE at a "
+                           f"directory of your own") from None
+    path = Path(os.path.realpath(path.parent)) / path.name   # a linked cache root is checked (and used) where it leads
     _check_directory(path.parent, narrow=False)
     _check_directory(path, narrow=True)
     return path

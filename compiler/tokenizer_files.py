@@ -31,8 +31,10 @@ def load_tokenizer(folder: Path, vocab_size: int, where: str):
 
 
 def check_tokenizer_files(folder: Path, vocab_size: int, where: str) -> None:
+    if not folder.is_dir():
+        raise ArtifactError(f"{where} has no tokenizer/ directory; recompile")
     limit = json_limit()
-    for file in sorted(folder.iterdir()) if folder.is_dir() else []:
+    for file in sorted(folder.iterdir()):
         if file.stat().st_size > limit:
             raise ArtifactError(f"{where}: tokenizer/{file.name} is larger than {limit >> 20} MiB; recompile, or set "
                                 f"{JSON_BYTES_ENV} (bytes) to raise the limit")

@@ -59,6 +59,7 @@ def tampered(artifact: Path, tmp_path: Path, edit) -> Path:
     shutil.copytree(artifact, copy)
     edit(copy)
     manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"] = {name: digest for name, digest in manifest["files"].items() if (copy / name).is_file()}
     for file in sorted(p for p in copy.rglob("*") if p.is_file() and p.name != "manifest.json"):
         manifest["files"][file.relative_to(copy).as_posix()] = hashlib.sha256(file.read_bytes()).hexdigest()
     (copy / "manifest.json").write_text(json.dumps(manifest))
@@ -188,6 +189,13 @@ TOKENIZER_CASES = {
                  "tokenizer/tokenizer_config.json field 'auto_map' names custom tokenizer code"),
     "extra-tokens": (lambda c: _tokenizer_json(c, lambda d: _extra_tokens(d, 2000)),
                      "tokenizer/tokenizer.json has token id 512, which the model's embedding of 512 rows does not fit"),
+    "config-not-json": (lambda c: (c / "tokenizer" / "tokenizer_config.json").write_text("{oops"),
+                        "tokenizer/tokenizer_config.json is not valid JSON"),
+    "special-tokens-not-json": (lambda c: (c / "tokenizer" / "special_tokens_map.json").write_text("{oops"),
+                                "its tokenizer cannot be loaded (Expecting property name"),
+    "not-a-tokenizer": (lambda c: (c / "tokenizer" / "tokenizer.json").write_text(
+        '{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": 5}}'), "its tokenizer cannot be loaded"),
+    "missing": (lambda c: shutil.rmtree(c / "tokenizer"), "has no tokenizer/ directory"),
     "huge-id": (lambda c: _tokenizer_json(c, lambda d: d["model"]["vocab"].__setitem__("zz", 10**12)),
                 "has token id 1000000000000"),
 }

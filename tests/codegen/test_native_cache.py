@@ -152,3 +152,24 @@ def test_a_checked_library_missing_a_kernel_is_one_error_line(cache, tmp_path, c
     assert code == 2 and out == ""
     line = error_line(err)
     assert "has no symbol llmc_decode_attention" in line and str(library) in line
+
+
+def test_a_symlinked_native_directory_is_refused_and_a_linked_cache_root_followed(cache, tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "native").mkdir(parents=True)
+    cache.mkdir()
+    (cache / "native").symlink_to(elsewhere / "native")
+    assert not cpu_native.available() and "is a symlink" in cpu_native.status()
+    cpu_native._load.cache_clear()
+    monkeypatch.setenv("LLMC_CACHE", str(tmp_path / "root-link"))
+    (tmp_path / "root-link").symlink_to(elsewhere)
+    library = cpu_native._build(CC, cpu_native.FLAGS + cpu_native.OPENMP)
+    assert library.parent == elsewhere.resolve() / "native"
+
+
+def test_a_cache_root_that_is_a_file_is_refused_with_one_warning(cache, capfd):
+    cache.write_text("not a directory")
+    capfd.readouterr()
+    assert not cpu_native.available()
+    [line] = capfd.readouterr().err.splitlines()
+    assert line.startswith("llmc: warning: native kernels off") and "cannot be made (Not a directory)" in line
