@@ -83,8 +83,9 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
             return target
     except FileNotFoundError:
         pass
-    except (CacheRefused, OSError):
-        _remove(target)   # a file llmc did not build, or one changed since: built afresh below
+    except (CacheRefused, OSError):   # a file llmc did not build, or one changed since: built afresh below
+        if not target.is_file() or target.is_symlink():
+            _remove(target)   # a link or directory; a file is replaced atomically (a concurrent run may load it)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -109,6 +110,17 @@ def _remove(target: Path) -> None:
             shutil.rmtree(path)
 
 
+def _built_library(compiler: str, flags: tuple[str, ...]) -> tuple[Path, ctypes.CDLL]:
+    """The built library, loaded; built once more where a concurrent build replaced it between our
+    check and our load (builds are deterministic, so that settles it)."""
+    try:
+        target = _build(compiler, flags)
+        return target, _open_library(target)
+    except CacheRefused:
+        target = _build(compiler, flags)
+        return target, _open_library(target)
+
+
 def _open_library(target: Path) -> ctypes.CDLL:
     """The library at `target`, loaded from the very file whose owner, mode and sha256 were checked."""
     with verified_open(target) as checked:
@@ -124,11 +136,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "off (no C compiler: set CC or install gcc)"
     try:
         try:
-            target = _build(compiler, FLAGS + OPENMP)
-            lib = _open_library(target)
+            target, lib = _built_library(compiler, FLAGS + OPENMP)
         except (OSError, RuntimeError):
-            target = _build(compiler, FLAGS)
-            lib = _open_library(target)
+            target, lib = _built_library(compiler, FLAGS)
     except CacheRefused as e:
         warn(f"native kernels off, the torch kernels run instead: {e}")
         return None, f"off ({e})"
