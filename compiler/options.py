@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from llmc.codegen.ort_lowering import KERNEL_MODES
+from llmc.compiler.bounded_input import file_kind
 from llmc.compiler.recipes import KV_CACHE_CHOICES, KV_GROUPING_CHOICES, QUANT_CHOICES, SPARSITY_METHODS
 from llmc.errors import PassError
 
@@ -94,6 +96,8 @@ class CompileOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise PassError(f"{cli_name(name)} {value!r} is not a whole number")
+        if self.calib is not None:
+            check_calib_path(self.calib)
         if self.max_ppl_increase is not None and not (isinstance(self.max_ppl_increase, (int, float))
                                                       and math.isfinite(self.max_ppl_increase)
                                                       and self.max_ppl_increase >= 0):
@@ -107,6 +111,14 @@ class CompileOptions:
         if unknown:
             raise PassError(f"unknown compile option {unknown[0]!r}; valid options: {', '.join(names)}")
         return cls(**options)
+
+
+def check_calib_path(path) -> None:
+    """Refuse a --calib that is a device before any model loads (/dev/zero would be read to the input
+    cap only after loading and tracing); a FIFO is text to come, read later within the cap."""
+    kind = file_kind(Path(path))
+    if kind in ("a device", "a directory", "a socket"):
+        raise PassError(f"calibration file '{path}' is {kind}, not a text file; pass a plain text file to --calib")
 
 
 def check_positive_int(name: str, value) -> None:

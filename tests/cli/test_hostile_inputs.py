@@ -117,8 +117,26 @@ def test_compile_with_dev_zero_as_calibration_text_fails_in_one_line(work, capfd
     code, _, err = llmc_in_process(capfd, "compile", "tiny-llama", "--quant", "int4-gptq", "--calib", "/dev/zero",
                                    "-o", out, "--quiet")
     assert code == 2 and "Traceback" not in err
-    assert "calibration file '/dev/zero' is larger than 64 MiB" in error_line(err.splitlines()[-1])
+    assert error_line(err.splitlines()[-1]) == ("calibration file '/dev/zero' is a device, not a text file; pass a "
+                                                "plain text file to --calib")   # before any model loads
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_compile_with_an_endless_fifo_as_calibration_text_stops_at_the_cap(work, capfd, tmp_path, monkeypatch):
+    fifo = tmp_path / "calib.fifo"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["sh", "-c", f"yes 'the calibration text goes on' > {fifo}"])
+    monkeypatch.setenv("LLMC_MAX_INPUT_BYTES", str(1 << 20))
+    try:
+        out = tmp_path / "out.llmc"
+        code, _, err = llmc_in_process(capfd, "compile", "tiny-llama", "--quant", "int4-gptq", "--calib", fifo,
+                                       "-o", out, "--quiet")
+    finally:
+        writer.kill()
+        writer.wait()
+    assert code == 2 and "Traceback" not in err
+    assert f"calibration file '{fifo}' is larger than 1 MiB" in error_line(err.splitlines()[-1])
+    assert not out.exists()
 
 
 # --- JSON depth ------------------------------------------------------------------------------
