@@ -367,3 +367,10 @@ def test_chat_answers_piped_lines_and_refuses_one_that_is_not_utf8(artifact, wor
     assert result.returncode == 0 and result.stdout.decode().count(">>> ") == 4   # blank line re-prompted
     result = _chat(artifact, b"hello\n\xff\xfe\n", work)
     assert result.returncode == 2 and "the line read from stdin is not valid UTF-8" in error_line(result.stderr.decode())
+
+
+def test_a_plan_past_the_json_cap_is_refused_before_it_is_parsed(artifact, work, capfd, monkeypatch):
+    monkeypatch.setenv("LLMC_MAX_JSON_BYTES", str(min((artifact / n).stat().st_size for n in ("plan.json", "graph.json"))
+                                                  - 1))
+    line = refused(capfd, "run", artifact, "-p", "hi")
+    assert "is larger than" in line and "LLMC_MAX_JSON_BYTES" in line and ".json" in line
