@@ -11,7 +11,7 @@ and dequantising the 4-bit codes into the scratch costs ~1 ms (8 ms through comp
 allocating ops). Where the two cross is measured per weight shape and thread count at load
 (`choose_dense_from`), or at compile under `--kernels auto` (the default), which records it in
 plan.meta["kernel_choice"]["qlinear_dispatch"] for the runtime and `llmc inspect` (measured once per
-machine, codegen/ort_timing_cache.py)."""
+machine, compiler/driver/tuning/qlinear_dispatch.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token
-from llmc.compiler.weight_store import WeightStore
 from llmc.errors import RuntimeLlmcError
 
 # row counts timed per shape (a prefill chunk or a batch of 64 decodes is hundreds of rows); timing
@@ -177,52 +176,6 @@ def recorded(meta: dict | None) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def dispatch_record(steps, weights: dict, threads: int, rows: tuple[int, ...] = PROBE_ROWS) -> dict:
-    """Measure each qlinear weight shape among `steps` ((kernel, inputs, attrs) of torch steps) once,
-    with its first step's real weights, at `threads` threads and the row counts `rows` (or take what
-    this machine measured before): the record choose_dense_from reads back from the plan."""
-    from llmc.codegen.cpu_kernels import packed_run, prepare_qlinear
-
-    shapes: dict[str, dict] = {}
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        entry = weights.entry if isinstance(weights, WeightStore) else weights.__getitem__
-        for kernel, inputs, attrs in steps:
-            params = [entry(i) if i in weights else None for i in inputs]
-            if kernel != "cpu.qlinear" or None in params[1:]:
-                continue
-            key = shape_key(attrs["scheme"], params[1], params[2])
-            if key not in shapes:   # the first step of a shape is measured on its weights' values
-                params = [weights.get(i) for i in inputs]
-                made = prepare_qlinear(params, attrs, {"kernel_choice": {DISPATCH_META: {"shapes": {
-                    key: {"dense_from": 1}}}}})
-                prepared = made.get("cpu_weights")
-                if not isinstance(prepared, DispatchedWeights):
-                    continue
-                run = packed_run(prepared.packed, made.get("native_gemv"))
-                kind = type(prepared.packed).__name__
-                shapes[key] = {**_recalled_measure(key, kind, threads, run, prepared.dense, rows), "steps": 0}
-            shapes[key]["steps"] += 1
-    finally:
-        torch.set_num_threads(previous)
-    return {"threads": threads, "rows": list(rows), "shapes": shapes}
-
-
-def _recalled_measure(key: str, kind: str, threads: int, packed_run, src: DenseSource, rows: tuple[int, ...]) -> dict:
-    """measure_shape's record for this shape and packed form (`kind`), from the machine's timing cache
-    when measured before."""
-    from llmc.codegen.ort_timing_cache import recall
-
-    def run() -> dict:
-        with torch.inference_mode():
-            return measure_shape(packed_run, src, rows=rows)
-    from llmc.codegen.cpu_native import timing_key as native_key
-
-    return recall({"what": "qlinear dense switch", "shape": key, "packed": kind, "threads": threads,
-                   "rows": list(rows), "native": native_key()}, run)
-
-
 # (shape key, threads) -> measure_shape's record, for the shapes measured at load in this process
 MEASURED: dict[tuple[str, int], dict] = {}
 
@@ -302,5 +255,5 @@ def measure_shape(packed_run, src: DenseSource, repeats: int = 5, rows: tuple[in
 
 
 __all__ = ["DenseSource", "DispatchedWeights", "dense_source", "halves_source", "scratch_bytes", "dequantize_into",
-           "run_dense", "rows_of", "shape_key", "choose_dense_from", "dispatch_record", "recorded", "measure_shape",
+           "run_dense", "rows_of", "shape_key", "choose_dense_from", "recorded", "measure_shape",
            "MEASURED", "DENSE_FROM_ENV", "DISPATCH_META", "PROBE_ROWS", "NEVER_DENSE"]

@@ -1,15 +1,12 @@
 """The "ort" kernel family at compile time: a cpu plan's runs of steps that ONNX Runtime can run
 (all but attention, which reads the paged KV cache in torch, and the split feeding it, a free view)
 become ONNX graphs, one `ort.segment` step each, stored in the artifact as ort/segment_NNN.onnx.
-`--kernels ort` lowers every segment; `--kernels auto`, the cpu target's default, keeps a segment in
-ORT only where it measured faster than the torch kernels on this machine and no less accurate
-(codegen/ort_timing.py; MatMulNBits on int8 activations only where the calibration text shows the
-model unchanged, codegen/ort_accuracy.py), recording the choice and the measured alternatives in
-plan.meta["kernel_choice"]; `--kernels cpu` keeps the torch kernels throughout."""
+This module offers the candidates (segments, their ONNX models, a plan with a chosen set of them
+lowered); which are kept, as `--kernels` says and, under `auto`, by measurement on this machine, is
+the compile driver's choice (compiler/driver/tuning/kernel_choice.py)."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -17,7 +14,6 @@ from dataclasses import dataclass, field
 from llmc.codegen.memory_plan import MemoryPlan, assign_slots, value_lifetimes
 from llmc.codegen.onnx_ops import (
     AFFINE_BITS,
-    FP32_COMPUTE,
     INT8_COMPUTE,
     MS_DOMAIN,
     OPSET,
@@ -242,129 +238,17 @@ def check_kernels_option(mode: str | None, target: str, device: str) -> None:
                           f"Triton kernels on a GPU: drop --kernels or compile for target cpu")
 
 
-def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None,
-                echo=None, reference=None) -> tuple[list[Plan], dict[str, bytes]]:
-    """lower_kernels for the compile driver: one plan per tensor-parallel rank (the ORT family runs
-    single-rank plans); returns the plans and the ONNX files to store."""
-    if len(plans) > 1 and mode not in (None, "cpu"):
-        raise TargetError(f"--kernels {mode} lowers single-rank plans; this compile makes {len(plans)} "
-                          f"tensor-parallel ranks: drop --kernels or compile without sharding")
-    if len(plans) > 1:
-        return plans, {}
-    from llmc.codegen import ort_timing_cache
-
-    since = ort_timing_cache.mark()
-    plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo, reference)
-    timings = ort_timing_cache.summary(since)   # when and under what load the choices were measured
-    if timings and "kernel_choice" in plan.meta:
-        plan.meta["kernel_choice"] = {**plan.meta["kernel_choice"], "timings": timings}
-    return [plan], files
-
-
-def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=None,
-                  reference=None) -> tuple[Plan, dict[str, bytes]]:
-    """The plan with its segments lowered to ORT as `mode` says (None: the target's default), and
-    the ONNX files to store ({path in the artifact: bytes}). `reference` (an ort_accuracy
-    CalibrationReference, or None) is what auto checks int8 activations on."""
-    check_kernels_option(mode, plan.target, device)
-    mode = mode or DEFAULT_MODE
-    if device != "cpu":
-        return plan, {}
-    if mode == "cpu":
-        return torch_dispatch_plan(plan, graph), {}
-    kept = kept_in_torch(graph)
-    if mode == "ort":
-        _refuse_torch_ops(graph, kept)
-    segments = find_segments(graph, kept, plan.outputs)
-    # ort: MatMulNBits on int8 activations, the fast path asked for; auto: on fp32 activations, the
-    # level it may choose on timing alone (the int8 one also needs the calibration check, ort_accuracy)
-    built = SegmentModels(graph, segments, INT8_COMPUTE if mode == "ort" else FP32_COMPUTE)
-    choice = {"mode": mode, "kept_in_torch": _unforced(kept)}
-    int8: set[int] = set()
-    if mode == "ort":
-        _require_segment_ops(built)
-        chosen = [True] * len(segments)
-    else:
-        from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
-        from llmc.codegen.ort_accuracy import gate_int8_activations
-        from llmc.codegen.ort_timing import choose_segments
-        kinds, choice["measured"] = choose_segments(graph, segments, built, echo)
-        trial_meta = functools.cache(lambda: {**plan.meta, "kernel_choice": {DISPATCH_META: dispatch_record(
-            [(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, choice["measured"]["threads"])}})
-        int8, gate = gate_int8_activations(
-            graph, plan, segments, built, kinds, reference,
-            lambda models, keep: _trial_plan(plan, trial_meta(), segments, models, keep))
-        if gate is not None:
-            choice["int8_activations"] = gate
-        chosen = [kind["chosen"] != "cpu" for kind in kinds]
-    steps, files = _lowered_steps(plan, segments, built, chosen)
-    lowered = restep(plan, steps)
-    if mode == "auto":
-        choice[DISPATCH_META] = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in lowered.steps],
-                                                graph.weights, choice["measured"]["threads"])
-    lowered.meta = {**plan.meta, "kernel_choice": choice}
-    from llmc.codegen.ort_decode import plan_decode_graph
-    from llmc.codegen.ort_plan_choice import whole_plan_question, whole_step_refusal
-    levels = {node.name: INT8_COMPUTE for i in int8 for node in segments[i].nodes}
-    cpu_plan, question, too_large = None, "--kernels ort", None
-    if mode == "auto":
-        cpu_plan = restep(plan, plan.steps)
-        cpu_plan.meta = trial_meta()
-        question, too_large = whole_plan_question(cpu_plan, lowered), whole_step_refusal(graph)
-    lowered.meta["decode_graph"] = plan_decode_graph(graph, lowered, files, mode,
-                                                     INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels,
-                                                     measure_step=question is not None, refusal=too_large)
-    if question is not None or too_large is not None:
-        if mode == "auto":
-            choice["whole_plan"] = {"chosen": "lowered", "why": question or too_large}
-        return lowered, files
-    return _whole_plan(graph, cpu_plan, lowered, files, choice)
-
-
-def torch_dispatch_plan(plan: Plan, graph: Graph) -> Plan:
-    """The torch plan with its quantised linears' switch to dense GEMMs measured now (once per shape,
-    per machine), as auto records it: otherwise every load would measure it (31 s for a 1B model)."""
-    from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
-    from llmc.runtime.threads import resolve_threads
-
-    record = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, resolve_threads())
-    plan.meta = {**plan.meta, "kernel_choice": {"mode": "cpu", DISPATCH_META: record}}
-    return plan
-
-
-def _whole_plan(graph: Graph, cpu_plan: Plan, lowered: Plan, files: dict[str, bytes], choice: dict):
-    """(plan, files) as codegen/ort_plan_choice.py chooses: the cpu plan, or the lowered one walked or
-    through its decode graph."""
-    from llmc.codegen.ort_decode import DECODE_FILE, graph_step_verdict
-    from llmc.codegen.ort_plan_choice import choose_whole_plan
-
-    verdict = choice["whole_plan"] = choose_whole_plan(graph, cpu_plan, lowered, files, choice)
-    if verdict["chosen"] == "cpu":
-        choice.pop("int8_activations", None)   # nothing runs on them
-        cpu_plan.meta = {**cpu_plan.meta, "kernel_choice": {**choice, **cpu_plan.meta["kernel_choice"]}}
-        return cpu_plan, {}
-    if verdict["chosen"] == "walk" and "graph" in verdict["step_us"]:
-        us = verdict["step_us"]
-        graph_verdict = graph_step_verdict(us["graph"], us["walk"], us["launches"])
-        if graph_verdict["chosen"]:
-            lowered.meta["decode_graph"].update(graph_verdict)
-        else:
-            lowered.meta["decode_graph"] = graph_verdict
-            files.pop(DECODE_FILE)
-    return lowered, files
-
-
-def _trial_plan(plan: Plan, meta: dict, segments: list[Segment], built: SegmentModels, chosen: list[bool]):
+def trial_plan(plan: Plan, meta: dict, segments: list[Segment], built: SegmentModels, chosen: list[bool]):
     """(plan, files) as auto would lower it with segment models `built` where `chosen`, for
-    codegen/ort_accuracy.py to score; `meta` records the torch qlinears' dense switch (measured once
+    compiler/driver/tuning/ort_accuracy.py to score; `meta` records the torch qlinears' dense switch (measured once
     over every step, whichever stay in torch)."""
-    steps, files = _lowered_steps(plan, segments, built, chosen)
+    steps, files = lowered_steps(plan, segments, built, chosen)
     trial = restep(plan, steps)
     trial.meta = meta
     return trial, files
 
 
-def _lowered_steps(plan: Plan, segments: list[Segment], built: SegmentModels, chosen: list[bool]):
+def lowered_steps(plan: Plan, segments: list[Segment], built: SegmentModels, chosen: list[bool]):
     """The plan's steps with each chosen segment's run replaced by its ort.segment step, and the
     ONNX files those steps read."""
     starts = {seg.first: (seg, *built[i]) for i, (seg, keep) in enumerate(zip(segments, chosen)) if keep}
@@ -382,18 +266,12 @@ def _lowered_steps(plan: Plan, segments: list[Segment], built: SegmentModels, ch
     return steps, files
 
 
-def _unforced(kept: dict[str, str]) -> dict[str, str]:
+def unforced(kept: dict[str, str]) -> dict[str, str]:
     """The nodes kept in torch for want of an ORT lowering (attention and its split always are)."""
     return {name: why for name, why in kept.items() if why not in (ATTENTION, ATTENTION_SPLIT)}
 
 
-def _refuse_torch_ops(graph: Graph, kept: dict[str, str]) -> None:
-    for name, why in _unforced(kept).items():
+def refuse_torch_ops(graph: Graph, kept: dict[str, str]) -> None:
+    for name, why in unforced(kept).items():
         node = next(n for n in graph.nodes if n.name == name)
         raise TargetError(f"--kernels ort: node {name} ({node.op}) cannot run in ONNX Runtime: {why}; {FIX}")
-
-
-def _require_segment_ops(built: list) -> None:
-    from llmc.runtime.ort_segment import require_ops
-
-    require_ops(set().union(*(segment_ops(model) for model, _ in built)) if built else set(), "--kernels ort")

@@ -355,7 +355,7 @@ def kernel_choice_lines(choice: dict | None) -> list[str]:
 
 def _whole_plan_lines(verdict: dict | None) -> list[str]:
     """auto's last choice: the lowered plan (walked or through its decode graph), or the cpu plan whose
-    decode steps run the native decode program (codegen/ort_plan_choice.py)."""
+    decode steps run the native decode program (compiler/driver/tuning/ort_plan_choice.py)."""
     if not verdict:
         return []
     if "step_us" not in verdict:
@@ -371,14 +371,15 @@ def _whole_plan_lines(verdict: dict | None) -> list[str]:
 
 
 def _timings_lines(record: dict | None) -> list[str]:
-    """When and under what load the compile's kernel timings were measured (codegen/ort_timing_cache.py)."""
+    """When and under what load the compile's kernel timings were measured
+    (compiler/driver/tuning/ort_timing_cache.py)."""
     from llmc.cache import summary_line
 
     return [f"    timings: {summary_line(record)}"] if record else []
 
 
 def _int8_gate_lines(gate: dict | None) -> list[str]:
-    """auto's check of int8 activations on the calibration text (codegen/ort_accuracy.py)."""
+    """auto's check of int8 activations on the calibration text (compiler/driver/tuning/ort_accuracy.py)."""
     if not gate:
         return []
     if "exact" not in gate:

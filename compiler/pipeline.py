@@ -15,15 +15,16 @@ import torch
 
 import llmc
 from llmc.codegen.kernel_sources import kernel_sources
-from llmc.codegen.ort_accuracy import CalibrationReference
-from llmc.codegen.ort_lowering import DEFAULT_MODE, check_kernels_option, lower_plans
-from llmc.codegen.ort_plan_choice import whole_step_refusal
+from llmc.codegen.ort_lowering import DEFAULT_MODE, check_kernels_option
 from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
 from llmc.compiler.artifact import RankFiles, staged_output, write_contents
 from llmc.compiler.calibration import calibration_sequences, calibration_source
 from llmc.compiler.compile_report import check_report_path, peak_rss_bytes, process_age, timing_line, write_report
 from llmc.compiler.draft import draft_options, read_draft_target
+from llmc.compiler.driver.tuning.kernel_choice import lower_plans
+from llmc.compiler.driver.tuning.ort_accuracy import CalibrationReference
+from llmc.compiler.driver.tuning.ort_plan_choice import whole_step_refusal
 from llmc.compiler.frontends import load_model
 from llmc.compiler.frontends.gguf import one_thread
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node

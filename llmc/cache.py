@@ -154,7 +154,8 @@ def describe_load(record: dict) -> str:
 
 
 def summary_line(record: dict) -> str:
-    """A compile's record of its kernel timings (codegen/ort_timing_cache.summary) in one line (llmc inspect)."""
+    """A compile's record of its kernel timings (compiler/driver/tuning/ort_timing_cache.summary) in one
+    line (llmc inspect)."""
     if not record.get("measurements"):
         return "nothing measured"
     other = record.get("other_cores_max")

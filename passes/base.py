@@ -125,7 +125,8 @@ class PassContext:
     options: dict = field(default_factory=dict)
     calibration: Any = None
     # the calibration's next-token logits before the first lossy pass (set by the run that measured
-    # them): what the cpu target's kernel choice checks int8 activations against (codegen/ort_accuracy.py)
+    # them): what the cpu target's kernel choice checks int8 activations against
+    # (compiler/driver/tuning/ort_accuracy.py)
     reference_logits: Any = None
     source_weights: dict = field(default_factory=dict)       # param name -> its stored quantised form
     print_ir_after: set[str] = field(default_factory=set)   # pass names, or "all"

@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 CHECK = ("import llmc.runtime.engine, sys; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-         "{'jinja2','networkx','click'} or m.startswith(('llmc.passes','llmc.compiler.pipeline'))))")
+         "{'jinja2','networkx','click'} or "
+         "m.startswith(('llmc.passes','llmc.compiler.pipeline','llmc.compiler.driver'))))")
 
 
 def test_importing_the_engine_loads_no_compiler_driver_pass_or_codegen_library():

@@ -1,4 +1,4 @@
-"""auto's check of MatMulNBits on int8 activations (codegen/ort_accuracy.py) on tiny-llama int4, with
+"""auto's check of MatMulNBits on int8 activations (compiler/driver/tuning/ort_accuracy.py) on tiny-llama int4, with
 the timings faked so that int8 activations are the fastest and fp32 MatMulNBits the next: the check
 runs the lowered model on the compile's calibration sequences; its figure for the exact kernels
 equals the quantisation pass's own (measured by the reference interpreter); accepted, the segments
@@ -15,9 +15,9 @@ from llmc_cli import llmc_in_process
 from timing_fakes import lowered_wins
 
 import llmc
-from llmc.codegen import ort_accuracy, ort_timing
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
+from llmc.compiler.driver.tuning import ort_accuracy, ort_timing
 from llmc.runtime.executor import PlanExecutor
 
 INT4 = {"quant": "int4-rtn", "group_size": 32}

@@ -61,7 +61,7 @@ def test_int8_codes_split_into_the_halves_the_4bit_matmuls_read():
 def test_auto_runs_affine8_on_fp32_activations_as_two_4bit_halves_giving_the_reference_logits(tmp_path, monkeypatch):
     from onnx import helper, load_from_string
 
-    from llmc.codegen import ort_timing
+    from llmc.compiler.driver.tuning import ort_timing
     from llmc.compiler.interpreter import interpret
     from llmc.compiler.ir import Graph
 

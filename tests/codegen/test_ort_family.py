@@ -192,7 +192,7 @@ def _faked(faster: str):
 @pytest.fixture(scope="module")
 def auto_int4(tmp_path_factory):
     """int4 under auto with ORT timed faster (in a cache of its own), so every segment it may take runs there."""
-    from llmc.codegen import ort_timing
+    from llmc.compiler.driver.tuning import ort_timing
 
     root = tmp_path_factory.mktemp("auto_int4")
     with pytest.MonkeyPatch.context() as patch:
@@ -242,7 +242,7 @@ def test_timing_stops_for_a_clear_loser_after_one_repeat_when_its_calls_are_slow
     import time
     from types import SimpleNamespace
 
-    from llmc.codegen.ort_timing import REPEATS, measure
+    from llmc.compiler.driver.tuning.ort_timing import REPEATS, measure
 
     calls = {"fast": 0, "slow": 0, "tiny_loser": 0}
 
@@ -280,7 +280,7 @@ def test_segment_models_are_built_once_each_and_only_when_asked_for(monkeypatch)
 
 
 def test_verdict_keeps_torch_where_ort_is_further_from_the_reference():
-    from llmc.codegen.ort_timing import _verdict
+    from llmc.compiler.driver.tuning.ort_timing import _verdict
 
     us = {"cpu": {"decode": 10.0, "prefill": 100.0}, "ort": {"decode": 5.0, "prefill": 50.0}}
     assert _verdict({"us": us, "error": {"cpu": 0.0, "ort": 1e-6}})["chosen"] == "ort"
@@ -298,9 +298,10 @@ def timing_cache(tmp_path, monkeypatch):
 
 def test_torch_qlinears_auto_keeps_get_their_dense_switch_recorded_and_used(capsys, tmp_path, timing_cache,
                                                                             monkeypatch):
-    from llmc.codegen import ort_lowering, ort_timing
+    from llmc.codegen import ort_lowering
     from llmc.codegen.cpu_qlinear_dense import DispatchedWeights
     from llmc.codegen.onnx_ops import FP32_COMPUTE
+    from llmc.compiler.driver.tuning import ort_timing
 
     monkeypatch.setattr(ort_timing, "measure", _faked("cpu"))
     from llmc.codegen import cpu_qlinear_dense
@@ -335,7 +336,8 @@ def test_torch_qlinears_auto_keeps_get_their_dense_switch_recorded_and_used(caps
 
 
 def test_a_second_compile_measures_nothing_and_writes_the_same_bytes(tmp_path, timing_cache, monkeypatch):
-    from llmc.codegen import cpu_qlinear_dense, ort_timing, ort_timing_cache
+    from llmc.codegen import cpu_qlinear_dense
+    from llmc.compiler.driver.tuning import ort_timing, ort_timing_cache
 
     first = llmc.compile("tiny-llama", output=tmp_path / "a.llmc", kernels="auto", quant="int8", quiet=True)
     assert len(list(timing_cache.glob("*.json"))) >= 3
@@ -351,7 +353,7 @@ def test_a_second_compile_measures_nothing_and_writes_the_same_bytes(tmp_path, t
 
 
 def test_a_damaged_timing_cache_entry_is_measured_again(tmp_path, timing_cache, monkeypatch):
-    from llmc.codegen import ort_timing_cache
+    from llmc.compiler.driver.tuning import ort_timing_cache
 
     llmc.compile("tiny-llama", output=tmp_path / "a.llmc", kernels="auto", quiet=True)
     entries = sorted(timing_cache.glob("*.json"))

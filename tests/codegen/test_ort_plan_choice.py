@@ -1,4 +1,4 @@
-"""`--kernels auto`'s whole-plan choice (codegen/ort_plan_choice.py): with ORT segments among the layers,
+"""`--kernels auto`'s whole-plan choice (compiler/driver/tuning/ort_plan_choice.py): with ORT segments among the layers,
 whole decode steps of the unlowered cpu plan (the native decode program), the lowered plan walked and
 through its decode graph are timed, and the request cost decides what the artifact holds. Timings are
 faked here (ORT segment kinds faster, then each way winning the whole step) so the choice, not this
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native k
 
 
 def _compile(root, monkeypatch, steps: dict[str, float]):
-    from llmc.codegen import ort_decode_timing, ort_timing
+    from llmc.compiler.driver.tuning import ort_decode_timing, ort_timing
 
     monkeypatch.setenv("LLMC_CACHE", str(root / "cache"))
     monkeypatch.setattr(ort_timing, "measure", lambda runners, graph, seg, outputs=None: {

@@ -1,4 +1,4 @@
-"""`--kernels auto` chooses only on timings that decide (codegen/ort_timing.py, ort_timing_cache.py):
+"""`--kernels auto` chooses only on timings that decide (compiler/driver/tuning/ort_timing.py, ort_timing_cache.py):
 where the families' timing ranges (best to median) overlap, or the machine was busy while they ran,
 the torch kernels (the default) stay, the record says why, and nothing is cached; a clear
 difference on a quiet machine chooses and is cached. The timer is a stub, so this host's speed and
@@ -13,7 +13,7 @@ from timing_fakes import lowered_wins
 
 import llmc
 from llmc import cache
-from llmc.codegen import ort_timing, ort_timing_cache
+from llmc.compiler.driver.tuning import ort_timing, ort_timing_cache
 
 
 @pytest.fixture
@@ -83,8 +83,8 @@ def test_timings_measured_busy_keep_the_default_and_are_not_cached(tmp_path, jud
 def _whole_plan(monkeypatch, timings):
     from types import SimpleNamespace
 
-    from llmc.codegen import ort_decode_timing
-    from llmc.codegen.ort_plan_choice import choose_whole_plan
+    from llmc.compiler.driver.tuning import ort_decode_timing
+    from llmc.compiler.driver.tuning.ort_plan_choice import choose_whole_plan
 
     monkeypatch.setattr(ort_decode_timing, "measure_plans", lambda graph, candidates: timings)
     plan = SimpleNamespace(meta={})
@@ -92,7 +92,7 @@ def _whole_plan(monkeypatch, timings):
 
 
 def test_whole_decode_steps_too_close_or_busy_keep_the_unlowered_plan(monkeypatch):
-    from llmc.codegen.ort_timing_cache import Timings
+    from llmc.compiler.driver.tuning.ort_timing_cache import Timings
 
     monkeypatch.delenv(cache.TRUST_ENV, raising=False)
     clear = Timings({"cpu": 300.0, "walk": 100.0}, {"cpu": 0.02, "walk": 0.02})
@@ -106,8 +106,8 @@ def test_whole_decode_steps_too_close_or_busy_keep_the_unlowered_plan(monkeypatc
 
 
 def test_a_decode_graph_is_not_kept_on_a_close_whole_step(monkeypatch):
-    from llmc.codegen.ort_decode import _step_verdict
-    from llmc.codegen.ort_timing_cache import Timings
+    from llmc.compiler.driver.tuning.decode_graph_choice import _step_verdict
+    from llmc.compiler.driver.tuning.ort_timing_cache import Timings
 
     monkeypatch.delenv(cache.TRUST_ENV, raising=False)
     close = Timings({"plan": 100.0, "graph": 95.0, "launches": 400.0}, {"plan": 0.01, "graph": 0.1})

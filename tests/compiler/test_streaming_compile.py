@@ -119,7 +119,7 @@ def test_a_pass_that_runs_the_model_is_refused_above_the_memory_it_may_hold(smol
 
 
 def test_auto_times_no_whole_step_of_a_model_over_its_limit(tmp_path, monkeypatch):
-    from llmc.codegen import ort_plan_choice
+    from llmc.compiler.driver.tuning import ort_plan_choice
 
     monkeypatch.setattr(ort_plan_choice, "WHOLE_STEP_LIMIT", 0)
     art = llmc.compile("tiny-llama", target="cpu", kernels="auto", output=tmp_path / "a", quiet=True)

@@ -18,10 +18,10 @@ from tiny_hf_models import ARCHS, hf_greedy, max_relative_error, prompt_ids, sav
 import llmc
 from llmc import SamplingParams
 from llmc.codegen.onnx_ops import FP32_COMPUTE
-from llmc.codegen.ort_decode import CLOSE_CALL, choose_decode_graph, plan_decode_graph
-from llmc.codegen.ort_decode_timing import measure_decode_step
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
+from llmc.compiler.driver.tuning.decode_graph_choice import CLOSE_CALL, choose_decode_graph, plan_decode_graph
+from llmc.compiler.driver.tuning.ort_decode_timing import measure_decode_step
 from llmc.compiler.inspect import summarize
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph

@@ -4,14 +4,14 @@ runs as one call (runtime/native_decode.py): a saving the per-segment timings ca
 time each segment's torch kernels launch by launch. It matters where ORT segments sit among the layers
 the program would run; elsewhere (an embedding or LM head segment) the kinds' timings stand. Priced as
 the kinds were chosen, a request of one prefill and PREFILL_TOKENS decode steps: the prefill difference
-from the kinds' timings, the decode steps timed whole (codegen/ort_decode_timing.py), all ways at once.
+from the kinds' timings, the decode steps timed whole (ort_decode_timing.py), all ways at once.
 Where those timings were taken on a busy machine, or the cheapest way's range overlaps a way before it
 in DEFAULTS (the unlowered plan first), the earlier way stays and the record says why."""
 
 from __future__ import annotations
 
-from llmc.codegen.ort_timing import PREFILL_TOKENS
 from llmc.codegen.plan import ORT_SEGMENT
+from llmc.compiler.driver.tuning.ort_timing import PREFILL_TOKENS
 from llmc.compiler.ir import Graph
 
 # auto times whole decode steps (every candidate plan loaded on all the weights) only for models up
@@ -48,11 +48,11 @@ def whole_plan_question(cpu_plan, lowered) -> str | None:
 def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], choice: dict) -> dict:
     """{"chosen": "cpu", "walk" or "graph", what was measured}: the cpu plan, the lowered one walked, or
     the lowered one through its decode graph (where plan.meta["decode_graph"] offers one; then the walk
-    launch by launch is timed too, for the graph's native_first: codegen/ort_lowering.py). `cpu_plan`
+    launch by launch is timed too, for the graph's native_first: kernel_choice.py). `cpu_plan`
     carries the qlinear dispatch its torch kernels load with; `files` are the lowered plan's ONNX files."""
     from llmc.cache import pick
     from llmc.codegen.ort_decode import DECODE_FILE
-    from llmc.codegen.ort_decode_timing import DEFAULTS, measure_plans, step_ranges
+    from llmc.compiler.driver.tuning.ort_decode_timing import DEFAULTS, measure_plans, step_ranges
 
     kinds = [k for k in choice["measured"]["kinds"] if k["chosen"] != "cpu"]
     prefill_us = sum(k["segments"] * (k["us"]["cpu"]["prefill"] - k["us"][k["chosen"]]["prefill"]) for k in kinds)

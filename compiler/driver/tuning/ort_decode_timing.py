@@ -2,9 +2,9 @@
 (its segments alone cost a little more in ORT than the plan walk runs them, and what the graph saves
 besides decides), and wherever the walk runs the native decode program (runtime/native_decode.py),
 whose saving the per-segment timings cannot see. And the unlowered cpu plan, walked with that program,
-against the lowered one (codegen/ort_plan_choice.py). One decode step over a paged cache of CONTEXT
+against the lowered one (ort_plan_choice.py). One decode step over a paged cache of CONTEXT
 tokens is timed each way, interleaved, minimum of REPEATS (with each way's spread, best to median);
-what was measured is kept per machine (codegen/ort_timing_cache.py), unless the machine was busy or
+what was measured is kept per machine (ort_timing_cache.py), unless the machine was busy or
 the ways' ranges overlap: those timings decide nothing (doubt())."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import torch
 
 from llmc.cache import spread
-from llmc.codegen.ort_timing_cache import Timings
+from llmc.compiler.driver.tuning.ort_timing_cache import Timings
 from llmc.compiler.ir import Graph
 
 CONTEXT = 128         # cached tokens the timed decode step attends to
@@ -54,7 +54,7 @@ DEFAULTS = ("cpu", "plan", "walk", "graph")
 
 def _recalled(key: dict, graph: Graph, candidates: dict[str, tuple]) -> dict:
     from llmc.codegen.cpu_native import timing_key as native_key
-    from llmc.codegen.ort_timing_cache import recall_measured
+    from llmc.compiler.driver.tuning.ort_timing_cache import recall_measured
     from llmc.runtime.threads import resolve_threads
 
     threads = resolve_threads()

@@ -1,7 +1,7 @@
 """`--kernels auto` and MatMulNBits on int8 activations (accuracy_level 4): the fastest int4 path on
 the CPU, but it rounds each row's activations to int8 per block, which random inputs cannot price
 (their error grows with the activations' outliers). So where it measured fastest for some segments
-(codegen/ort_timing.py), the whole lowered model runs the compile's calibration sequences twice,
+(ort_timing.py), the whole lowered model runs the compile's calibration sequences twice,
 with those segments on int8 activations and with the kernels auto would run otherwise, and both
 are scored against the source model's logits (the reference the lossy passes were measured by,
 passes/accuracy.py). Int8 activations are kept only where the model's KL to its source and its
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.codegen.onnx_ops import INT8_COMPUTE
-from llmc.codegen.ort_timing import INT8_ACTIVATIONS, INT8_EXCLUDED
+from llmc.compiler.driver.tuning.ort_timing import INT8_ACTIVATIONS, INT8_EXCLUDED
 from llmc.compiler.ir import Graph
 
 KL_SLACK = 0.02      # relative: KL(source || model) may rise by 2% of itself, the noise of ~1,000 tokens

@@ -3,7 +3,7 @@ machine, as its torch kernels and as its ONNX Runtime session, at the plan's sha
 of one token and a prefill of PREFILL_TOKENS), and keep the faster of those no further from the
 reference semantics (compiler/ops.py) than the torch kernels are (or within AUTO_TOLERANCE).
 Segments of the same ops at the same shapes (a model's layers) are timed once, and what was
-measured is kept per machine (codegen/ort_timing_cache.py). The cost compared is one request's: a
+measured is kept per machine (ort_timing_cache.py). The cost compared is one request's: a
 PREFILL_TOKENS prefill plus as many decode steps. Timings are minima over interleaved repeats, so a
 busy machine biases neither side."""
 
@@ -39,7 +39,7 @@ AUTO_TOLERANCE = 1e-4
 # MatMulNBits on int8 activations is measured beside the fp32 level, but random inputs cannot say
 # what it costs in accuracy (its error grows with the activations' outliers, which they do not
 # have): where it is the fastest, it is a candidate that the whole model's logits on the compile's
-# calibration text accept or refuse (codegen/ort_accuracy.py)
+# calibration text accept or refuse (ort_accuracy.py)
 INT8_ACTIVATIONS = "ort-int8"
 INT8_EXCLUDED = ("rounds activations to int8 per block; auto takes it only where it is fastest and passes the "
                  "calibration check")
@@ -74,7 +74,8 @@ class TorchSegment:
     probe is measured for the plan only for the qlinears that stay in torch)."""
 
     def __init__(self, graph: Graph, seg, threads: int):
-        from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, dispatch_record
+        from llmc.codegen.cpu_qlinear_dense import DISPATCH_META
+        from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record
 
         self.seg = seg
         self.launches = []
@@ -147,7 +148,7 @@ def measure(runners: dict, graph: Graph, seg, outputs: dict | None = None) -> di
     runner's spread at each shape); each runner's first (warm) outputs at each token count go into
     `outputs`, for errors() to reuse."""
     from llmc.cache import spread
-    from llmc.codegen.ort_timing_cache import Timings
+    from llmc.compiler.driver.tuning.ort_timing_cache import Timings
 
     us = Timings({name: {} for name in runners}, {name: {} for name in runners})
     rivals = [name for name in runners if name != INT8_ACTIVATIONS]
@@ -220,7 +221,7 @@ def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> d
     and the choice."""
     from llmc.codegen.cpu_native import timing_key as native_key
     from llmc.codegen.ort_lowering import segment_ops
-    from llmc.codegen.ort_timing_cache import recall_measured
+    from llmc.compiler.driver.tuning.ort_timing_cache import recall_measured
     from llmc.runtime.ort_segment import cpu_kernel_ops
 
     entry = {"first": seg.span, "ops": _op_counts(seg), "segments": 0}

@@ -1,0 +1,149 @@
+"""The kernels of a cpu plan as `--kernels` says, the compile driver's step after planning: `cpu` keeps
+the torch kernels (their quantised linears' dense switch measured now), `ort` lowers every segment
+to ONNX Runtime (codegen/ort_lowering.py builds them), and `auto`, the cpu target's default, keeps a
+segment in ORT only where it measured faster than the torch kernels on this machine and no less
+accurate (ort_timing.py; MatMulNBits on int8 activations only where the calibration text shows the
+model unchanged, ort_accuracy.py), then weighs the lowered plan, walked or through its decode graph
+(decode_graph_choice.py), against the unlowered one (ort_plan_choice.py), recording the choice and
+the measured alternatives in plan.meta["kernel_choice"]."""
+
+from __future__ import annotations
+
+import functools
+
+from llmc.codegen.cpu_qlinear_dense import DISPATCH_META
+from llmc.codegen.onnx_ops import FP32_COMPUTE, INT8_COMPUTE
+from llmc.codegen.ort_decode import DECODE_FILE
+from llmc.codegen.ort_lowering import (
+    DEFAULT_MODE,
+    SegmentModels,
+    check_kernels_option,
+    find_segments,
+    kept_in_torch,
+    lowered_steps,
+    refuse_torch_ops,
+    restep,
+    segment_ops,
+    trial_plan,
+    unforced,
+)
+from llmc.codegen.plan import Plan
+from llmc.compiler.driver.tuning import ort_timing_cache
+from llmc.compiler.driver.tuning.decode_graph_choice import graph_step_verdict, plan_decode_graph
+from llmc.compiler.driver.tuning.ort_accuracy import gate_int8_activations
+from llmc.compiler.driver.tuning.ort_plan_choice import choose_whole_plan, whole_plan_question, whole_step_refusal
+from llmc.compiler.driver.tuning.ort_timing import choose_segments
+from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record
+from llmc.compiler.ir import Graph
+from llmc.errors import TargetError
+
+
+def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None,
+                echo=None, reference=None) -> tuple[list[Plan], dict[str, bytes]]:
+    """lower_kernels for the compile driver: one plan per tensor-parallel rank (the ORT family runs
+    single-rank plans); returns the plans and the ONNX files to store."""
+    if len(plans) > 1 and mode not in (None, "cpu"):
+        raise TargetError(f"--kernels {mode} lowers single-rank plans; this compile makes {len(plans)} "
+                          f"tensor-parallel ranks: drop --kernels or compile without sharding")
+    if len(plans) > 1:
+        return plans, {}
+
+    since = ort_timing_cache.mark()
+    plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo, reference)
+    timings = ort_timing_cache.summary(since)   # when and under what load the choices were measured
+    if timings and "kernel_choice" in plan.meta:
+        plan.meta["kernel_choice"] = {**plan.meta["kernel_choice"], "timings": timings}
+    return [plan], files
+
+
+def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=None,
+                  reference=None) -> tuple[Plan, dict[str, bytes]]:
+    """The plan with its segments lowered to ORT as `mode` says (None: the target's default), and
+    the ONNX files to store ({path in the artifact: bytes}). `reference` (an ort_accuracy
+    CalibrationReference, or None) is what auto checks int8 activations on."""
+    check_kernels_option(mode, plan.target, device)
+    mode = mode or DEFAULT_MODE
+    if device != "cpu":
+        return plan, {}
+    if mode == "cpu":
+        return torch_dispatch_plan(plan, graph), {}
+    kept = kept_in_torch(graph)
+    if mode == "ort":
+        refuse_torch_ops(graph, kept)
+    segments = find_segments(graph, kept, plan.outputs)
+    # ort: MatMulNBits on int8 activations, the fast path asked for; auto: on fp32 activations, the
+    # level it may choose on timing alone (the int8 one also needs the calibration check, ort_accuracy)
+    built = SegmentModels(graph, segments, INT8_COMPUTE if mode == "ort" else FP32_COMPUTE)
+    choice = {"mode": mode, "kept_in_torch": unforced(kept)}
+    int8: set[int] = set()
+    if mode == "ort":
+        _require_segment_ops(built)
+        chosen = [True] * len(segments)
+    else:
+        kinds, choice["measured"] = choose_segments(graph, segments, built, echo)
+        trial_meta = functools.cache(lambda: {**plan.meta, "kernel_choice": {DISPATCH_META: dispatch_record(
+            [(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, choice["measured"]["threads"])}})
+        int8, gate = gate_int8_activations(
+            graph, plan, segments, built, kinds, reference,
+            lambda models, keep: trial_plan(plan, trial_meta(), segments, models, keep))
+        if gate is not None:
+            choice["int8_activations"] = gate
+        chosen = [kind["chosen"] != "cpu" for kind in kinds]
+    steps, files = lowered_steps(plan, segments, built, chosen)
+    lowered = restep(plan, steps)
+    if mode == "auto":
+        choice[DISPATCH_META] = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in lowered.steps],
+                                                graph.weights, choice["measured"]["threads"])
+    lowered.meta = {**plan.meta, "kernel_choice": choice}
+    levels = {node.name: INT8_COMPUTE for i in int8 for node in segments[i].nodes}
+    cpu_plan, question, too_large = None, "--kernels ort", None
+    if mode == "auto":
+        cpu_plan = restep(plan, plan.steps)
+        cpu_plan.meta = trial_meta()
+        question, too_large = whole_plan_question(cpu_plan, lowered), whole_step_refusal(graph)
+    lowered.meta["decode_graph"] = plan_decode_graph(graph, lowered, files, mode,
+                                                     INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels,
+                                                     measure_step=question is not None, refusal=too_large)
+    if question is not None or too_large is not None:
+        if mode == "auto":
+            choice["whole_plan"] = {"chosen": "lowered", "why": question or too_large}
+        return lowered, files
+    return _whole_plan(graph, cpu_plan, lowered, files, choice)
+
+
+def torch_dispatch_plan(plan: Plan, graph: Graph) -> Plan:
+    """The torch plan with its quantised linears' switch to dense GEMMs measured now (once per shape,
+    per machine), as auto records it: otherwise every load would measure it (31 s for a 1B model)."""
+    from llmc.runtime.threads import resolve_threads
+
+    record = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, resolve_threads())
+    plan.meta = {**plan.meta, "kernel_choice": {"mode": "cpu", DISPATCH_META: record}}
+    return plan
+
+
+def _whole_plan(graph: Graph, cpu_plan: Plan, lowered: Plan, files: dict[str, bytes], choice: dict):
+    """(plan, files) as ort_plan_choice.py chooses: the cpu plan, or the lowered one walked or
+    through its decode graph."""
+
+    verdict = choice["whole_plan"] = choose_whole_plan(graph, cpu_plan, lowered, files, choice)
+    if verdict["chosen"] == "cpu":
+        choice.pop("int8_activations", None)   # nothing runs on them
+        cpu_plan.meta = {**cpu_plan.meta, "kernel_choice": {**choice, **cpu_plan.meta["kernel_choice"]}}
+        return cpu_plan, {}
+    if verdict["chosen"] == "walk" and "graph" in verdict["step_us"]:
+        us = verdict["step_us"]
+        graph_verdict = graph_step_verdict(us["graph"], us["walk"], us["launches"])
+        if graph_verdict["chosen"]:
+            lowered.meta["decode_graph"].update(graph_verdict)
+        else:
+            lowered.meta["decode_graph"] = graph_verdict
+            files.pop(DECODE_FILE)
+    return lowered, files
+
+
+
+
+def _require_segment_ops(built: list) -> None:
+    from llmc.runtime.ort_segment import require_ops
+
+    require_ops(set().union(*(segment_ops(model) for model, _ in built)) if built else set(), "--kernels ort")
