@@ -24,8 +24,15 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=1200
 
+# lint-imports reads the packages as installed (llmc/compiler, …): it runs on a tree of links laid out so.
+IMPORT_TREE := build/import-tree
+
 lint: setup
 	.venv/bin/ruff check llmc compiler passes codegen runtime tests
+	rm -rf $(IMPORT_TREE) && mkdir -p $(IMPORT_TREE)/llmc
+	ln -s $(CURDIR)/llmc/* $(IMPORT_TREE)/llmc/
+	for stage in compiler passes codegen runtime; do ln -s $(CURDIR)/$$stage $(IMPORT_TREE)/llmc/$$stage; done
+	cd $(IMPORT_TREE) && PYTHONPATH=. $(CURDIR)/.venv/bin/lint-imports $(CURDIR)/pyproject.toml --no-cache
 
 clean:
 	rm -rf out build *.egg-info
