@@ -23,9 +23,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from llmc.compiler.bounded_input import parse_json as parse_bounded_json
 from llmc.compiler.bounded_input import file_kind, read_json_bytes
+from llmc.compiler.bounded_input import parse_json as parse_bounded_json
 from llmc.compiler.manifest_schema import RECOMPILE, check_manifest, check_model_agrees
+from llmc.compiler.verified_files import known_digest, remember
 from llmc.compiler.weight_store import Entry, LazyTensor, WeightStore
 from llmc.compiler.weights_file import map_weights_file, write_weights_file
 from llmc.errors import ArtifactError
@@ -465,9 +466,13 @@ def verify_file(path: Path, name: str, digest: str) -> Path:
     file = path / checked_relative(name, f"artifact '{path}': {MANIFEST} entry {name!r}")
     if file.is_symlink() or not file.is_file():
         raise ArtifactError(f"artifact '{path}': file {name} is missing; recompile")
+    if known_digest(file) == digest:   # hashed before and unchanged since (compiler/verified_files.py)
+        return file
+    info = os.stat(file)
     if sha256_file(file) != digest:
         raise ArtifactError(f"artifact '{path}': file {name} fails its sha256 check "
                             f"(tampered or truncated); recompile")
+    remember(file, digest, info)
     return file
 
 
