@@ -20,6 +20,7 @@ from llmc.codegen.cpu_qlinear_dense import (
     dense_source,
     rows_of,
     run_dense,
+    run_dense_rows,
     shape_key,
 )
 from llmc.codegen.cpu_qlinear_native import NativeGemm, native_gemm, native_gemv_weights, run_native_gemm
@@ -152,9 +153,9 @@ def qembedding(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **att
 
 
 @kernel("rms_norm")
-def rms_norm(x, weight, *, eps, feeds_qlinear=False, **attrs):
-    if feeds_qlinear:   # see add_rms_norm
-        done = cpu_native.add_rms_norm(x, None, weight, eps)
+def rms_norm(x, weight, *, eps, feeds_qlinear=False, batch_invariant=False, **attrs):
+    if feeds_qlinear or batch_invariant:   # see add_rms_norm
+        done = cpu_native.add_rms_norm(x, None, weight, eps, any_rows=batch_invariant)
         if done is not None:
             return [done[0]]
     return [_rms_norm(x, weight, eps)]
@@ -191,7 +192,11 @@ def prepare_linear(inputs, attrs, meta: dict | None = None) -> dict:
 
 
 @kernel("linear", prepare=prepare_linear)
-def linear(x, weight, bias=None, blocked=None, blocked_from=None, **attrs):
+def linear(x, weight, bias=None, blocked=None, blocked_from=None, batch_invariant=False, **attrs):
+    if batch_invariant:   # the same dot products at every row count (MKL's depend on it)
+        y = cpu_native.gemv_f32(x, weight, bias)
+        if y is not None:
+            return [y]
     # see blocked_linear_weight and prepare_linear
     if blocked is not None and x.dim() == 2 and x.shape[0] >= (blocked_from or BLOCKED_FROM_ROWS):
         return [torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")]
@@ -234,6 +239,10 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
     scheme = attrs["scheme"]
     native = native_gemv_weights(scheme, qweight, scales, zeros)
     extra = {} if native is None else {"native_gemv": native}
+    if (meta or {}).get(BATCH_INVARIANT) and cpu_native.gemv_runs() and (native is not None or scheme in DENSE_SCHEMES):
+        # every row count through one per-row code path: the GEMVs, else dequantise + the fp32 GEMV
+        dense = None if native is not None else dense_source(scheme, qweight, scales, zeros, act_scale)
+        return {"invariant_dense": dense, **extra}
     packed = packed_weights(scheme, qweight, scales, zeros, act_scale, attrs.get("group_size", -1), native)
     if packed is None or isinstance(packed, DenseWeights):
         return extra if packed is None else {"cpu_weights": packed, **extra}
@@ -261,13 +270,22 @@ def packed_run(packed, native=None) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
+BATCH_INVARIANT = "batch_invariant"   # the key of plan meta (as the executor passes it) and launch attrs
+DENSE_SCHEMES = ("int8", "int4", "affine4", "affine8", "w8a8", "fp8")   # what dense_source reads
+
+
 @kernel("qlinear", prepare=prepare_qlinear)
 def qlinear(*inputs, scheme, cpu_weights=None, native_gemv=None, **attrs):
     """int8 and 4-bit codes on a few fp32 rows (below the dense row count) through the native GEMV
     (cpu_native.gemv: the reference's fp32 arithmetic, where torch's kernels round x to bf16);
     otherwise int8/int4 through torch's packed kernels, fp8/w8a8 through exact-code GEMMs, each up to
     the row count where dequantising into an fp32 GEMM wins; group sizes torch does not pack run the
-    reference (dequantise, fp32 GEMM)."""
+    reference (dequantise, fp32 GEMM). Batch-invariant (prepare_qlinear gave `invariant_dense`): the
+    GEMVs at every row count, MAX_ROWS rows a call, or dequantise + the fp32 GEMV."""
+    if "invariant_dense" in attrs:
+        y = _run_invariant(inputs[0], native_gemv, attrs["invariant_dense"])
+        if y is not None:   # a bias added after, as the decode program adds it
+            return [y if not attrs.get("has_bias") else y + qlinear_inputs(list(inputs), attrs)[5]]
     if native_gemv is not None and not attrs.get("has_bias") and (
             type(cpu_weights) is not DispatchedWeights or rows_of(inputs[0]) < cpu_weights.dense_from):
         y = cpu_native.gemv(inputs[0], native_gemv)
@@ -287,6 +305,17 @@ def qlinear(*inputs, scheme, cpu_weights=None, native_gemv=None, **attrs):
             return [run_dense(x, cpu_weights.dense, bias)]
         cpu_weights = cpu_weights.packed
     return [_run_packed(x, cpu_weights, bias)]
+
+
+def _run_invariant(x: torch.Tensor, native, dense) -> torch.Tensor | None:
+    """x [..., K] through the per-row GEMVs (or dense's weight dequantised, then the fp32 GEMV); None where
+    they do not apply."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    if native is not None:
+        y = cpu_native.gemm(rows, native)
+    else:
+        y = run_dense_rows(rows, dense)
+    return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 def _run_packed(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -317,12 +346,12 @@ def split(x, *, sizes, **attrs):
 
 
 @kernel("add_rms_norm")
-def add_rms_norm(x, residual, weight, *, eps, feeds_qlinear=False, **attrs):
+def add_rms_norm(x, residual, weight, *, eps, feeds_qlinear=False, batch_invariant=False, **attrs):
     """x + residual, and its rms_norm. `feeds_qlinear` (set at load where only quantised GEMMs read
     the norm: PlanExecutor._mark_norms_feeding_qlinears): a few rows take the native kernel, one call
     for torch's ~15 us of dispatch, its rounding differences far under those GEMMs' own."""
-    if feeds_qlinear:
-        done = cpu_native.add_rms_norm(x, residual, weight, eps)
+    if feeds_qlinear or batch_invariant:   # batch-invariant: the decode program's norm at every row count
+        done = cpu_native.add_rms_norm(x, residual, weight, eps, any_rows=batch_invariant)
         if done is not None:
             return list(done)
     summed = x + residual
@@ -330,7 +359,11 @@ def add_rms_norm(x, residual, weight, *, eps, feeds_qlinear=False, **attrs):
 
 
 @kernel("swiglu")
-def swiglu(*inputs, **attrs):
+def swiglu(*inputs, batch_invariant=False, **attrs):
+    if batch_invariant and len(inputs) == 1:   # rounded as the decode program's OP_SWIGLU, at every row count
+        out = cpu_native.swiglu(inputs[0])
+        if out is not None:
+            return [out]
     gate, up = inputs if len(inputs) == 2 else inputs[0].chunk(2, dim=-1)
     # in place on silu's fresh result: one activation-sized allocation instead of two
     return [F.silu(gate).mul_(up)]

@@ -44,7 +44,7 @@ MAX_ROWS = 8    # more rows than this go to torch's GEMMs and norms (the bf16 de
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
-                              _I, _I, _I, _I, _F, _P, _P, _I],
+                              _I, _I, _I, _I, _F, _P, _P, _I, _I],
     "llmc_decode_attention_bf16": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
     "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
@@ -279,12 +279,13 @@ def cache_pointers(k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[int, int
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: tuple | None,
                      cache: tuple[int, int, int], step: DecodeStep, window: int | None, num_heads: int,
-                     num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor | None:
+                     num_kv_heads: int, head_dim: int, scale: float, invariant: bool = False) -> torch.Tensor | None:
     """One decode step's attention for q [b, heads * hd], k/v [b, kv_heads * hd] (b sequences, one
     token each): rotary by `rotary` (cos, sin [b, hd]; None: none), k and v written to the layer's
     `cache` (cache_pointers) at the step's slots, then attention over each sequence's keys through its
     block table (`step`). Out [b, heads * hd]; None where the native kernel does not apply (the
-    caller then runs torch's)."""
+    caller then runs torch's). `invariant`: each row's context split as for a batch of one, so its
+    output does not depend on the other rows (the rows may then be a prefill chunk's queries)."""
     b, row = step.rows, num_kv_heads * head_dim
     if (q.dtype is not F32 or k.dtype is not F32 or v.dtype is not F32 or q.dim() != 2 or k.dim() != 2 or v.dim() != 2
             or q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1 or q.shape[0] != b or k.shape[0] != b
@@ -304,12 +305,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: 
     lib.llmc_decode_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos, sin, cache[0], cache[1],
         step.slots, step.tables, step.width, step.lens, step.block, window or 0, b, num_heads, num_kv_heads, head_dim,
-        scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads() if lib.openmp else 1)
+        scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads() if lib.openmp else 1, int(invariant))
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                 eps: float, any_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(rms_norm(x + residual) * weight, x + residual) for a few fp32 rows [rows, n] (residual None:
     rms_norm(x) * weight, None), in one call; None where the native kernel does not apply. Its sum
     of squares runs in vector lanes, so it is F.rms_norm's to fp32 rounding, not bitwise. (Checks
@@ -318,7 +319,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if lib is None or x.dtype is not F32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu:
         return None
     rows, n = x.shape
-    if rows > MAX_ROWS or weight.dtype is not F32 or weight.dim() != 1 or weight.shape[0] != n \
+    if (rows > MAX_ROWS and not any_rows) or weight.dtype is not F32 or weight.dim() != 1 or weight.shape[0] != n \
             or not weight.is_contiguous():
         return None
     out = torch.empty(rows, n, dtype=F32)
@@ -453,6 +454,41 @@ def gemv(x: torch.Tensor, w: Q8Weights | Q4Weights, out: torch.Tensor | None = N
     return (gemv_q4 if type(w) is Q4Weights else gemv_q8)(x, w, out)
 
 
+def gemv_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] @ weight.T (+ bias) in fp32, one dot product per output in a fixed order whatever the row
+    count (MKL's GEMM rounds a row differently at 1, 2-15 and 16+ rows): the batch-invariant fp32 linear,
+    the decode program's own (OP_GEMV_F32). None where it does not apply."""
+    lib = _load()[0]
+    threads = torch.get_num_threads()
+    if (lib is None or x.dtype is not F32 or weight.dtype is not F32 or weight.dim() != 2 or not x.is_cpu
+            or not weight.is_contiguous() or x.shape[-1] != weight.shape[1] or (threads > 1 and not lib.openmp)
+            or (bias is not None and (bias.dtype is not F32 or not bias.is_contiguous()
+                                      or bias.shape != (weight.shape[0],)))):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape[0], weight.shape[0], dtype=F32)
+    if rows.shape[0]:
+        lib.llmc_gemv_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], weight.data_ptr(),
+                          None if bias is None else bias.data_ptr(), weight.shape[0], weight.shape[1], y.data_ptr(),
+                          threads)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for fp32 rows [rows, 2 * inter] holding gate then up, as the decode program's
+    OP_SWIGLU rounds it, for any number of rows; None where it does not apply."""
+    lib = _load()[0]
+    if lib is None or gate_up.dtype is not F32 or gate_up.dim() != 2 or gate_up.stride(1) != 1 \
+            or gate_up.shape[1] % 2 or not gate_up.is_cpu:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=F32)
+    lib.llmc_swiglu(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr())
+    return out
+
+
 def gemv_runs() -> bool:
     """Whether the GEMVs run at torch's thread count now: built, and with OpenMP or on one thread."""
     lib = _load()[0]
@@ -473,4 +509,4 @@ def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
            "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations", "gemv_runs", "gemm",
            "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "gemv", "decode_step", "cache_pointers",
-           "decode_attention", "DecodeStep", "MAX_ROWS"]
+           "decode_attention", "DecodeStep", "MAX_ROWS", "gemv_f32", "swiglu"]

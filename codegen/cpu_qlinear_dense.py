@@ -159,6 +159,29 @@ def run_dense(x: torch.Tensor, src: DenseSource, bias: torch.Tensor | None = Non
     return out.to(x.dtype)
 
 
+def run_dense_rows(x: torch.Tensor, src: DenseSource) -> torch.Tensor | None:
+    """fp32 rows x [rows, K] -> [rows, N] as run_dense, through the native fp32 GEMV (one dot product per
+    output, in the same order at every row count: batch-invariant) instead of the GEMM; None where that
+    GEMV does not run."""
+    from llmc.codegen import cpu_native
+
+    h = x
+    if src.scheme == "fp8" and src.act_scale is not None:
+        h = fake_quant_fp8(h, src.act_scale)
+    elif src.scheme == "w8a8":
+        h = fake_quant_int8_per_token(h)
+    block = max(1, DENSE_BLOCK_BYTES // (4 * src.in_features))
+    out = h.new_empty(h.shape[0], src.out_features)
+    for start in range(0, src.out_features, block):
+        end = min(start + block, src.out_features)
+        weight = dequantize_into(src.rows(start, end), _scratch_for(end - start, src.in_features))
+        y = cpu_native.gemv_f32(h, weight)
+        if y is None:
+            return None
+        out[:, start:end] = y
+    return out
+
+
 def rows_of(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
@@ -255,5 +278,5 @@ def measure_shape(packed_run, src: DenseSource, repeats: int = 5, rows: tuple[in
 
 
 __all__ = ["DenseSource", "DispatchedWeights", "dense_source", "halves_source", "scratch_bytes", "dequantize_into",
-           "run_dense", "rows_of", "shape_key", "choose_dense_from", "recorded", "measure_shape",
+           "run_dense", "run_dense_rows", "rows_of", "shape_key", "choose_dense_from", "recorded", "measure_shape",
            "MEASURED", "DENSE_FROM_ENV", "DISPATCH_META", "PROBE_ROWS", "NEVER_DENSE"]

@@ -89,6 +89,8 @@ def report(artifact: str | Path, kv_memory: str = "1GiB") -> dict:
         "torch_version": manifest["torch_version"],
         "draft_of": manifest.get("draft_of"),   # the target artifact a speculative-decoding draft serves
         "kernel_choice": plan_meta.get("kernel_choice"),  # cpu: --kernels
+        # cpu: the mode a load runs unless it asks otherwise (--batch-invariant; before the flag: on)
+        "batch_invariant": plan_meta.get("batch_invariant", True) is not False,
         "decode_graph": _decode_graph_summary(plan_meta.get("decode_graph")),
         "parallel": manifest.get("parallel"),   # tensor parallel: what each rank holds and runs per step
         "memory_at_load": _memory_at_load(plan, manifest["model"], kv_memory),   # rank 0's
@@ -301,6 +303,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
               + _parallel_lines(r["parallel"]))
     if r["target_device"] == "cpu":
         lines += kernel_choice_lines(r["kernel_choice"]) + decode_graph_lines(r["decode_graph"])
+        lines.append(batch_invariance_line(r["batch_invariant"]))
     if brief:
         return "\n".join(lines)
     lines.append("  passes:")
@@ -317,6 +320,14 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
         view = rank_view(read_manifest(path), 0, f"artifact '{path}'")
         lines.append(str(Graph.from_json(_read_listed(path, view, rank_file(view, GRAPH)))))
     return "\n".join(lines)
+
+
+def batch_invariance_line(on: bool) -> str:
+    if on:
+        return ("  batch invariance: on (a sequence's logits do not depend on the batch or its rows per step; "
+                "llmc.load(..., batch_invariant=False) allows the faster row-dependent kernels)")
+    return ("  batch invariance: off (compiled --batch-invariant off: logits may differ in the last bits with the "
+            "batch; llmc.load(..., batch_invariant=True) turns it on)")
 
 
 def kernel_choice_lines(choice: dict | None) -> list[str]:

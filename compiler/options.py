@@ -84,9 +84,18 @@ class CompileOptions:
                                      "keep the faster per segment, and the decode graph where it wins; recorded in "
                                      "the plan). Default: auto.",
                                choices=KERNEL_MODES)
+    batch_invariant: str = flag("on", "cpu target: on (the default) runs every kernel so that a sequence's logits "
+                                      "are the same bits whatever else is batched with it and however many rows it "
+                                      "brings (speculative verification, prefill chunks); off allows the faster "
+                                      "kernels whose rounding depends on the row count. `llmc.load(..., "
+                                      "batch_invariant=False)` chooses at load.", choices=("on", "off"))
     quiet: bool = flag(False, "No progress or notes on stderr.", short="-q", is_flag=True)
 
     def __post_init__(self):
+        if isinstance(self.batch_invariant, bool):   # llmc.compile(batch_invariant=False)
+            self.batch_invariant = "on" if self.batch_invariant else "off"
+        if self.batch_invariant not in ("on", "off"):
+            raise PassError(f"--batch-invariant {self.batch_invariant!r} must be on or off")
         self.disable, self.add = list(self.disable), list(self.add)
         self.print_ir_after = set(self.print_ir_after)
         self.pass_options = dict(self.pass_options)

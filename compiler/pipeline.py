@@ -148,6 +148,7 @@ def rank_plan(graph: Graph, tgt: Target, opts: CompileOptions, echo):
     plan = build_plan(graph, tgt.name, opts.max_num_batched_tokens, overrides)
     if tuning is not None:
         plan.meta["autotune"] = tuning
+    plan.meta["batch_invariant"] = opts.batch_invariant == "on"   # the runtime's default mode (--batch-invariant)
     return plan
 
 

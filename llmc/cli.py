@@ -214,6 +214,17 @@ def ring_attention_option(f):
                              "the ranks (0: never; default $LLMC_RING_ATTENTION_THRESHOLD, else 4096).")(f)
 
 
+def batch_invariant_option(f):
+    return click.option("--batch-invariant", type=click.Choice(["on", "off"]), default=None,
+                        help="on: a sequence's logits are the same bits whatever else is batched with it and however "
+                             "many rows it brings a step; off: the faster kernels whose rounding depends on the row "
+                             "count. Default: as the artifact was compiled (on unless --batch-invariant off).")(f)
+
+
+def _invariant(value) -> bool | None:
+    return None if value is None else value == "on"
+
+
 def speculative_options(f):
     f = click.option("--num-speculative-tokens", type=POSITIVE, default=None, metavar="K",
                      help="With --speculative: the most drafts verified per step (default 4).")(f)
@@ -274,8 +285,9 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @threads_option
 @speculative_options
 @ring_attention_option
+@batch_invariant_option
 def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
-        kv_memory, device, threads, speculative, num_speculative_tokens, ring_attention_threshold):
+        kv_memory, device, threads, speculative, num_speculative_tokens, ring_attention_threshold, batch_invariant):
     """Generate from one prompt (streamed) or many (batched together)."""
     import llmc
 
@@ -291,7 +303,7 @@ def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
     model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative,
-                      ring_attention_threshold=ring_attention_threshold)
+                      ring_attention_threshold=ring_attention_threshold, batch_invariant=_invariant(batch_invariant))
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -386,10 +398,11 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @threads_option
 @speculative_options
 @ring_attention_option
+@batch_invariant_option
 def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
           seed, workload_kind, ignore_eos, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
           baseline_batch_size, as_json, plot, bandwidth, gemm_peak, remeasure, repeat, device, threads, speculative,
-          num_speculative_tokens, ring_attention_threshold):
+          num_speculative_tokens, ring_attention_threshold, batch_invariant):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
@@ -429,7 +442,8 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            enable_prefix_caching=not no_prefix_caching, device=device,
-                                           threads=threads, ring_attention_threshold=ring_attention_threshold))
+                                           threads=threads, ring_attention_threshold=ring_attention_threshold,
+                                           batch_invariant=_invariant(batch_invariant)))
     requests = workload.build(engine.model["vocab_size"], engine.tokenizer)
     plain = None
     warm_up(engine)
@@ -439,7 +453,8 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                enable_prefix_caching=not no_prefix_caching, device=device,
                                                threads=threads, speculative=speculative,
-                                               ring_attention_threshold=ring_attention_threshold))
+                                               ring_attention_threshold=ring_attention_threshold,
+                                               batch_invariant=_invariant(batch_invariant)))
         warm_up(engine)
     base, base_name, base_runs, hf_model = None, baseline, [], None
     if baseline == "hf":   # built first, so that its runs alternate with the engine's
@@ -453,6 +468,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     result = {**ours.to_dict(), "workload": vars(workload) | {"qps": qps}, "threads": threads,
               "memory": memory_report.measure(engine).to_dict(),   # this process's RSS split, after the runs
               "native_kernels": _native_kernels(engine) if engine.device.type == "cpu" else None,
+              "batch_invariant": engine.executor.invariance() if engine.device.type == "cpu" else None,
               "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives
               "speculative": speculative_summary(engine, ours, plain) if plain else None,
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
@@ -516,6 +532,14 @@ def _window_lines(w: dict | None) -> list[str]:
             f"{w['peak_blocks_dropped']} at once ({w['peak_bytes_saved'] / 2**20:.2f} MiB)"]
 
 
+def _policy_line(sp: dict) -> str:
+    """The speculation policy's decisions: steps that verified drafts, and why sequences decoded plainly."""
+    steps = sp.get("steps_speculated", 0) + sp.get("steps_plain", 0)
+    aside = ", ".join(f"{why} {n}" for why, n in sorted((sp.get("stood_aside") or {}).items(), key=lambda x: -x[1]))
+    return (f"  policy          speculated in {sp.get('steps_speculated', 0)} of {steps} decode steps; "
+            f"stood aside (sequence-steps): {aside or 'never'}")
+
+
 def _bench_table(r: dict) -> str:
     from llmc.runtime.memory_report import memory_line
     from llmc.runtime.parallel.report import format_ranks
@@ -534,13 +558,15 @@ def _bench_table(r: dict) -> str:
              f"threads           {r['threads']}",
              *([f"memory            {memory_line(r['memory'])}"] if r.get("memory") else []),
              *([f"native kernels    {r['native_kernels']}"] if r.get("native_kernels") else []),
+             *([f"batch invariance  {r['batch_invariant']}"] if r.get("batch_invariant") else []),
              *(format_roofline(r["roofline"]) if r["roofline"] else []),
              *format_ranks(r["ranks"])]
     if r["speculative"]:
         sp = r["speculative"]
         lines += [f"speculative       {sp['method']}: {sp['speedup']:.2f}x output tokens/s over plain decoding "
                   f"({sp['plain_output_tokens_per_s']:.1f}), acceptance {sp['acceptance_rate'] or 0:.1%}, "
-                  f"mean accepted length {sp['mean_accepted_length'] or 0:.2f}"]
+                  f"mean accepted length {sp['mean_accepted_length'] or 0:.2f}, same tokens as plain "
+                  f"{'yes' if sp['same_tokens_as_plain'] else 'NO'}", _policy_line(sp)]
     if "baseline" in r:
         b = r["baseline"]
         name = "HF" if b["name"] == "hf" else b["name"]

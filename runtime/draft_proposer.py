@@ -34,7 +34,9 @@ class DraftProposer:
         check_same_vocabulary(art, load_tokenizer(art), engine, path)
         self.model = art.manifest["model"]
         plan = verified_plan(art)
-        self.runner = ModelRunner(PlanExecutor(plan, art.weights, engine.device, data=art.data),
+        # the draft's proposals as the target's mode makes them: a draft's tokens then do not depend on the batch
+        self.runner = ModelRunner(PlanExecutor(plan, art.weights, engine.device, data=art.data,
+                                               batch_invariant=engine.executor.batch_invariant),
                                   self._cache(art, engine, paged_kv_cache, _check_kv_fits))
         # as many blocks as the target: the draft holds the same tokens; no prefix cache, so
         # rolling back a shadow never touches a hash

@@ -15,6 +15,7 @@ from llmc.compiler.artifact import load_tokenizer, read_artifact
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime import request_values
+from llmc.runtime.batch_invariance import batch_invariant_of
 from llmc.runtime.block_manager import BlockManager, droppable_window, num_blocks_for_budget, parse_bytes
 from llmc.runtime.device import resolve_device
 from llmc.runtime.executor import PlanExecutor
@@ -54,6 +55,9 @@ class EngineConfig:
     # a --tp artifact's prefills of this many tokens or more run ring attention (0: never);
     # None: $LLMC_RING_ATTENTION_THRESHOLD, else 4096
     ring_attention_threshold: int | None = None
+    # a sequence's logits the same bits whatever else is in the step (runtime/batch_invariance.py);
+    # None: as the artifact was compiled (--batch-invariant, default on); False allows the faster kernels
+    batch_invariant: bool | None = None
 
     def __post_init__(self):
         for name, rule in (("block_size", "an integer >= 1"), ("max_num_seqs", "an integer >= 1"),
@@ -65,6 +69,9 @@ class EngineConfig:
             ok_int = isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_SEED
             if not ok_int and not (value is None and rule.endswith("None")):
                 raise RuntimeLlmcError(f"engine option {name}={value!r} must be {rule}")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise RuntimeLlmcError(f"engine option batch_invariant={self.batch_invariant!r} must be True, False "
+                                   f"or None")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "check_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True or False")
@@ -138,7 +145,7 @@ class Engine:
         self.tokenizer = load_tokenizer(art)
         plan = verified_plan(art)
         self.executor = PlanExecutor(plan, art.weights, self.device, check_kernels=config.check_kernels,
-                                     data=art.data)
+                                     data=art.data, batch_invariant=batch_invariant_of(plan, config.batch_invariant))
         self.max_model_len = self.model["max_position_embeddings"]
         num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
                                            config.block_size)

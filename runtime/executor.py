@@ -14,7 +14,7 @@ from llmc.codegen.cpu_kernels import RopeCache
 from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan
 from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from llmc.errors import ArtifactError, RuntimeLlmcError
-from llmc.runtime import native_decode
+from llmc.runtime import batch_invariance, native_decode
 from llmc.runtime.attention import AttentionBackend, NoCacheAttention
 from llmc.runtime.host_memory import file_mappings, release_file_pages
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
@@ -45,8 +45,10 @@ class PlanExecutor:
     (a debug check, for tests) fails a step that launches a Triton kernel it does not record."""
 
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                 check_kernels: bool = False, data: dict[str, bytes] | None = None):
+                 check_kernels: bool = False, data: dict[str, bytes] | None = None, batch_invariant: bool = False):
         self.plan = plan
+        # every row's results the same bits whatever else is in the step (runtime/batch_invariance.py)
+        self.batch_invariant = batch_invariant and self.device_is_cpu(device)
         self._data = data or {}   # the artifact's data files by path (ONNX segments)
         self.device = torch.device(device)
         self.family = kernel_family(plan)
@@ -73,12 +75,23 @@ class PlanExecutor:
         self._file_maps = file_mappings() if self.device.type == "cpu" else []   # where the mapped weights lie
         self._program = [self._launch(i, step) for i, step in enumerate(plan.steps)]
         self._mark_norms_feeding_qlinears()
+        if self.batch_invariant:
+            self._program = batch_invariance.mark_launches(self._program)
         self._outputs = [self._register(o, "graph output") for o in plan.outputs]
         self._check_registers()
-        self.decode_graph = self._load_decode_graph()
+        # ONNX Runtime's decode graph rounds by the row count (MLAS picks kernels by M): not when invariant
+        self.decode_graph = None if self.batch_invariant else self._load_decode_graph()
         # decode steps of a few rows run their covered layers as one native call (None: walk them)
         self.native_decode = native_decode.build(self)
         self._release_read(self.plan.params)
+
+    @staticmethod
+    def device_is_cpu(device) -> bool:
+        return torch.device(device).type == "cpu"
+
+    def invariance(self) -> str:
+        """'on', 'on, except ...' (what in this plan still rounds by the row count) or 'off'."""
+        return batch_invariance.describe(self) if self.batch_invariant else "off"
 
     def weight(self, name: str) -> torch.Tensor:
         """The plan parameter `name` as the executor holds it (on its device)."""
@@ -158,7 +171,7 @@ class PlanExecutor:
         """Attention over a paged KV cache (metadata set per step), for this kernel family."""
         self._check_serving(cache)
         if self.family == "cpu":
-            return PagedAttention(cache)
+            return PagedAttention(cache, invariant=self.batch_invariant)
         from llmc.runtime.triton_attention_backend import TritonPagedAttention
         return TritonPagedAttention(cache, self.plan.target, self.launch_configs["attention"])
 
@@ -268,7 +281,9 @@ class PlanExecutor:
         if prepare is None:
             return attrs
         params = [self._params[r] if r < len(self._params) else None for r in args]
-        return {**attrs, **prepare(params, attrs, self.plan.meta)}
+        # the mode this load runs, over the one the plan records (the compile's default)
+        meta = {**self.plan.meta, batch_invariance.META_KEY: self.batch_invariant}
+        return {**attrs, **prepare(params, attrs, meta)}
 
     @torch.inference_mode()
     def block_linear_weights(self) -> int:
@@ -276,6 +291,8 @@ class PlanExecutor:
         (speculative verification, small batches) cost little more than one row
         (cpu_kernels.blocked_linear_weight). Returns the bytes of the weights that have one."""
         held = 0
+        if self.batch_invariant:   # the fp32 linears run the native GEMV at every row count
+            return held
         for i, launch in enumerate(self._program):
             if launch.fn is not cpu_kernels.linear:
                 continue

@@ -25,6 +25,17 @@ class SpeculativeMetrics:
     num_accepted_tokens: int = 0
     proposed_per_position: list[int] = field(default_factory=list)   # drafts at position j
     accepted_per_position: list[int] = field(default_factory=list)
+    steps_speculated: int = 0    # steps with decoding sequences in which at least one verified drafts
+    steps_plain: int = 0         # steps with decoding sequences in which none did
+    stood_aside: dict[str, int] = field(default_factory=dict)   # why a sequence decoded plainly, per step
+
+    def on_proposed(self, decoding: int, drafting: int) -> None:
+        if decoding:
+            self.steps_speculated += drafting > 0
+            self.steps_plain += drafting == 0
+
+    def on_aside(self, reason: str) -> None:
+        self.stood_aside[reason] = self.stood_aside.get(reason, 0) + 1
 
     def on_verified(self, num_drafts: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -44,7 +55,9 @@ class SpeculativeMetrics:
                 "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
                 "acceptance_rate_per_position": [a / p for a, p in zip(self.accepted_per_position,
                                                                        self.proposed_per_position)],
-                "mean_accepted_length": self.num_accepted_tokens / self.num_drafts if self.num_drafts else None}
+                "mean_accepted_length": self.num_accepted_tokens / self.num_drafts if self.num_drafts else None,
+                "steps_speculated": self.steps_speculated, "steps_plain": self.steps_plain,
+                "stood_aside": dict(sorted(self.stood_aside.items()))}
 
 
 @dataclass

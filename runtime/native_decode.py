@@ -213,7 +213,8 @@ def _attention(enc: _Encoder, step, a: dict) -> list:
     enc.heads, enc.head_dim = max(enc.heads, heads), max(enc.head_dim, hd)
     return [OP_ATTENTION, At(q.offset), q.stride, At(k.offset), k.stride, At(v.offset), v.stride, a["layer"],
             a.get("window") or 0,
-            heads, kv_heads, hd, _bits(a["scale"]), enc.output(step.outputs[0], heads * hd), int(rope is not None)]
+            heads, kv_heads, hd, _bits(a["scale"]), enc.output(step.outputs[0], heads * hd), int(rope is not None),
+            int(getattr(enc.ex, "batch_invariant", False))]
 
 
 class NativeDecode:

@@ -170,6 +170,29 @@ class StepMetadata:
     _decode_biases: dict = field(default_factory=dict, repr=False)  # by (window, dtype)
     _native_step: list = field(default_factory=list, repr=False)    # [native_step's answer] once made
     _native_read_step: list = field(default_factory=list, repr=False)   # [native_read_step's] likewise
+    _seqs: list = field(default_factory=list, repr=False)   # build's (block table, start, new tokens)
+    _native_row_step: list = field(default_factory=list, repr=False)   # [native_row_step's] once made
+
+    def native_row_step(self, block_size: int) -> "cpu_native.DecodeStep | None":
+        """Every row of the step (prefill queries too) as a decode row of the native attention: its
+        slot, its sequence's block table and the keys it sees (its position + 1); None where the
+        native kernels are not built, or a row sees a token tree rather than a causal prefix."""
+        if not self._native_row_step:
+            step = None
+            if self._seqs and all(c.visible is None for c in self.prefills):
+                # a sequence's table, padded, once per row it brings; a row at position p sees p + 1 keys
+                used = [-(-(start + n) // block_size) for _, start, n in self._seqs]
+                width = max(used)
+                cut = [t[:u] for (t, _, _), u in zip(self._seqs, used)]
+                padded = torch.tensor([t + [0] * (width - len(t)) for t in cut], dtype=torch.int64)
+                tables = padded.repeat_interleave(torch.tensor([n for *_, n in self._seqs]), dim=0)
+                lens = torch.cat([torch.arange(start + 1, start + n + 1, dtype=torch.int32)
+                                  for _, start, n in self._seqs])
+                step = cpu_native.read_step(tables, lens, int(lens.max()), block_size)
+                step = None if step is None else step._replace(slots=self.slot_mapping.data_ptr())
+                self._row_tensors = (tables, lens)   # kept alive while the step's pointers are used
+            self._native_row_step.append(step)
+        return self._native_row_step[0]
 
     def native_read_step(self, block_size: int) -> "cpu_native.DecodeStep | None":
         """The decode rows' block tables and lengths as native kernels that only read the cache take
@@ -248,6 +271,7 @@ class StepMetadata:
                 prefills.append(PrefillChunk(row, n, start, torch.tensor(table[:used], device=device)))
             row += n
         meta = cls(torch.tensor(slots, device=device), prefills, None, None, None)
+        meta._seqs = seqs
         meta.max_context_len = max([c.start + c.q_len for c in prefills] + dec_lens, default=0)
         if prefills:
             meta._pack_prefills(pre_tables, bool(dec_rows), device)
@@ -281,9 +305,10 @@ class StepMetadata:
 class PagedAttention(AttentionBackend):
     """Attention over a PagedKVCache for the batch described by `metadata` (set per step)."""
 
-    def __init__(self, cache: PagedKVCache):
+    def __init__(self, cache: PagedKVCache, invariant: bool = False):
         self.cache = cache
         self.metadata: StepMetadata | None = None
+        self.invariant = invariant   # every query row through the native kernel (runtime/batch_invariance.py)
 
     @property
     def quantizes_kv(self) -> bool:
@@ -292,6 +317,10 @@ class PagedAttention(AttentionBackend):
 
     def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None, softcap=None):
         meta, cache = self.metadata, self.cache
+        if self.invariant and softcap is None and causal:
+            out = self._invariant_rows(layer, q, k, v, None, num_heads, num_kv_heads, head_dim, scale, window)
+            if out is not None:
+                return out
         cache.write(layer, meta.slot_mapping, k, v)
         if not meta.prefills and meta.decode_rows is not None:   # decodes only: row i is decode i
             return self._decode(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap)
@@ -327,12 +356,40 @@ class PagedAttention(AttentionBackend):
         k folded in, as one native call (codegen/cpu_native.py); None where it does not apply: the
         caller rotates and runs `forward`. Nothing is written to the cache unless it applies. Takes the
         attention op's attrs as they are; those it does not read (`attrs`) do not change decoding."""
+        if softcap is not None or not causal:
+            return None
+        if self.invariant:
+            return self._invariant_rows(layer, q, k, v, rotary, num_heads, num_kv_heads, head_dim, scale, window)
         step = self.metadata.native_step(self.cache.block_size)
         cache = self.cache.native_pointers(layer)
-        if step is None or cache is None or softcap is not None or not causal:
+        if step is None or cache is None:
             return None
         return cpu_native.decode_attention(q, k, v, rotary, cache, step, window, num_heads, num_kv_heads,
                                            head_dim, scale)
+
+    def _invariant_rows(self, layer, q, k, v, rotary, num_heads, num_kv_heads, head_dim, scale, window):
+        """Attention for every row of the step as the native decode kernel computes a decode row (rotary
+        folded in where given, k and v written to the cache first), INVARIANT_ROWS rows a call: a row's
+        output is the same bits whatever else the step holds. None where it does not apply."""
+        step = self.metadata.native_row_step(self.cache.block_size)
+        cache = self.cache.native_pointers(layer)
+        if step is None or cache is None or q.dim() != 2:
+            return None
+        rows = q.shape[0]
+        if rows <= INVARIANT_ROWS:
+            return cpu_native.decode_attention(q, k, v, rotary, cache, step, window, num_heads, num_kv_heads,
+                                               head_dim, scale, invariant=True)
+        out = q.new_empty(rows, num_heads * head_dim)
+        for first in range(0, rows, INVARIANT_ROWS):
+            end = min(first + INVARIANT_ROWS, rows)
+            part = _rows_of_step(step, first, end)
+            cut = None if rotary is None else tuple(t[first:end] for t in rotary)
+            got = cpu_native.decode_attention(q[first:end], k[first:end], v[first:end], cut, cache, part, window,
+                                              num_heads, num_kv_heads, head_dim, scale, invariant=True)
+            if got is None:
+                return None if first == 0 else _fail_midway()
+            out[first:end] = got
+        return out
 
     def _prefill_context(self, layer, c: PrefillChunk, k, v, dtype, num_kv_heads, head_dim):
         """Keys and values [start + q_len, kv_heads, head_dim] a prefill chunk attends to. A chunk
@@ -383,6 +440,21 @@ class PagedAttention(AttentionBackend):
         values = values.reshape(-1, num_kv_heads, head_dim)[first_key:ctx].transpose(0, 1)[None]
         o = scaled_dot_product(_group_queries(q, num_kv_heads, head_dim), keys, values, None, scale, softcap)
         return o.reshape(1, num_heads * head_dim)
+
+
+# rows a batch-invariant attention call takes: its per-part buffer lives on the stack, bounded as a decode
+# step's is (codegen/native/decode_kernels.c)
+INVARIANT_ROWS = cpu_native.MAX_ROWS
+
+
+def _rows_of_step(step: "cpu_native.DecodeStep", first: int, end: int) -> "cpu_native.DecodeStep":
+    """Rows first..end of a native DecodeStep (pointer offsets into its int64 slots and tables, int32 lens)."""
+    return step._replace(slots=step.slots + 8 * first, tables=step.tables + 8 * first * step.width,
+                         lens=step.lens + 4 * first, rows=end - first)
+
+
+def _fail_midway():
+    raise AssertionError("the native attention applied to a step's first rows and not to later ones")
 
 
 # _decode_block_diagonal does kv_heads times per-head attention's FLOPs and its bias grows with kv_heads^2:

@@ -90,13 +90,20 @@ class Speculator:
     def propose(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
         """Drafts for the decoding sequences that speculate now: seq_id -> tokens; the draft
         distributions they came from are kept for verify."""
-        if isinstance(self.proposer, NgramProposer):
-            return self._propose_ngram(seqs, states)
+        out = self._propose_ngram(seqs, states) if isinstance(self.proposer, NgramProposer) else \
+            self._propose_draft(seqs, states)
+        self.metrics.on_proposed(len(seqs), len(out))
+        return out
+
+    def _propose_draft(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
         ks = [self._k(seq, state, len(seqs)) for seq, state in zip(seqs, states)]
         chosen = [i for i, k in enumerate(ks) if k > 0]
         drafts, probs = self.proposer.propose([seqs[i] for i in chosen], [ks[i] for i in chosen],
                                               [states[i] for i in chosen])
         self._draft_probs = {seqs[i].seq_id: q for i, q in zip(chosen, probs)}
+        for d in drafts:
+            if not d:
+                self.metrics.on_aside("the draft model proposed nothing")
         return {seqs[i].seq_id: d for i, d in zip(chosen, drafts) if d}
 
     def _propose_ngram(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
@@ -106,12 +113,14 @@ class Speculator:
         limits = [self._limit(seq, state) for seq, state in zip(seqs, states)]
         out = {}
         count = self.config.tree_candidates
-        for seq, state, (found, n) in zip(seqs, states, self.proposer.lookups(seqs, limits, count)):
+        for seq, state, limit, (found, n) in zip(seqs, states, limits, self.proposer.lookups(seqs, limits, count)):
             if found:
                 k = self._k(seq, state, len(seqs), long_match=n >= self.config.prompt_lookup_max)
                 if k > 0:   # a sampled request verifies one chain: see rejection_sample
                     found = found if state.params.greedy else found[:1]
                     out[seq.seq_id] = merge_candidates([c[:k] for c in found], k * len(found))
+            else:
+                self.metrics.on_aside("no n-gram match" if limit > 0 else self._aside_reason(seq, state))
         return out
 
     def _limit(self, seq: Sequence, state: SamplingState) -> int:
@@ -126,12 +135,22 @@ class Speculator:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
         return max(min(self.config.num_speculative_tokens, room), 0)
 
+    def _aside_reason(self, seq: Sequence, state: SamplingState) -> str:
+        """Why _limit gave `seq` no drafts."""
+        p = state.params
+        if p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
+                or p.presence_penalty != 0.0:
+            return "request asks for logprobs or penalties"
+        return "min_tokens pending" if seq.num_output_tokens < p.min_tokens else "at its token limit"
+
     def _k(self, seq: Sequence, state: SamplingState, batch: int, long_match: bool = False) -> int:
         """How many drafts `seq` gets now, in a step of `batch` decodes: the k within _limit that
         makes the most tokens per unit of step time at its acceptance rate. Off (k = 0), it
         probes again after PROBE_AFTER steps, or PROBE_LONG_MATCH when prompt lookup matched a
         suffix of the longest n (copying resumed: extraction answers quote in stretches)."""
         k = self._limit(seq, state)
+        if k <= 0:
+            self.metrics.on_aside(self._aside_reason(seq, state))
         if not self.config.adaptive or k <= 0:
             return k
         acc = self.acceptance.setdefault(seq.seq_id, _Acceptance(seq))
@@ -139,6 +158,7 @@ class Speculator:
         if best == 0:
             acc.steps_off += 1
             if acc.steps_off < (PROBE_LONG_MATCH if long_match else PROBE_AFTER):
+                self.metrics.on_aside("would not pay at its acceptance rate")
                 return 0
             acc.kept, acc.tested = 0.0, 0.0  # forget, and measure again
             best = k

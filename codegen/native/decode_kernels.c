@@ -239,6 +239,11 @@ DEFINE_ATTEND_KV_HEAD(attend_kv_head, float, SCORE, score_keys_any, WEIGH, weigh
  * heads' work while the other did one. */
 static int64_t context_parts(int64_t pairs, int64_t threads, int64_t longest) {
     if (threads <= 1 || pairs % threads == 0) return 1;
+    if (longest < 0) {   /* batch-invariant: as for one sequence at any length (its own kv_heads as `pairs`) */
+        int64_t a = pairs, c = threads;
+        while (c) { int64_t r = a % c; a = c; c = r; }
+        return threads / a < 16 ? threads / a : 16;
+    }
     int64_t a = pairs, c = threads;
     while (c) { int64_t r = a % c; a = c; c = r; }   /* a = gcd(pairs, threads) */
     int64_t parts = threads / a, most = longest / 64;
@@ -285,14 +290,17 @@ static void merge_parts(const float *partial, int64_t pairs, int64_t parts, int6
  * sequences hold earlier tokens, which no step writes), each pair's context in parts where the pairs
  * alone would not split evenly (context_parts). One thread reads a layer's cache from L3 at about 10 GB/s
  * on an AVX-512 Xeon, so even batch 1 splits its KV heads: SmolLM2's 3 KV heads over 2 threads, 50 -> 31
- * us a layer with the cache out of L2.
+ * us a layer with the cache out of L2. With `invariant`, the parts are those one sequence alone would
+ * take at any length (context_parts of kv_heads, not of b * kv_heads and the longest context), so a row's
+ * output is the same bits whatever else is in the call (batch invariance; the rows may be several
+ * queries of one sequence, each with its own length, slot and the sequence's table).
  * scratch holds b * heads * (hd + max(lens)) floats. */
 void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                            const float *v, int64_t v_stride, const float *cos, const float *sin,
                            float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables,
                            int64_t table_width, const int32_t *lens, int64_t block, int64_t window,
                            int64_t b, int64_t heads, int64_t kv_heads, int64_t hd, float scale,
-                           float *out, float *scratch, int64_t threads) {
+                           float *out, float *scratch, int64_t threads, int64_t invariant) {
     int64_t row = kv_heads * hd, group = heads / kv_heads, longest = longest_len(lens, b);
     float *rotated = scratch, *all_scores = scratch + b * heads * hd;
     for (int64_t s = 0; s < b; s++) {
@@ -308,7 +316,7 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
             else memcpy(qr + j * hd, qs + j * hd, hd * sizeof(float));
         }
     }
-    int64_t parts = context_parts(b * kv_heads, threads, longest);
+    int64_t parts = invariant ? context_parts(kv_heads, threads, -1) : context_parts(b * kv_heads, threads, longest);
     float partial[parts > 1 ? b * heads * parts * (hd + 2) : 1];   /* each part's outputs, then max and sum */
 #pragma omp parallel for collapse(3) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads * parts > 1)
     for (int64_t s = 0; s < b; s++) {

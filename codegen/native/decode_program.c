@@ -20,7 +20,7 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
                            float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables,
                            int64_t table_width, const int32_t *lens, int64_t block, int64_t window,
                            int64_t b, int64_t heads, int64_t kv_heads, int64_t hd, float scale,
-                           float *out, float *scratch, int64_t threads);
+                           float *out, float *scratch, int64_t threads, int64_t invariant);
 void llmc_add_rms_norm(const float *x, const float *residual, const float *weight, float *out, float *summed,
                        int64_t rows, int64_t n, int64_t x_stride, int64_t r_stride, float eps);
 void llmc_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t inter, float *out);
@@ -90,7 +90,7 @@ void llmc_decode_program(const int64_t *ops, int64_t n_ops, const int64_t *step)
                                   (const int64_t *)(intptr_t)step[S_SLOTS], (const int64_t *)(intptr_t)step[S_TABLES],
                                   step[S_WIDTH], (const int32_t *)(intptr_t)step[S_LENS], step[S_BLOCK], op[8], m,
                                   op[9], op[10], op[11], bits_float(op[12]), P(13, float *),
-                                  (float *)(intptr_t)step[S_SCRATCH], threads);
+                                  (float *)(intptr_t)step[S_SCRATCH], threads, op[15]);
             break;
         }
         case OP_ADD_RMS_NORM:

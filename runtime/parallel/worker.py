@@ -15,6 +15,7 @@ import torch
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import LlmcError, RuntimeLlmcError
+from llmc.runtime.batch_invariance import compiled_mode
 from llmc.runtime.device import resolve_device
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.kernel_check import verified_plan
@@ -48,7 +49,9 @@ def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_thres
     if is_quantized_kv(dtype):
         raise RuntimeLlmcError(f"artifact '{path}': a sharded (--tp, --pp) rank cannot serve a quantised KV cache; "
                                f"recompile with --kv-cache none")
-    executor = PlanExecutor(verified_plan(art), art.weights, where)
+    plan = verified_plan(art)
+    # the artifact's batch-invariance mode (runtime/batch_invariance.py), as rank 0's engine runs it by default
+    executor = PlanExecutor(plan, art.weights, where, batch_invariant=compiled_mode(plan))
     cache = PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"], model["head_dim"], dtype,
                          device=where)
     attention = ring_backend(executor.paged_backend(cache), art.manifest, ring_threshold, timeout)

@@ -168,11 +168,11 @@ def test_llmc_native_0_turns_them_off():
     assert out.strip() == "False off (LLMC_NATIVE=0)"
 
 
-def _generate(artifact, prompts):
+def _generate(artifact, prompts, batch_invariant: bool | None = None):
     from llmc.runtime.engine import Engine, EngineConfig
     from llmc.runtime.sampling_params import SamplingParams
 
-    engine = Engine(artifact, EngineConfig(kv_memory="4MiB", block_size=16))
+    engine = Engine(artifact, EngineConfig(kv_memory="4MiB", block_size=16, batch_invariant=batch_invariant))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", prompt_token_ids=ids, params=params)
@@ -186,14 +186,16 @@ def _generate(artifact, prompts):
 def test_engine_decodes_the_same_with_and_without_them(compiled, monkeypatch):
     """tiny-llama's decode steps (one sequence, and three at once) through the native decode program
     (runtime/native_decode.py), through the walk's native kernels launch by launch, and through torch's:
-    the same greedy tokens, log-probabilities within fp32 rounding."""
+    the same greedy tokens, log-probabilities within fp32 rounding. Batch invariance off: on, prefills take
+    the native attention too (tests/runtime/test_batch_invariance.py)."""
     from llmc.runtime import native_decode
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (7, 40, 19)]
 
     def both():
-        return {**_generate(compiled, prompts[:1]), **{f"b{k}": v for k, v in _generate(compiled, prompts).items()}}
+        return {**_generate(compiled, prompts[:1], False),
+                **{f"b{k}": v for k, v in _generate(compiled, prompts, False).items()}}
 
     program_rows, attention_rows = [], []
     run, attend = native_decode.NativeDecode.run, cpu_native.decode_attention
@@ -203,8 +205,8 @@ def test_engine_decodes_the_same_with_and_without_them(compiled, monkeypatch):
         program_rows.extend([backend.metadata.native_step(backend.cache.block_size).rows] if ran else [])
         return ran
 
-    def counted_attend(*args):
-        out = attend(*args)
+    def counted_attend(*args, **kwargs):
+        out = attend(*args, **kwargs)
         attention_rows.extend([] if out is None else [out.shape[0]])
         return out
     monkeypatch.setattr(native_decode.NativeDecode, "run", counted_run)

@@ -75,8 +75,9 @@ def test_the_lowered_plan_keeps_its_decode_graph_where_it_beats_what_would_run(t
     if kept != "every step":
         assert "plan walk's 100 us" in record["why"]
     assert any(name.startswith("ort/segment") for name in a.data)
-    graph = llmc.load(path, kv_memory="8MiB").engine.executor.decode_graph
+    graph = llmc.load(path, kv_memory="8MiB", batch_invariant=False).engine.executor.decode_graph
     assert (graph is not None) is (kept is not None)
+    assert llmc.load(path, kv_memory="8MiB").engine.executor.decode_graph is None   # batch-invariant: never
 
 
 def test_native_first_routes_small_decode_steps_to_the_program_and_large_ones_to_the_graph(tmp_path, monkeypatch):
@@ -89,7 +90,7 @@ def test_native_first_routes_small_decode_steps_to_the_program_and_large_ones_to
     monkeypatch.setattr(DecodeGraph, "__call__", lambda self, *a: calls.append("graph") or graph_call(self, *a))
     monkeypatch.setattr(native_decode.NativeDecode, "run",
                         lambda self, *a: calls.append("program") or run(self, *a))
-    llm = llmc.load(path, kv_memory="16MiB")
+    llm = llmc.load(path, kv_memory="16MiB", batch_invariant=False)   # on, the decode graph is not used
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate({"prompt_token_ids": [5, 17, 99]}, params)
     assert "program" in calls and "graph" not in calls

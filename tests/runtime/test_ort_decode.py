@@ -99,7 +99,7 @@ def test_greedy_tokens_and_logprobs_equal_the_plan_walk_and_prefills_still_walk_
     params = SamplingParams(max_tokens=24, logprobs=1, **GREEDY)
     runs = {}
     for use_graph in (True, False):
-        llm = llmc.load(artifacts[quant], block_size=4)
+        llm = llmc.load(artifacts[quant], block_size=4, batch_invariant=False)   # on: no decode graph
         if not use_graph:
             llm.engine.executor.decode_graph = None
         runs[use_graph] = llm.generate(prompts, params)
@@ -117,7 +117,8 @@ def test_greedy_tokens_and_logprobs_equal_the_plan_walk_and_prefills_still_walk_
 def test_a_sliding_window_model_decoding_past_its_window_gives_hf_s_tokens(tmp_path):
     module = save_checkpoint(ARCHS["mistral"](sliding_window=16), tmp_path / "src", seed=11)
     path = llmc.compile(str(tmp_path / "src"), output=tmp_path / "mistral.llmc", kernels="ort", quiet=True)
-    llm = llmc.load(path, block_size=4, kv_memory="128KiB")
+    assert llmc.load(path, block_size=4, kv_memory="128KiB").engine.executor.decode_graph is None   # invariant
+    llm = llmc.load(path, block_size=4, kv_memory="128KiB", batch_invariant=False)
     assert llm.engine.executor.decode_graph is not None and llm.engine.block_manager.window == 16
     ids = prompt_ids(40, seed=5)
     assert tiny.llmc_greedy(llm, ids, 60) == hf_greedy(module, ids, 60)

@@ -33,8 +33,12 @@ def torch_artifact(tmp_path_factory):
 
 
 def test_speculating_engine_blocks_its_linears_and_keeps_the_logits(torch_artifact):
-    plain = Engine(torch_artifact, EngineConfig(kv_memory="4MiB"))
-    spec = Engine(torch_artifact, EngineConfig(kv_memory="4MiB", speculative={"method": "ngram"}))
+    """With batch invariance off (it runs the native fp32 GEMV at every row count, blocking nothing)."""
+    invariant = Engine(torch_artifact, EngineConfig(kv_memory="4MiB", speculative={"method": "ngram"}))
+    assert not [launch for launch in invariant.executor._program if "blocked" in launch.attrs]
+    plain = Engine(torch_artifact, EngineConfig(kv_memory="4MiB", batch_invariant=False))
+    spec = Engine(torch_artifact, EngineConfig(kv_memory="4MiB", speculative={"method": "ngram"},
+                                               batch_invariant=False))
     blocked = [launch for launch in spec.executor._program if "blocked" in launch.attrs]
     assert blocked and all(launch.fn is linear for launch in blocked)
     gen = torch.Generator().manual_seed(0)
