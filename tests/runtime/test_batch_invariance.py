@@ -2,8 +2,10 @@
 whatever else is in the step and however many rows it brings (decode rows, a speculative verification's
 k + 1, prefill chunks of any size, a prefix-cache hit, a recompute after preemption), for tiny models
 compiled for the CPU kernel families (fp32 through the fp32 GEMV, int8 and int4 through the native
-GEMVs, GGUF Q4_1 / Q8_0 blocks through the int16-activation GEMVs): hypothesis draws the batches and
-checks every sequence's logits against that sequence run alone, one token a step."""
+GEMVs, GGUF Q4_1 / Q8_0 blocks through the int16-activation GEMVs, ONNX Runtime segments around the
+native attention): hypothesis draws the batches and checks every sequence's logits against that sequence
+run alone, one token a step; through the engine, batching, n-gram speculation and preemption by
+recompute leave greedy tokens as they are alone."""
 
 import json
 
@@ -52,7 +54,10 @@ def write_gguf_llama(path, seed: int = 0) -> None:
 
 
 MODELS = {"fp32": dict(quant="none"), "int8": dict(quant="int8"),
-          "int4": dict(quant="int4-rtn", group_size=32), "gguf": {}}
+          "int4": dict(quant="int4-rtn", group_size=32), "gguf": {},
+          # ONNX Runtime segments around the native attention: MLAS's fp32 MatMul and int8-compute MatMulNBits
+          "ort-fp32": dict(quant="none", kernels="ort"), "ort-int4": dict(quant="int4-rtn", group_size=32,
+                                                                           kernels="ort")}
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +67,8 @@ def artifacts(tmp_path_factory):
     out = {}
     for name, options in MODELS.items():
         source = str(root / "tiny-q4_1-q8_0.gguf") if name == "gguf" else "tiny-llama"
-        out[name] = llmc.compile(source, target="cpu", output=root / f"{name}.llmc", kernels="cpu", quiet=True,
-                                 **options)
+        out[name] = llmc.compile(source, target="cpu", output=root / f"{name}.llmc", quiet=True,
+                                 **{"kernels": "cpu", **options})
     return out
 
 
@@ -200,6 +205,23 @@ def test_greedy_tokens_do_not_depend_on_the_batch_or_speculation(artifacts, name
     spec = llmc.load(artifacts[name], kv_memory="4MiB",
                      speculative={"method": "ngram", "num_speculative_tokens": 4})
     assert greedy(spec, prompts) == each
+
+
+def test_preemption_by_recompute_keeps_the_tokens(artifacts):
+    """A KV cache too small for the batch: sequences are preempted and recomputed (a prefill of what they
+    had), and each still gets the greedy tokens it gets alone."""
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(20)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    roomy = llmc.load(artifacts["gguf"], kv_memory="4MiB", block_size=4)
+    each = [roomy.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+    tight = llmc.load(artifacts["gguf"], kv_memory=str(64 * 4 * kv_bytes_per_token(roomy)), block_size=4)   # 64 blocks
+    got = [o.outputs[0].token_ids for o in tight.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert tight.engine.scheduler.num_preemptions > 0 and got == each
+
+
+def kv_bytes_per_token(llm) -> int:
+    """KV bytes per token of the loaded model."""
+    return llm.engine.model["kv_bytes_per_token"]
 
 
 def test_off_allows_the_row_dependent_kernels(artifacts):
