@@ -379,7 +379,7 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     say("planning kernels" + (" (timing candidates on this machine)" if measures_kernels(opts.kernels, tgt) else ""))
     reference = None if ctx.reference_logits is None else CalibrationReference(calibration, ctx.reference_logits)
     plans, ort_files = lower_plans(graphs, [rank_plan(g, tgt, opts, echo) for g in graphs], tgt, opts.kernels, echo,
-                                   reference)
+                                   reference, batch_invariant=opts.batch_invariant == "on")
     plan = plans[0]
     kernels, kernel_index = kernel_sources(plan)
     log("plan", time.perf_counter() - t, {"steps": len(plan.steps), **({"kernels": len(kernels)} if kernels else {})})

@@ -45,7 +45,7 @@ def mark_launches(program: list) -> list:
             for launch in program]
 
 
-def _fp32_nbits(model: bytes) -> int:
+def fp32_nbits(model: bytes) -> int:
     """How many MatMulNBits of an ONNX segment multiply fp32 activations (accuracy_level 1): MLAS runs one
     row as a GEMV and more as dequantise + GEMM, which round differently (measured at SmolLM2's shapes,
     1 and 2 threads, ORT 1.32: its int8-compute level 4 gave the same bits at 1 to 40 rows, fp32 MatMul
@@ -70,10 +70,10 @@ def describe(executor) -> str:
         left.append(f"everything: native kernels {cpu_native.status()}")
     elif not cpu_native.gemv_runs():
         left.append("the GEMVs (no OpenMP at this thread count)")
-    fp32_nbits = sum(_fp32_nbits(executor._data.get(s.attrs.get("file"), b"")) for s in plan.steps
+    fp32_nbits_count = sum(fp32_nbits(executor._data.get(s.attrs.get("file"), b"")) for s in plan.steps
                      if s.kernel == ORT_SEGMENT)
-    if fp32_nbits:
-        left.append(f"{fp32_nbits} ONNX Runtime MatMulNBits on fp32 activations (accuracy_level 1)")
+    if fp32_nbits_count:
+        left.append(f"{fp32_nbits_count} ONNX Runtime MatMulNBits on fp32 activations (accuracy_level 1)")
     kv = executor.kv_dtype()
     if kv not in (None, torch.float32):
         left.append(f"attention over the {str(kv).removeprefix('torch.')} KV cache"
@@ -83,4 +83,4 @@ def describe(executor) -> str:
     return "on" if not left else "on, except " + "; ".join(left)
 
 
-__all__ = ["META_KEY", "MARKED", "compiled_mode", "batch_invariant_of", "mark_launches", "describe"]
+__all__ = ["META_KEY", "MARKED", "fp32_nbits", "compiled_mode", "batch_invariant_of", "mark_launches", "describe"]

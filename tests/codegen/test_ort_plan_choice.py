@@ -27,8 +27,10 @@ def _compile(root, monkeypatch, steps: dict[str, float]):
     monkeypatch.setattr(ort_decode_timing, "measure_plans",
                         lambda graph, candidates: timed.append(sorted(candidates)) or
                         {name: steps[name] for name in candidates})
+    # batch invariance off: on, auto keeps these fp32-activation MatMulNBits segments on torch and offers no decode
+    # graph (tests/runtime/test_batch_invariance.py)
     path = llmc.compile("tiny-llama", output=root / "int4.llmc", kernels="auto", quant="int4-rtn", group_size=32,
-                        quiet=True)
+                        quiet=True, batch_invariant="off")
     # one timing, every way together (the walk launch by launch too, for the graph's native_first)
     assert timed == [["cpu", "graph", "launches", "walk"]]
     return path
@@ -77,7 +79,7 @@ def test_the_lowered_plan_keeps_its_decode_graph_where_it_beats_what_would_run(t
     assert any(name.startswith("ort/segment") for name in a.data)
     graph = llmc.load(path, kv_memory="8MiB", batch_invariant=False).engine.executor.decode_graph
     assert (graph is not None) is (kept is not None)
-    assert llmc.load(path, kv_memory="8MiB").engine.executor.decode_graph is None   # batch-invariant: never
+    assert llmc.load(path, kv_memory="8MiB", batch_invariant=True).engine.executor.decode_graph is None
 
 
 def test_native_first_routes_small_decode_steps_to_the_program_and_large_ones_to_the_graph(tmp_path, monkeypatch):

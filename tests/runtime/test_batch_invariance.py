@@ -224,6 +224,30 @@ def kv_bytes_per_token(llm) -> int:
     return llm.engine.model["kv_bytes_per_token"]
 
 
+def test_auto_keeps_fp32_activation_matmulnbits_on_torch_and_offers_no_decode_graph(tmp_path, monkeypatch):
+    """Timings faked so that ORT wins every segment kind: --kernels auto still keeps the 4-bit segments (their
+    MatMulNBits on fp32 activations round a row differently at 1 and more rows) on torch, says so, and
+    offers no decode graph; with --batch-invariant off it takes them."""
+    from llmc.compiler.driver.tuning import ort_decode_timing, ort_timing
+
+    monkeypatch.setenv("LLMC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ort_timing, "measure", lambda runners, graph, seg, outputs=None: {
+        name: {"decode": 1.0 if name == "ort" else 2.0, "prefill": 1.0 if name == "ort" else 2.0} for name in runners})
+    monkeypatch.setattr(ort_decode_timing, "measure_plans", lambda graph, candidates: {
+        name: {"cpu": 300.0, "walk": 100.0, "graph": 50.0, "launches": 400.0}[name] for name in candidates})
+    plans = {}
+    for mode in ("on", "off"):
+        path = llmc.compile("tiny-llama", output=tmp_path / f"{mode}.llmc", kernels="auto", quant="int4-rtn",
+                            group_size=32, quiet=True, batch_invariant=mode)
+        plans[mode] = json.loads((path / "plan.json").read_text())
+    on, off = plans["on"]["meta"], plans["off"]["meta"]
+    assert "kept on torch" in on["kernel_choice"]["batch_invariant"]
+    assert not on.get("decode_graph", {}).get("chosen") and off["decode_graph"]["chosen"]
+    assert on["batch_invariant"] is True and off["batch_invariant"] is False
+    nbits = lambda plan: sum(s["kernel"] == "ort.segment" for s in plan["steps"])
+    assert nbits(plans["off"]) > nbits(plans["on"])
+
+
 def test_off_allows_the_row_dependent_kernels(artifacts):
     llm = llmc.load(artifacts["fp32"], kv_memory="4MiB", batch_invariant=False)
     assert not llm.engine.executor.batch_invariant

@@ -39,7 +39,7 @@ from llmc.errors import TargetError
 
 
 def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None,
-                echo=None, reference=None) -> tuple[list[Plan], dict[str, bytes]]:
+                echo=None, reference=None, batch_invariant: bool = False) -> tuple[list[Plan], dict[str, bytes]]:
     """lower_kernels for the compile driver: one plan per tensor-parallel rank (the ORT family runs
     single-rank plans); returns the plans and the ONNX files to store."""
     if len(plans) > 1 and mode not in (None, "cpu"):
@@ -49,7 +49,7 @@ def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None
         return plans, {}
 
     since = ort_timing_cache.mark()
-    plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo, reference)
+    plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo, reference, batch_invariant)
     timings = ort_timing_cache.summary(since)   # when and under what load the choices were measured
     if timings and "kernel_choice" in plan.meta:
         plan.meta["kernel_choice"] = {**plan.meta["kernel_choice"], "timings": timings}
@@ -57,10 +57,13 @@ def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None
 
 
 def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=None,
-                  reference=None) -> tuple[Plan, dict[str, bytes]]:
+                  reference=None, batch_invariant: bool = False) -> tuple[Plan, dict[str, bytes]]:
     """The plan with its segments lowered to ORT as `mode` says (None: the target's default), and
     the ONNX files to store ({path in the artifact: bytes}). `reference` (an ort_accuracy
-    CalibrationReference, or None) is what auto checks int8 activations on."""
+    CalibrationReference, or None) is what auto checks int8 activations on. `batch_invariant`
+    (runtime/batch_invariance.py): auto keeps on torch the segments whose MatMulNBits would multiply
+    fp32 activations (MLAS rounds a row differently at 1 and more rows), and offers no decode graph
+    (the runtime does not use it in that mode)."""
     check_kernels_option(mode, plan.target, device)
     mode = mode or DEFAULT_MODE
     if device != "cpu":
@@ -89,6 +92,8 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
         if gate is not None:
             choice["int8_activations"] = gate
         chosen = [kind["chosen"] != "cpu" for kind in kinds]
+        if batch_invariant:
+            chosen = _invariant_segments(built, chosen, int8, choice)
     steps, files = lowered_steps(plan, segments, built, chosen)
     lowered = restep(plan, steps)
     if mode == "auto":
@@ -101,14 +106,31 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
         cpu_plan = restep(plan, plan.steps)
         cpu_plan.meta = trial_meta()
         question, too_large = whole_plan_question(cpu_plan, lowered), whole_step_refusal(graph)
-    lowered.meta["decode_graph"] = plan_decode_graph(graph, lowered, files, mode,
-                                                     INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels,
-                                                     measure_step=question is not None, refusal=too_large)
+    lowered.meta["decode_graph"] = {"chosen": False, "why": INVARIANT_NO_GRAPH} if batch_invariant and \
+        mode == "auto" else plan_decode_graph(graph, lowered, files, mode,
+                                              INT8_COMPUTE if mode == "ort" else FP32_COMPUTE, levels,
+                                              measure_step=question is not None, refusal=too_large)
     if question is not None or too_large is not None:
         if mode == "auto":
             choice["whole_plan"] = {"chosen": "lowered", "why": question or too_large}
         return lowered, files
     return _whole_plan(graph, cpu_plan, lowered, files, choice)
+
+
+INVARIANT_NO_GRAPH = ("batch-invariant (--batch-invariant on): its attention rounds otherwise than the native "
+                      "kernel prefills run")
+
+
+def _invariant_segments(built, chosen: list[bool], int8: set[int], choice: dict) -> list[bool]:
+    """`chosen` less the segments whose MatMulNBits stay on fp32 activations (not among `int8`), noted
+    in `choice`."""
+    from llmc.runtime.batch_invariance import fp32_nbits
+
+    kept = [i for i, on in enumerate(chosen) if on and i not in int8 and fp32_nbits(built[i][0])]
+    if kept:
+        choice["batch_invariant"] = (f"{len(kept)} segment(s) kept on torch: their MatMulNBits on fp32 activations "
+                                     f"round a row differently at 1 and more rows")
+    return [on and i not in kept for i, on in enumerate(chosen)]
 
 
 def torch_dispatch_plan(plan: Plan, graph: Graph) -> Plan:
