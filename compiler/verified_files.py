@@ -19,11 +19,13 @@ REMEMBERED_BYTES = 64 << 20
 REHASH_ENV = "LLMC_REHASH"
 
 
-def records_dir() -> Path | None:
-    """The user's private record directory (made 0700), or None where it is not private."""
+def records_dir(make: bool = False) -> Path | None:
+    """The user's private record directory (made 0700 when `make`), or None where it is absent or
+    not private."""
     root = Path(os.environ.get("LLMC_CACHE") or "~/.cache/llmc").expanduser() / "verified"
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if make:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = os.lstat(root)
     except OSError:
         return None
@@ -42,12 +44,12 @@ def _record_path(root: Path, file: Path) -> Path:
 
 def known_digest(file: Path) -> str | None:
     """The sha256 recorded for `file` when it was last hashed, if the file is unchanged since."""
-    root = records_dir()
-    if root is None or os.environ.get(REHASH_ENV) == "1":
+    if os.environ.get(REHASH_ENV) == "1":
         return None
     try:
         info = os.stat(file)
-        if info.st_size < REMEMBERED_BYTES:
+        root = records_dir() if info.st_size >= REMEMBERED_BYTES else None
+        if root is None:
             return None
         record = json.loads(_record_path(root, file).read_text())
         return record["sha256"] if record.get("identity") == identity(info) else None
@@ -57,8 +59,8 @@ def known_digest(file: Path) -> str | None:
 
 def remember(file: Path, digest: str, info: os.stat_result) -> None:
     """Record that `file`, as `info` describes it (taken before hashing), hashes to `digest`."""
-    root = records_dir()
-    if root is None or info.st_size < REMEMBERED_BYTES:
+    root = records_dir(make=True) if info.st_size >= REMEMBERED_BYTES else None
+    if root is None:
         return
     try:
         if identity(os.stat(file)) != identity(info):   # changed while it was hashed: no record
