@@ -11,9 +11,10 @@ mode, by one whose per-row arithmetic is fixed, the decode program's own kernels
                      for every query row, each split as a batch of one would be
 ONNX Runtime segments keep their kernels: MLAS's fp32 MatMul and its int8-compute MatMulNBits gave a row
 the same bits at any row count; its fp32-compute MatMulNBits did not (`describe` names them), nor does
-its decode graph's attention match the native kernel's, so that graph is not used in this mode.
-What stays outside (`describe`): fp32-compute MatMulNBits in ONNX Runtime segments, a quantised or bf16
-KV cache, soft-capped or tree attention, and any step where
+its decode graph's attention match the native kernel's, so that graph is not used in this mode (and
+`--kernels auto` compiled invariant offers neither: compiler/driver/tuning/kernel_choice.py).
+What stays outside (`describe`): fp32-compute MatMulNBits in ONNX Runtime segments (artifacts compiled
+--batch-invariant off), a quantised or bf16 KV cache, soft-capped or tree attention, and everything where
 the native kernels are not built (LLMC_NATIVE=0, no C compiler)."""
 
 from __future__ import annotations
