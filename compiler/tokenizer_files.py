@@ -27,6 +27,11 @@ def load_tokenizer(folder: Path, vocab_size: int, where: str):
     if len(tokenizer) > vocab_size:
         raise ArtifactError(f"{where}: its tokenizer has {len(tokenizer)} tokens, more than the model's embedding "
                             f"has rows ({vocab_size}); recompile")
+    try:   # settings transformers accepts at load but trips on at use (a list for model_max_length)
+        tokenizer.decode(tokenizer(SMOKE_TEXT)["input_ids"])
+    except Exception as e:
+        raise ArtifactError(f"{where}: its tokenizer fails on plain text ({type(e).__name__}: {_first_line(e)}); "
+                            f"recompile") from None
     return tokenizer
 
 
@@ -42,9 +47,52 @@ def check_tokenizer_files(folder: Path, vocab_size: int, where: str) -> None:
     if config is not None and "auto_map" in config:
         raise ArtifactError(f"{where}: tokenizer/{TOKENIZER_CONFIG} field 'auto_map' names custom tokenizer code, "
                             f"which llmc never runs; recompile from a model whose tokenizer transformers ships")
+    if config is not None:
+        _check_config_fields(config, where)
     tokenizer = _json_object(folder / TOKENIZER_JSON, where)
     if tokenizer is not None:
         _check_ids(tokenizer, vocab_size, where)
+
+
+SMOKE_TEXT = "Hello, world! 123 <b>é</b>\n"
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+_FLAGS = ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces", "legacy", "do_lower_case")
+
+
+def _bad_config_field(config: dict) -> str | None:
+    """The first tokenizer_config.json field whose value is not of the kind transformers uses."""
+    for key in _SPECIAL:
+        value = config.get(key)
+        if not (value is None or isinstance(value, str)
+                or isinstance(value, dict) and isinstance(value.get("content"), str)):
+            return key
+    for key in _FLAGS:
+        if not isinstance(config.get(key, False), (bool, type(None))):
+            return key
+    length = config.get("model_max_length", 1)
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or not length >= 1:
+        return "model_max_length"
+    for key in ("padding_side", "truncation_side"):
+        if config.get(key, "left") not in ("left", "right"):
+            return key
+    template = config.get("chat_template")
+    if not (template is None or isinstance(template, str) or isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in template)):
+        return "chat_template"
+    return None
+
+
+def _check_config_fields(config: dict, where: str) -> None:
+    bad = _bad_config_field(config)
+    if bad is not None:
+        raise ArtifactError(f"{where}: tokenizer/{TOKENIZER_CONFIG} field {bad!r} holds "
+                            f"{json_repr(config[bad])}, not what a tokenizer takes there; recompile")
+
+
+def json_repr(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _json_object(path: Path, where: str) -> dict | None:
@@ -61,7 +109,8 @@ def _check_ids(tokenizer: dict, vocab_size: int, where: str) -> None:
     """Every id tokenizer.json gives a token must name a row of the model's embedding."""
     model = tokenizer.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
-    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab))) if isinstance(vocab, list) else []
+    ids = (list(vocab.values()) if isinstance(vocab, dict)
+           else list(range(len(vocab))) if isinstance(vocab, list) else [])
     added = tokenizer.get("added_tokens")
     ids += [t.get("id") for t in added if isinstance(t, dict)] if isinstance(added, list) else []
     bad = next((i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size), None)
