@@ -48,7 +48,7 @@ class PlanExecutor:
                  check_kernels: bool = False, data: dict[str, bytes] | None = None, batch_invariant: bool = False):
         self.plan = plan
         # every row's results the same bits whatever else is in the step (runtime/batch_invariance.py)
-        self.batch_invariant = batch_invariant and self.device_is_cpu(device)
+        self.batch_invariant = batch_invariant and self.device_is_cpu(device) and kernel_family(plan) == "cpu"
         self._data = data or {}   # the artifact's data files by path (ONNX segments)
         self.device = torch.device(device)
         self.family = kernel_family(plan)
