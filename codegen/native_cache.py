@@ -57,7 +57,8 @@ def private_directory(path: Path) -> Path:
 def _check_directory(path: Path, narrow: bool) -> None:
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode):
-        raise CacheRefused(f"cache directory '{path}' is {'a symlink' if stat.S_ISLNK(info.st_mode) else 'no directory'}")
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "no directory"
+        raise CacheRefused(f"cache directory '{path}' is {kind}")
     if shared_allowed():
         return
     if info.st_uid != os.getuid() and (narrow or info.st_uid != 0):   # the parent may be root's (/tmp)
@@ -118,7 +119,7 @@ def _check_file(library: Path, info: os.stat_result) -> None:
         raise CacheRefused(f"'{library}' is {info.st_size} bytes, more than llmc builds")
     if shared_allowed():
         return
-    if info.st_uid != os.getuid() and (narrow or info.st_uid != 0):   # the parent may be root's (/tmp)
+    if info.st_uid != os.getuid():
         raise CacheRefused(f"'{library}' belongs to uid {info.st_uid}, not to you")
     if info.st_mode & 0o022:
         raise CacheRefused(f"'{library}' is writable by others (mode {stat.S_IMODE(info.st_mode):o})")

@@ -120,4 +120,5 @@ def _size(limit: int) -> str:
 
 
 __all__ = ["DEFAULT_INPUT_BYTES", "DEFAULT_JSON_BYTES", "INPUT_BYTES_ENV", "JSON_BYTES_ENV", "MAX_JSON_DEPTH",
-           "file_kind", "input_limit", "json_depth", "json_limit", "parse_json", "read_input", "read_json_bytes", "read_stream"]
+           "file_kind", "input_limit", "json_depth", "json_limit", "parse_json", "read_input", "read_json_bytes",
+           "read_stream"]

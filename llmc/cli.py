@@ -12,8 +12,17 @@ from contextlib import contextmanager
 
 import click
 
-from llmc.cli_values import (NON_NEGATIVE, POSITIVE, SEED, FiniteFloat, chat_line, checked_text, prompt_lines,
-                             read_prompts, stdin_prompts)
+from llmc.cli_values import (
+    NON_NEGATIVE,
+    POSITIVE,
+    SEED,
+    FiniteFloat,
+    chat_line,
+    checked_text,
+    prompt_lines,
+    read_prompts,
+    stdin_prompts,
+)
 from llmc.errors import LlmcError
 
 

@@ -101,7 +101,8 @@ def test_an_unusable_cap_value_is_refused(artifact, work, capfd, monkeypatch):
 
 
 def test_eval_text_past_the_cap_is_refused(artifact, work, capfd):
-    assert "evaluation text '/dev/zero' is larger than 64 MiB" in refused(capfd, "eval", artifact, "--text", "/dev/zero")
+    refusal = refused(capfd, "eval", artifact, "--text", "/dev/zero")
+    assert "evaluation text '/dev/zero' is larger than 64 MiB" in refusal
 
 
 def test_calibration_text_past_the_cap_is_refused_while_reading(monkeypatch):
@@ -366,11 +367,12 @@ def test_chat_answers_piped_lines_and_refuses_one_that_is_not_utf8(artifact, wor
     result = _chat(artifact, b"hello\n\nagain\n", work)
     assert result.returncode == 0 and result.stdout.decode().count(">>> ") == 4   # blank line re-prompted
     result = _chat(artifact, b"hello\n\xff\xfe\n", work)
-    assert result.returncode == 2 and "the line read from stdin is not valid UTF-8" in error_line(result.stderr.decode())
+    assert result.returncode == 2
+    assert "the line read from stdin is not valid UTF-8" in error_line(result.stderr.decode())
 
 
 def test_a_plan_past_the_json_cap_is_refused_before_it_is_parsed(artifact, work, capfd, monkeypatch):
-    monkeypatch.setenv("LLMC_MAX_JSON_BYTES", str(min((artifact / n).stat().st_size for n in ("plan.json", "graph.json"))
-                                                  - 1))
+    smallest = min((artifact / n).stat().st_size for n in ("plan.json", "graph.json"))
+    monkeypatch.setenv("LLMC_MAX_JSON_BYTES", str(smallest - 1))
     line = refused(capfd, "run", artifact, "-p", "hi")
     assert "is larger than" in line and "LLMC_MAX_JSON_BYTES" in line and ".json" in line

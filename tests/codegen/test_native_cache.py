@@ -81,13 +81,18 @@ def test_a_planted_library_without_its_recorded_sha256_is_rebuilt_not_loaded(cac
     assert b"planted code ran" not in library.read_bytes()   # replaced by llmc's own build
 
 
-def test_a_group_writable_library_is_rebuilt_even_with_a_matching_sha256(cache, tmp_path):
+@pytest.mark.parametrize("how", ["group_writable", "another_user"])
+def test_a_library_others_could_have_written_is_rebuilt_even_with_a_matching_sha256(cache, tmp_path, how):
+    if how == "another_user" and os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root")
     library = _built(cache)
     marker = tmp_path / "marker"
     _plant(library, marker)
     _record_digest(library)
-    library.chmod(0o775)
-    assert cpu_native.available()
+    library.chmod(0o775 if how == "group_writable" else 0o755)
+    if how == "another_user":
+        os.chown(library, 65534, 65534)
+    assert cpu_native.available(), cpu_native.status()
     assert not marker.exists()
 
 
