@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, apply_rope, cos_sin
 from llmc.compiler.artifact import OutputKind, read_artifact, staged_output
+from llmc.compiler.progress import Stages, echo_stderr
 from llmc.errors import LlmcError
 
 MARKER = "llmc_onnx.json"           # what a previous export holds; --force replaces only such a directory
@@ -21,24 +22,30 @@ class ExportError(LlmcError):
     """The artifact holds something this exporter does not translate, or the output is taken."""
 
 
-def export_onnx(artifact_path, output, force: bool = False) -> Path:
+def export_onnx(artifact_path, output, force: bool = False, quiet: bool = True) -> Path:
     """Write DIR/model.onnx, DIR/tokenizer/ and DIR/llmc_onnx.json for the artifact at `artifact_path`,
-    via a staging sibling renamed into place (nothing is left behind on failure)."""
+    via a staging sibling renamed into place (nothing is left behind on failure); unless `quiet`, a
+    line on stderr for each stage that runs longer than a moment (compiler/progress.py)."""
     import onnx
 
     from llmc.compiler.ir import Graph
 
-    artifact = read_artifact(artifact_path)
-    refuse_target(artifact.manifest["target"], artifact_path)
-    graph = Graph.from_json(artifact.graph_json)
-    with staged_output(Path(output), force, EXPORT) as staging:
-        model, config = build_model(graph, artifact.weights)
-        large = not _fits_protobuf(model)
-        onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=large,
-                        all_tensors_to_one_file=True, location="model.onnx.data")
-        onnx.checker.check_model(str(staging / "model.onnx"), full_check=True)
-        shutil.copytree(artifact.tokenizer_dir, staging / "tokenizer")
-        (staging / MARKER).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    with Stages(echo_stderr, quiet) as stages:
+        stages.start(f"reading {artifact_path}")
+        artifact = read_artifact(artifact_path)
+        refuse_target(artifact.manifest["target"], artifact_path)
+        graph = Graph.from_json(artifact.graph_json)
+        with staged_output(Path(output), force, EXPORT) as staging:
+            stages.start(f"building the ONNX graph of {len(graph.nodes)} nodes")
+            model, config = build_model(graph, artifact.weights)
+            large = not _fits_protobuf(model)
+            stages.start("writing model.onnx" + (" (weights in model.onnx.data)" if large else ""))
+            onnx.save_model(model, str(staging / "model.onnx"), save_as_external_data=large,
+                            all_tensors_to_one_file=True, location="model.onnx.data")
+            stages.start("checking model.onnx with onnx.checker")
+            onnx.checker.check_model(str(staging / "model.onnx"), full_check=True)
+            shutil.copytree(artifact.tokenizer_dir, staging / "tokenizer")
+            (staging / MARKER).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     return Path(output)
 
 

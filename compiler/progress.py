@@ -5,6 +5,7 @@ stage's items (layers, nodes, bytes) on a terminal only. `quiet` silences both."
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Callable
@@ -25,14 +26,16 @@ def bar(total: int | None, desc: str, unit: str = "it", quiet: bool = False, **k
 
 # a stage still running this long gets its line; one that ends (or fails) sooner prints nothing
 STAGE_LINE_DELAY = 1.0
+DELAY_ENV = "LLMC_STAGE_DELAY"   # seconds, for scripts and tests that want every stage's line
 
 
 class Stages:
     """Announces the stage now running: `llmc: <message>` once it has run STAGE_LINE_DELAY
     seconds (from a timer thread), nothing if it ended first or when quiet."""
 
-    def __init__(self, echo: Callable[[str], None], quiet: bool, delay: float = STAGE_LINE_DELAY):
-        self.echo, self.quiet, self.delay = echo, quiet, delay
+    def __init__(self, echo: Callable[[str], None], quiet: bool, delay: float | None = None):
+        self.echo, self.quiet = echo, quiet
+        self.delay = delay if delay is not None else float(os.environ.get(DELAY_ENV) or STAGE_LINE_DELAY)
         self._timer: threading.Timer | None = None
 
     def start(self, message: str) -> None:
@@ -55,4 +58,8 @@ class Stages:
         self.end()
 
 
-__all__ = ["on_terminal", "bar", "Stages", "STAGE_LINE_DELAY"]
+def echo_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+__all__ = ["on_terminal", "bar", "Stages", "echo_stderr", "STAGE_LINE_DELAY", "DELAY_ENV"]

@@ -34,15 +34,17 @@ def evaluate(path: str | Path, text: str, ref: str | Path | None = None, max_tok
     return evaluate_text(path, text, ref=ref, max_tokens=max_tokens, progress=progress, device=device)
 
 
-def export(path: str | Path, format: str = "onnx", output: str | Path | None = None, force: bool = False) -> Path:
+def export(path: str | Path, format: str = "onnx", output: str | Path | None = None, force: bool = False,
+           quiet: bool = True) -> Path:
     """Export the artifact at `path` as a standalone model in `format` ("onnx": DIR/model.onnx that
-    plain onnxruntime runs, with DIR/tokenizer/ and DIR/llmc_onnx.json) into the directory `output`."""
+    plain onnxruntime runs, with DIR/tokenizer/ and DIR/llmc_onnx.json) into the directory `output`;
+    quiet=False prints a line on stderr for each stage that runs longer than a moment."""
     from llmc.codegen.onnx_export import ExportError, export_onnx
 
     if format != "onnx":
         raise ExportError(f"export format {format!r} is not supported; use format='onnx'")
     output = output or f"{Path(str(path)).name.removesuffix('.llmc')}.onnx"
-    return export_onnx(path, output, force=force)
+    return export_onnx(path, output, force=force, quiet=quiet)
 
 
 def load(path: str | Path, device: str | None = None, **engine_options) -> "LLM":

@@ -597,12 +597,13 @@ def _bench_table(r: dict) -> str:
               help="Export format.")
 @click.option("--output", "-o", required=True, help="Directory to write (model.onnx, tokenizer/, llmc_onnx.json).")
 @click.option("--force", is_flag=True, help="Replace a previous export at --output.")
-def export(artifact, format_, output, force):
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr; print only the result.")
+def export(artifact, format_, output, force, quiet):
     """Export ARTIFACT as a standalone model: ONNX that plain onnxruntime runs, with past/present KV."""
     from llmc.api import export as export_api
 
     with _sigterm_exits():
-        path = export_api(artifact, format=format_, output=output, force=force)
+        path = export_api(artifact, format=format_, output=output, force=force, quiet=quiet)
     click.echo(f"wrote {path}/model.onnx")
 
 
@@ -658,16 +659,17 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
 @click.option("--max-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
               help="Score the text's first N tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only the result.")
 @device_option
 @threads_option
-def eval_command(artifact, text_file, ref, max_tokens, as_json, device, threads):
+def eval_command(artifact, text_file, ref, max_tokens, as_json, quiet, device, threads):
     """Perplexity of ARTIFACT on a text: windows of 512 tokens, stride 256, each token scored once."""
     from llmc.runtime.evaluate import DEFAULT_TEXT, evaluate_text, format_summary, read_eval_text
     from llmc.runtime.threads import apply_threads
 
     apply_threads(_threads(threads))
     text = read_eval_text(text_file)
-    result = evaluate_text(artifact, text, ref=ref, max_tokens=max_tokens, progress=True, device=device)
+    result = evaluate_text(artifact, text, ref=ref, max_tokens=max_tokens, progress=not quiet, device=device)
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
     else:
