@@ -2,6 +2,7 @@
 weight's values in memory at a time), the artifact it writes is byte for byte the one the
 whole-model compile wrote, and its peak memory stays bounded by a layer, not by the model."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,15 @@ def test_auto_times_no_whole_step_of_a_model_over_its_limit(tmp_path, monkeypatc
     art = llmc.compile("tiny-llama", target="cpu", kernels="auto", output=tmp_path / "a", quiet=True)
     plan = (art / "plan.json").read_text()
     assert "not timed: the model's" in plan
+
+
+def test_auto_times_no_kind_whose_weights_are_over_its_limit(tmp_path, monkeypatch):
+    from llmc.compiler.driver.tuning import ort_timing
+
+    monkeypatch.setattr(ort_timing, "KIND_TIMING_LIMIT", 0)
+    art = llmc.compile("tiny-llama", target="cpu", kernels="auto", output=tmp_path / "a", quiet=True)
+    kinds = json.loads((art / "plan.json").read_text())["meta"]["kernel_choice"]["measured"]["kinds"]
+    assert kinds and all(k["chosen"] == "cpu" and k["why"].startswith("not timed: its weights") for k in kinds)
 
 
 @pytest.mark.smollm2

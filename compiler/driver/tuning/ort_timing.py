@@ -36,6 +36,11 @@ CLEAR_CUTS = ((1, 8.0, 10_000.0), (5, 4.0, 0.0))
 # close to the reference as the torch kernels' (which round activations to bf16 for packed int8/int4
 # weights), or within float reassociation of it
 AUTO_TOLERANCE = 1e-4
+# A kind whose weights are larger than this is not timed on ONNX Runtime: timing holds its weights
+# in every candidate's form at once (the torch runner's, each ORT session's initialisers and packed
+# copy), which for an 8B model's LM head (Q8_0, 213 MB) was ~1 GB of the compile's 3.4 GiB peak.
+# The torch kernels, the default, run it (a GEMV that reads it once a token either way).
+KIND_TIMING_LIMIT = 128 * 2**20
 # MatMulNBits on int8 activations is measured beside the fp32 level, but random inputs cannot say
 # what it costs in accuracy (its error grows with the activations' outliers, which they do not
 # have): where it is the fastest, it is a candidate that the whole model's logits on the compile's
@@ -129,6 +134,12 @@ def return_freed_memory() -> None:
 
 
 LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+
+
+def weight_bytes(graph: Graph, seg) -> int:
+    """Bytes of the params the segment reads, as stored (no value is read)."""
+    names = {i for node in seg.nodes for i in node.inputs if i in graph.params}
+    return sum(graph.params[name].type.nbytes() for name in names)
 
 
 def segment_weights(graph: Graph, seg) -> dict[str, torch.Tensor]:
@@ -228,6 +239,11 @@ def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> d
     missing = sorted(segment_ops(model) - cpu_kernel_ops())
     if missing:
         return {**entry, "chosen": "cpu", "why": f"onnxruntime lacks {'.'.join(missing[0]).lstrip('.')}"}
+    size = weight_bytes(graph, seg)
+    if size > KIND_TIMING_LIMIT:
+        return {**entry, "chosen": "cpu", "why": f"not timed: its weights ({size / 2**20:.0f} MiB) are over "
+                                                 f"{KIND_TIMING_LIMIT >> 20} MiB, which every candidate would hold "
+                                                 f"at once; the torch kernels, the default, run it"}
     measured, how = recall_measured({"what": "ort segment", "signature": key, "onnx": hashlib.sha256(model).hexdigest(),
                                      "threads": threads, "tokens": PREFILL_TOKENS, "repeats": REPEATS,
                                      "clear_cuts": CLEAR_CUTS, "native": native_key()},
