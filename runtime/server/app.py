@@ -33,8 +33,13 @@ from llmc.runtime.server.responses import ResponseBuilder
 # What the /v1 routes may answer besides 200, for the OpenAPI schema (and the clients and fuzzers
 # that read it): every error is OpenAI's envelope.
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 499, 500, 503)}
-# A completion answers JSON, or server-sent events with `stream: true`.
-_COMPLETED = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}},
+# A completion answers JSON, or server-sent events with `stream: true`: under OpenAPI 3.0/3.1 the
+# text/event-stream schema describes one event (the generic one of the OpenAPI specification); each
+# event's data is a JSON chunk, the last one "[DONE]".
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer", "minimum": 0}}}
+_COMPLETED = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": _SSE_EVENT}}},
               **_ERRORS}
 
 

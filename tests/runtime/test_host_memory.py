@@ -49,7 +49,9 @@ def test_freed_activations_are_reused_without_page_faults():
 
 def test_llmc_keep_freed_memory_0_leaves_malloc_alone():
     tuned, faults = later_step_faults("0")
-    assert tuned == "False" and faults > 4 * 4096    # glibc hands the pages back and faults them in again
+    # Only that llmc left malloc untuned: what untuned glibc then does is its own affair (its dynamic
+    # mmap threshold made the same loop fault 0 pages in one run and 15,681-20,000 in others here).
+    assert tuned == "False", faults
 
 
 def _huge_bytes(t) -> int:
