@@ -26,12 +26,13 @@ from llmc.runtime.metrics import EngineMetrics
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmc.runtime.paged_attention import PagedKVCache
-from llmc.runtime.sampler import Sampler, SamplingState
+from llmc.runtime.sampler import Sampler, SamplingState, bad_words_token_ids
 from llmc.runtime.sampling_params import MAX_SEED, SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
 from llmc.runtime.speculative_config import SpeculativeConfig, speculative_config
 from llmc.runtime.stop import StopChecker
+from llmc.runtime.structured_output import GrammarCompiler
 from llmc.runtime.threads import apply_threads, resolve_threads
 
 # Forked samples get ids far from Sequence's own counter.
@@ -165,6 +166,7 @@ class Engine:
                                       config.ring_attention_threshold)
         self.eos_token_ids = self.model["eos_token_ids"] or [self.tokenizer.eos_token_id]
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model["vocab_size"], self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.metrics = EngineMetrics()
         self._next_id = 0
@@ -213,7 +215,11 @@ class Engine:
         return ids
 
     def _sample(self, seq: Sequence, req: _Request, index: int) -> _Sample:
-        state = SamplingState(req.params, seq, sample_index=index, device=self.device)
+        params = req.params
+        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
+        bad = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
+        state = SamplingState(params, seq, sample_index=index, device=self.device, grammar=grammar,
+                              bad_words_ids=bad)
         stop = StopChecker(self.tokenizer, req.params, seq, self.eos_token_ids,
                            max_model_len=self.max_model_len)
         return _Sample(seq, state, stop, index)
@@ -283,8 +289,10 @@ class Engine:
             self.scheduler.finish(s.seq, s.stop.finish_reason)
 
     def _propose(self) -> dict[int, list[int]]:
-        """Speculative decoding: drafts for the running sequences that decode one token next."""
-        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        """Speculative decoding: drafts for the running sequences that decode one token next. A request
+        whose logits are reshaped (grammar, bias, bad words, processors) gets none: its drafts would be
+        accepted against logits it never samples from, so it decodes one token a step."""
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1 and not s.params.reshapes_logits]
         return self.speculator.propose(seqs, [self._find(s).state for s in seqs])
 
     def _accept_verified(self, out, logits: torch.Tensor, touched: dict) -> None:

@@ -2,6 +2,8 @@
 sequence's own SamplingParams, vectorised across the batch like vLLM's sampler.
 
 Order of processing, per row (as vLLM and HF transformers):
+  0. a constrained row's grammar mask, in place on the logits (so, as in vLLM, its logprobs are those
+     of the masked logits); then logit_bias, bad words and the request's logits processors;
   1. penalties: repetition on prompt + output tokens (HF/vLLM: divide positive logits,
      multiply negative ones), then frequency and presence on output tokens (OpenAI:
      logit -= frequency * count + presence * [count > 0]);
@@ -18,6 +20,7 @@ vLLM's default, so they do not change with temperature or filters.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +28,7 @@ import torch
 
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.sequence import Sequence
+from llmc.runtime.structured_output import apply_grammar_masks, consume
 
 
 @dataclass
@@ -37,6 +41,8 @@ class SamplingState:
     sample_index: int = 0
     device: str | torch.device = "cpu"  # where the seeded generator draws
     generator: torch.Generator | None = None
+    grammar: object = None  # the llguidance matcher of a constrained request, at this sequence's end
+    bad_words_ids: list[list[int]] | None = None  # token sequences never to complete
 
     def __post_init__(self):
         if self.generator is None and self.params.seed is not None:
@@ -73,7 +79,11 @@ class Sampler:
         # logits: [batch, vocab]
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         logits = logits.float()
-        processed = apply_penalties(logits, states)
+        constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+        if constrained:
+            apply_grammar_masks(logits, constrained, [states[i].grammar for i in constrained])
+        processed = apply_request_processors(logits, states)
+        processed = apply_penalties(processed, states)
         processed = self._mask_early_stops(processed, states)
         token_ids = processed.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
@@ -82,6 +92,10 @@ class Sampler:
             sub_states = [states[i] for i in random_rows]
             probs = filtered_probs(processed[rows], [s.params for s in sub_states])
             token_ids[rows] = self._draw(probs, sub_states)
+        if constrained:
+            chosen = token_ids.tolist()
+            for i in constrained:
+                consume(states[i].grammar, chosen[i])
         return raw_logprobs(logits, token_ids, [s.params.logprobs for s in states])
 
     def _mask_early_stops(self, logits, states):
@@ -91,6 +105,8 @@ class Sampler:
         for i, s in enumerate(states):
             if s.seq.num_output_tokens >= s.params.min_tokens:
                 continue
+            if s.grammar is not None and s.grammar.is_stopped():
+                continue   # its grammar is complete and allows EOS alone
             eos = [] if s.params.ignore_eos else self.eos_token_ids
             for t in set(s.params.stop_token_ids) | set(eos):
                 if t < vocab:
@@ -132,6 +148,63 @@ class Sampler:
             self._shared_generators[device] = torch.Generator(device=device)
             self._shared_generators[device].manual_seed(self.seed)
         return self._shared_generators[device]
+
+
+def apply_request_processors(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """logit_bias, bad words and the logits processors of each row's request; returns `logits`
+    itself when no row has any, else a changed copy (the raw logits keep giving the logprobs)."""
+    rows = [i for i, s in enumerate(states)
+            if s.params.logit_bias or s.bad_words_ids or s.params.logits_processors]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows:
+        s = states[i]
+        bias = [(t, b) for t, b in (s.params.logit_bias or {}).items() if t < vocab]
+        if bias:
+            ids = torch.tensor([t for t, _ in bias], device=logits.device)
+            logits[i, ids] += torch.tensor([b for _, b in bias], device=logits.device)
+        banned = bad_word_tokens(s.seq.output_token_ids, s.bad_words_ids or [])
+        if banned:
+            logits[i, [t for t in banned if t < vocab]] = float("-inf")
+        for process in s.params.logits_processors or []:
+            logits[i] = call_processor(process, s.seq, logits[i])
+    return logits
+
+
+def call_processor(process, seq: Sequence, row: torch.Tensor) -> torch.Tensor:
+    """vLLM's two forms: process(output_ids, logits) or process(prompt_ids, output_ids, logits)."""
+    try:
+        takes_prompt = len(inspect.signature(process).parameters) == 3
+    except (TypeError, ValueError):   # a builtin without a signature
+        takes_prompt = False
+    if takes_prompt:
+        return process(seq.prompt_token_ids, seq.output_token_ids, row)
+    return process(seq.output_token_ids, row)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, alone and after a space (as vLLM: a word mid-text is usually
+    tokenized with its leading space)."""
+    out = []
+    for word in words:
+        for text in dict.fromkeys((word.lstrip(), " " + word.lstrip())):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def bad_word_tokens(output: list[int], bad_words_ids: list[list[int]]) -> set[int]:
+    """The tokens that would complete one of `bad_words_ids` after `output` (vLLM's rule: a bad
+    word's last token is banned where the tokens before it were just generated)."""
+    banned = set()
+    for word in bad_words_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix):] == prefix):
+            banned.add(word[-1])
+    return banned
 
 
 def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

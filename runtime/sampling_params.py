@@ -4,14 +4,21 @@ the same field names and defaults, validated when it is made."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmc.errors import RuntimeLlmcError
+from llmc.runtime.structured_output import StructuredOutputError, StructuredOutputsParams
 
 # Below this a temperature is treated as greedy: dividing logits by ~0 overflows (as vLLM).
 GREEDY_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes at most an unsigned 64-bit seed; sample i draws with seed + i.
 MAX_SEED = 2**64 - 1
+# OpenAI's bounds on logit_bias: values in [-100, 100]; entries bounded so a request cannot make
+# every step index the whole vocabulary.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORDS = 256
 
 
 @dataclass
@@ -33,6 +40,13 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the chosen one
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # top logprobs per prompt token; 0 = only the prompt's own token
+    # constrained decoding: a JSON schema, any JSON, a regex, a choice or a grammar (structured_output.py)
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    bad_words: list[str] | None = None  # words never generated (as vLLM: their token sequences are blocked)
+    # callables (output_token_ids, logits[vocab]) -> logits[vocab], applied to this request's rows
+    logits_processors: list[Callable] | None = None
 
     def __post_init__(self):
         self.validate()
@@ -43,11 +57,19 @@ class SamplingParams:
         self._check_numbers()
         self._check_lengths()
         self._check_stops()
+        self._check_processors()
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether something beyond the sampling filters changes this request's logits (a grammar,
+        a bias, bad words, processors): speculative decoding does not check drafts against those, so
+        such a request decodes one token a step."""
+        return bool(self.structured_outputs or self.logit_bias or self.bad_words or self.logits_processors)
 
     def _normalise(self):
         if self.top_k is None or (_is_int(self.top_k) and self.top_k == 0):
@@ -87,8 +109,10 @@ class SamplingParams:
             _fail("min_tokens", "must be an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            _fail("logprobs", "must be an integer >= 0 or None", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                _fail(name, "must be an integer >= 0 or None", value)
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
             _fail("seed", f"+ n - 1 must be at most 2**64 - 1 (sample i draws with seed + i; n is {self.n})",
                   self.seed)
@@ -103,6 +127,44 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, "must be True or False", getattr(self, name))
+
+
+    def _check_processors(self):
+        try:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        except StructuredOutputError as e:
+            raise RuntimeLlmcError(f"SamplingParams.{e}") from None
+        self._check_logit_bias()
+        self.bad_words = _as_list("bad_words", self.bad_words, "a list of strings or None")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            _fail("bad_words", f"must hold at most {MAX_BAD_WORDS} words", f"{len(self.bad_words)} words")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                _fail("bad_words", "must hold non-blank strings", word)
+        self.logits_processors = _as_list("logits_processors", self.logits_processors,
+                                          "a list of callables or None")
+        for f in self.logits_processors:
+            if not callable(f):
+                _fail("logits_processors", "must hold callables (output_token_ids, logits) -> logits", f)
+
+    def _check_logit_bias(self):
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            _fail("logit_bias", f"must hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens",
+                  f"{len(self.logit_bias)} tokens")
+        bias = {}
+        for token, value in self.logit_bias.items():
+            # OpenAI's JSON keys are strings of token ids
+            token = int(token) if isinstance(token, str) and token.isdigit() else token
+            if not _is_int(token) or token < 0:
+                _fail("logit_bias", "keys must be token ids (integers >= 0)", token)
+            if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                _fail("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", value)
+            bias[token] = float(value)
+        self.logit_bias = bias
 
 
 def _as_list(name, value, shown) -> list:

@@ -1,0 +1,197 @@
+"""Constrained decoding on tiny-llama (random weights, so every token the grammar allows is
+reachable): JSON schemas, any JSON, regex, choice and GBNF grammars through the Python API, in
+batches shared with unconstrained requests; bad specs refused by name; and the rest of the
+request-level logits API (logit_bias, bad_words, logits processors)."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+import llmc
+from llmc.errors import RuntimeLlmcError
+from llmc.runtime.sampler import bad_word_tokens, bad_words_token_ids
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.structured_output import StructuredOutputsParams, apply_grammar_masks
+
+PROMPT = "Once upon a time"
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pets": {"type": "array", "maxItems": 3, "items": {"enum": ["cat", "dog", "fish"]}},
+                         "home": {"type": "object", "required": ["zip"], "additionalProperties": False,
+                                  "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+ORDER = {"type": "object", "additionalProperties": False, "required": ["sku", "qty", "express"],
+         "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                        "express": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+def llm(artifact):
+    return llmc.load(artifact, kv_memory="16MiB", threads=1)
+
+
+def params(seed=None, max_tokens=120, **kw) -> SamplingParams:
+    temperature = 0.0 if seed is None else 1.0
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **kw)
+
+
+def texts(llm, all_params) -> list[str]:
+    outs = llm.generate([PROMPT] * len(all_params), all_params)
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.parametrize("schema", [PERSON, ORDER], ids=["person", "order"])
+def test_json_schema_outputs_validate(llm, schema):
+    spec = StructuredOutputsParams(json=schema)
+    outs = llm.generate([PROMPT] * 6, [params(seed, structured_outputs=spec) for seed in (None, 1, 2, 3, 4, 5)])
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_json_object_gives_an_object_and_pydantic_models_are_schemas(llm):
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+        y: bool
+
+    outs = texts(llm, [params(3, max_tokens=60, structured_outputs={"json_object": True}),
+                       params(4, structured_outputs=StructuredOutputsParams(json=Point))])
+    assert isinstance(json.loads(outs[0]), dict) or outs[0]   # bounded by max_tokens: an object when closed
+    Point.model_validate_json(outs[1])
+
+
+@pytest.mark.parametrize("seed", [None, 7, 8])
+def test_regex_choice_and_grammar_outputs_match(llm, seed):
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    grammar = 'root ::= "(" [a-c] [a-c]? [a-c]? ")" ("," digit)?\ndigit ::= [0-9]'
+    outs = texts(llm, [params(seed, structured_outputs={"regex": regex}),
+                       params(seed, structured_outputs={"choice": ["red", "green", "blue"]}),
+                       params(seed, structured_outputs={"grammar": grammar})])
+    assert re.fullmatch(regex, outs[0])
+    assert outs[1] in ("red", "green", "blue")
+    assert re.fullmatch(r"\([a-c]{1,3}\)(,[0-9])?", outs[2])
+
+
+def test_unconstrained_requests_keep_their_output_in_a_constrained_batch(llm):
+    alone = texts(llm, [params(max_tokens=12)])[0]
+    mixed = texts(llm, [params(structured_outputs={"json": ORDER}), params(max_tokens=12),
+                        params(9, structured_outputs={"regex": "[a-z]+"}, max_tokens=12)])
+    assert mixed[1] == alone
+    assert re.fullmatch("[a-z]+", mixed[2])
+
+
+def test_grammar_is_compiled_once_per_distinct_spec(llm):
+    grammars = llm.engine.grammars
+    grammars._cache.clear()
+    texts(llm, [params(s, structured_outputs={"regex": "(ab|cd)+"}, max_tokens=6) for s in (1, 2, 3)])
+    assert len(grammars._cache) == 1
+    texts(llm, [params(4, structured_outputs={"regex": "(ab|cd)+x"}, max_tokens=6)])
+    assert len(grammars._cache) == 2
+
+
+def test_n_samples_each_follow_the_grammar(llm):
+    out = llm.generate([PROMPT], params(11, n=3, structured_outputs={"json": ORDER}))[0]
+    assert len(out.outputs) == 3
+    for sample in out.outputs:
+        jsonschema.validate(json.loads(sample.text), ORDER)
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ({"json": {"type": "nonsense"}}, "structured_outputs.json cannot be compiled: Invalid type"),
+    ({"json": '{"type": '}, "structured_outputs.json cannot be compiled: Expecting value"),
+    ({"regex": "([a-z"}, "structured_outputs.regex cannot be compiled"),
+    ({"grammar": "root ::= undefined_rule"}, "Rule 'undefined_rule' not found"),
+    ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
+    ({"regex": "a", "choice": ["a"]}, "need exactly one of json, regex, choice, grammar, json_object"),
+])
+def test_bad_specs_are_refused_naming_the_problem(llm, spec, problem):
+    with pytest.raises(RuntimeLlmcError, match=re.escape(problem)):
+        llm.generate([PROMPT], params(structured_outputs=spec))
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_huge_schema_is_refused_in_bounded_time(llm):
+    import time
+    # 4,000 properties each with a pattern: a grammar over the lexer-state and fuel limits
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^(a|b){{{i % 50},90}}c$"}
+                                             for i in range(4000)}}
+    start = time.monotonic()
+    try:
+        texts(llm, [params(structured_outputs={"json": huge}, max_tokens=4)])
+    except RuntimeLlmcError as e:
+        assert "structured_outputs.json" in str(e)
+    assert time.monotonic() - start < 20
+
+
+def test_speculative_decoding_skips_constrained_requests(artifact):
+    spec_llm = llmc.load(artifact, kv_memory="16MiB", threads=1,
+                         speculative={"method": "ngram", "num_speculative_tokens": 3})
+    outs = spec_llm.generate([PROMPT] * 2, [params(5, structured_outputs={"json": ORDER}), params(max_tokens=30)])
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), ORDER)
+    assert params(structured_outputs={"json": ORDER}).reshapes_logits and not params().reshapes_logits
+
+
+def test_grammar_mask_is_applied_in_place_to_its_rows_only():
+    class AllowEven:   # a stand-in matcher: allows the even token ids
+        def unsafe_compute_mask_ptr(self, pointer, size):
+            import ctypes
+            ctypes.memset(pointer, 0x55, size)   # bits 0, 2, 4, ... of every byte
+
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    apply_grammar_masks(logits, [1], [AllowEven()])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    assert torch.equal(logits[1, 0::2], before[1, 0::2]) and torch.isinf(logits[1, 1::2]).all()
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    free = llm.generate([PROMPT], params(max_tokens=5))[0].outputs[0].token_ids
+    forced = llm.generate([PROMPT], params(max_tokens=5, logit_bias={"42": 100}))[0].outputs[0].token_ids
+    banned = llm.generate([PROMPT], params(max_tokens=5, logit_bias={free[0]: -100}))[0].outputs[0].token_ids
+    assert forced == [42] * 5
+    assert banned[0] != free[0]
+
+
+@pytest.mark.parametrize("bias", [{1: 101.0}, {-1: 1.0}, {"x": 1.0}, {i: 1.0 for i in range(2000)}])
+def test_logit_bias_is_bounded(bias):
+    with pytest.raises(RuntimeLlmcError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_bad_words_never_complete(llm):
+    free = llm.generate([PROMPT], params(max_tokens=12))[0].outputs[0]
+    word = free.text.split()[0] if free.text.split() else free.text[:2]
+    out = llm.generate([PROMPT], params(max_tokens=12, bad_words=[word]))[0].outputs[0]
+    assert out.token_ids != free.token_ids
+    for ids in bad_words_token_ids(llm.tokenizer, [word]):
+        tokens = out.token_ids
+        assert not any(tokens[i:i + len(ids)] == ids for i in range(len(tokens)))
+
+
+def test_bad_word_rule_bans_the_last_token_after_its_prefix():
+    assert bad_word_tokens([5, 6, 7], [[7, 8], [6, 9], [10]]) == {8, 10}
+
+
+def test_logits_processors_take_either_of_vllms_forms(llm):
+    seen = []
+
+    def only_token_9(output_ids, logits):
+        seen.append(len(output_ids))
+        mask = torch.full_like(logits, float("-inf"))
+        mask[9] = 0
+        return logits + mask
+
+    def with_prompt(prompt_ids, output_ids, logits):
+        assert len(prompt_ids) > 0
+        return only_token_9(output_ids, logits)
+
+    for process in (only_token_9, with_prompt):
+        seen.clear()
+        out = llm.generate([PROMPT], params(max_tokens=4, logits_processors=[process]))[0].outputs[0]
+        assert out.token_ids == [9] * 4 and seen == [0, 1, 2, 3]
