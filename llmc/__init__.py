@@ -44,9 +44,12 @@ def __getattr__(name):
     if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
         from llmc.runtime import outputs, sampling_params
         return getattr(sampling_params if name == "SamplingParams" else outputs, name)
+    if name == "StructuredOutputsParams":
+        from llmc.runtime.structured_output import StructuredOutputsParams
+        return StructuredOutputsParams
     raise AttributeError(f"module 'llmc' has no attribute {name!r}")
 
 
-__all__ = ["compile", "load", "LLM", "evaluate", "export", "serve", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "LlmcError", "ModelLoadError", "UnsupportedModelError", "IRError", "PassError",
-           "TargetError", "ArtifactError", "RuntimeLlmcError", "__version__"]
+__all__ = ["compile", "load", "LLM", "evaluate", "export", "serve", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "LlmcError", "ModelLoadError", "UnsupportedModelError", "IRError",
+           "PassError", "TargetError", "ArtifactError", "RuntimeLlmcError", "__version__"]

@@ -205,6 +205,60 @@ def sampling_options(f):
     return f
 
 
+def structured_options(f):
+    for opt in reversed([
+        click.option("--json-schema", "json_schema", type=click.File("rb"), default=None, metavar="FILE",
+                     help="Constrain the output to JSON valid under the JSON schema in FILE."),
+        click.option("--regex", default=None, help="Constrain the output to match this regular expression."),
+        click.option("--grammar", type=click.File("rb"), default=None, metavar="FILE",
+                     help="Constrain the output to the EBNF/GBNF (llama.cpp) or Lark grammar in FILE."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _structured_outputs(json_schema, regex, grammar):
+    """The run's StructuredOutputsParams (None without a constraint); a file that is not what its
+    option needs is the user's error, named before the model loads."""
+    from llmc.runtime.structured_output import StructuredOutputError, StructuredOutputsParams
+
+    given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise LlmcError(f"{' and '.join(given)} both constrain the output; give one of them")
+    try:
+        if json_schema:
+            text = _file_text(json_schema, "--json-schema")
+            try:
+                return StructuredOutputsParams(json=json.loads(text))
+            except json.JSONDecodeError as e:
+                raise LlmcError(f"--json-schema '{json_schema.name}' is not JSON: {e}") from None
+        if grammar:
+            return StructuredOutputsParams(grammar=_file_text(grammar, "--grammar"))
+        return StructuredOutputsParams(regex=regex) if regex else None
+    except StructuredOutputError as e:
+        raise LlmcError(f"{given[0]}: {e}") from None
+
+
+def _compiled(model, structured):
+    """`structured` once its grammar compiles for the model's tokenizer (before any output is printed)."""
+    from llmc.runtime.structured_output import StructuredOutputError
+
+    if structured is not None:
+        option = {"json": "--json-schema", "regex": "--regex", "grammar": "--grammar"}[structured.kind]
+        try:
+            model.engine.grammars.compile(structured)
+        except StructuredOutputError as e:
+            raise LlmcError(f"{option}: {e}") from None
+    return structured
+
+
+def _file_text(file, option: str) -> str:
+    try:
+        return file.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlmcError(f"{option} '{file.name}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def device_option(f):
     return click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
                         help="Where to run (default: where the artifact's target runs); cpu runs a GPU "
@@ -290,17 +344,21 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--no-stream", is_flag=True, help="Print whole outputs at the end.")
 @sampling_options
+@structured_options
 @device_option
 @threads_option
 @speculative_options
 @ring_attention_option
 @batch_invariant_option
 def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
-        kv_memory, device, threads, speculative, num_speculative_tokens, ring_attention_threshold, batch_invariant):
-    """Generate from one prompt (streamed) or many (batched together)."""
+        kv_memory, json_schema, regex, grammar, device, threads, speculative, num_speculative_tokens,
+        ring_attention_threshold, batch_invariant):
+    """Generate from one prompt (streamed) or many (batched together). With --json-schema, --regex or
+    --grammar the output is constrained to it."""
     import llmc
 
     threads = _threads(threads)
+    structured = _structured_outputs(json_schema, regex, grammar)
     speculative = _speculative(speculative, num_speculative_tokens)
     prompts = [checked_text(p, f"--prompt {i}") for i, p in enumerate(prompt, 1)]
     if prompts_file:
@@ -314,6 +372,7 @@ def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens
     model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative,
                       ring_attention_threshold=ring_attention_threshold, batch_invariant=_invariant(batch_invariant))
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
+    params.structured_outputs = _compiled(model, structured)
     if chat:
         prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     if len(prompts) == 1 and not no_stream:

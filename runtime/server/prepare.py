@@ -1,6 +1,7 @@
 """A request body made into what the engine takes (prompt token ids and sampling params), on a
 worker thread: chat templates and tokenisers take time that grows with the prompt (seconds for
-megabytes), and on the event loop that time would stall every other request and /health. Here too
+megabytes), and on the event loop that time would stall every other request and /health; so do
+grammars of structured outputs, compiled here (once per distinct spec: the engine finds them cached). Here too
 the prompt is checked against the context before it is tokenised (limits.PromptBound), `n` is
 capped, and `max_tokens` is clamped to what the context leaves (as vLLM does)."""
 
@@ -17,6 +18,7 @@ from llmc.runtime import request_values
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.limits import PromptBound
 from llmc.runtime.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from llmc.runtime.structured_output import StructuredOutputError
 
 
 @dataclass
@@ -46,7 +48,7 @@ class RequestPreparer:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _completion(self, body: CompletionRequest) -> Prepared:
-        params = self._capped(body.sampling_params())
+        params = self._compiled(body, self._capped(body.sampling_params()))
         if body.best_of is not None and body.best_of != params.n:
             raise ApiError(400, f"best_of {body.best_of} differs from n {params.n}: llmc returns every sample it "
                                 "draws, so best_of must equal n or be left out", param="best_of")
@@ -56,7 +58,7 @@ class RequestPreparer:
         return self._prepared(text, ids, params, "prompt")
 
     def _chat(self, body: ChatCompletionRequest) -> Prepared:
-        params = self._capped(body.sampling_params())
+        params = self._compiled(body, self._capped(body.sampling_params()))
         text = self._rendered(body.conversation())
         return self._prepared(text, self._encoded(text, "messages"), params, "messages")
 
@@ -64,6 +66,16 @@ class RequestPreparer:
         if params.n > self.max_n:
             raise ApiError(400, f"n {params.n} is over this server's limit of {self.max_n} choices per request "
                                 "(--max-n); ask for fewer or send several requests", param="n")
+        return params
+
+    def _compiled(self, body, params: SamplingParams) -> SamplingParams:
+        """Compile the request's grammar (a bad one is a 400 naming its field and the problem)."""
+        if params.structured_outputs is not None:
+            try:
+                self.engine.grammars.compile(params.structured_outputs)
+            except StructuredOutputError as e:
+                field = body.structured_outputs_spec()[1]
+                raise ApiError(400, f"{field}: {e}", param=field, code="invalid_structured_output") from None
         return params
 
     def _rendered(self, conversation: list[dict]) -> str:

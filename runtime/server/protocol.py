@@ -5,11 +5,13 @@ refused, not ignored: a field the server would silently drop changes what the us
 from __future__ import annotations
 
 import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.structured_output import StructuredOutputError, StructuredOutputsParams
 
 # vLLM's default --max-logprobs: the most top logprobs one token may ask for.
 MAX_LOGPROBS = 20
@@ -51,6 +53,34 @@ class ContentPart(BaseModel):
     text: str
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute in pydantic: kept under another name
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON under a schema."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field (the fields of its StructuredOutputsParams)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -75,13 +105,63 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    bad_words: list[str] | None = None
+    # constrained decoding: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    def structured_outputs_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's constraint and the field it came in (for a 400's param); at most one field."""
+        given = {name: spec for name, spec in (("response_format", self._response_format_spec()),
+                                               ("structured_outputs", self._structured_outputs_spec()),
+                                               *self._guided_specs()) if spec is not None}
+        if len(given) > 1:
+            raise ApiError(400, f"{' and '.join(given)} both constrain the output; give one of them",
+                           param=list(given)[1])
+        if not given:
+            return None, None
+        field, spec = next(iter(given.items()))
+        try:
+            return StructuredOutputsParams(**spec), field
+        except StructuredOutputError as e:
+            raise ApiError(400, f"{field}: {e}", param=field) from None
+
+    def _response_format_spec(self) -> dict | None:
+        form = self.response_format
+        if form is None or form.type == "text":
+            return None
+        if form.type == "json_object":
+            return {"json_object": True}
+        if form.json_schema is None or not form.json_schema.json_schema:
+            raise ApiError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema",
+                           param="response_format.json_schema")
+        return {"json": form.json_schema.json_schema}
+
+    def _structured_outputs_spec(self) -> dict | None:
+        if self.structured_outputs is None:
+            return None
+        fields = self.structured_outputs.model_dump(exclude_defaults=True, by_alias=True)
+        return fields
+
+    def _guided_specs(self):
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                yield field, {key: getattr(self, field), "whitespace_pattern": self.guided_whitespace_pattern}
 
     def sampling_fields(self) -> dict:
         """The SamplingParams fields this request sets (the rest keep their defaults)."""
         given = {name: getattr(self, name) for name in (
             "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
             "min_p", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens")}
+            "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "bad_words")}
+        given["structured_outputs"] = self.structured_outputs_spec()[0]
         return {k: v for k, v in given.items() if v is not None}
 
     @property

@@ -1,7 +1,8 @@
 """Constrained decoding on tiny-llama (random weights, so every token the grammar allows is
 reachable): JSON schemas, any JSON, regex, choice and GBNF grammars through the Python API, in
 batches shared with unconstrained requests; bad specs refused by name; and the rest of the
-request-level logits API (logit_bias, bad_words, logits processors)."""
+request-level logits API (logit_bias, bad_words, logits processors); and `llmc run --json-schema |
+--regex | --grammar`."""
 
 import json
 import re
@@ -9,6 +10,7 @@ import re
 import jsonschema
 import pytest
 import torch
+from llmc_cli import error_line, llmc_in_process
 
 import llmc
 from llmc.errors import RuntimeLlmcError
@@ -195,3 +197,32 @@ def test_logits_processors_take_either_of_vllms_forms(llm):
         seen.clear()
         out = llm.generate([PROMPT], params(max_tokens=4, logits_processors=[process]))[0].outputs[0]
         assert out.token_ids == [9] * 4 and seen == [0, 1, 2, 3]
+
+
+def test_llmc_run_constrains_by_json_schema_regex_and_grammar(artifact, tmp_path, capsys):
+    (tmp_path / "order.json").write_text(json.dumps(ORDER))
+    (tmp_path / "g.gbnf").write_text('root ::= ("up" | "down") [0-9]')
+    base = ["run", artifact, "-p", PROMPT, "--kv-memory", "16MiB", "--threads", "1", "--max-tokens", "80"]
+    for option, check in ((["--json-schema", tmp_path / "order.json"],
+                           lambda text: jsonschema.validate(json.loads(text), ORDER)),
+                          (["--regex", "[a-z]{3}-[0-9]"], lambda text: re.fullmatch("[a-z]{3}-[0-9]", text)),
+                          (["--grammar", tmp_path / "g.gbnf"], lambda text: re.fullmatch("(up|down)[0-9]", text))):
+        code, out, err = llmc_in_process(capsys, *base, *option)
+        assert code == 0, err
+        assert check(out.strip()) is not False
+
+
+@pytest.mark.parametrize("option, content, problem", [
+    ("--json-schema", '{"type": "wat"}', "--json-schema: structured_outputs.json cannot be compiled: Invalid type"),
+    ("--json-schema", "{not json", "is not JSON: Expecting property name"),
+    ("--grammar", 'root ::= "a" missing', "--grammar: structured_outputs.grammar cannot be compiled"),
+    ("--regex", "((", "--regex: structured_outputs.regex cannot be compiled"),
+])
+def test_llmc_run_refuses_a_bad_constraint_in_one_line(artifact, tmp_path, capsys, option, content, problem):
+    value = content
+    if option != "--regex":
+        value = tmp_path / "spec"
+        value.write_text(content)
+    code, _, err = llmc_in_process(capsys, "run", artifact, "-p", PROMPT, "--kv-memory", "16MiB", "--threads", "1",
+                                   option, value)
+    assert code == 2 and problem in error_line(err)
