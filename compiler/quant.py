@@ -41,9 +41,13 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 def int4_grid(groups: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and integer zero point of each row of `groups` [..., g] (GPTQ's min/max grid): the
     range always holds 0, so zero weights stay exact, and z lies in 0..2^bits-1."""
+    return int4_grid_of_range(groups.amin(-1), groups.amax(-1), bits)
+
+
+def int4_grid_of_range(lo: torch.Tensor, hi: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4_grid of groups whose least and greatest values are lo and hi."""
     maxq = 2 ** bits - 1
-    lo = groups.amin(-1).clamp(max=0)
-    hi = groups.amax(-1).clamp(min=0)
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     scales = _safe(((hi - lo) / maxq).float())
     zeros = torch.round(-lo / scales.to(lo.dtype)).clamp(0, maxq).float()
     return scales, zeros

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from llmc.compiler.quant import compute_dtype, int4_grid, quantize_to_grid
+from llmc.compiler.quant import compute_dtype, int4_grid, int4_grid_of_range, quantize_to_grid
 from llmc.errors import PassError
 
 
@@ -130,17 +130,27 @@ def clipped_grid(x: torch.Tensor, importance: torch.Tensor, bits: int = 4, steps
     {1, 1 - 1/steps, ...} (above 1 - max_shrink) minimising Σ_j importance_j (x_j - x̂_j)²:
     a weight's rounding error costs the layer output in proportion to its input's energy
     H_jj, and clipping a rare outlier buys every other weight of the group a finer step."""
+    lo, hi = x.amin(1), x.amax(1)
     best = None
     for step in range(int(max_shrink * steps)):
-        s, z = int4_grid(x * (1 - step / steps), bits)
-        x_hat = (quantize_to_grid(x, s, z, bits) - z.to(x.dtype)[:, None]) * s.to(x.dtype)[:, None]
-        err = ((x - x_hat).pow(2) * importance).sum(1)
+        # rounding is monotonic, so the shrunk rows' extremes are the shrunk extremes, bit for bit
+        factor = 1 - step / steps
+        s, z = int4_grid_of_range(lo * factor, hi * factor, bits)
+        err = _grid_error(x, s, z, bits, importance)
         if best is None:
             best = err, s, z
             continue
         better = err < best[0]
         best = tuple(torch.where(better, new, old) for new, old in zip((err, s, z), best))
     return best[1], best[2]
+
+
+def _grid_error(x, s, z, bits, importance):
+    """Σ_j importance_j (x_j - x̂_j)² per row, x̂ = x on the grid (s, z); in place on one temporary,
+    the same operations (and bits) as quantize_to_grid's codes dequantised."""
+    s, z = s.to(x.dtype)[:, None], z.to(x.dtype)[:, None]
+    t = torch.div(x, s).round_().add_(z).clamp_(0, 2 ** bits - 1).sub_(z).mul_(s)
+    return t.sub_(x).square_().mul_(importance).sum(1)
 
 
 def _quantize_columns(w, hinv, perm, g, bits, block_size, grid_of):

@@ -108,3 +108,21 @@ def test_without_calibration_logits_nothing_is_tried():
     int8, record = ort_accuracy.gate_int8_activations(None, None, [None, None], [None, None], kinds, None, None)
     assert int8 == set() and record["accepted"] == 0 and "no calibration logits" in kinds[0]["excluded"]["ort-int8"]
     assert ort_accuracy.gate_int8_activations(None, None, [], [], [{"chosen": "cpu"}], None, None) == (set(), None)
+
+
+def test_a_candidate_saving_too_little_is_not_checked():
+    """The check runs the model twice over the calibration text: a saving under MIN_GAIN of the measured
+    request is refused before it (and never scored: graph, plan and reference are not touched)."""
+    us = lambda *t: {name: {"decode": v, "prefill": 10 * v} for name, v in zip(("cpu", "ort", "ort-int8"), t)}
+    head = {"chosen": "ort", "int8_candidate": True, "us": us(200, 100, 99), "segments": 1}
+    layer = {"chosen": "cpu", "us": us(300, 400, 500), "segments": 30}
+    kinds = [head] + [layer] * 30
+    gain = ort_accuracy.int8_gain(kinds, [0])
+    assert gain == pytest.approx((100 - 99) / (100 + 30 * 300)) and gain < ort_accuracy.MIN_GAIN
+    reference = object()   # would fail if scored
+    int8, record = ort_accuracy.gate_int8_activations(None, None, [None] * 31, [None] * 31, kinds, reference, None)
+    assert int8 == set() and record["accepted"] == 0 and "would save 0.0%" in head["excluded"]["ort-int8"]
+    # the same candidate saving a third of the request is checked (here: scoring is reached)
+    head["us"]["ort-int8"] = {"decode": 1, "prefill": 10}
+    layer["us"] = us(1, 2, 3)
+    assert ort_accuracy.int8_gain(kinds, [0]) > ort_accuracy.MIN_GAIN

@@ -1,7 +1,8 @@
 """`--kernels auto` and MatMulNBits on int8 activations (accuracy_level 4): the fastest int4 path on
 the CPU, but it rounds each row's activations to int8 per block, which random inputs cannot price
 (their error grows with the activations' outliers). So where it measured fastest for some segments
-(ort_timing.py), the whole lowered model runs the compile's calibration sequences twice,
+(ort_timing.py), by enough to pay for the check (MIN_GAIN of a request's time), the
+whole lowered model runs the compile's calibration sequences twice,
 with those segments on int8 activations and with the kernels auto would run otherwise, and both
 are scored against the source model's logits (the reference the lossy passes were measured by,
 passes/accuracy.py). Int8 activations are kept only where the model's KL to its source and its
@@ -19,11 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from llmc.codegen.onnx_ops import INT8_COMPUTE
-from llmc.compiler.driver.tuning.ort_timing import INT8_ACTIVATIONS, INT8_EXCLUDED
+from llmc.compiler.driver.tuning.ort_timing import INT8_ACTIVATIONS, INT8_EXCLUDED, request_cost
 from llmc.compiler.ir import Graph
 
 KL_SLACK = 0.02      # relative: KL(source || model) may rise by 2% of itself, the noise of ~1,000 tokens
 TOP1_SLACK = 0.005   # top-1 agreement may fall by half a point (5 tokens in 1,000)
+# the share of a request's measured time int8 activations must save to be worth the check (which runs the
+# whole model twice over the calibration text: ~8 s of SmolLM2's int4-gptq compile, to save 0.3%)
+MIN_GAIN = 0.03
 NO_CALIBRATION = ("no calibration logits to check it on (a compile with a lossy --quant measures them; "
                   "the stored quantisation of a GGUF file is kept without)")
 
@@ -49,6 +53,12 @@ def gate_int8_activations(graph: Graph, plan, segments: list, built, kinds: list
     if reference is None:
         _refuse(kinds, candidates, NO_CALIBRATION)
         return set(), {"accepted": 0, "why": NO_CALIBRATION}
+    gain = int8_gain(kinds, candidates)
+    if gain < MIN_GAIN:
+        why = (f"would save {gain:.1%} of a request's measured time, under the {MIN_GAIN:.0%} that pays for "
+               f"checking it on the calibration text")
+        _refuse(kinds, candidates, why)
+        return set(), {"accepted": 0, "why": why}
     from llmc.codegen.ort_lowering import SegmentModels
 
     int8_built = SegmentModels(graph, segments, INT8_COMPUTE)
@@ -72,6 +82,17 @@ def gate_int8_activations(graph: Graph, plan, segments: list, built, kinds: list
             return set(subset), {**record, "accepted": len(subset)}
     _refuse(kinds, candidates, _why(exact, record["tried"][0]))
     return set(), {**record, "accepted": 0}
+
+
+def int8_gain(kinds: list[dict], candidates: list[int]) -> float:
+    """The share of a request's time (over the measured kinds, each as often as it runs) that the
+    candidates would save on int8 activations."""
+    cost = lambda kind, name: request_cost(kind["us"][name]) * kind["segments"]
+    measured = {id(k): k for k in kinds if k.get("chosen") in k.get("us", {})}
+    total = sum(cost(k, k["chosen"]) for k in measured.values())
+    picked = {id(kinds[i]): kinds[i] for i in candidates if id(kinds[i]) in measured}
+    saved = sum(max(0.0, cost(k, k["chosen"]) - cost(k, INT8_ACTIVATIONS)) for k in picked.values())
+    return saved / total if total else 1.0
 
 
 def _subsets(candidates: list[int], segments: list, plan) -> list[list[int]]:
@@ -110,4 +131,4 @@ def _refuse(kinds: list[dict], indices: list[int], why: str) -> None:
         kinds[i].setdefault("excluded", {})[INT8_ACTIVATIONS] = why
 
 
-__all__ = ["CalibrationReference", "gate_int8_activations", "score", "KL_SLACK", "TOP1_SLACK"]
+__all__ = ["CalibrationReference", "gate_int8_activations", "int8_gain", "score", "KL_SLACK", "TOP1_SLACK", "MIN_GAIN"]
