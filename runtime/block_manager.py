@@ -130,7 +130,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the prompt's leading full blocks. At most num_tokens - 1
         tokens may hit: the last one is always recomputed to produce logits."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.uses_prefix_cache:
             return []
         hits: list[int] = []
         prev = NO_HASH
@@ -191,7 +191,7 @@ class BlockManager:
 
     def mark_full_blocks(self, seq: Sequence) -> None:
         """Hash blocks whose tokens are now all computed and offer them to the prefix cache."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.uses_prefix_cache:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         first = num_full

@@ -26,6 +26,7 @@ from llmc.runtime.metrics import EngineMetrics
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmc.runtime.paged_attention import PagedKVCache
+from llmc.runtime.prompt_logprobs import prompt_rows, record
 from llmc.runtime.sampler import Sampler, SamplingState, bad_words_token_ids
 from llmc.runtime.sampling_params import MAX_SEED, SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
@@ -115,6 +116,7 @@ class _Sample:
     index: int
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # sample 0's, when asked
 
 
 @dataclass
@@ -168,6 +170,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model["vocab_size"], self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
+        self._token_texts: dict[int, str] = {}
         self.metrics = EngineMetrics()
         self._next_id = 0
         self.speculator = None
@@ -195,6 +198,9 @@ class Engine:
         req = _Request(request_id, prompt, ids, params, RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)))
         seq = Sequence(ids, request_id=request_id, params=params, priority=priority, arrival_time=now)
         req.samples.append(self._sample(seq, req, 0))
+        if params.prompt_logprobs is not None:
+            req.samples[0].prompt_logprobs = [None]
+            seq.uses_prefix_cache = False   # a cached block has no logits
         self.requests[request_id] = req
         self.scheduler.add(seq)
         return request_id
@@ -247,11 +253,16 @@ class Engine:
                 touched[req.request_id] = req
         if not out.is_empty:
             t0 = time.perf_counter()
+            asked = prompt_rows(out.scheduled, lambda seq: self._find(seq).prompt_logprobs)
             logits = self.runner.execute(out.scheduled, out.sampled, out.blocks_to_copy, drafts=out.drafts,
-                                         borrow=True)   # sampled and verified before the next step
+                                         borrow=True,   # sampled and verified before the next step
+                                         **({"prompt_rows": asked} if asked else {}))
+            end = len(logits) - sum(asked.values())
+            if asked:
+                self._record_prompt_logprobs(out, asked, logits[end:])
             self._sample_and_stop(out, logits[:len(out.sampled)], touched)
             if out.drafts:
-                self._accept_verified(out, logits[len(out.sampled):], touched)
+                self._accept_verified(out, logits[len(out.sampled):end], touched)
             self.metrics.on_step(out, time.perf_counter() - t0, self.scheduler, self.block_manager)
         if self.speculator:
             self.speculator.forget_finished()
@@ -260,6 +271,23 @@ class Engine:
             if req.finished:
                 self._retire(req)
         return results
+
+    def _record_prompt_logprobs(self, out, asked: dict[int, int], logits: torch.Tensor) -> None:
+        row = 0
+        for seq, _ in out.scheduled:
+            count = asked.get(seq.seq_id, 0)
+            if count:
+                s = self._find(seq)
+                record(seq, s.prompt_logprobs, logits[row:row + count], s.state.params.prompt_logprobs,
+                       self.token_text)
+                row += count
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as Logprob.decoded_token gives it (cached: logprobs ask for the same ones)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _sample_and_stop(self, out, logits: torch.Tensor, touched: dict) -> None:
         samples = [self._find(seq) for seq in out.sampled]
@@ -280,9 +308,10 @@ class Engine:
         token = result.token_ids[i]
         assert s.seq.last_token == token, "a sampled token is appended to its sequence before it is accepted"
         if s.state.params.logprobs is not None:
-            entry = {token: Logprob(result.logprobs[i], result.ranks[i] if result.ranks else None)}
+            entry = {token: Logprob(result.logprobs[i], result.ranks[i] if result.ranks else None,
+                                    self.token_text(token))}
             for rank, (tok, lp) in enumerate(result.top_logprobs[i] if result.top_logprobs else [], 1):
-                entry.setdefault(tok, Logprob(lp, rank))
+                entry.setdefault(tok, Logprob(lp, rank, self.token_text(tok)))
             s.logprobs = (s.logprobs or []) + [entry]
             s.cumulative_logprob = (s.cumulative_logprob or 0.0) + result.logprobs[i]
         if s.stop.check_new_token():
@@ -342,7 +371,8 @@ class Engine:
         if req.finished and m.finished_time is None:
             m.finished_time = time.monotonic()
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outs, finished=req.finished, metrics=m)
+                             outputs=outs, finished=req.finished, metrics=m,
+                             prompt_logprobs=req.samples[0].prompt_logprobs)
 
     def _retire(self, req: _Request) -> None:
         for s in req.samples:

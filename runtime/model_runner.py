@@ -21,14 +21,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], sampled: list[Sequence],
                 blocks_to_copy: list[tuple[int, int]], drafts: dict[int, list[int]] | None = None,
-                borrow: bool = False) -> torch.Tensor:
+                borrow: bool = False, prompt_rows: dict[int, int] | None = None) -> torch.Tensor:
         """logits [rows, vocab]: one row per `sampled` sequence, in order, then for each sequence
         with `drafts` (speculative decoding; its drafts are fed after its known tokens) 1 + k rows:
-        the logits after its last known token and after each of its k drafts. With `borrow` they may
-        be a buffer the next call overwrites (PlanExecutor.run_values)."""
+        the logits after its last known token and after each of its k drafts; then for each sequence in
+        `prompt_rows` (seq_id -> count) the rows of the first `count` tokens of its chunk (prompt
+        logprobs). With `borrow` they may be a buffer the next call overwrites (PlanExecutor.run_values)."""
         drafts = drafts or {}
         self.cache.copy_blocks(blocks_to_copy)
-        ids, positions, last_row, layout, trees = [], [], {}, [], {}
+        ids, positions, last_row, first_row, layout, trees = [], [], {}, {}, [], {}
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             known = seq.token_ids[start:start + n]
@@ -40,6 +41,7 @@ class ModelRunner:
             else:
                 positions += range(start, start + n)
             last_row[seq.seq_id] = len(ids) - 1
+            first_row[seq.seq_id] = len(ids) - n
             layout.append((seq.block_table, start, n))
         device = self.executor.device
         self.attention.metadata = meta = StepMetadata.build(layout, self.cache.block_size, device)
@@ -50,6 +52,8 @@ class ModelRunner:
         wanted = [last_row[s.seq_id] for s in sampled]
         for seq_id, tokens in drafts.items():
             wanted += range(last_row[seq_id] - len(tokens), last_row[seq_id] + 1)
+        for seq_id, count in (prompt_rows or {}).items():
+            wanted += range(first_row[seq_id], first_row[seq_id] + count)
         rows = torch.tensor(wanted, dtype=torch.long, device=device)
         inputs = {"input_ids": torch.tensor(ids), "positions": torch.tensor(positions), "logits_indices": rows}
         graph = self.executor.decode_graph

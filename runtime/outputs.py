@@ -82,9 +82,13 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token, its logprob given the ones before (None first)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def to_dict(self) -> dict:
+        prompt_logprobs = None if self.prompt_logprobs is None else [
+            None if step is None else {tid: lp.to_dict() for tid, lp in step.items()} for step in self.prompt_logprobs]
         return {"request_id": self.request_id, "prompt": self.prompt,
-                "prompt_token_ids": list(self.prompt_token_ids),
+                "prompt_token_ids": list(self.prompt_token_ids), "prompt_logprobs": prompt_logprobs,
                 "outputs": [o.to_dict() for o in self.outputs], "finished": self.finished,
                 "metrics": self.metrics.to_dict() if self.metrics is not None else None}

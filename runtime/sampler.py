@@ -176,7 +176,9 @@ def apply_request_processors(logits: torch.Tensor, states: list[SamplingState]) 
 def call_processor(process, seq: Sequence, row: torch.Tensor) -> torch.Tensor:
     """vLLM's two forms: process(output_ids, logits) or process(prompt_ids, output_ids, logits)."""
     try:
-        takes_prompt = len(inspect.signature(process).parameters) == 3
+        required = [p for p in inspect.signature(process).parameters.values() if p.default is p.empty
+                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        takes_prompt = len(required) == 3
     except (TypeError, ValueError):   # a builtin without a signature
         takes_prompt = False
     if takes_prompt:

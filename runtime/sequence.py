@@ -44,6 +44,7 @@ class Sequence:
         self.num_dropped_blocks = 0  # leading entries of block_table given back to a sliding window
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, served by the prefix cache at admission
+        self.uses_prefix_cache = True  # False: computes every prompt token (its prompt logprobs need them)
         self.num_preemptions = 0
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.error: str | None = None  # why the runtime refused it, when it did

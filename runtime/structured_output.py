@@ -179,10 +179,14 @@ def _grammar(spec: StructuredOutputsParams) -> str:
 
 
 def _json_options(spec: StructuredOutputsParams) -> dict:
+    # lenient: a keyword llguidance does not implement (uniqueItems) is not enforced rather than refused,
+    # as vLLM's backends do; a schema that is wrong (a bad type, a dangling $ref) is still refused
     if spec.whitespace_pattern is not None:
-        return {"whitespace_pattern": spec.whitespace_pattern}
+        return {"whitespace_pattern": spec.whitespace_pattern, "lenient": True}
     # flexible whitespace lets a small model fill a string's worth of newlines; one space at most
-    return {"whitespace_flexible": False} if spec.disable_any_whitespace else {"whitespace_pattern": r"[ ]?"}
+    if spec.disable_any_whitespace:
+        return {"whitespace_flexible": False, "lenient": True}
+    return {"whitespace_pattern": r"[ ]?", "lenient": True}
 
 
 def _first_line(message: str) -> str:

@@ -17,9 +17,12 @@ class LeadRunner:
     `_collective(work)` (runs `work` across the ranks; a failure raises one line and stops them)."""
 
     @torch.inference_mode()
-    def execute(self, scheduled, sampled, blocks_to_copy, drafts=None, borrow=False) -> torch.Tensor:
+    def execute(self, scheduled, sampled, blocks_to_copy, drafts=None, borrow=False, prompt_rows=None) -> torch.Tensor:
         """logits [len(sampled), vocab], rows in `sampled` order, as ModelRunner.execute (always the
         caller's own: gathered or received from the other ranks)."""
+        if prompt_rows:
+            raise RuntimeLlmcError("prompt_logprobs are not computed on a sharded (--tp, --pp) artifact yet; "
+                                   "ask for them from an unsharded one")
         if drafts:
             raise RuntimeLlmcError("speculative decoding does not run on a sharded (--tp, --pp) artifact yet; "
                                    "load it without a speculative config")

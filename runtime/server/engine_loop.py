@@ -63,6 +63,7 @@ class Job:
     sent: dict[int, int] = field(default_factory=dict)   # tokens handed out, by sample index
     done: set[int] = field(default_factory=set)          # samples whose finish was handed out
     scheduled: bool = False
+    scheduled_at: float | None = None   # when a step first ran it
     last_token_time: float | None = None
 
     @property
@@ -215,7 +216,7 @@ class AsyncEngine:
 
     def _publish(self, job: Job, out: RequestOutput, started: float, now: float) -> None:
         if not job.scheduled:
-            job.scheduled = True
+            job.scheduled, job.scheduled_at = True, started
             self.metrics.queue_time.observe(max(started - job.arrival, 0.0))
         error = out.outputs[0].stop_reason if out.outputs[0].finish_reason == "abort" else None
         if isinstance(error, str):   # the scheduler refused it (it can never fit the KV cache)
@@ -256,7 +257,7 @@ class AsyncEngine:
         m = out.metrics
         e2e = None if m is None or m.finished_time is None else m.finished_time - m.arrival_time
         self.metrics.request_finished(out.outputs[0].finish_reason or "abort", len(out.prompt_token_ids),
-                                      sum(len(o.token_ids) for o in out.outputs), e2e)
+                                      sum(len(o.token_ids) for o in out.outputs), e2e, m, job.scheduled_at)
 
     def _cut_short(self, job: Job, reason: str, stop_reason: str | None) -> RequestOutput:
         """Abort an admitted job now (its KV blocks are freed at once) and give what it made."""

@@ -16,6 +16,8 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _STEP_SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# vLLM's 1-2-5 series for per-request token counts
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 
 
 class ServerMetrics:
@@ -45,6 +47,18 @@ class ServerMetrics:
                                    "sequence and step).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               buckets=_TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens of each "
+                                                   "finished request.", buckets=_TOKEN_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "A finished request's mean time per output token "
+                              "after the first.", buckets=_ITL_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled until its first token.",
+                                      buckets=_REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token until finished.",
+                                     buckets=_REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled until finished.",
+                                        buckets=_REQUEST_BUCKETS)
         self._success = Counter("llmc:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
 
@@ -54,12 +68,28 @@ class ServerMetrics:
         return make
 
     def request_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int,
-                         e2e: float | None) -> None:
+                         e2e: float | None, metrics=None, scheduled_at: float | None = None) -> None:
+        """`metrics`: the request's RequestMetrics; `scheduled_at`: when the engine first ran it (same clock)."""
         self._success.labels(finished_reason=finish_reason, **self.labels).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
         if e2e is not None:
             self.e2e.observe(e2e)
+        if metrics is not None:
+            self._phases(metrics, scheduled_at)
+
+    def _phases(self, m, scheduled_at: float | None) -> None:
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        first, done = m.first_token_time, m.finished_time
+        if scheduled_at is not None and first is not None:
+            self.prefill_time.observe(max(first - scheduled_at, 0.0))
+        if first is not None and done is not None:
+            self.decode_time.observe(max(done - first, 0.0))
+        if scheduled_at is not None and done is not None:
+            self.inference_time.observe(max(done - scheduled_at, 0.0))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -105,6 +105,7 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # vLLM's; not with stream
     logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a string) -> bias in [-100, 100]
     bad_words: list[str] | None = None
     # constrained decoding: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
@@ -160,7 +161,10 @@ class _Request(BaseModel):
         given = {name: getattr(self, name) for name in (
             "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
             "min_p", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "bad_words")}
+            "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "bad_words", "prompt_logprobs")}
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs are not given with stream=true (as vLLM); ask for them without "
+                                "streaming", param="prompt_logprobs")
         given["structured_outputs"] = self.structured_outputs_spec()[0]
         return {k: v for k, v in given.items() if v is not None}
 

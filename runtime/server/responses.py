@@ -25,8 +25,15 @@ class ResponseBuilder:
         """The whole (not streamed) response."""
         choices = [self._choice(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason, False)
                    for o in out.outputs]
+        extra = {}
+        if out.prompt_logprobs is not None:   # vLLM's places: each completion choice, the chat response
+            shown = prompt_logprobs(out.prompt_logprobs)
+            if self.chat:
+                extra["prompt_logprobs"] = shown
+            else:
+                choices = [{**c, "prompt_logprobs": shown} for c in choices]
         return self._envelope("chat.completion" if self.chat else "text_completion", choices=choices,
-                              usage=usage(out))
+                              usage=usage(out), **extra)
 
     def chunk(self, delta, first: bool) -> dict:
         """One stream event for one choice's delta; `first`: the choice's first event (chat: the role)."""
@@ -80,6 +87,11 @@ class ResponseBuilder:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def prompt_logprobs(steps) -> list[dict | None]:
+    """vLLM's JSON: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    return [None if step is None else {str(tid): lp.to_dict() for tid, lp in step.items()} for step in steps]
 
 
 def usage(out: RequestOutput) -> dict:

@@ -226,3 +226,31 @@ def test_llmc_run_refuses_a_bad_constraint_in_one_line(artifact, tmp_path, capsy
     code, _, err = llmc_in_process(capsys, "run", artifact, "-p", PROMPT, "--kv-memory", "16MiB", "--threads", "1",
                                    option, value)
     assert code == 2 and problem in error_line(err)
+
+
+def test_prompt_logprobs_equal_each_prefix_s_next_token_logprob(artifact):
+    llm = llmc.load(artifact, kv_memory="16MiB", threads=1, max_num_batched_tokens=8,
+                    max_num_seqs=4, block_size=4)   # prefills in chunks
+    ids = llm.tokenizer(PROMPT + " there was a small fox")["input_ids"]
+    llm.generate([PROMPT + " there"], params(max_tokens=2))   # puts its blocks in the prefix cache
+    out = llm.generate([{"prompt_token_ids": ids}], params(max_tokens=2, prompt_logprobs=2))[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        step = out.prompt_logprobs[p]
+        assert ids[p] in step and len(step) <= 3
+        assert step[ids[p]].decoded_token == llm.tokenizer.decode([ids[p]])
+
+        def force(output_ids, logits, token=ids[p]):
+            return torch.where(torch.arange(logits.shape[0]) == token, 0.0, float("-inf"))
+
+        alone = llm.generate([{"prompt_token_ids": ids[:p]}], params(max_tokens=1, logprobs=0,
+                                                                       logits_processors=[force]))[0].outputs[0]
+        assert alone.token_ids == [ids[p]]
+        assert step[ids[p]].logprob == pytest.approx(alone.logprobs[0][ids[p]].logprob, abs=1e-4)
+
+
+def test_logprobs_carry_their_decoded_token(llm):
+    out = llm.generate([PROMPT], params(max_tokens=4, logprobs=3))[0].outputs[0]
+    for token, step in zip(out.token_ids, out.logprobs):
+        assert all(lp.decoded_token == llm.tokenizer.decode([tid]) for tid, lp in step.items())
+        assert token in step

@@ -121,3 +121,29 @@ def test_logit_bias_and_bad_words_reach_the_sampler(served, offline):
     banned = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
                                               extra_body={"bad_words": [word]})
     assert banned.choices[0].text != free.choices[0].text
+
+
+def test_prompt_logprobs_on_completions_and_chat(served, offline):
+    ids = offline.tokenizer(PROMPT)["input_ids"]
+    reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0,
+                                             extra_body={"prompt_logprobs": 1})
+    steps = reply.model_extra.get("prompt_logprobs") or reply.choices[0].model_extra["prompt_logprobs"]
+    assert steps[0] is None and len(steps) == len(ids)
+    for token, step in zip(ids[1:], steps[1:]):
+        entry = step[str(token)]
+        assert entry["logprob"] <= 0 and entry["decoded_token"] == offline.tokenizer.decode([token])
+    chat_reply = chat(served, temperature=0, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert chat_reply.model_extra["prompt_logprobs"][0] is None
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        chat(served, stream=True, extra_body={"prompt_logprobs": 0})
+
+
+def test_vllm_request_metrics_count_what_was_served(served):
+    before = served.metric("llmc:request_generation_tokens_count")
+    reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 5
+    served.wait_metric("llmc:request_generation_tokens_count", before + 1)
+    for name in ("request_prompt_tokens", "time_per_output_token_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert served.metric(f"llmc:{name}_count") >= 1, name
