@@ -333,7 +333,7 @@ def batch_invariance_line(on: bool) -> str:
 def kernel_choice_lines(choice: dict | None) -> list[str]:
     """What --kernels chose for a cpu artifact: ORT segments or torch, and for auto what was measured
     (microseconds per call at decode and prefill shapes, each kind of segment once)."""
-    timed = _timings_lines((choice or {}).get("timings"))
+    timed = _machine_lines((choice or {}).get("machine")) + _timings_lines((choice or {}).get("timings"))
     if not choice or choice["mode"] == "cpu":
         return ["  kernels: cpu (torch)"] + timed
     lines = [f"  kernels: {choice['mode']} (ONNX Runtime segments where chosen, torch attention)"] + timed
@@ -379,6 +379,16 @@ def _whole_plan_lines(verdict: dict | None) -> list[str]:
     return [f"    whole plan: {runs[verdict['chosen']]}; a decode step {steps}; the unlowered prefill "
             f"{verdict['prefill_extra_us']:+.0f} us; by {verdict['cost']}"
             + (f"; {verdict['why']}" if verdict.get("why") else "")]
+
+
+def _machine_lines(machine: dict | None) -> list[str]:
+    """Where the choices were made: another machine (or thread count) re-checks them at load
+    (compiler/driver/tuning/run_site.py)."""
+    if not isinstance(machine, dict):
+        return []
+    return [f"    chosen on {machine.get('cpu')} at {machine.get('threads')} threads; a load on another CPU or "
+            f"thread count, or after timings taken busy, re-checks them there (LLMC_RECHECK_KERNELS=0|1 to "
+            f"never|always)"]
 
 
 def _timings_lines(record: dict | None) -> list[str]:

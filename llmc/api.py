@@ -64,6 +64,15 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, **options
     serve_artifact(path, host, port, **options)
 
 
+def run_site_plan(art, plan, threads: int, asked: bool | None, invariant: bool):
+    """Engine's choose_plan: the artifact's kernel choices re-checked on this machine where they were
+    made on another (or asked: recheck_kernels=True, $LLMC_RECHECK_KERNELS=1); a line on stderr when so."""
+    from llmc.compiler.driver.tuning.run_site import recheck
+    from llmc.compiler.progress import echo_stderr
+
+    return recheck(art, plan, threads, asked, invariant, echo=echo_stderr)
+
+
 class LLM:
     """An artifact on the llmc engine, safe to call from several threads at once: their requests join one
     batch (whichever call holds the engine steps it for all), and each call gets its own outputs, as
@@ -85,7 +94,7 @@ class LLM:
             raise RuntimeLlmcError(f"unknown engine option(s) {', '.join(unknown)}; valid: "
                                    f"{', '.join(f.name for f in fields(EngineConfig))}")
         self.path = Path(path)
-        self.engine = Engine(self.path, EngineConfig(**engine_options))
+        self.engine = Engine(self.path, EngineConfig(**engine_options), choose_plan=run_site_plan)
         self.tokenizer = self.engine.tokenizer
         # The engine and its tokenizer (a Rust tokenizer used from two threads can fail "Already
         # borrowed") are touched only under this lock.

@@ -288,6 +288,23 @@ def _invariant(value) -> bool | None:
     return None if value is None else value == "on"
 
 
+@contextmanager
+def _remeasuring(on: bool):
+    """$LLMC_REMEASURE=1 inside (cached timings are measured again and replaced) where `on`."""
+    from llmc.cache import REMEASURE_ENV
+
+    before = os.environ.get(REMEASURE_ENV)
+    if on:
+        os.environ[REMEASURE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if on and before is None:
+            os.environ.pop(REMEASURE_ENV, None)
+        elif on:
+            os.environ[REMEASURE_ENV] = before
+
+
 def speculative_options(f):
     f = click.option("--num-speculative-tokens", type=POSITIVE, default=None, metavar="K",
                      help="With --speculative: the most drafts verified per step (default 4).")(f)
@@ -457,8 +474,9 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
               help="Memory bandwidth for the roofline (default: measured once per machine and cached).")
 @click.option("--gemm-peak", type=FiniteFloat(min=0.0, min_open=True), default=None, metavar="GFLOPS",
               help="fp32 GEMM peak for the roofline (default: measured once per machine and cached).")
-@click.option("--remeasure", is_flag=True, help="Measure the bandwidth and GEMM peak again, ignoring and refreshing "
-              "what is cached (a figure measured on a busy machine is used once and not cached).")
+@click.option("--remeasure", is_flag=True, help="Measure the bandwidth and GEMM peak again, and re-check the "
+              "artifact's kernel choices on this machine, ignoring and refreshing what is cached (a figure "
+              "measured on a busy machine is used once and not cached).")
 @click.option("--repeat", type=POSITIVE, default=1, show_default=True,
               help="Run the workload (and the baseline, alternating with it) this many times and report the "
                    "median run of each: on a busy machine one run can be off by 2x.")
@@ -474,6 +492,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
+    from llmc.api import run_site_plan
     from llmc.runtime import memory_report
     from llmc.runtime.bench import (
         Workload,
@@ -507,11 +526,14 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                         "repeat the command instead")
     workload = Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
                         qps_value, seed, workload_kind, ignore_eos)
-    engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
-                                           max_num_batched_tokens=max_num_batched_tokens,
-                                           enable_prefix_caching=not no_prefix_caching, device=device,
-                                           threads=threads, ring_attention_threshold=ring_attention_threshold,
-                                           batch_invariant=_invariant(batch_invariant)))
+    with _remeasuring(remeasure):
+        engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
+                                               max_num_batched_tokens=max_num_batched_tokens,
+                                               enable_prefix_caching=not no_prefix_caching, device=device,
+                                               threads=threads, ring_attention_threshold=ring_attention_threshold,
+                                               batch_invariant=_invariant(batch_invariant),
+                                               recheck_kernels=True if remeasure else None),
+                        choose_plan=run_site_plan)
     requests = workload.build(engine.model["vocab_size"], engine.tokenizer)
     plain = None
     warm_up(engine)
@@ -522,7 +544,8 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                                                enable_prefix_caching=not no_prefix_caching, device=device,
                                                threads=threads, speculative=speculative,
                                                ring_attention_threshold=ring_attention_threshold,
-                                               batch_invariant=_invariant(batch_invariant)))
+                                               batch_invariant=_invariant(batch_invariant)),
+                        choose_plan=run_site_plan)
         warm_up(engine)
     base, base_name, base_runs, hf_model = None, baseline, [], None
     if baseline == "hf":   # built first, so that its runs alternate with the engine's
@@ -537,6 +560,8 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
               "memory": memory_report.measure(engine).to_dict(),   # this process's RSS split, after the runs
               "native_kernels": _native_kernels(engine) if engine.device.type == "cpu" else None,
               "batch_invariant": engine.executor.invariance() if engine.device.type == "cpu" else None,
+              # what the load re-checked of the kernel choices on this machine (compiler/driver/tuning/run_site.py)
+              "kernel_recheck": (engine.executor.plan.meta.get("kernel_choice") or {}).get("run_site"),
               "ranks": rank_report(engine),   # a tensor-parallel artifact's ranks: memory, time in collectives
               "speculative": speculative_summary(engine, ours, plain) if plain else None,
               # CPU peaks: a GPU run's roofline would need the GPU's, which are not measured here
@@ -547,7 +572,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         other = Engine(baseline, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                               max_num_batched_tokens=max_num_batched_tokens,
                                               enable_prefix_caching=not no_prefix_caching, device=device,
-                                              threads=threads))
+                                              threads=threads), choose_plan=run_site_plan)
         warm_up(other)
         base_runs = run_engine_repeated(other, requests, repeat, progress=not as_json)
     if repeat > 1:

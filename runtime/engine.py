@@ -60,6 +60,10 @@ class EngineConfig:
     # a sequence's logits the same bits whatever else is in the step (runtime/batch_invariance.py);
     # None: as the artifact was compiled (--batch-invariant, default on); False allows the faster kernels
     batch_invariant: bool | None = None
+    # re-check the artifact's kernel choices on this machine at load (the driver's run_site.py, given as
+    # Engine(choose_plan=...)): True always, False never; None: $LLMC_RECHECK_KERNELS, else where this is
+    # not the machine (CPU, threads) that chose them or its timings were taken busy
+    recheck_kernels: bool | None = None
 
     def __post_init__(self):
         for name, rule in (("block_size", "an integer >= 1"), ("max_num_seqs", "an integer >= 1"),
@@ -71,9 +75,9 @@ class EngineConfig:
             ok_int = isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_SEED
             if not ok_int and not (value is None and rule.endswith("None")):
                 raise RuntimeLlmcError(f"engine option {name}={value!r} must be {rule}")
-        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
-            raise RuntimeLlmcError(f"engine option batch_invariant={self.batch_invariant!r} must be True, False "
-                                   f"or None")
+        for name in ("batch_invariant", "recheck_kernels"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True, False or None")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "check_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True or False")
@@ -135,7 +139,9 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, artifact: str | Path, config: EngineConfig | None = None):
+    def __init__(self, artifact: str | Path, config: EngineConfig | None = None, choose_plan=None):
+        """`choose_plan(art, plan, threads, asked, invariant)`: the plan to run on this machine (the
+        driver's run_site.recheck: the kernel choices re-checked here); None runs the artifact's."""
         self.config = config = config or EngineConfig()
         apply_threads(config.threads)
         art = read_artifact(artifact)
@@ -147,6 +153,9 @@ class Engine:
         self.model = art.manifest["model"]
         self.tokenizer = load_tokenizer(art)
         plan = verified_plan(art)
+        invariant = batch_invariant_of(plan, config.batch_invariant)
+        if choose_plan is not None and self.device.type == "cpu":
+            plan = choose_plan(art, plan, config.threads, config.recheck_kernels, invariant)
         self.executor = PlanExecutor(plan, art.weights, self.device, check_kernels=config.check_kernels,
                                      data=art.data, batch_invariant=batch_invariant_of(plan, config.batch_invariant))
         self.max_model_len = self.model["max_position_embeddings"]

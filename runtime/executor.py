@@ -52,6 +52,8 @@ class PlanExecutor:
         self._data = data or {}   # the artifact's data files by path (ONNX segments)
         self.device = torch.device(device)
         self.family = kernel_family(plan)
+        # Triton kernels on the CPU run through the interpreter: progress is shown (_walk_shown)
+        self._interpreted, self._announced = self.family == "triton" and self.device.type == "cpu", False
         self.check_kernels = check_kernels
         missing = [p for p in plan.params if p not in weights]
         if missing:
@@ -321,6 +323,9 @@ class PlanExecutor:
             for launch in self._program:
                 self._store(regs, launch, self._run_checked(launch, regs, context))
             return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
+        if self._interpreted:
+            self._walk_shown(regs, context)
+            return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
         native = self.native_decode
         if native is not None and backend is not None:
             self._walk(self._program[:native.start], regs, context)
@@ -329,6 +334,20 @@ class PlanExecutor:
         else:
             self._walk(self._program, regs, context)
         return {name: regs[i] for name, i in zip(self.plan.outputs, self._outputs)}
+
+    def _walk_shown(self, regs: list, context: dict) -> None:
+        """The walk of a plan whose Triton kernels run through the interpreter (minutes a step on a long
+        prompt): a bar over its kernels on a terminal, and a line the first time a step runs long."""
+        from llmc.compiler.progress import Stages, bar, echo_stderr
+
+        with Stages(echo_stderr, quiet=self._announced) as stages, \
+                bar(len(self._program), "Triton interpreter", unit="kernel") as shown:
+            stages.start(f"running each step's {len(self._program)} launches through Triton's interpreter "
+                         f"(slow: a long prompt's first step can take minutes; a GPU runs them at once)")
+            self._announced = True
+            for launch in self._program:
+                self._walk([launch], regs, context)
+                shown.update()
 
     @staticmethod
     def _walk(launches: list[Launch], regs: list, context: dict) -> None:

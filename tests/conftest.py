@@ -15,6 +15,9 @@ os.environ.setdefault("LLMC_NUM_THREADS", "1")
 # Kernel timings of tiny models, taken beside the rest of the suite, would otherwise be too close to
 # call or measured busy, and decide nothing: trust them, as before (tests of that unset it).
 os.environ.setdefault("LLMC_TRUST_TIMINGS", "1")
+# loads keep the kernel choices their artifact made (a test loading at another thread count than it compiled
+# at would otherwise re-time them): tests/compiler/test_run_site.py turns the re-check on
+os.environ.setdefault("LLMC_RECHECK_KERNELS", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

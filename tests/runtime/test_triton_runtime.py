@@ -350,3 +350,17 @@ def test_torch_ops_of_triton_plans_reuse_the_cpu_kernels():
         assert resolve_kernel(f"triton.{op}") is CPU_KERNELS[f"cpu.{op}"]
     with pytest.raises(ArtifactError, match="triton.conv2d.*recompile"):
         resolve_kernel("triton.conv2d")
+
+
+def test_interpreted_steps_show_progress_once(bf16_artifact, monkeypatch, capfd):
+    """A GPU artifact on the CPU runs its Triton kernels through the interpreter, minutes a step on a
+    long prompt: the first step that runs past the stage delay says so on stderr (once, not per step)."""
+    monkeypatch.setenv("LLMC_STAGE_DELAY", "0")
+    engine = Engine(bf16_artifact, EngineConfig(kv_memory="1MiB", block_size=16, device="cpu"))
+    capfd.readouterr()
+    engine.add_request("a", prompt_token_ids=[5, 6, 7, 8], params=SamplingParams(temperature=0.0, max_tokens=3,
+                                                                                  ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    err = capfd.readouterr().err
+    assert err.count("through Triton's interpreter") == 1, err

@@ -34,8 +34,10 @@ from llmc.compiler.driver.tuning.ort_accuracy import gate_int8_activations
 from llmc.compiler.driver.tuning.ort_plan_choice import choose_whole_plan, whole_plan_question, whole_step_refusal
 from llmc.compiler.driver.tuning.ort_timing import choose_segments
 from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record
+from llmc.compiler.driver.tuning.run_site import machine_record
 from llmc.compiler.ir import Graph
 from llmc.errors import TargetError
+from llmc.runtime.threads import resolve_threads
 
 
 def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None,
@@ -51,8 +53,9 @@ def lower_plans(graphs: list[Graph], plans: list[Plan], target, mode: str | None
     since = ort_timing_cache.mark()
     plan, files = lower_kernels(plans[0], graphs[0], mode, target.device, echo, reference, batch_invariant)
     timings = ort_timing_cache.summary(since)   # when and under what load the choices were measured
-    if timings and "kernel_choice" in plan.meta:
-        plan.meta["kernel_choice"] = {**plan.meta["kernel_choice"], "timings": timings}
+    if "kernel_choice" in plan.meta:   # and on which machine: another re-checks them at load (run_site.py)
+        plan.meta["kernel_choice"] = {**plan.meta["kernel_choice"], "machine": machine_record(resolve_threads()),
+                                      **({"timings": timings} if timings else {})}
     return [plan], files
 
 
@@ -136,8 +139,6 @@ def _invariant_segments(built, chosen: list[bool], int8: set[int], choice: dict)
 def torch_dispatch_plan(plan: Plan, graph: Graph) -> Plan:
     """The torch plan with its quantised linears' switch to dense GEMMs measured now (once per shape,
     per machine), as auto records it: otherwise every load would measure it (31 s for a 1B model)."""
-    from llmc.runtime.threads import resolve_threads
-
     record = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, resolve_threads())
     plan.meta = {**plan.meta, "kernel_choice": {"mode": "cpu", DISPATCH_META: record}}
     return plan
