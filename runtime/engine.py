@@ -157,7 +157,7 @@ class Engine:
         if choose_plan is not None and self.device.type == "cpu":
             plan = choose_plan(art, plan, config.threads, config.recheck_kernels, invariant)
         self.executor = PlanExecutor(plan, art.weights, self.device, check_kernels=config.check_kernels,
-                                     data=art.data, batch_invariant=batch_invariant_of(plan, config.batch_invariant))
+                                     data=art.data, batch_invariant=invariant)
         self.max_model_len = self.model["max_position_embeddings"]
         num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
                                            config.block_size)
