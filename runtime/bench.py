@@ -242,6 +242,9 @@ def speculative_summary(engine, ours: BenchResult, plain: BenchResult) -> dict:
             "num_speculative_tokens": config.num_speculative_tokens, "draft": config.model,
             "plain_output_tokens_per_s": plain.output_tokens_per_s, "plain_tpot_ms": plain.tpot_ms,
             "same_tokens_as_plain": ours.token_ids == plain.token_ids,
+            # what the policy priced a step of n rows at (runtime/step_cost.py): measured here, or fixed
+            "step_cost": {**vars(engine.speculator.step_cost), **engine.speculator.step_cost_record}
+            if engine.speculator else None,
             "speedup": ours.output_tokens_per_s / plain.output_tokens_per_s,
             # decode alone (time per output token): the prefill, the same in both, left out
             "decode_speedup": plain.decode_tpot_s / ours.decode_tpot_s

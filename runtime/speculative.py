@@ -21,6 +21,7 @@ from llmc.runtime.rejection_sampler import rejection_sample
 from llmc.runtime.sampler import Sampler, SamplingState, filtered_probs
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.speculative_config import SpeculativeConfig
+from llmc.runtime.step_cost import StepCost, measured_step_cost
 
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 1.0   # optimistic, so a request tries drafting first
 DECAY = 0.95             # per verified step: acceptance follows what the request writes now
@@ -28,19 +29,11 @@ PROBE_AFTER = 64         # steps a request decodes plainly before it drafts agai
 PROBE_LONG_MATCH = 8     # the same, when prompt lookup matched its longest n-gram
 
 
-@dataclass(frozen=True)
-class StepCost:
-    """A target step of n tokens, over a one-token decode step: 1 + jump [n > 1] + per_token (n - 1).
-    Decode reads every weight once, so more tokens ride along nearly free, except that on a CPU
-    MKL's matrix product of 4 to 8 rows costs about twice the 1-row GEMV; with oneDNN-blocked fp32
-    weights from 4 rows (cpu_kernels.blocked_linear_weight) a step verifying 1 draft cost 1.06x a
-    decode step, 3 drafts 1.35x, 5 drafts 1.48x (SmolLM2, one thread, interleaved). Fixed per device
-    rather than timed, so that k, and with it which random draws a seeded request makes, does not
-    depend on the machine's load."""
-    jump: float
-    per_token: float
-
-
+# where the step cost is not measured (runtime/step_cost.py: a GPU, Triton's interpreter, tensor-parallel
+# ranks, a KV cache too small to measure in), or before it is: on a CPU, MKL's matrix product of 4 to
+# 8 rows costs about twice the 1-row GEMV; with oneDNN-blocked fp32 weights from 4 rows
+# (cpu_kernels.blocked_linear_weight) a step verifying 1 draft cost 1.06x a decode step, 3 drafts
+# 1.35x, 5 drafts 1.48x (SmolLM2, one thread, interleaved)
 STEP_COSTS = {"cpu": StepCost(jump=1.0, per_token=0.1), "cpu-blocked": StepCost(jump=0.1, per_token=0.08),
               "cuda": StepCost(jump=0.0, per_token=0.02)}
 
@@ -78,6 +71,11 @@ class Speculator:
         # verification multiplies k + 1 rows: see StepCost
         if engine.device.type == "cpu" and engine.executor.block_linear_weights() > _weight_bytes(engine.executor) / 2:
             self.step_cost = STEP_COSTS["cpu-blocked"]
+        self.step_cost_record: dict = {"fixed": "not measured on this device"}
+        if engine.device.type == "cpu" and engine.executor.family == "cpu" and "parallel" not in engine.manifest:
+            measured = measured_step_cost(engine.executor, engine.runner.attention, engine.config.threads)
+            if measured is not None:
+                self.step_cost, self.step_cost_record = measured
         # a draft forward over a target one: both read their weights once
         self.draft_forward_cost = 0.0 if config.method == "ngram" else \
             _weight_bytes(self.proposer.runner.executor) / _weight_bytes(engine.executor)
@@ -170,7 +168,7 @@ class Speculator:
         tokens kept with probability `rate` each (expected 1 + rate + ... + rate^k of them)."""
         tokens = batch + sum(rate ** j for j in range(1, k + 1))
         n = batch + k
-        cost = 1.0 + self.step_cost.jump * (n > 1) + self.step_cost.per_token * (n - 1) + self.draft_forward_cost * k
+        cost = self.step_cost.of(n) + self.draft_forward_cost * k
         return tokens / cost
 
     # -- after the step ------------------------------------------------------------------

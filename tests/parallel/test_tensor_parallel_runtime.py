@@ -62,9 +62,13 @@ def test_greedy_tokens_and_logprobs_equal_the_unsharded_artifact(compiled, tp2):
 
 
 def test_batched_requests_equal_their_solo_runs(tp2):
+    """Bit for bit (docs/architecture.md, "Exactness under --tp N"): each rank's kernels are
+    batch-invariant and two ranks' partial sums are added in one order."""
     batched = outputs(tp2, PROMPTS, max_tokens=24)
     solo = [outputs(tp2, [p], max_tokens=24)[0] for p in PROMPTS]
     assert [o.token_ids for o in batched] == [o.token_ids for o in solo]
+    logprobs = lambda o: [{t: lp.logprob for t, lp in step.items()} for step in o.logprobs]
+    assert [logprobs(o) for o in batched] == [logprobs(o) for o in solo]
 
 
 def test_an_hf_baseline_is_refused_for_a_sharded_artifact(tp2):
