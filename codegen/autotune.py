@@ -23,9 +23,10 @@ from llmc.codegen.triton_configs import (
     row_config,
     tile_config,
 )
-from llmc.codegen.triton_gemm import GROUPED_SCHEMES, dequant_gemm, w8a8_gemm
+from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.ops import ATTENTION_OPS, TORCH_DTYPES, qlinear_inputs
+from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 
 TUNE_TOKENS = 256        # GEMM rows and prefill tokens each candidate is timed at
 DECODE_BATCH = 16        # decode sequences, each with DECODE_CONTEXT keys
@@ -134,12 +135,13 @@ def qlinear_operands(case: Case, tokens: int, device: str, generator: torch.Gene
     def rand(*shape, dtype=torch.float32):
         return torch.rand(*shape, generator=generator).to(device=device, dtype=dtype)
     x = (rand(tokens, k) * 2 - 1).to(TORCH_DTYPES[ins.x])
-    if scheme == "int4":
+    row = SCHEMES[scheme]
+    if row.zeros_required:
         qweight = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8).to(device)
         groups = k // a["group_size"]
         scales, zeros = rand(n, groups) * 0.02 + 1e-3, torch.full((n, groups), 8.0, device=device)
-    elif scheme in ("affine4", "affine8"):  # GGUF blocks kept: codes, scales and optional minimums per group
-        shape, dtype = ((n, k // 2), torch.uint8) if scheme == "affine4" else ((n, k), torch.int8)
+    elif row.gguf:  # GGUF blocks kept: codes, scales and optional minimums per group
+        shape, dtype = (n, k // row.codes_per_element), getattr(torch, row.code_dtype)
         qweight = torch.randint(0, 16, shape, generator=generator, dtype=dtype).to(device)
         groups = k // a["group_size"]
         scales, zeros = rand(n, groups) * 0.02 + 1e-3, (rand(n, groups) - 0.5 if ins.zeros is not None else None)
@@ -158,10 +160,10 @@ def prepare_gemm(case: Case, device: str, tokens: int = TUNE_TOKENS) -> dict:
 
 def launch_gemm(case: Case, o: dict, config) -> torch.Tensor:
     scheme = case.node.attrs["scheme"]
-    if scheme == "w8a8":
+    if SCHEMES[scheme].activations == INT8_PER_TOKEN:
         return w8a8_gemm(o["x"], o["qweight"], o["scales"], bias=o["bias"], config=config)
     return dequant_gemm(o["x"], o["qweight"], o["scales"], o["zeros"], scheme=scheme,
-                        group_size=case.node.attrs.get("group_size") if scheme in GROUPED_SCHEMES else None,
+                        group_size=case.node.attrs.get("group_size") if SCHEMES[scheme].grouped else None,
                         act_scale=o["act_scale"], bias=o["bias"], config=config)
 
 

@@ -35,7 +35,8 @@ from llmc.compiler.ops import (
     split_kv_scales,
     through_kv_cache,
 )
-from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine, unpack_int4
+from llmc.compiler.quant import dequantize_affine, unpack_int4
+from llmc.compiler.schemes import FLOAT_ACTS, SCHEMES, TORCH, schemes_where
 from llmc.errors import ArtifactError
 
 CPU_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -141,7 +142,7 @@ def qembedding(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **att
     """Gather the selected rows of codes first, so only those rows are dequantised (fp32 out)."""
     rows = ids.reshape(-1)
     codes, s = qweight.index_select(0, rows), scales.index_select(0, rows).float()
-    if scheme in AFFINE_SCHEMES:
+    if SCHEMES[scheme].gguf:
         out = dequantize_affine(scheme, codes, s, None if zeros is None else zeros.index_select(0, rows))
     elif scheme == "int8":
         out = codes.float() * s[:, None]
@@ -222,7 +223,7 @@ def blocked_linear_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
 def pack_for_cpu(scheme: str, qweight, scales, zeros, act_scale, group_size: int):
     """int8/int4 in torch's packed layout (codegen/cpu_qlinear.py), fp8/w8a8 as exact codes for
     their activation-quantising GEMMs (codegen/cpu_qlinear_a8.py); None when torch has no kernel."""
-    if scheme in ("fp8", "w8a8"):
+    if SCHEMES[scheme].activations != FLOAT_ACTS:
         return pack_a8_qlinear(scheme, qweight, scales, act_scale)
     return pack_qlinear(scheme, qweight, scales, zeros, group_size)
 
@@ -271,7 +272,7 @@ def packed_run(packed, native=None) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 BATCH_INVARIANT = "batch_invariant"   # the key of plan meta (as the executor passes it) and launch attrs
-DENSE_SCHEMES = ("int8", "int4", "affine4", "affine8", "w8a8", "fp8")   # what dense_source reads
+DENSE_SCHEMES = schemes_where(family=TORCH)   # what dense_source reads
 
 
 @kernel("qlinear", prepare=prepare_qlinear)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token
+from llmc.compiler.schemes import FLOAT_OFFSET, FP8_STATIC, INT8_PER_TOKEN, INT_ZERO, SCHEMES
 from llmc.errors import RuntimeLlmcError
 
 # row counts timed per shape (a prefill chunk or a batch of 64 decodes is hundreds of rows); timing
@@ -34,7 +35,6 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 NEVER_DENSE = 1 << 20
 DISPATCH_META = "qlinear_dispatch"
 DENSE_FROM_ENV = "LLMC_QLINEAR_DENSE_FROM"
-NIBBLE_SCHEMES = ("int4", "affine4")
 
 
 class DenseSource(NamedTuple):
@@ -67,11 +67,12 @@ class DispatchedWeights(NamedTuple):
 def dense_source(scheme: str, qweight, scales, zeros, act_scale) -> DenseSource | None:
     """The stored params as they are (views: the in-place dequantisation widens fp16 and bf16 exactly)."""
     n = qweight.shape[0]
-    k = qweight.shape[1] * (2 if scheme in NIBBLE_SCHEMES else 1)
+    k = qweight.shape[1] * SCHEMES[scheme].codes_per_element
     s = scales.reshape(n, -1) if scales.numel() > 1 else scales.float().reshape(1, 1).expand(n, 1)
     as_groups = (lambda t: None if t is None else _widenable(t).reshape(n, -1))
-    return DenseSource(scheme, qweight, _widenable(s), as_groups(zeros) if scheme == "int4" else None,
-                       as_groups(zeros) if scheme in ("affine4", "affine8") else None,
+    zero_point = SCHEMES[scheme].zero_point
+    return DenseSource(scheme, qweight, _widenable(s), as_groups(zeros) if zero_point == INT_ZERO else None,
+                       as_groups(zeros) if zero_point == FLOAT_OFFSET else None,
                        None if act_scale is None else act_scale.float(), n, k)
 
 
@@ -121,7 +122,7 @@ def dequantize_into(src: DenseSource, out: torch.Tensor) -> torch.Tensor:
         blocks = src.codes.view(n, k // 32, 16)
         halves[:, :, 0].copy_(blocks & 0x0F)
         halves[:, :, 1].copy_(blocks >> 4)
-    elif src.scheme in NIBBLE_SCHEMES:
+    elif SCHEMES[src.scheme].packed:
         pairs = out.view(n, k // 2, 2)
         pairs[..., 0].copy_(src.codes & 0x0F)
         pairs[..., 1].copy_(src.codes >> 4)
@@ -143,9 +144,10 @@ def run_dense(x: torch.Tensor, src: DenseSource, bias: torch.Tensor | None = Non
     A weight over DENSE_BLOCK_BYTES in fp32 (an 8B model's LM head: 805 MB) is dequantised and
     multiplied a block of output rows at a time, so the scratch stays that size."""
     h = x.float()
-    if src.scheme == "fp8" and src.act_scale is not None:
+    activations = SCHEMES[src.scheme].activations
+    if activations == FP8_STATIC and src.act_scale is not None:
         h = fake_quant_fp8(h, src.act_scale)
-    elif src.scheme == "w8a8":
+    elif activations == INT8_PER_TOKEN:
         h = fake_quant_int8_per_token(h)
     bias = None if bias is None else bias.float()
     block = max(1, DENSE_BLOCK_BYTES // (4 * src.in_features))
@@ -166,9 +168,10 @@ def run_dense_rows(x: torch.Tensor, src: DenseSource) -> torch.Tensor | None:
     from llmc.codegen import cpu_native
 
     h = x
-    if src.scheme == "fp8" and src.act_scale is not None:
+    activations = SCHEMES[src.scheme].activations
+    if activations == FP8_STATIC and src.act_scale is not None:
         h = fake_quant_fp8(h, src.act_scale)
-    elif src.scheme == "w8a8":
+    elif activations == INT8_PER_TOKEN:
         h = fake_quant_int8_per_token(h)
     block = max(1, DENSE_BLOCK_BYTES // (4 * src.in_features))
     out = h.new_empty(h.shape[0], src.out_features)
@@ -188,7 +191,7 @@ def rows_of(x: torch.Tensor) -> int:
 
 def shape_key(scheme: str, qweight: torch.Tensor, scales: torch.Tensor) -> str:
     """The dispatch record's key: scheme, N x K and the groups per row of the scales."""
-    src_k = qweight.shape[1] * (2 if scheme in NIBBLE_SCHEMES else 1)
+    src_k = qweight.shape[1] * SCHEMES[scheme].codes_per_element
     groups = scales.shape[1] if scales.dim() == 2 else (1 if scales.numel() > 1 else 0)
     return f"{scheme} {qweight.shape[0]}x{src_k} groups {groups}"
 

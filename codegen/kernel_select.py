@@ -15,11 +15,12 @@ from llmc.codegen.triton_attention import (
 )
 from llmc.codegen.triton_configs import attention_config, tile_config
 from llmc.codegen.triton_elementwise import render_rms_norm, render_rotary, render_swiglu
-from llmc.codegen.triton_gemm import GROUPED_SCHEMES, render_dequant_gemm, render_w8a8_gemm
+from llmc.codegen.triton_gemm import render_dequant_gemm, render_w8a8_gemm
 from llmc.codegen.triton_moe import render_moe
 from llmc.codegen.triton_render import RenderedKernel
 from llmc.compiler.ir import TensorType
 from llmc.compiler.ops import qlinear_inputs
+from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import TargetError
 
 # The runtime's default KV block (runtime/engine.py EngineConfig.block_size): attention kernels are
@@ -48,7 +49,7 @@ def moe_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dt
 def qmoe_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
     scheme = attrs["scheme"]
     return list(render_moe(target, ins[0].dtype, ins[0].shape[-1], attrs["intermediate"], scheme,
-                           attrs.get("group_size", -1) if scheme == "int4" else 0))
+                           attrs.get("group_size", -1) if SCHEMES[scheme].grouped else 0))
 
 
 def qlinear_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cache_dtype) -> list[RenderedKernel]:
@@ -56,11 +57,11 @@ def qlinear_kernels(attrs, ins: list[TensorType], outs, target, configs, kv_cach
     the int8 GEMM), the other schemes through dequant_gemm."""
     x, _, scales, zeros, act_scale, bias = qlinear_inputs(list(ins), attrs)
     scheme, config = attrs["scheme"], configs.get("gemm") or tile_config(target)
-    if scheme == "w8a8":
+    if SCHEMES[scheme].activations == INT8_PER_TOKEN:
         return list(render_w8a8_gemm(target, x.dtype, attrs["in_features"], has_bias=bias is not None, config=config))
-    group_size = attrs["group_size"] if scheme in GROUPED_SCHEMES else None
+    group_size = attrs["group_size"] if SCHEMES[scheme].grouped else None
     return [render_dequant_gemm(scheme, config, group_size=group_size, x_dtype=x.dtype, out_dtype=x.dtype,
-                                per_channel_scale=scales.numel() > 1 or scheme in GROUPED_SCHEMES,
+                                per_channel_scale=scales.numel() > 1 or SCHEMES[scheme].grouped,
                                 has_act_scale=act_scale is not None, has_bias=bias is not None,
                                 has_zeros=zeros is not None)]
 

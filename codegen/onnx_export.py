@@ -11,11 +11,12 @@ from pathlib import Path
 from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, apply_rope, cos_sin
 from llmc.compiler.artifact import OutputKind, read_artifact, staged_output
 from llmc.compiler.progress import Stages, echo_stderr
+from llmc.compiler.schemes import schemes_where
 from llmc.errors import LlmcError
 
 MARKER = "llmc_onnx.json"           # what a previous export holds; --force replaces only such a directory
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with headroom
-QLINEAR_SCHEMES = ("int8", "int4", "affine4", "affine8")   # affine: a GGUF's own blocks, kept
+QLINEAR_SCHEMES = schemes_where(exports=True)   # affine: a GGUF's own blocks, kept
 
 
 class ExportError(LlmcError):

@@ -15,6 +15,7 @@ import torch
 
 from llmc.codegen.onnx_weights import initializer, integral_zeros
 from llmc.codegen.ort_int8 import signed_int8_exact
+from llmc.compiler.schemes import SCHEMES
 from llmc.compiler.weight_store import WeightStore, values_of
 
 OPSET = 17
@@ -24,7 +25,7 @@ MS_DOMAIN = "com.microsoft"
 # block by block (exact to float rounding; MLAS has a fast 4-bit path for it, 8-bit runs ~50x slower)
 INT8_COMPUTE = 4
 FP32_COMPUTE = 1
-AFFINE_BITS = {"affine4": 4, "affine8": 8}   # GGUF-derived grouped affine schemes (compiler/quant.py)
+AFFINE_BITS = {s.name: s.bits for s in SCHEMES.values() if s.gguf}   # a GGUF's blocks kept (compiler/schemes.py)
 NBITS_INT8_BLOCKS = (32, 16)    # the block size an int8 row's K is cut into (the first that divides K)
 
 

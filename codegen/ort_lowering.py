@@ -24,13 +24,14 @@ from llmc.codegen.onnx_ops import (
 from llmc.codegen.plan import Plan, PlanStep
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.ops import ATTENTION_OPS
+from llmc.compiler.schemes import ORT, schemes_where
 from llmc.errors import TargetError
 
 KERNEL_MODES = ("cpu", "ort", "auto")
 DEFAULT_MODE = "auto"
 SEGMENT_DIR = "ort"
-ORT_SCHEMES = ("int8", "int4", "w8a8", "affine4", "affine8")
-EMBEDDING_SCHEMES = ("int8", "int4", "affine4", "affine8")
+ORT_SCHEMES = schemes_where(family=ORT)
+EMBEDDING_SCHEMES = schemes_where(family=ORT, qembedding=True)
 ACTIVATION_DTYPES = ("float32", "int64", "int32")
 ATTENTION = "attention reads the paged KV cache in torch"
 ATTENTION_SPLIT = "splits q, k, v as views for attention"

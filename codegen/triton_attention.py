@@ -18,10 +18,11 @@ import torch
 
 from llmc.codegen.triton_configs import AttentionConfig, attention_config
 from llmc.codegen.triton_render import RenderedKernel, load_kernel, render_kernel
+from llmc.compiler.schemes import KV_CACHE_FORMATS
 
 ACTIVATION_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-CACHE_DTYPES = {**ACTIVATION_DTYPES, torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3fn"}
-QUANTIZED_CACHE_DTYPES = ("int8", "float8_e4m3fn")
+CACHE_DTYPES = {**ACTIVATION_DTYPES, **{f.torch_dtype: f.storage for f in KV_CACHE_FORMATS.values()}}
+QUANTIZED_CACHE_DTYPES = tuple(f.storage for f in KV_CACHE_FORMATS.values())
 WRITE_NUM_WARPS = 4   # one program stores one token's kv_heads * head_dim values: no tiling to tune
 
 

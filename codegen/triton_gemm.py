@@ -12,17 +12,14 @@ import torch
 
 from llmc.codegen.triton_configs import TileConfig, block_size, row_config, tile_config
 from llmc.codegen.triton_render import RenderedKernel, load_kernel, render_kernel
+from llmc.compiler.schemes import FLOAT_OFFSET, FP8_STATIC, INT8_PER_TOKEN, SCHEMES, TRITON
 
-GEMM_SCHEMES = ("int8", "int4", "fp8", "affine4", "affine8")
-# schemes with a scale (and zero point or minimum) per group of group_size along K
-GROUPED_SCHEMES = ("int4", "affine4", "affine8")
-AFFINE_SCHEMES = ("affine4", "affine8")
+# the schemes the dequantising GEMM runs: Triton's, but w8a8 (int8 activations: the int8 GEMM)
+GEMM_SCHEMES = tuple(s.name for s in SCHEMES.values() if TRITON in s.families and s.activations != INT8_PER_TOKEN)
 ACTIVATION_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-WEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn, "affine4": torch.uint8,
-                 "affine8": torch.int8}
-WEIGHT_LAYOUTS = {"int8": "int8 [N, K]", "int4": "uint8 [N, K/2], two codes a byte",
-                  "fp8": "float8_e4m3fn [N, K]", "affine4": "uint8 [N, K/2], two codes a byte",
-                  "affine8": "int8 [N, K]"}
+WEIGHT_DTYPES = {s: getattr(torch, SCHEMES[s].code_dtype) for s in GEMM_SCHEMES}
+WEIGHT_LAYOUTS = {s: f"{SCHEMES[s].code_dtype} [N, K/2], two codes a byte" if SCHEMES[s].packed
+                  else f"{SCHEMES[s].code_dtype} [N, K]" for s in GEMM_SCHEMES}
 
 
 @functools.cache
@@ -35,10 +32,10 @@ def render_dequant_gemm(scheme: str, config: TileConfig, *, group_size: int | No
     `has_act_scale` only for fp8, `per_channel_scale=False` for scales of shape [1]."""
     if scheme not in GEMM_SCHEMES:
         raise ValueError(f"no Triton dequant GEMM for scheme {scheme!r}; known: {', '.join(GEMM_SCHEMES)}")
-    assert (group_size is not None) == (scheme in GROUPED_SCHEMES), (scheme, group_size)
-    assert not has_act_scale or scheme == "fp8", scheme
-    # affine schemes alone carry HAS_ZEROS, so the other schemes' sources stay as they were
-    affine = {"HAS_ZEROS": has_zeros} if scheme in AFFINE_SCHEMES else {}
+    assert (group_size is not None) == (SCHEMES[scheme].grouped), (scheme, group_size)
+    assert not has_act_scale or SCHEMES[scheme].activations == FP8_STATIC, scheme
+    # schemes with optional minimums (affine) alone carry HAS_ZEROS, so the others' sources stay as they were
+    affine = {"HAS_ZEROS": has_zeros} if SCHEMES[scheme].zero_point == FLOAT_OFFSET else {}
     constants = dict(SCHEME=scheme, WEIGHT_LAYOUT=WEIGHT_LAYOUTS[scheme], X_DTYPE=x_dtype, OUT_DTYPE=out_dtype,
                      BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                      GROUP_SIZE=group_size or 0, PER_CHANNEL_SCALE=per_channel_scale,
@@ -63,9 +60,9 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     scales = scales.contiguous()                           # the kernel indexes zeros with scales' strides
     zeros = zeros.contiguous() if zeros is not None else None
     kernel = load_kernel(render_dequant_gemm(
-        scheme, config, group_size=group_size if scheme in GROUPED_SCHEMES else None,
+        scheme, config, group_size=group_size if SCHEMES[scheme].grouped else None,
         x_dtype=ACTIVATION_DTYPES[x.dtype], out_dtype=ACTIVATION_DTYPES[x.dtype],
-        per_channel_scale=scales.numel() > 1 or scheme in GROUPED_SCHEMES, has_act_scale=act_scale is not None,
+        per_channel_scale=scales.numel() > 1 or SCHEMES[scheme].grouped, has_act_scale=act_scale is not None,
         has_bias=bias is not None, has_zeros=zeros is not None))
     grid = (_cdiv(m, config.block_m), _cdiv(n, config.block_n))
     zeros_arg = zeros if zeros is not None else scales    # unused operands still need a pointer
@@ -188,7 +185,7 @@ def _check_operands(x, qweight, scales, zeros, scheme, group_size, act_scale, bi
         raise ValueError(f"{scheme} qweight must be 2-D {WEIGHT_DTYPES[scheme]}, got {qweight.dtype} "
                          f"{tuple(qweight.shape)}")
     # GGUF's own fp16 scales and minimums stay fp16 (affine schemes); every other one is fp32
-    floats = (torch.float32, torch.float16) if scheme in AFFINE_SCHEMES else (torch.float32,)
+    floats = SCHEMES[scheme].scale_dtypes
     for name, t in (("scales", scales), ("zeros", zeros), ("act_scale", act_scale)):
         if t is not None and t.dtype not in floats:
             allowed = " or ".join(str(dtype).removeprefix("torch.") for dtype in floats)
@@ -197,11 +194,11 @@ def _check_operands(x, qweight, scales, zeros, scheme, group_size, act_scale, bi
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but the {scheme} qweight {tuple(qweight.shape)} "
                          f"stands for {k}")
-    if scheme in GROUPED_SCHEMES:
+    if SCHEMES[scheme].grouped:
         _check_groups(scheme, scales, zeros, n, k, group_size)
     elif scales.shape not in ((n,), (1,)):
         raise ValueError(f"{scheme} scales must have shape ({n},) or (1,), got {tuple(scales.shape)}")
-    if act_scale is not None and (scheme != "fp8" or act_scale.numel() != 1):
+    if act_scale is not None and (SCHEMES[scheme].activations != FP8_STATIC or act_scale.numel() != 1):
         raise ValueError(f"act_scale is a one-element fp32 tensor of the fp8 scheme, got {scheme} "
                          f"{tuple(act_scale.shape)}")
     if bias is not None and bias.shape != (n,):
@@ -214,11 +211,11 @@ def _check_groups(scheme, scales, zeros, n, k, group_size) -> None:
     if not group_size or k % group_size:
         raise ValueError(f"{scheme} group_size {group_size} must divide in_features {k}")
     shape = (n, k // group_size)
-    zeros_fit = zeros.shape == shape if zeros is not None else scheme in AFFINE_SCHEMES
+    zeros_fit = zeros.shape == shape if zeros is not None else not SCHEMES[scheme].zeros_required
     if scales.shape != shape or not zeros_fit:
         raise ValueError(f"{scheme} scales and zeros must have shape {shape}, got {tuple(scales.shape)} "
                          f"and {None if zeros is None else tuple(zeros.shape)}")
 
 
-__all__ = ["GEMM_SCHEMES", "GROUPED_SCHEMES", "render_dequant_gemm", "dequant_gemm", "render_quantize_int8",
+__all__ = ["GEMM_SCHEMES", "render_dequant_gemm", "dequant_gemm", "render_quantize_int8",
            "render_int8_gemm", "render_w8a8_gemm", "w8a8_gemm"]

@@ -15,10 +15,11 @@ from llmc.codegen import cpu_kernels
 from llmc.codegen.triton_elementwise import rms_norm as launch_rms_norm
 from llmc.codegen.triton_elementwise import rotary
 from llmc.codegen.triton_elementwise import swiglu as launch_swiglu
-from llmc.codegen.triton_gemm import GROUPED_SCHEMES, dequant_gemm, w8a8_gemm
+from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
 from llmc.codegen.triton_moe import moe as launch_moe
 from llmc.codegen.triton_moe import qmoe as launch_qmoe
 from llmc.compiler.ops import OPS, qlinear_inputs, qmoe_inputs, split_kv_scales
+from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import ArtifactError, RuntimeLlmcError
 
 TRITON_KERNELS: dict[str, Callable[..., list[torch.Tensor]]] = {}
@@ -83,10 +84,10 @@ def qlinear(*inputs, scheme, target, launch_configs=None, group_size=None, **att
     multiplies int8 codes. Tiles: the plan's "gemm" launch config (the target's without one)."""
     x, qweight, scales, zeros, act_scale, bias = qlinear_inputs(list(inputs), attrs)
     config = (launch_configs or {}).get("gemm")
-    if scheme == "w8a8":
+    if SCHEMES[scheme].activations == INT8_PER_TOKEN:
         return [w8a8_gemm(x, qweight, scales, bias=bias, act_scale=act_scale, target=target, config=config)]
     return [dequant_gemm(x, qweight, scales, zeros, scheme=scheme,
-                         group_size=group_size if scheme in GROUPED_SCHEMES else None,
+                         group_size=group_size if SCHEMES[scheme].grouped else None,
                          act_scale=act_scale, bias=bias, target=target, config=config)]
 
 

@@ -13,6 +13,7 @@ import torch
 from llmc.codegen.triton_configs import block_size
 from llmc.codegen.triton_render import RenderedKernel, load_kernel, render_kernel
 from llmc.compiler.ops import DTYPE_NAMES, ExpertWeights, moe_routing
+from llmc.compiler.schemes import SCHEMES
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_N, BLOCK_K = 32, 64
@@ -44,7 +45,7 @@ def qmoe(x: torch.Tensor, router: torch.Tensor, gate_up: ExpertWeights, down: Ex
          scheme: str, intermediate: int, group_size: int = -1, target: str = "h100") -> torch.Tensor:
     """qmoe_ref: the experts read as stored (compiler/ops.py's qmoe layouts), dequantised in the kernels."""
     kernels = render_moe(target, DTYPE_NAMES[x.dtype], x.shape[1], intermediate, scheme,
-                         group_size if scheme == "int4" else 0)
+                         group_size if SCHEMES[scheme].grouped else 0)
     return _launch(x, router, top_k, kernels, gate_up, down)
 
 

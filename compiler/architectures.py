@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmc.compiler.schemes import SCHEMES
+
 # The passes tests/compiler/test_arch_passes.py runs on every architecture.
 PASSES = ("int8", "int4", "fp8", "w8a8", "fuse", "cast_bf16", "kv_heads", "prune")
 QUANT = ("int8", "int4", "fp8", "w8a8")
@@ -55,7 +57,7 @@ SUPPORTED = (
          ("compiler/test_arch_moe.py", "compiler/test_arch_moe_quant.py"),
          gpu="greedy tokens, fp32 h100 (`tests/compiler/test_arch_moe.py`)",
          refused_passes=tuple((q, "node moe_0 (moe): this weight format covers linears",
-                               "experts are stored by int8/int4 only") for q in ("fp8", "w8a8"))
+                               "experts are stored by int8/int4 only") for q in QUANT if not SCHEMES[q].qmoe)
          + (("prune", "prune_ffn: found no MLP", "no dense MLP"),)),
 )
 

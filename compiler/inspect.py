@@ -24,6 +24,7 @@ from llmc.compiler.artifact import (
 )
 from llmc.compiler.bounded_input import read_json_bytes
 from llmc.compiler.manifest_schema import RECOMPILE, check_kernel_records, check_model_agrees
+from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import ArtifactError
 
 
@@ -113,13 +114,14 @@ def linear_format(node: dict, params: dict[str, dict]) -> str:
         dtype = params[node["inputs"][1]]["type"]["dtype"]
         return FLOAT_NAMES.get(dtype, dtype)
     scheme = attrs["scheme"]
-    if scheme in ("affine4", "affine8"):
+    row = SCHEMES[scheme]
+    if row.gguf:
         method = (params[node["inputs"][1]].get("quant") or {}).get("method", "")
         return method.removeprefix("gguf:") or scheme
-    if scheme == "int4":
-        return f"int4 g{attrs['group_size']}"
-    if scheme == "w8a8":
-        return "int8 (int8 activations)"
+    if row.grouped:
+        return f"{scheme} g{attrs['group_size']}"
+    if row.activations == INT8_PER_TOKEN:
+        return f"{row.code_dtype} (int8 activations)"
     return f"{scheme} ({scheme} activations)" if attrs.get("has_act_scale") else scheme
 
 

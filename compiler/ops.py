@@ -40,7 +40,8 @@ from llmc.compiler.op_attrs import (
     one_of,
     optional,
 )
-from llmc.compiler.quant import KV_QMAX, dequantize_weight, fake_quant_fp8, fake_quant_int8_per_token, fake_quant_kv
+from llmc.compiler.quant import KV_QMAX, fake_quant_fp8, fake_quant_int8_per_token, fake_quant_kv
+from llmc.compiler.schemes import FP8_STATIC, INT8_PER_TOKEN, SCHEMES, dequantize_weight, schemes_where
 from llmc.errors import IRError
 
 TORCH_DTYPES = {
@@ -253,9 +254,8 @@ def linear_ref(x, weight, bias=None, **attrs):
 # along K, `zeros` holding the float minimum m; without it (has_zeros=false) w = q * s, and affine4
 # codes are centred: w = (q - 8) * s. scales and zeros are float16 or float32 [N, K/g]
 # (compiler/quant.py).
-QLINEAR_STORAGE = {"int8": ("int8", 1), "w8a8": ("int8", 1), "int4": ("uint8", 2),
-                   "fp8": ("float8_e4m3fn", 1), "affine4": ("uint8", 2), "affine8": ("int8", 1)}
-GROUPED_SCHEMES = ("int4", "affine4", "affine8")
+# The schemes themselves are compiler/schemes.py's rows.
+QLINEAR_STORAGE = {s.name: (s.code_dtype, s.codes_per_element) for s in SCHEMES.values()}
 
 
 class QLinearInputs(NamedTuple):
@@ -290,8 +290,8 @@ def _qlinear_type(ts, attrs):
         raise IRError(f"qlinear: input features {x.shape[-1]} differ from in_features {k}")
     if qweight.dtype != dtype or tuple(qweight.shape) != (n, k // per_element):
         raise IRError(f"qlinear ({scheme}): qweight is {qweight}, expected {dtype}[{n}, {k // per_element}]")
-    if scheme == "int4" and not attrs.get("has_zeros"):
-        raise IRError("qlinear (int4): int4 weights need zero points (has_zeros=true)")
+    if SCHEMES[scheme].zeros_required and not attrs.get("has_zeros"):
+        raise IRError(f"qlinear ({scheme}): {scheme} weights need zero points (has_zeros=true)")
     _want(x, "qlinear input", min_rank=1)
     _quant_params(ts, attrs, "qlinear", scheme, n, k, attrs.get("group_size", -1))
     return [TensorType(x.shape[:-1] + (n,), x.dtype)]
@@ -302,11 +302,11 @@ def _quant_params(ts, attrs, what: str, scheme: str, rows: int, k: int, group_si
     channels over `k` inputs: one scale a row, or one a group of `group_size` along k for int4."""
     _, _, scales, zeros, act_scale, bias = qlinear_inputs(ts, attrs) if what == "qlinear" else (
         ts + [None] * (6 - len(ts)))
-    if scheme in GROUPED_SCHEMES:
+    if SCHEMES[scheme].grouped:
         if type(group_size) is not int or group_size <= 0 or k % group_size:
             raise IRError(f"{what} ({scheme}): group_size {group_size!r} must be a positive divisor of {k}")
         for name, t in (("scales", scales), ("zeros", zeros)):
-            if t is not None or scheme == "int4":
+            if t is not None or SCHEMES[scheme].zeros_required:
                 _want(t, f"{what} ({scheme}) {name}", shape=(rows, k // group_size))
     elif scheme == "fp8" and scales.shape == (1,):
         _want(scales, f"{what} (fp8) scales", shape=(1,))
@@ -327,26 +327,28 @@ def qlinear_ref(*inputs, scheme, **attrs):
     x, qweight, scales, zeros, act_scale, bias = qlinear_inputs(list(inputs), attrs)
     weight = dequantize_weight(scheme, qweight, scales, zeros)
     h = x.float()
-    if scheme == "fp8" and act_scale is not None:
+    activations = SCHEMES[scheme].activations
+    if activations == FP8_STATIC and act_scale is not None:
         h = fake_quant_fp8(h, act_scale.float())
-    elif scheme == "w8a8":
+    elif activations == INT8_PER_TOKEN:
         h = fake_quant_int8_per_token(h)
     return [F.linear(h, weight, None if bias is None else bias.float()).to(x.dtype)]
 
 
 # -- qembedding: a lookup in a quantised table, stored as qlinear stores its weight (rows are
 # the output channels): int8 per-row scales, int4 packed nibbles with groups along the hidden dim.
-QEMBEDDING_SCHEMES = ("int8", "int4", "affine4", "affine8")
+QEMBEDDING_SCHEMES = schemes_where(qembedding=True)
 
 
 def _qembedding_type(ts, attrs):
     scheme, dim = attrs.get("scheme"), attrs["embedding_dim"]
     if scheme not in QEMBEDDING_SCHEMES:
         raise IRError(f"qembedding: unknown scheme {scheme!r}; known: {', '.join(QEMBEDDING_SCHEMES)}")
-    want_inputs = 4 if scheme == "int4" or attrs.get("has_zeros") else 3
+    zeros_required = SCHEMES[scheme].zeros_required
+    want_inputs = 4 if zeros_required or attrs.get("has_zeros") else 3
     if len(ts) != want_inputs:
         raise IRError(f"qembedding ({scheme}): {len(ts)} inputs, expected {want_inputs} "
-                      f"(ids, qweight, scales{', zeros' if scheme == 'int4' else ''})")
+                      f"(ids, qweight, scales{', zeros' if zeros_required else ''})")
     ids, qweight = ts[0], ts[1]
     dtype, per_element = QLINEAR_STORAGE[scheme]
     if qweight.dtype != dtype or qweight.rank != 2 or qweight.shape[1] != dim // per_element or dim % per_element:
@@ -577,7 +579,7 @@ def moe_ref(x, router, gate_up, down, *, top_k, **attrs):
 # -- qmoe: a moe whose experts' weights are stored as qlinear stores a weight, one per expert --------
 # int8: codes int8 [E, N, K], scales [E, N]; int4: codes uint8 [E, N, K/2] (two a byte), scales and
 # zeros [E, N, K/g]. The router stays float. Inputs: x, router, then gate_up's and down's params.
-QMOE_SCHEMES = ("int8", "int4")
+QMOE_SCHEMES = schemes_where(qmoe=True)
 
 
 class ExpertWeights(NamedTuple):
@@ -588,7 +590,7 @@ class ExpertWeights(NamedTuple):
 
 def qmoe_inputs(inputs: list, scheme: str) -> tuple[Any, Any, ExpertWeights, ExpertWeights]:
     """(x, router, gate_up, down) of a qmoe's inputs; zeros only for int4."""
-    per = 3 if scheme == "int4" else 2
+    per = 3 if SCHEMES[scheme].zeros_required else 2
     if len(inputs) != 2 + 2 * per:
         raise IRError(f"qmoe ({scheme}): {len(inputs)} inputs, expected {2 + 2 * per} (x, router, then "
                       f"{'qweight, scales, zeros' if per == 3 else 'qweight, scales'} of gate_up and of down)")
@@ -607,11 +609,11 @@ def _qmoe_type(ts, attrs):
     dtype, per_element = QLINEAR_STORAGE[scheme]
     for name, w, rows, k in (("gate_up", gate_up, 2 * inter, hidden), ("down", down, hidden, inter)):
         _want(w.qweight, f"qmoe {name} qweight", (dtype,), shape=(experts, rows, k // per_element))
-        if scheme == "int8":
+        if not SCHEMES[scheme].grouped:
             _want(w.scales, f"qmoe {name} scales", shape=(experts, rows))
             continue
         if type(group_size) is not int or group_size <= 0 or k % group_size:
-            raise IRError(f"qmoe (int4): group_size {group_size!r} must be a positive divisor of {name}'s K={k}")
+            raise IRError(f"qmoe ({scheme}): group_size {group_size!r} must be a positive divisor of {name}'s K={k}")
         for part in ("scales", "zeros"):
             _want(getattr(w, part), f"qmoe {name} {part}", shape=(experts, rows, k // group_size))
     return [x]

@@ -1,7 +1,8 @@
 """Quantisation arithmetic of the storage formats in docs/quantization.md: quantise and
 dequantise weights (int8 per channel, int4 in groups with zero points, fp8 e4m3, and the
 grouped-affine codes GGUF block formats import as), pack int4 codes two to a byte, and
-fake-quantise activations (fp8 static, int8 per token). Pure torch."""
+fake-quantise activations (fp8 static, int8 per token). Pure torch; which scheme uses which
+function is compiler/schemes.py's table."""
 
 from __future__ import annotations
 
@@ -107,7 +108,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 # The fp32 product q * s is exact for every GGUF format llmc imports (fp16, or fp16 times a 6-bit
 # scale, times a code of at most 6 bits) or rounds once as GGUF's own Q6_K does, and + m rounds
 # once, as gguf.quants.dequantize does: the weights are bit-identical to the file's.
-AFFINE_SCHEMES = {"affine4": 4, "affine8": 8}
 AFFINE4_CENTRE = 8
 
 
@@ -162,7 +162,7 @@ def fake_quant_int8_per_token(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x / scales).clamp(-INT8_MAX, INT8_MAX) * scales
 
 
-# -- one entry point for every scheme ----------------------------------------------------------
+# -- KV cache: static scale per head (formats: compiler/schemes.py) ----------------------------
 # KV-cache storage dtypes -> the largest magnitude each holds (a head's scale maps its absmax there)
 KV_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
@@ -177,25 +177,8 @@ def fake_quant_kv(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.T
     return (y * scale[:, None]).to(x.dtype)
 
 
-SCHEMES = ("int8", "int4", "fp8", "w8a8", *AFFINE_SCHEMES)
-
-
-def dequantize_weight(scheme: str, qweight: torch.Tensor, scales: torch.Tensor,
-                      zeros: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [N, K] weight a qlinear's stored params stand for."""
-    if scheme in ("int8", "w8a8"):
-        return dequantize_int8(qweight, scales, dtype)
-    if scheme == "int4":
-        return dequantize_int4(qweight, scales, zeros, dtype)
-    if scheme == "fp8":
-        return dequantize_fp8(qweight, scales, dtype)
-    if scheme in AFFINE_SCHEMES:
-        return dequantize_affine(scheme, qweight, scales, zeros, dtype)
-    raise ValueError(f"unknown quantisation scheme {scheme!r}; known: {', '.join(SCHEMES)}")
-
-
-__all__ = ["INT8_MAX", "INT4_MAX", "FP8_E4M3_MAX", "SCHEMES", "compute_dtype", "quantize_int8",
+__all__ = ["INT8_MAX", "INT4_MAX", "FP8_E4M3_MAX", "compute_dtype", "quantize_int8",
            "dequantize_int8", "int4_grid", "quantize_to_grid", "quantize_int4", "dequantize_int4",
            "dequantize_int4_codes", "pack_int4", "unpack_int4", "quantize_fp8", "dequantize_fp8",
-           "fake_quant_fp8", "fake_quant_int8_per_token", "dequantize_weight", "AFFINE_SCHEMES",
+           "fake_quant_fp8", "fake_quant_int8_per_token", "KV_QMAX", "fake_quant_kv",
            "AFFINE4_CENTRE", "dequantize_affine", "dequantize_affine_codes"]

@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmc.compiler.quant import AFFINE_SCHEMES
+from llmc.compiler.schemes import KV_CACHE_FORMATS, TORCH, TRITON, schemes_where
 from llmc.errors import PassError
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ QUANT_RECIPES: dict[str, list[tuple[str, dict]]] = {
 }
 QUANT_CHOICES = tuple(QUANT_RECIPES)
 SOURCE_QUANT = "gguf"
-KV_CACHE_CHOICES = ("int8", "fp8")
+KV_CACHE_CHOICES = tuple(KV_CACHE_FORMATS)
 KV_GROUPING_CHOICES = ("auto", "index", "similarity")
 SPARSITY_METHODS = ("wanda", "magnitude")
 # --prune kind -> (pass, its amount option); whole layers first, so heads and FFN channels are
@@ -139,21 +139,15 @@ def check_quant_kernels(tgt, quant: str | None) -> None:
     """Refuse `--quant gguf` on a target whose kernels cannot read a GGUF's block formats as stored."""
     if quant != SOURCE_QUANT:
         return
-    missing = sorted(set(AFFINE_SCHEMES) - set(served_schemes(tgt.device)))
+    missing = sorted(set(schemes_where(gguf=True)) - set(served_schemes(tgt.device)))
     if missing:
         raise PassError(f"--quant {SOURCE_QUANT} keeps a GGUF file's blocks ({', '.join(missing)} codes), but target "
                         f"{tgt.name} has no kernels for them; choose another --quant or --target cpu")
 
 
 def served_schemes(device: str) -> tuple[str, ...]:
-    """The qlinear schemes the kernel families of `device` run (each family declares its own)."""
-    if device == "cuda":
-        from llmc.codegen.triton_gemm import GEMM_SCHEMES
-
-        return GEMM_SCHEMES
-    from llmc.codegen.cpu_qlinear import PACKERS
-
-    return tuple(PACKERS)
+    """The qlinear schemes the kernel families of `device` run (compiler/schemes.py's rows name them)."""
+    return schemes_where(family=TRITON if device == "cuda" else TORCH)
 
 
 def requantise_note(choice: WeightChoice, stored: dict, tgt) -> str | None:

@@ -13,8 +13,9 @@ from typing import Callable
 import torch
 
 from llmc.compiler.ir import Graph, Node, QuantScheme, TensorType
-from llmc.compiler.ops import DTYPE_NAMES, QLINEAR_STORAGE
+from llmc.compiler.ops import DTYPE_NAMES
 from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
+from llmc.compiler.schemes import SCHEMES
 from llmc.compiler.weight_store import as_dtype, as_lazy, contiguous
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
@@ -34,7 +35,7 @@ INT4_METHODS = ("rtn", "gptq", "awq")
 @dataclass(frozen=True)
 class WeightFormat:
     """How a pass stores its weights: the qlinear scheme and the QuantScheme recorded on them."""
-    scheme: str             # "int8" | "int4" | "fp8" | "w8a8"
+    scheme: str             # a row of compiler/schemes.py
     method: str             # "rtn", "gptq", "awq", "fp8", "smoothquant"
     bits: int
     group_size: int = -1    # -1: one scale per output channel
@@ -128,8 +129,9 @@ def add_quant_params(graph: Graph, weight: str, fmt: WeightFormat, codes: torch.
                      act_scale: torch.Tensor | None) -> int:
     """Add `<weight>.qweight/.scales[/.zeros][/.act_scale]`; returns their bytes."""
     names = quant_param_names(weight)
-    stored = pack_int4(codes) if fmt.scheme == "int4" else codes
-    want = QLINEAR_STORAGE[fmt.scheme][0]
+    row = SCHEMES[fmt.scheme]
+    stored = pack_int4(codes) if row.packed and not row.gguf else codes   # a GGUF's blocks come packed
+    want = SCHEMES[fmt.scheme].code_dtype
     if DTYPE_NAMES[stored.dtype] != want:
         raise PassError(f"quantising {weight}: the {fmt.method} method gave {stored.dtype} codes, "
                         f"the {fmt.scheme} format stores {want}")
@@ -199,7 +201,7 @@ def select_weights(p: Pass, graph: Graph, check: Callable[[Node], str | None] = 
 
 def rtn_table(weight: torch.Tensor, fmt: WeightFormat) -> tuple:
     """Round-to-nearest codes of an embedding table [vocab, dim], rows as output channels."""
-    if fmt.scheme == "int4":
+    if SCHEMES[fmt.scheme].grouped:
         return quantize_int4(weight, fmt.group_size)
     q, scales = quantize_int8(weight)
     return q, scales, None
@@ -217,7 +219,8 @@ def quantize_embedding(graph: Graph, node: Node, fmt: WeightFormat) -> tuple[int
         codes, scales, zeros = rtn_table(graph.weights[weight].float(), fmt)
         after = add_quant_params(graph, weight, fmt, codes, scales, zeros, None)
     node.op = "qembedding"
-    node.inputs = [ids, names["qweight"], names["scales"]] + ([names["zeros"]] if fmt.scheme == "int4" else [])
+    zeros = [names["zeros"]] if SCHEMES[fmt.scheme].zeros_required else []
+    node.inputs = [ids, names["qweight"], names["scales"]] + zeros
     node.attrs = {"scheme": fmt.scheme, "group_size": fmt.group_size,
                   "embedding_dim": graph.params[weight].type.shape[1]}
     return before, after

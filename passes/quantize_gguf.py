@@ -22,7 +22,8 @@ import torch
 
 from llmc.compiler.frontends.gguf_dequant import AffineWeight, LazyBlocks
 from llmc.compiler.ir import Graph, Node
-from llmc.compiler.quant import AFFINE_SCHEMES, dequantize_affine, dequantize_int4, unpack_int4
+from llmc.compiler.quant import dequantize_affine, dequantize_int4, unpack_int4
+from llmc.compiler.schemes import SCHEMES
 from llmc.compiler.weight_store import LazyTensor
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
@@ -43,7 +44,7 @@ def weight_format(stored) -> WeightFormat:
     """The format a source weight (a GGUF AffineWeight, or an ONNX int4 weight with zero points) is stored in."""
     if stored.scheme == "int4":
         return WeightFormat("int4", METHOD_PREFIX + stored.format, 4, stored.group_size, symmetric=False)
-    return WeightFormat(stored.scheme, METHOD_PREFIX + stored.format, AFFINE_SCHEMES[stored.scheme],
+    return WeightFormat(stored.scheme, METHOD_PREFIX + stored.format, SCHEMES[stored.scheme].bits,
                         stored.group_size, symmetric=stored.symmetric)
 
 

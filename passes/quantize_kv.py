@@ -13,14 +13,14 @@ import torch
 from llmc.compiler.interpreter import interpret_many
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS, attention_prologue
-from llmc.compiler.quant import KV_QMAX
+from llmc.compiler.schemes import KV_CACHE_FORMATS
 from llmc.errors import PassError
 from llmc.passes.accuracy import check_budget, mean_kl, perplexity, significant, top1_agreement
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.options import PassOptions, option
 
 # --kv-cache name -> (storage dtype, largest magnitude it holds)
-KV_FORMATS = {"int8": ("int8", KV_QMAX["int8"]), "fp8": ("float8_e4m3fn", KV_QMAX["float8_e4m3fn"])}
+KV_FORMATS = {f.name: (f.storage, f.qmax) for f in KV_CACHE_FORMATS.values()}
 SCALE_PARAMS = "kv_scales.{layer}"
 # A head that never left zero on calibration still needs a positive scale.
 MIN_ABSMAX = 1e-6

@@ -14,6 +14,7 @@ import torch
 from llmc.compiler.ir import Graph, Node, QuantScheme, TensorType
 from llmc.compiler.ops import DTYPE_NAMES
 from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
+from llmc.compiler.schemes import NO_ZERO, SCHEMES
 from llmc.errors import PassError
 
 
@@ -28,7 +29,7 @@ def quantize_experts(graph: Graph, scheme: str, group_of: Callable[[int], int | 
         x, router, gate_up, down = node.inputs
         hidden = graph.params[router].type.shape[1]
         inter = graph.params[down].type.shape[2]
-        group = -1 if scheme == "int8" else _group(node, group_of, hidden, inter)
+        group = _group(node, group_of, hidden, inter) if SCHEMES[scheme].grouped else -1
         params = []
         for weight in (gate_up, down):
             before += graph.params[weight].type.nbytes()
@@ -38,7 +39,7 @@ def quantize_experts(graph: Graph, scheme: str, group_of: Callable[[int], int | 
         node.op = "qmoe"
         node.inputs = [x, router, *params]
         node.attrs = {"top_k": node.attrs["top_k"], "scheme": scheme, "intermediate": inter} | (
-            {"group_size": group} if scheme == "int4" else {})
+            {"group_size": group} if SCHEMES[scheme].grouped else {})
     graph.prune_params()
     return len(nodes), before, after
 
@@ -58,10 +59,11 @@ def _store_experts(graph: Graph, weight: str, scheme: str, group: int) -> tuple[
     experts = graph.weights[weight].float()
     parts = [_quantize_expert(w, scheme, group) for w in experts]
     tensors = {"qweight": torch.stack([p[0] for p in parts]), "scales": torch.stack([p[1] for p in parts])}
-    if scheme == "int4":
+    if SCHEMES[scheme].zeros_required:
         tensors["zeros"] = torch.stack([p[2] for p in parts])
     names = {k: f"{weight}.{k}" for k in tensors}
-    quant = QuantScheme("rtn", 8 if scheme == "int8" else 4, group, scheme == "int8", names["scales"],
+    row = SCHEMES[scheme]
+    quant = QuantScheme("rtn", row.bits, group, row.zero_point == NO_ZERO, names["scales"],
                         names.get("zeros", ""), graph.params[weight].type.dtype)
     for key, tensor in tensors.items():
         tensor = tensor.contiguous()
@@ -71,7 +73,7 @@ def _store_experts(graph: Graph, weight: str, scheme: str, group: int) -> tuple[
 
 
 def _quantize_expert(weight: torch.Tensor, scheme: str, group: int) -> tuple:
-    if scheme == "int8":
+    if not SCHEMES[scheme].grouped:
         return quantize_int8(weight)
     codes, scales, zeros = quantize_int4(weight, group)
     return pack_int4(codes), scales, zeros

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from llmc.compiler.ir import Graph, Node, TensorType
-from llmc.compiler.ops import QLINEAR_STORAGE
+from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import PassError
 
 
@@ -55,11 +55,11 @@ def cut_table(graph: Graph, node: Node, start: int, stop: int) -> None:
 def cut_row(graph: Graph, node: Node, start: int, stop: int, rank: int, pass_name: str) -> None:
     """Keep input features [start, stop) of projection `node`; its output is a partial sum."""
     scheme = node.attrs.get("scheme")
-    if scheme == "w8a8":
-        raise PassError(f"{pass_name}: {node.name} is a w8a8 qlinear, whose per-token activation scales "
+    if scheme and SCHEMES[scheme].activations == INT8_PER_TOKEN:
+        raise PassError(f"{pass_name}: {node.name} is a {scheme} qlinear, whose per-token activation scales "
                         f"would differ on a slice of its input features; it cannot be row-parallel "
                         f"(compile without --tp, or with another --quant)")
-    per_byte = QLINEAR_STORAGE[scheme][1] if scheme else 1
+    per_byte = SCHEMES[scheme].codes_per_element if scheme else 1
     cuts = {}
     for role, index in input_roles(node).items():
         tensor = graph.weights[node.inputs[index]]

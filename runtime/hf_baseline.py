@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmc.compiler.quant import dequantize_weight
+from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES, dequantize_weight
 
 AWQ_SCALE = ".awq_inv_scale"   # passes/quantize_calibrated.py insert_scale_mul names its param so
 ACT_QUANT = "activations run in fp32, not quantised as the artifact's are"
@@ -55,6 +55,6 @@ def baseline_name(plan) -> str:
     schemes = {s.attrs["scheme"] for s in kernel_steps(plan) if _quant_weight(s, plan.params)}
     if not schemes:
         return "hf"
-    act = any(s.attrs.get("scheme") == "w8a8" or s.attrs.get("has_act_scale") for s in kernel_steps(plan)
-              if _quant_weight(s, plan.params))
+    act = any(SCHEMES[s.attrs["scheme"]].activations == INT8_PER_TOKEN or s.attrs.get("has_act_scale")
+              for s in kernel_steps(plan) if _quant_weight(s, plan.params))
     return f"hf (fp32, dequantised {'/'.join(sorted(schemes))} weights{'; ' + ACT_QUANT if act else ''})"

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from llmc.compiler.schemes import KV_CACHE_FORMATS
 from llmc.errors import ArtifactError
 
 # Largest magnitude each storage dtype holds; the scales map a head's calibrated absmax onto it.
-KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+KV_QMAX = {f.torch_dtype: f.qmax for f in KV_CACHE_FORMATS.values()}
 
 
 def is_quantized_kv(dtype: torch.dtype) -> bool:

@@ -15,10 +15,12 @@ import psutil
 import torch
 
 from llmc.codegen.cpu_qlinear_dense import scratch_bytes
+from llmc.compiler.schemes import NATIVE, SCHEMES
 from llmc.runtime.block_manager import num_blocks_for_budget, parse_bytes
 from llmc.runtime.host_memory import file_mappings, resident_bytes
 
-NATIVE_4BIT = ("int4", "affine4")   # qlinear schemes the CPU kernels hold repacked (cpu_qlinear_native.py)
+# qlinear schemes the CPU kernels hold repacked (cpu_qlinear_native.py): the native family's packed ones
+NATIVE_4BIT = tuple(s.name for s in SCHEMES.values() if NATIVE in s.families and s.packed)
 
 
 @dataclass(frozen=True)

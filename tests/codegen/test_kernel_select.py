@@ -27,8 +27,8 @@ from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import Graph, TensorType
 from llmc.compiler.ops import TORCH_DTYPES, run_reference
 from llmc.compiler.pipeline import trace_and_lower
-from llmc.compiler.quant import dequantize_weight
 from llmc.compiler.recipes import quant_passes
+from llmc.compiler.schemes import dequantize_weight
 from llmc.compiler.targets import get_target
 from llmc.errors import TargetError
 from llmc.passes.base import PassContext, PassManager

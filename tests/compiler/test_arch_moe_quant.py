@@ -22,7 +22,8 @@ from llmc import SamplingParams
 from llmc.codegen.cpu_moe import qmoe as cpu_qmoe
 from llmc.compiler.ir import TensorType
 from llmc.compiler.ops import DTYPE_NAMES, OPS, ExpertWeights, expert_weights, moe_routing, qmoe_inputs
-from llmc.compiler.quant import dequantize_weight, pack_int4, quantize_int4, quantize_int8
+from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
+from llmc.compiler.schemes import dequantize_weight
 
 GROUP = 4
 

@@ -18,7 +18,8 @@ from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Node, TensorType, Value
 from llmc.compiler.ops import OPS, infer_types
 from llmc.compiler.pipeline import trace_and_lower
-from llmc.compiler.quant import dequantize_weight, pack_int4, quantize_int4, quantize_int8
+from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8
+from llmc.compiler.schemes import dequantize_weight
 from llmc.errors import IRError
 from llmc.passes.base import PassContext, PassManager
 from llmc.passes.registry import get_pass

@@ -9,7 +9,7 @@ import torch
 from llmc.codegen.triton_configs import TILE_CONFIGS, TileConfig, tile_config
 from llmc.codegen.triton_gemm import dequant_gemm, render_dequant_gemm
 from llmc.codegen.triton_render import kernel_cache_dir, load_kernel
-from llmc.compiler import quant
+from llmc.compiler import quant, schemes
 from llmc.errors import LlmcError, TargetError
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/codegen/triton/conftest.py sets the interpreter"
@@ -21,7 +21,7 @@ SMALL = TileConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2
 def reference(x, scheme, qweight, scales, zeros=None, act_scale=None, bias=None):
     if act_scale is not None:
         x = quant.fake_quant_fp8(x.float(), act_scale)
-    w = quant.dequantize_weight(scheme, qweight, scales, zeros, dtype=torch.float64)
+    w = schemes.dequantize_weight(scheme, qweight, scales, zeros, dtype=torch.float64)
     y = x.double() @ w.T
     return y if bias is None else y + bias.double()
 

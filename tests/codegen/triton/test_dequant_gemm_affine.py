@@ -9,7 +9,7 @@ import torch
 
 from llmc.codegen.triton_configs import TILE_CONFIGS, TileConfig
 from llmc.codegen.triton_gemm import dequant_gemm, render_dequant_gemm
-from llmc.compiler import quant
+from llmc.compiler import quant, schemes
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/codegen/triton/conftest.py sets the interpreter"
 pytestmark = pytest.mark.triton
@@ -39,7 +39,7 @@ def test_affine_matches_float64_dequant_matmul(scheme, mins, dtype, m, n, k, gro
     qweight, scales, minimums = affine_params(scheme, n, k, group_size, mins, dtype)
     x, bias = torch.randn(m, k), torch.randn(n)
     y = dequant_gemm(x, qweight, scales, minimums, scheme=scheme, group_size=group_size, bias=bias, config=config)
-    w = quant.dequantize_weight(scheme, qweight, scales, minimums, dtype=torch.float64)
+    w = schemes.dequantize_weight(scheme, qweight, scales, minimums, dtype=torch.float64)
     ref = x.double() @ w.T + bias.double()
     assert y.shape == (m, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * k ** 0.5 * float(ref.abs().max()))
