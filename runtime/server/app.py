@@ -116,6 +116,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         top = (body.top_logprobs or 0) if body.logprobs else None
         builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", name, tokenizer, True, top)
         prepared = await preparer.chat(body)
+        builder.tools = prepared.tools
         return await _serve(core, body, _job(engine, body, builder.request_id, prepared), builder, request)
 
     return app

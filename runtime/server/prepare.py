@@ -18,7 +18,8 @@ from llmc.runtime import request_values
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.limits import PromptBound
 from llmc.runtime.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from llmc.runtime.structured_output import StructuredOutputError
+from llmc.runtime.server.tools import ToolPlan, template_message, tool_plan
+from llmc.runtime.structured_output import StructuredOutputError, StructuredOutputsParams
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Prepared:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    tools: ToolPlan | None = None   # a chat request's tools and how they may be called
 
 
 class RequestPreparer:
@@ -58,9 +60,18 @@ class RequestPreparer:
         return self._prepared(text, ids, params, "prompt")
 
     def _chat(self, body: ChatCompletionRequest) -> Prepared:
-        params = self._compiled(body, self._capped(body.sampling_params()))
-        text = self._rendered(body.conversation())
-        return self._prepared(text, self._encoded(text, "messages"), params, "messages")
+        params = self._capped(body.sampling_params())
+        plan = tool_plan(body.tools, body.tool_choice, str(getattr(self.tokenizer, "chat_template", None) or ""))
+        if plan is not None and plan.schema is not None:
+            if params.structured_outputs is not None:
+                raise ApiError(400, f"tool_choice {plan.mode!r} constrains the output to a tool call, and so does "
+                                    f"{body.structured_outputs_spec()[1]}; give one of them", param="tool_choice")
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=plan.schema))
+        params = self._compiled(body, params, "tools" if plan is not None else None)
+        text = self._rendered(body.conversation(), plan.tools if plan is not None else None)
+        prepared = self._prepared(text, self._encoded(text, "messages"), params, "messages")
+        prepared.tools = plan
+        return prepared
 
     def _capped(self, params: SamplingParams) -> SamplingParams:
         if params.n > self.max_n:
@@ -68,24 +79,25 @@ class RequestPreparer:
                                 "(--max-n); ask for fewer or send several requests", param="n")
         return params
 
-    def _compiled(self, body, params: SamplingParams) -> SamplingParams:
+    def _compiled(self, body, params: SamplingParams, tools_field: str | None = None) -> SamplingParams:
         """Compile the request's grammar (a bad one is a 400 naming its field and the problem)."""
         if params.structured_outputs is not None:
             try:
                 self.engine.grammars.compile(params.structured_outputs)
             except StructuredOutputError as e:
-                field = body.structured_outputs_spec()[1]
+                field = body.structured_outputs_spec()[1] or tools_field
                 raise ApiError(400, f"{field}: {e}", param=field, code="invalid_structured_output") from None
         return params
 
-    def _rendered(self, conversation: list[dict]) -> str:
+    def _rendered(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
         """The conversation through the model's chat template. The template is the model's, but what
         makes it fail is the conversation (a `raise_exception` on roles, a loop the sandbox stops), so
         a failure is the request's 400."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "the served model has no chat template; use /v1/completions", param="messages")
         try:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template([template_message(m) for m in conversation], tools=tools,
+                                                      tokenize=False, add_generation_prompt=True)
         except Exception as e:   # jinja2's TemplateError and SecurityError, the sandbox's OverflowError, ...
             raise ApiError(400, f"messages: the model's chat template refused this conversation "
                                 f"({type(e).__name__}: {str(e)[:200]})", param="messages",

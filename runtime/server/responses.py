@@ -17,6 +17,8 @@ class ResponseBuilder:
         self.chat, self.top_logprobs = chat, top_logprobs
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}   # completions' logprobs.text_offset, by choice
+        self.tools = None   # a chat request's ToolPlan (tools.py), once prepared
+        self._held: dict[int, str] = {}   # streamed text of auto/required tool choices, parsed at the end
 
     def _envelope(self, kind: str, **fields) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, **fields}
@@ -50,10 +52,36 @@ class ResponseBuilder:
                   "finish_reason": finish_reason, "stop_reason": stop_reason}
         if not self.chat:
             return {"text": text, **choice}
+        if self.tools is not None:
+            return self._tool_choice(index, text, choice, streamed, first)
         if not streamed:
             return {"message": {"role": "assistant", "content": text}, **choice}
         return {"delta": ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {}),
                 **choice}
+
+    def _tool_choice(self, index: int, text: str, choice: dict, streamed: bool, first: bool) -> dict:
+        """A chat choice of a request offering tools: its text parsed into tool_calls. Streamed, a named
+        function's arguments come as they are generated; auto and required choices are held back and
+        parsed whole at the end (a call is known to be one only once it is complete)."""
+        role = {"role": "assistant"} if first else {}
+        if not streamed:
+            content, calls = self.tools.calls(text)
+            message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+            return {"message": message, **_finished(choice, calls)}
+        if self.tools.mode == "named":
+            call = {"index": 0, "function": {"arguments": text}}
+            if first:
+                opened = self.tools.calls("")[1][0]
+                call = {"index": 0, "id": opened["id"], "type": "function",
+                        "function": {"name": self.tools.function, "arguments": text}}
+            return {"delta": role | ({"tool_calls": [call]} if text or first else {}), **choice}
+        self._held[index] = self._held.get(index, "") + text
+        if choice["finish_reason"] is None:
+            return {"delta": role, **choice}
+        content, calls = self.tools.calls(self._held.pop(index))
+        delta = role | ({"content": content} if content else {}) | (
+            {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {})
+        return {"delta": delta, **_finished(choice, calls)}
 
     def _logprobs(self, index: int, token_ids: list[int], steps) -> dict | None:
         if self.top_logprobs is None or steps is None:
@@ -87,6 +115,13 @@ class ResponseBuilder:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _finished(choice: dict, calls: list) -> dict:
+    """A choice that ended in tool calls finishes with "tool_calls" (OpenAI's), not "stop"."""
+    if calls and choice["finish_reason"] == "stop":
+        return {**choice, "finish_reason": "tool_calls"}
+    return choice
 
 
 def prompt_logprobs(steps) -> list[dict | None]:

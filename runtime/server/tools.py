@@ -1,0 +1,116 @@
+"""Tool calls in /v1/chat/completions: which tools a request offers and how it lets the model use
+them (`tool_choice`), the constraint a forced choice puts on the output, and the parse of the output
+into OpenAI's `tool_calls`.
+
+As vLLM: with `tool_choice` naming a function the output is that function's arguments, generated under
+its parameters' JSON schema; with "required" it is a JSON array of {"name", "parameters"} calls under
+a schema allowing the offered functions; with "auto" the model writes freely and calls in the Hermes
+format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the one the templates of Qwen, Hermes
+and SmolLM3 teach) are parsed out of its text; "none" offers no tool. A model whose chat template never
+reads `tools` cannot be told about them, so tools sent to it are a 400."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from llmc.runtime.server.protocol import ApiError, FunctionDef, NamedToolChoice, ToolDef
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ToolPlan:
+    """How one request uses its tools: `mode` "auto" | "required" | "named"; `schema` the JSON schema a
+    forced choice constrains the output to; `function` the named function."""
+    mode: str
+    tools: list[dict]
+    schema: dict | None = None
+    function: str | None = None
+    ids: list[str] = field(default_factory=list)   # one per call, kept across stream chunks
+
+    def calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content left, tool calls) of a finished output."""
+        if self.mode == "named":
+            return None, [self._call(0, self.function, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                return text, []
+            return None, [self._call(i, c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
+                          for i, c in enumerate(items)]
+        return self._hermes(text)
+
+    def _hermes(self, text: str) -> tuple[str | None, list[dict]]:
+        calls = []
+        for body in _HERMES_CALL.findall(text):
+            try:
+                call = json.loads(body)
+                name, arguments = call["name"], call.get("arguments", {})
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return text, []   # not a well-formed call: the text stays content
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            calls.append(self._call(len(calls), name, arguments))
+        if not calls:
+            return text, []
+        rest = _HERMES_CALL.sub("", text).strip()
+        return rest or None, calls
+
+    def _call(self, index: int, name: str, arguments: str) -> dict:
+        while len(self.ids) <= index:
+            self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return {"id": self.ids[index], "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_plan(tools: list[ToolDef] | None, tool_choice, template: str | None) -> ToolPlan | None:
+    """The request's plan (None: no tools offered, or tool_choice "none"); a 400 for a choice naming no
+    offered function, or tools sent to a model whose chat template takes none."""
+    if tool_choice is not None and not tools and tool_choice != "none":
+        raise ApiError(400, "tool_choice needs tools: offer the functions it may call", param="tool_choice")
+    if not tools or tool_choice == "none":
+        return None
+    if not template or not re.search(r"\btools\b", template):
+        raise ApiError(400, "tools: the served model's chat template does not take tools (it never reads "
+                            "`tools`), so the model cannot be told about them; send the request without tools, "
+                            "or serve a model whose template supports them", param="tools", code="tools_unsupported")
+    functions = {t.function.name: t.function for t in tools}
+    dumped = [t.model_dump(exclude_none=True) for t in tools]
+    if isinstance(tool_choice, NamedToolChoice):
+        name = tool_choice.function.name
+        if name not in functions:
+            raise ApiError(400, f"tool_choice names function {name!r}, which is not among the tools offered "
+                                f"({', '.join(functions)})", param="tool_choice")
+        return ToolPlan("named", dumped, _parameters(functions[name]), name)
+    if tool_choice == "required":
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                  "properties": {"name": {"const": name}, "parameters": _parameters(f)}}
+                 for name, f in functions.items()]
+        return ToolPlan("required", dumped, {"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    if tool_choice in (None, "auto"):
+        return ToolPlan("auto", dumped)
+    raise ApiError(400, f"tool_choice {tool_choice!r} is not one of none, auto, required or "
+                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+
+
+def _parameters(function: FunctionDef) -> dict:
+    return function.parameters or {"type": "object", "properties": {}}
+
+
+def template_message(message: dict) -> dict:
+    """A message as chat templates read it: tool calls' arguments as objects where they parse."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    shown = []
+    for call in calls:
+        function = dict(call.get("function", {}))
+        try:
+            function["arguments"] = json.loads(function.get("arguments") or "{}")
+        except (json.JSONDecodeError, TypeError):
+            pass
+        shown.append({**call, "function": function})
+    return {**message, "tool_calls": shown}

@@ -1,0 +1,123 @@
+"""Tool calls through `llmc serve` and the `openai` client, on tiny-llama given a chat template that
+takes tools (the Hermes format, cut short for a 512-token context: tools named in the system turn, calls
+as <tool_call>JSON</tool_call>):
+a named tool_choice and "required" generate calls under the functions' schemas, "auto" parses the
+calls the model writes, calls stream as deltas, and a conversation carrying calls and their results
+goes round; a template without tools refuses tools with a 400 naming why."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from conftest import KV_MEMORY, InProcessServer
+
+import llmc
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{%- endfor %}{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"type": "string", "pattern": "^UTC[+-][0-9]$"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(compiled):
+    llm = llmc.load(compiled, kv_memory=KV_MEMORY, threads=1)
+    llm.engine.tokenizer.chat_template = TOOL_TEMPLATE
+    with InProcessServer(llm) as served:
+        yield served
+
+
+def ask(served, **kw):
+    return served.client.chat.completions.create(model="tiny", messages=kw.pop("messages", ASK), tools=TOOLS,
+                                                 **{"max_tokens": 120, "temperature": 0, **kw})
+
+
+def test_named_tool_choice_calls_that_function_under_its_schema(served):
+    reply = ask(served, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = reply.choices[0]
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+
+
+def test_required_makes_calls_of_offered_functions(served):
+    for seed in (1, 2):
+        reply = ask(served, tool_choice="required", temperature=1.0, seed=seed, max_tokens=200)
+        calls = reply.choices[0].message.tool_calls
+        assert calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_auto_parses_the_calls_the_model_writes(served):
+    written = r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC\+2"\}\}</tool_call>'
+    reply = ask(served, tool_choice="auto", extra_body={"guided_regex": written})
+    message = reply.choices[0].message
+    assert message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("get_time", {"zone": "UTC+2"})]
+    plain = ask(served, max_tokens=8)   # auto by default; no call written: plain content
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+def test_a_named_call_streams_its_arguments_as_deltas(served):
+    chunks = list(ask(served, stream=True, tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].id and deltas[0].function.name == "get_time" and len(deltas) > 2
+    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)), TIME)
+
+
+def test_auto_streams_parsed_calls_at_the_end(served):
+    written = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "celsius"\}\}</tool_call>'
+    chunks = list(ask(served, stream=True, extra_body={"guided_regex": written}))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_tool_call_round_trip(served):
+    first = ask(served, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 21})}]
+    reply = ask(served, messages=messages, tool_choice="none", max_tokens=8)
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    assert reply.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("extra, param, problem", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "give one of them"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+      "tool_choice": "required"}, "tools", "cannot be compiled"),
+])
+def test_bad_tool_requests_are_400s(served, extra, param, problem):
+    body = {"tools": TOOLS, **extra}
+    with pytest.raises(openai.BadRequestError) as caught:
+        served.client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=body)
+    assert caught.value.body["param"] == param and problem in caught.value.body["message"]
+
+
+def test_a_template_without_tools_refuses_them_naming_why(compiled):
+    llm = llmc.load(compiled, kv_memory=KV_MEMORY, threads=1)   # tiny-llama's own ChatML template
+    with InProcessServer(llm) as served:
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(served)
+        assert caught.value.body["code"] == "tools_unsupported"
+        assert "chat template does not take tools" in caught.value.body["message"]
+        assert ask(served, tool_choice="none", max_tokens=4).choices[0].message.content is not None
