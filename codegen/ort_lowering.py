@@ -24,7 +24,7 @@ from llmc.codegen.onnx_ops import (
 from llmc.codegen.plan import Plan, PlanStep
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.ops import ATTENTION_OPS
-from llmc.compiler.schemes import ORT, schemes_where
+from llmc.compiler.schemes import ORT, SCHEMES, schemes_where
 from llmc.errors import TargetError
 
 KERNEL_MODES = ("cpu", "ort", "auto")
@@ -72,7 +72,7 @@ def _quant_refusal(node: Node, graph: Graph) -> str | None:
     if node.op == "qlinear" and scheme == "int8" and nbits_int8_block(k) is None:
         return f"int8 weights with {k} inputs (not a multiple of 16) have no MatMulNBits layout"
     group = node.attrs.get("group_size", -1)
-    if node.op == "qlinear" and scheme in ("int4", *AFFINE_BITS) and (group < 16 or group & (group - 1)):
+    if node.op == "qlinear" and SCHEMES[scheme].grouped and (group < 16 or group & (group - 1)):
         return f"{scheme} group size {group} is no MatMulNBits block size (a power of two >= 16)"
     if node.op == "qlinear" and scheme in AFFINE_BITS and len(graph.type_of(node.inputs[0]).shape) != 2:
         return f"{scheme} weights are lowered for [tokens, features] inputs only"

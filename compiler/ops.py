@@ -308,8 +308,8 @@ def _quant_params(ts, attrs, what: str, scheme: str, rows: int, k: int, group_si
         for name, t in (("scales", scales), ("zeros", zeros)):
             if t is not None or SCHEMES[scheme].zeros_required:
                 _want(t, f"{what} ({scheme}) {name}", shape=(rows, k // group_size))
-    elif scheme == "fp8" and scales.shape == (1,):
-        _want(scales, f"{what} (fp8) scales", shape=(1,))
+    elif SCHEMES[scheme].per_tensor and scales.shape == (1,):
+        _want(scales, f"{what} ({scheme}) scales", shape=(1,))
     else:
         _want(scales, f"{what} ({scheme}) scales", shape=(rows,))
     if act_scale is not None:

@@ -43,6 +43,7 @@ class Scheme:
     code_dtype: str              # the IR dtype qweight is stored in
     packed: bool                 # two codes a byte (uint8 [N, K/2], low nibble first)
     grouped: bool                # scales (and zero points) per group of group_size along K, else per output channel
+    per_tensor: bool             # may instead hold one scale [1] for the whole weight (fp8's per-tensor recipe)
     zero_point: str              # NO_ZERO, INT_ZERO or FLOAT_OFFSET
     activations: str             # FLOAT_ACTS, INT8_PER_TOKEN or FP8_STATIC
     reference: Callable          # compiler/quant.py's dequantisation of the stored codes
@@ -74,10 +75,10 @@ class Scheme:
         return self.reference(qweight, scales, zeros, dtype)
 
 
-def _row(name, bits, code_dtype, reference, *, packed=False, grouped=False, zero_point=NO_ZERO,
+def _row(name, bits, code_dtype, reference, *, packed=False, grouped=False, per_tensor=False, zero_point=NO_ZERO,
          activations=FLOAT_ACTS, gguf=False, qembedding=False, qmoe=False, families=(), exports=False) -> Scheme:
-    return Scheme(name, bits, code_dtype, packed, grouped, zero_point, activations, reference, gguf, qembedding,
-                  qmoe, frozenset(families), exports)
+    return Scheme(name, bits, code_dtype, packed, grouped, per_tensor, zero_point, activations, reference, gguf,
+                  qembedding, qmoe, frozenset(families), exports)
 
 
 _ALL = (TORCH, NATIVE, ORT, TRITON)
@@ -85,7 +86,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     _row("int8", 8, "int8", dequantize_int8, qembedding=True, qmoe=True, families=_ALL, exports=True),
     _row("int4", 4, "uint8", dequantize_int4, packed=True, grouped=True, zero_point=INT_ZERO, qembedding=True,
          qmoe=True, families=_ALL, exports=True),
-    _row("fp8", 8, "float8_e4m3fn", dequantize_fp8, activations=FP8_STATIC, families=(TORCH, TRITON)),
+    _row("fp8", 8, "float8_e4m3fn", dequantize_fp8, per_tensor=True, activations=FP8_STATIC,
+         families=(TORCH, TRITON)),
     _row("w8a8", 8, "int8", dequantize_int8, activations=INT8_PER_TOKEN, families=(TORCH, ORT, TRITON)),
     # GGUF's block formats: affine4 codes 0..15 (centred at 8 without minimums, Q4_0), affine8 -128..127
     _row("affine4", 4, "uint8", functools.partial(dequantize_affine, "affine4"), packed=True, grouped=True,

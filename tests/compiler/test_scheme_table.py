@@ -30,6 +30,7 @@ from llmc.compiler.schemes import (
     TRITON,
 )
 from llmc.compiler.targets import get_target
+from llmc.errors import IRError
 from llmc.passes.base import PassContext, PassManager
 from llmc.passes.registry import build_pipeline
 from llmc.runtime.kv_quant import dequantize_kv, quantize_kv
@@ -105,6 +106,19 @@ def test_the_ir_takes_each_scheme_as_its_row_stores_it(name):
         torch.testing.assert_close(y, F.linear(x, row.dequantize(qweight, scales, zeros)), rtol=1e-5, atol=1e-5)
     assert OPS["qembedding"].attrs.required["scheme"].test(name) == row.qembedding
     assert OPS["qmoe"].attrs.required["scheme"].test(name) == row.qmoe
+
+
+@pytest.mark.parametrize("name", [n for n, s in SCHEMES.items() if not s.grouped])
+def test_one_scale_for_the_whole_weight_only_where_the_row_allows_it(name):
+    qweight, scales, _ = quantise(name, random_weight(8))
+    types = [TensorType((3, K), "float32"), TensorType(tuple(qweight.shape), SCHEMES[name].code_dtype),
+             TensorType((1,), "float32")]
+    attrs = qlinear_attrs(name, None)
+    if SCHEMES[name].per_tensor:
+        assert OPS["qlinear"].infer(types, attrs)[0].shape == (3, N)
+    else:
+        with pytest.raises(IRError):
+            OPS["qlinear"].infer(types, attrs)
 
 
 def qlinear_graph(name: str) -> tuple[Graph, object]:
