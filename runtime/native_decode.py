@@ -2,7 +2,8 @@
 launches a layer. At load the longest run of plan steps the native kernels cover (fp32, int8 and 4-bit
 GEMVs, norms, SwiGLU, AWQ's scales, split, attention over an fp32 paged cache, the LM head's row
 selection: on a decode step, the identity, checked each step) is encoded once as ops over a fixed arena
-of activations, MAX_ROWS rows each; on a decode step of at most MAX_ROWS sequences the walk runs the
+of activations, MAX_ROWS rows each; on a step of at most MAX_ROWS rows that each read a causal prefix
+(decodes, and short prefill chunks such as a speculative verification's) the walk runs the
 steps before the run (the embedding, ORT segments), this one call, and any steps after; what leaves
 the arena is a copy, unless the caller borrows it (the engine's step). Every op runs the kernel the
 walk's own launch would for those rows, so the result is the walk's to fp32 rounding (the norms and
@@ -253,12 +254,16 @@ class NativeDecode:
     def run(self, regs: list, backend, rope_cache: RopeCache, borrow: bool = False) -> bool:
         """Run the encoded launches for this step, leaving their outputs read later in regs: copies, or with
         `borrow` the arena views the next run overwrites (a later launch may hold its input past this run:
-        a pipeline stage's send is not waited for); False (nothing run) where the step is not a decode
-        step of at most MAX_ROWS rows over a native cache."""
+        a pipeline stage's send is not waited for); False (nothing run) where the step is not one of at
+        most MAX_ROWS rows over a native cache, each reading a causal prefix (decode rows, and short
+        prefill chunks such as a speculative verification's, each row as a decode row)."""
         metadata, cache = getattr(backend, "metadata", None), getattr(backend, "cache", None)
         if metadata is None or cache is None:
             return False
         step = metadata.native_step(cache.block_size)
+        if step is None:   # a few rows of prefill chunks (speculative verification): each row as a decode row
+            step = metadata.native_row_step(cache.block_size)
+            step = step if step is not None and step.rows <= cpu_native.MAX_ROWS else None
         caches = None if step is None else self._cache_table(cache)
         if caches is None:
             return False

@@ -166,3 +166,34 @@ def test_op_seconds_add_up_each_kind_when_asked(models):
     assert all(seconds[kind] > 0 for kind in (native_decode.OP_GEMV_Q8, native_decode.OP_ATTENTION,
                                              native_decode.OP_ADD_RMS_NORM, native_decode.OP_SWIGLU))
     assert seconds[native_decode.OP_GEMV_Q4] == 0   # no 4-bit weights
+
+
+@pytest.mark.parametrize("name", ["qwen2", "int4"])
+def test_a_verification_chunk_runs_it_and_gives_the_walks_bits(models, monkeypatch, name):
+    """A speculative verification (one sequence's k + 1 rows after its context, every row's logits) beside
+    a decode: each chunk row runs as a decode row of the program, and in batch-invariant mode (the
+    default) that is what the walk runs for it too, so the logits are the walk's bit for bit."""
+    executor = llmc.load(models[name][1], kv_memory="8MiB").engine.executor
+    assert executor.batch_invariant
+    layout = executor.plan.kv_layout()
+
+    def step(program: bool) -> torch.Tensor:
+        executor.native_decode = saved if program else None
+        cache = PagedKVCache(layout["num_layers"], 8, 4, layout["num_kv_heads"], layout["head_dim"],
+                             dtype=executor.kv_dtype())
+        backend = executor.paged_backend(cache)
+        tables, prompts = [[5, 1, 6, 7], [0, 3, 2]], [prompt_ids(9, seed=1), prompt_ids(6, seed=2)]
+        for table, ids in zip(tables, prompts):
+            backend.metadata = StepMetadata.build([(table, 0, len(ids))], 4)
+            executor.run_values({"input_ids": torch.tensor(ids), "positions": torch.arange(len(ids)),
+                                 "logits_indices": torch.tensor([len(ids) - 1])}, backend)
+        drafts, next_id = prompt_ids(4, seed=3), prompt_ids(1, seed=4)
+        backend.metadata = StepMetadata.build([(tables[0], 9, 4), (tables[1], 6, 1)], 4)
+        return executor.run_values({"input_ids": torch.tensor(drafts + next_id),
+                                    "positions": torch.tensor([9, 10, 11, 12, 6]),
+                                    "logits_indices": torch.arange(5)}, backend)["logits"]
+    saved = executor.native_decode
+    ran = _counting_runs(monkeypatch)
+    got = step(program=True)
+    assert ran[-1] is True
+    assert torch.equal(got, step(program=False))
