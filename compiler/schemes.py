@@ -1,7 +1,8 @@
 """The quantisation schemes llmc stores, one row each: how a scheme's codes are stored, how its
 scales group, what zero point it carries, what happens to the activations, its dequantisation
 reference (compiler/quant.py) and which kernel families run it. Passes, codegen, runtime, export and
-`llmc inspect` read these rows instead of keeping their own lists (docs/quantization.md has the layouts)."""
+`llmc inspect` read these rows instead of keeping their own lists (docs/quantization.md has the layouts).
+It imports only torch and compiler/quant.py, so every layer may read it."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ FAMILIES = (TORCH, NATIVE, ORT, TRITON)
 class Scheme:
     """One weight quantisation scheme of qlinear (and of qembedding, qmoe where they take it)."""
     name: str
-    bits: int                    # bits of information per code
+    bits: int                    # the bits a code is stored in (affine8 also holds GGUF's 5- and 6-bit codes)
     code_dtype: str              # the IR dtype qweight is stored in
     packed: bool                 # two codes a byte (uint8 [N, K/2], low nibble first)
     grouped: bool                # scales (and zero points) per group of group_size along K, else per output channel
