@@ -4,7 +4,7 @@ kernels and on where the weights sit: SmolLM2's Q4_1 weights in the last-level c
 GEMV's extra rows cost a visible share of a row each, while a model streaming its weights from DRAM
 verifies a few drafts nearly free. So it is measured at load, once per (plan, machine, threads,
 invariance), and kept in $LLMC_CACHE/step_costs: one sequence over a short primed context, steps of
-ROWS rows alternated, best of REPEATS each, fitted to 1 + jump + per_token (n - 1). A measurement
+ROWS rows alternated, best of REPEATS each, relative to one row and linear in between. A measurement
 taken while other processes held the cores is used by this engine only (and taken again by the next);
 the cached one makes k, and with it a seeded request's random draws, the same from load to load."""
 
@@ -20,31 +20,41 @@ import torch
 
 from llmc.cache import busy_reason, cache_root, watch_load
 
-CONTEXT, BLOCK = 32, 16
-ROWS = (1, 2, 5, 9)       # a decode step, and verification of 1, 4 and 8 drafts
+CONTEXT = 32
+ROWS = (1, 2, 4, 8, 16)   # a decode step; verification of 1, 3 and 7 drafts; a batch past the native program's 8
 REPEATS = 5
-FORMAT = 1                # bump when what is measured changes
+FORMAT = 2                # bump when what is measured changes
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """A target step of n tokens, over a one-token decode step: 1 + jump [n > 1] + per_token (n - 1)."""
-    jump: float
-    per_token: float
+    """A target step of n tokens, over a one-token decode step: measured (`table`: (rows, cost), costs
+    linear between the rows measured and past the last), else 1 + jump [n > 1] + per_token (n - 1)."""
+    jump: float = 0.0
+    per_token: float = 0.0
+    table: tuple[tuple[int, float], ...] = ()
 
     def of(self, n: int) -> float:
-        return 1.0 + self.jump * (n > 1) + self.per_token * (n - 1)
+        if not self.table:
+            return 1.0 + self.jump * (n > 1) + self.per_token * (n - 1)
+        points = self.table
+        if n <= points[0][0]:
+            return points[0][1]
+        for (a, ca), (b, cb) in zip(points, points[1:]):
+            if n <= b:
+                return ca + (cb - ca) * (n - a) / (b - a)
+        (a, ca), (b, cb) = points[-2], points[-1]
+        return cb + (cb - ca) / (b - a) * (n - b)
 
 
 def fit(us: dict[int, float]) -> StepCost:
-    """The StepCost through measured microseconds per step of n rows ({n: us}, n = 1 and two or more
-    others): per_token from the slope over the multi-row steps, jump what 2 rows add beyond it."""
-    one = us[1]
-    many = sorted(n for n in us if n > 1)
-    low, high = many[0], many[-1]
-    per_token = max(0.0, (us[high] - us[low]) / one / (high - low)) if high > low else 0.0
-    jump = max(0.0, us[low] / one - 1.0 - per_token * (low - 1))
-    return StepCost(round(jump, 3), round(per_token, 3))
+    """The StepCost of measured microseconds per step of n rows ({n: us}, n = 1 among them): each row
+    count's time over one row's, never below a smaller row count's (a cheaper bigger step is noise)."""
+    table, floor = [], 0.0
+    for n in sorted(us):
+        floor = max(floor, us[n] / us[1])
+        table.append((n, round(floor, 3)))
+    return StepCost(table=tuple(table))
 
 
 def measured_step_cost(executor, backend, threads: int) -> tuple[StepCost, dict] | None:
@@ -53,8 +63,7 @@ def measured_step_cost(executor, backend, threads: int) -> tuple[StepCost, dict]
     has too few blocks for it."""
     from llmc.runtime.roofline import cpu_model
 
-    block = backend.cache.block_size
-    blocks = -(-(CONTEXT + max(ROWS)) // block)
+    blocks = -(-(CONTEXT + max(ROWS)) // backend.cache.block_size)
     if backend.cache.k_cache[0].shape[0] < blocks:
         return None
     key = {"plan": hashlib.sha256(executor.plan.to_json().encode()).hexdigest(), "cpu": cpu_model(),

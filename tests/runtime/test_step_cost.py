@@ -18,12 +18,16 @@ def measured(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMC_CACHE", str(tmp_path / "cache"))
 
 
-def test_fit_recovers_a_linear_cost():
+def test_fit_interpolates_what_was_measured():
     cost = step_cost.StepCost(jump=0.25, per_token=0.125)
-    us = {n: 100.0 * cost.of(n) for n in step_cost.ROWS}
-    assert step_cost.fit(us) == cost
-    # a step of more rows measured cheaper than fewer (noise): no negative price
-    assert step_cost.fit({1: 100.0, 2: 90.0, 9: 80.0}) == step_cost.StepCost(0.0, 0.0)
+    fitted = step_cost.fit({n: 100.0 * cost.of(n) for n in step_cost.ROWS})
+    assert all(fitted.of(n) == pytest.approx(cost.of(n), abs=1e-3) for n in range(1, 40))
+    # the native program's 8 rows, then a walk: the step from 8 to 16 rows is priced as measured
+    kinked = step_cost.fit({1: 100.0, 2: 110.0, 4: 130.0, 8: 170.0, 16: 500.0})
+    assert kinked.of(3) == pytest.approx(1.2) and kinked.of(12) == pytest.approx(1.7 + 4 * 3.3 / 8)
+    assert kinked.of(24) == pytest.approx(5.0 + 8 * 3.3 / 8)
+    # a step of more rows measured cheaper than fewer (noise) costs what the fewer did
+    assert step_cost.fit({1: 100.0, 2: 90.0, 4: 80.0}).of(4) == 1.0
 
 
 def _engine(artifact):
