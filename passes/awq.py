@@ -30,11 +30,11 @@ def awq_search_shared(weights: list[torch.Tensor], x_mean_abs: torch.Tensor,
     g = resolve_group_size(x_mean_abs.numel(), group_size, "awq_search_shared")
     x = x_sample.reshape(-1, x_mean_abs.numel()).to(weights[0].device, dtype)
     weights = [w.to(x.device, dtype) for w in weights]
-    refs = [x @ w.T for w in weights]
+    x = x.to(_product_dtype(dtype))
     best_loss, best_s = None, None
     for step in range(grid):
         s = awq_scales(x_mean_abs.to(x.device, dtype), step / grid)
-        loss = sum(_scaled_output_error(w, s, x, ref, bits, g) for w, ref in zip(weights, refs))
+        loss = sum(_scaled_output_error(w, s, x, bits, g) for w in weights)
         if best_loss is None or loss < best_loss:
             best_loss, best_s = loss, s
     return best_s
@@ -103,16 +103,25 @@ def awq_quantize_weight(weight: torch.Tensor, x_mean_abs: torch.Tensor, x_sample
 
 def _fake_quantize_groups(groups: torch.Tensor, bits: int, ratio=1.0) -> torch.Tensor:
     """groups [N, K/g, g] rounded onto their min/max grid (range shrunk by `ratio`)."""
-    scales, zeros = int4_grid(groups * ratio, bits)
-    codes = quantize_to_grid(groups, scales, zeros, bits)
-    return (codes - zeros.to(groups.dtype)[..., None]) * scales.to(groups.dtype)[..., None]
+    scales, zeros = int4_grid(groups if isinstance(ratio, float) and ratio == 1.0 else groups * ratio, bits)
+    s, z = scales.to(groups.dtype)[..., None], zeros.to(groups.dtype)[..., None]
+    # quantize_to_grid's codes, dequantised: the same operations in place on one temporary
+    return torch.div(groups, s).round_().add_(z).clamp_(0, 2 ** bits - 1).sub_(z).mul_(s)
 
 
-def _scaled_output_error(w, s, x, ref, bits, g) -> float:
-    """||ref - (x/s) Q(w·s)ᵀ||², computed as x (Q(w·s)/s)ᵀ."""
+def _product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the search multiplies in: bf16 (AMX on CPUs that have it: ~4x fp32's GEMM) for fp32 weights,
+    float64 for float64 ones. The products are of the rounding error itself (x Dᵀ, D = Q(w·s)/s - w), not
+    a difference of two outputs, so bf16's 2^-9 per factor perturbs each error term by about that
+    share, and the sum over tokens x outputs far less: the grid's choice stands."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def _scaled_output_error(w, s, x, bits, g) -> float:
+    """||x wᵀ - (x/s) Q(w·s)ᵀ||², computed as ||x Dᵀ||², D = Q(w·s)/s - w, in x's dtype (_product_dtype)."""
     n, k = w.shape
-    wq = _fake_quantize_groups((w * s).reshape(n, k // g, g), bits).reshape(n, k) / s
-    return (x @ wq.T - ref).pow(2).sum().item()
+    d = _fake_quantize_groups((w * s).reshape(n, k // g, g), bits).reshape(n, k).div_(s).sub_(w)
+    return (x @ d.to(x.dtype).T).float().pow(2).sum().item()
 
 
 def _check_inputs(weights, x_mean_abs, x_sample, grid) -> None:
