@@ -18,6 +18,7 @@ from llmc.runtime import request_values
 from llmc.runtime.batch_invariance import batch_invariant_of
 from llmc.runtime.block_manager import BlockManager, droppable_window, num_blocks_for_budget, parse_bytes
 from llmc.runtime.device import resolve_device
+from llmc.runtime.draft_tree import DraftTree
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.host_memory import keep_freed_memory
 from llmc.runtime.kernel_check import verified_plan
@@ -33,7 +34,7 @@ from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
 from llmc.runtime.speculative_config import SpeculativeConfig, speculative_config
 from llmc.runtime.stop import StopChecker
-from llmc.runtime.structured_output import GrammarCompiler
+from llmc.runtime.structured_output import GrammarCompiler, consume, grammar_drafts, mask_draft_rows
 from llmc.runtime.threads import apply_threads, resolve_threads
 
 # Forked samples get ids far from Sequence's own counter.
@@ -328,15 +329,39 @@ class Engine:
 
     def _propose(self) -> dict[int, list[int]]:
         """Speculative decoding: drafts for the running sequences that decode one token next. A request
-        whose logits are reshaped (grammar, bias, bad words, processors) gets none: its drafts would be
-        accepted against logits it never samples from, so it decodes one token a step."""
+        whose logits are reshaped (bias, bad words, processors) gets none: verification would not apply
+        them, so it decodes one token a step. A constrained one keeps the leading drafts its grammar
+        accepts, for a greedy chain (a tree's branches or a sampled request's draft distributions are
+        not checked against the grammar yet)."""
         seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1 and not s.params.reshapes_logits]
-        return self.speculator.propose(seqs, [self._find(s).state for s in seqs])
+        states = [self._find(s).state for s in seqs]
+        drafts = self.speculator.propose(seqs, states)
+        for seq, state in zip(seqs, states):
+            chain = drafts.get(seq.seq_id)
+            if chain is None or state.grammar is None:
+                continue
+            usable = grammar_drafts(state.grammar, chain) \
+                if state.params.greedy and not isinstance(chain, DraftTree) else []
+            if usable:
+                drafts[seq.seq_id] = usable
+            else:
+                drafts.pop(seq.seq_id)
+        return drafts
+
+    def _mask_verified_rows(self, out, logits: torch.Tensor, samples: list[_Sample]) -> None:
+        """Each constrained sequence's 1 + k verification rows under its grammar, in place."""
+        start = 0
+        for seq, s in zip(out.speculated, samples):
+            rows = len(out.drafts[seq.seq_id]) + 1
+            if s.state.grammar is not None:
+                mask_draft_rows(logits[start:start + rows], s.state.grammar, out.drafts[seq.seq_id])
+            start += rows
 
     def _accept_verified(self, out, logits: torch.Tensor, touched: dict) -> None:
         """Append the tokens each speculating sequence kept, checking stops after each one as
         plain decoding would, then roll its KV back to them."""
         samples = [self._find(seq) for seq in out.speculated]
+        self._mask_verified_rows(out, logits, samples)
         kept = self.speculator.verify(out.speculated, logits, [s.state for s in samples], out.drafts)
         for s, tokens in zip(samples, kept):
             req = self.requests[s.seq.request_id]
@@ -344,6 +369,8 @@ class Engine:
             finished = False
             for token in tokens:
                 s.seq.append_token(token)
+                if s.state.grammar is not None:
+                    consume(s.state.grammar, token)
                 self.metrics.generation_tokens += 1
                 if s.stop.check_new_token():
                     finished = True

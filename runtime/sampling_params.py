@@ -66,10 +66,10 @@ class SamplingParams:
 
     @property
     def reshapes_logits(self) -> bool:
-        """Whether something beyond the sampling filters changes this request's logits (a grammar,
-        a bias, bad words, processors): speculative decoding does not check drafts against those, so
-        such a request decodes one token a step."""
-        return bool(self.structured_outputs or self.logit_bias or self.bad_words or self.logits_processors)
+        """Whether something beyond the sampling filters and a grammar changes this request's logits
+        (a bias, bad words, processors): speculative decoding does not apply those to the rows it
+        verifies, so such a request decodes one token a step."""
+        return bool(self.logit_bias or self.bad_words or self.logits_processors)
 
     def _normalise(self):
         if self.top_k is None or (_is_int(self.top_k) and self.top_k == 0):

@@ -210,6 +210,23 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list) -
         logits[i].masked_fill_(blocked[j], float("-inf"))
 
 
+def grammar_drafts(matcher, drafts: list[int]) -> list[int]:
+    """The leading speculative drafts the grammar accepts from the matcher's state (it is left as is)."""
+    return list(drafts[:matcher.validate_tokens(list(drafts))])
+
+
+@torch.inference_mode()
+def mask_draft_rows(logits: torch.Tensor, matcher, drafts: list[int]) -> None:
+    """Mask a speculating sequence's verification rows in place: logits [1 + k, vocab], row j under the
+    grammar after drafts[:j] (each draft one grammar_drafts kept); the matcher is rolled back after."""
+    consumed = 0
+    for j in range(len(drafts) + 1):
+        apply_grammar_masks(logits, [j], [matcher])
+        if j < len(drafts) and not matcher.is_stopped() and matcher.consume_token(drafts[j]):
+            consumed += 1
+    matcher.rollback(consumed)
+
+
 def consume(matcher, token: int) -> None:
     """Advance `matcher` past the token drawn under its mask (a stopped matcher takes EOS again)."""
     if not matcher.is_stopped():
