@@ -145,7 +145,8 @@ def test_speculative_decoding_checks_drafts_against_the_grammar(llm, artifact):
     assert spec_llm.engine.metrics.speculative.num_accepted_tokens > 0   # drafts kept under the grammar
     mixed = spec_llm.generate([example] * 2, [constrained[0], params(max_tokens=30)])
     assert mixed[0].outputs[0].text == plain[0].outputs[0].text
-    assert params(logit_bias={1: 1.0}).reshapes_logits and not params(structured_outputs={"json": ORDER}).reshapes_logits
+    assert params(logit_bias={1: 1.0}).reshapes_logits
+    assert not params(structured_outputs={"json": ORDER}).reshapes_logits
 
 
 def test_grammar_mask_is_applied_in_place_to_its_rows_only():
