@@ -330,9 +330,8 @@ class Engine:
     def _propose(self) -> dict[int, list[int]]:
         """Speculative decoding: drafts for the running sequences that decode one token next. A request
         whose logits are reshaped (bias, bad words, processors) gets none: verification would not apply
-        them, so it decodes one token a step. A constrained one keeps the leading drafts its grammar
-        accepts, for a greedy chain (a tree's branches or a sampled request's draft distributions are
-        not checked against the grammar yet)."""
+        them, so it decodes one token a step. A constrained one keeps the leading drafts of a chain that its
+        grammar accepts (a tree's branches are not checked against the grammar yet: it gets none)."""
         seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1 and not s.params.reshapes_logits]
         states = [self._find(s).state for s in seqs]
         drafts = self.speculator.propose(seqs, states)
@@ -340,8 +339,7 @@ class Engine:
             chain = drafts.get(seq.seq_id)
             if chain is None or state.grammar is None:
                 continue
-            usable = grammar_drafts(state.grammar, chain) \
-                if state.params.greedy and not isinstance(chain, DraftTree) else []
+            usable = [] if isinstance(chain, DraftTree) else grammar_drafts(state.grammar, chain)
             if usable:
                 drafts[seq.seq_id] = usable
             else:

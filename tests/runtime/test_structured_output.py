@@ -145,6 +145,9 @@ def test_speculative_decoding_checks_drafts_against_the_grammar(llm, artifact):
     assert spec_llm.engine.metrics.speculative.num_accepted_tokens > 0   # drafts kept under the grammar
     mixed = spec_llm.generate([example] * 2, [constrained[0], params(max_tokens=30)])
     assert mixed[0].outputs[0].text == plain[0].outputs[0].text
+    sampled = spec_llm.generate([example] * 4, [params(seed, structured_outputs={"json": ORDER}) for seed in range(4)])
+    for out in sampled:   # rejection sampling against the masked rows keeps every token in the grammar
+        jsonschema.validate(json.loads(out.outputs[0].text), ORDER)
     assert params(logit_bias={1: 1.0}).reshapes_logits
     assert not params(structured_outputs={"json": ORDER}).reshapes_logits
 
