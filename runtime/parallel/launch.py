@@ -114,7 +114,8 @@ class ShardedModelRunner(LeadRunner):
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def _worker_args(self) -> dict:
-        return {"ring-threshold": self.ring_threshold}
+        # the followers run rank 0's invariance mode (the load's batch_invariant, not only the artifact's)
+        return {"ring-threshold": self.ring_threshold, "batch-invariant": int(self.executor.batch_invariant)}
 
     def _wait_loaded(self) -> None:
         """Every follower's one status line: loaded, or the error that stopped it."""

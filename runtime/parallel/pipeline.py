@@ -28,7 +28,7 @@ class PipelineModelRunner(ShardedModelRunner):
             raise
 
     def _worker_args(self) -> dict:
-        return {"tp": self.stage_tp}
+        return {"tp": self.stage_tp, "batch-invariant": int(self.executor.batch_invariant)}
 
     def _rank_name(self, rank: int) -> str:
         return f"pipeline stage {rank // self.stage_tp} (rank {rank})"

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1)  # tensor-parallel ranks per stage
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--batch-invariant", type=int, choices=(0, 1), default=None)   # rank 0's mode
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
@@ -31,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         join_group(args.rank, args.world, args.port, args.timeout, process_group_backend(executor.device))
         join_stage_groups(args.tp, stages, args.timeout)
         return follow_step({"tp": args.tp, "pp": stages}, executor, cache, attention)
+    invariant = None if args.batch_invariant is None else bool(args.batch_invariant)
     return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size, device=args.device,
-                                   local_rank=args.rank), join)
+                                   local_rank=args.rank, batch_invariant=invariant), join)
 
 
 if __name__ == "__main__":

@@ -194,11 +194,15 @@ class RingPagedAttention(PagedAttention):
 def ring_backend(backend, manifest: dict, threshold: int, timeout: float):
     """The rank's paged attention backend, with ring attention for prefills of `threshold` tokens.
     Kept as it is when ring attention is off, the backend is not the CPU one, the ranks are also
-    pipeline stages (the ring spans the whole group), or the manifest does not say the model's heads."""
+    pipeline stages (the ring spans the whole group), the manifest does not say the model's heads, or
+    the run is batch-invariant (a ring splits a prefill's keys by rank: its rows would round otherwise
+    than the same prompt's in a short prefill; such runs take `batch_invariant=False`)."""
     hf = manifest["model"].get("hf_config") or {}
     whole_heads = hf.get("num_attention_heads", hf.get("n_head"))
     pipelined = manifest["parallel"].get("pp", 1) > 1
     if threshold <= 0 or type(backend) is not PagedAttention or pipelined or not isinstance(whole_heads, int):
+        return backend
+    if backend.invariant:
         return backend
     return RingPagedAttention(backend.cache, threshold, whole_heads, timeout)
 

@@ -37,10 +37,10 @@ from llmc.runtime.threads import apply_threads
 
 
 def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_threshold: int = 0,
-              timeout: float = 60.0, device: str = "cpu", local_rank: int = 0):
+              timeout: float = 60.0, device: str = "cpu", local_rank: int = 0, batch_invariant: bool | None = None):
     """(executor, cache, attention backend) of rank `rank`: its plan and weights only, on `device`
     ("cuda": this machine's GPU `local_rank`); prefills of `ring_threshold` tokens or more run ring
-    attention (0: never)."""
+    attention (0: never); `batch_invariant` as rank 0 runs (None: the artifact's mode)."""
     art = read_artifact(path, rank=rank)
     # first: a GPU artifact run on the CPU must choose Triton's interpreter before triton loads
     where = rank_device(resolve_device(art.manifest, device, path), local_rank)
@@ -50,8 +50,10 @@ def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_thres
         raise RuntimeLlmcError(f"artifact '{path}': a sharded (--tp, --pp) rank cannot serve a quantised KV cache; "
                                f"recompile with --kv-cache none")
     plan = verified_plan(art)
-    # the artifact's batch-invariance mode (runtime/batch_invariance.py), as rank 0's engine runs it by default
-    executor = PlanExecutor(plan, art.weights, where, batch_invariant=compiled_mode(plan))
+    # rank 0's batch-invariance mode (runtime/batch_invariance.py): a rank rounding otherwise, or not ringing
+    # where rank 0 rings, would part from it
+    executor = PlanExecutor(plan, art.weights, where,
+                            batch_invariant=compiled_mode(plan) if batch_invariant is None else batch_invariant)
     cache = PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"], model["head_dim"], dtype,
                          device=where)
     attention = ring_backend(executor.paged_backend(cache), art.manifest, ring_threshold, timeout)
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rank", "world", "port", "blocks", "block-size", "threads"):
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--ring-threshold", type=int, default=0)
+    parser.add_argument("--batch-invariant", type=int, choices=(0, 1), default=None)
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("artifact")
@@ -90,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     def join(executor, cache, attention):
         join_group(args.rank, args.world, args.port, args.timeout, process_group_backend(executor.device))
         return follow_step({"tp": args.world}, executor, cache, attention)
+    invariant = None if args.batch_invariant is None else bool(args.batch_invariant)
     return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size, args.ring_threshold,
-                                   args.timeout, args.device, args.rank), join)
+                                   args.timeout, args.device, args.rank, invariant), join)
 
 
 def serve(load, join) -> int:

@@ -132,13 +132,22 @@ def test_a_prompt_above_the_threshold_runs_ring_attention_and_gives_hfs_logits_a
     monkeypatch.setattr(ring, "sequence_parallel_attention", counted)
     monkeypatch.setenv(ring.THRESHOLD_ENV, "0")  # the keyword wins
     ids = torch.randint(3, VOCAB, (101,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=5, ignore_eos=True)
+    # batch-invariant (the default), no ring: a ring splits a prefill's keys by rank, which would round its
+    # rows otherwise than a short prefill of the same prompt
     model = llmc.load(artifact, threads=1, ring_attention_threshold=32)
     try:
-        out = model.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=16, temperature=0, logprobs=5,
-                                                                       ignore_eos=True))[0].outputs[0]
+        invariant = model.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    finally:
+        model.close()
+    assert rings == []
+    model = llmc.load(artifact, threads=1, ring_attention_threshold=32, batch_invariant=False)
+    try:
+        out = model.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
     finally:
         model.close()
     assert rings == [101, 101]  # the prefill, in both layers; the decodes take the normal path
+    assert invariant.token_ids == out.token_ids
     want = torch.log_softmax(hf_logits(module, ids)[-1].double(), dim=-1)
     for token, lp in out.logprobs[0].items():
         assert abs(lp.logprob - want[token].item()) < 1e-4
