@@ -88,6 +88,13 @@ def test_unconstrained_requests_keep_their_output_in_a_constrained_batch(llm):
     assert re.fullmatch("[a-z]+", mixed[2])
 
 
+def test_a_prefix_cache_hit_leaves_a_constrained_output_as_it_was(llm):
+    prompt = "Once upon a time " * 8
+    first = llm.generate([prompt], params(structured_outputs={"json": ORDER}))[0]
+    again = llm.generate([prompt], params(structured_outputs={"json": ORDER}))[0]
+    assert again.metrics.num_cached_tokens > 0 and again.outputs[0].text == first.outputs[0].text
+
+
 def test_grammar_is_compiled_once_per_distinct_spec(llm):
     grammars = llm.engine.grammars
     grammars._cache.clear()
