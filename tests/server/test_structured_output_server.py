@@ -60,12 +60,11 @@ def test_beta_parse_with_a_pydantic_model(served):
 
 
 def test_response_format_json_object_gives_an_object(served):
-    reply = chat(served, response_format={"type": "json_object"}, temperature=0, max_tokens=60,
-                 extra_body={"guided_whitespace_pattern": None})
+    reply = chat(served, response_format={"type": "json_object"}, temperature=0, max_tokens=60)
     text = reply.choices[0].message.content
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
-    assert text.startswith("{")
+    assert text.startswith("{")   # cut by max_tokens, an object all the same so far
 
 
 def test_vllm_guided_fields_on_completions(served):
