@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmc.runtime.server.protocol import ApiError, FunctionDef, NamedToolChoice, ToolDef
 
@@ -29,19 +29,18 @@ class ToolPlan:
     tools: list[dict]
     schema: dict | None = None
     function: str | None = None
-    ids: list[str] = field(default_factory=list)   # one per call, kept across stream chunks
 
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
         """(content left, tool calls) of a finished output."""
         if self.mode == "named":
-            return None, [self._call(0, self.function, text)]
+            return None, [self._call(self.function, text)]
         if self.mode == "required":
             try:
                 items = json.loads(text)
             except json.JSONDecodeError:
                 return text, []
-            return None, [self._call(i, c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
-                          for i, c in enumerate(items)]
+            return None, [self._call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
+                          for c in items]
         return self._hermes(text)
 
     def _hermes(self, text: str) -> tuple[str | None, list[dict]]:
@@ -54,16 +53,16 @@ class ToolPlan:
                 return text, []   # not a well-formed call: the text stays content
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments, ensure_ascii=False)
-            calls.append(self._call(len(calls), name, arguments))
+            calls.append(self._call(name, arguments))
         if not calls:
             return text, []
         rest = _HERMES_CALL.sub("", text).strip()
         return rest or None, calls
 
-    def _call(self, index: int, name: str, arguments: str) -> dict:
-        while len(self.ids) <= index:
-            self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
-        return {"id": self.ids[index], "type": "function", "function": {"name": name, "arguments": arguments}}
+    def _call(self, name: str, arguments: str) -> dict:
+        """One call, with an id of its own (each choice's calls are parsed once)."""
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": arguments}}
 
 
 def tool_plan(tools: list[ToolDef] | None, tool_choice, template: str | None) -> ToolPlan | None:
