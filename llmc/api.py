@@ -65,8 +65,9 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, **options
 
 
 def run_site_plan(art, plan, threads: int, asked: bool | None, invariant: bool):
-    """Engine's choose_plan: the artifact's kernel choices re-checked on this machine where they were
-    made on another (or asked: recheck_kernels=True, $LLMC_RECHECK_KERNELS=1); a line on stderr when so."""
+    """Engine's choose_plan: (plan, data files) with the artifact's kernel choices re-checked on this
+    machine where they were made on another (or asked: recheck_kernels=True, $LLMC_RECHECK_KERNELS=1); a
+    line on stderr when so."""
     from llmc.compiler.driver.tuning.run_site import recheck
     from llmc.compiler.progress import echo_stderr
 

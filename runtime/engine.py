@@ -141,8 +141,8 @@ class _Request:
 
 class Engine:
     def __init__(self, artifact: str | Path, config: EngineConfig | None = None, choose_plan=None):
-        """`choose_plan(art, plan, threads, asked, invariant)`: the plan to run on this machine (the
-        driver's run_site.recheck: the kernel choices re-checked here); None runs the artifact's."""
+        """`choose_plan(art, plan, threads, asked, invariant)`: (plan, data files) to run on this machine
+        (the driver's run_site.recheck: the kernel choices re-checked here); None runs the artifact's."""
         self.config = config = config or EngineConfig()
         apply_threads(config.threads)
         art = read_artifact(artifact)
@@ -155,10 +155,11 @@ class Engine:
         self.tokenizer = load_tokenizer(art)
         plan = verified_plan(art)
         invariant = batch_invariant_of(plan, config.batch_invariant)
+        data = art.data
         if choose_plan is not None and self.device.type == "cpu":
-            plan = choose_plan(art, plan, config.threads, config.recheck_kernels, invariant)
+            plan, data = choose_plan(art, plan, config.threads, config.recheck_kernels, invariant)
         self.executor = PlanExecutor(plan, art.weights, self.device, check_kernels=config.check_kernels,
-                                     data=art.data, batch_invariant=invariant)
+                                     data=data, batch_invariant=invariant)
         self.max_model_len = self.model["max_position_embeddings"]
         num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
                                            config.block_size)

@@ -39,6 +39,43 @@ def lowered(tmp_path_factory):
                             quant="int4-rtn", group_size=32)
 
 
+@pytest.fixture(scope="module")
+def torch_kept(tmp_path_factory):
+    """tiny-llama int4 with every segment kept on the torch kernels (faked timings), invariance off."""
+    root = tmp_path_factory.mktemp("run_site_torch")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLMC_CACHE", str(root / "cache"))
+        speed = {"ort": 3.0, "cpu": 1.0, "ort-int8": 3.0}
+        patch.setattr(ort_timing, "measure", lambda runners, graph, seg, outputs=None: {
+            name: {"decode": speed[name], "prefill": speed[name]} for name in runners})
+        return llmc.compile("tiny-llama", output=root / "a.llmc", quiet=True, batch_invariant="off",
+                            quant="int4-rtn", group_size=32)
+
+
+def test_segments_kept_on_torch_are_lowered_where_onnx_runtime_measures_faster(torch_kept, monkeypatch):
+    """The run site builds the candidate the compile did not store (every segment in ONNX Runtime, from
+    the artifact's graph and weights), runs it where it measures fastest, and it computes the torch
+    plan's logits; a batch-invariant run is not offered segments whose MatMulNBits round by row count."""
+    art = read_artifact(torch_kept)
+    plan = _moved(Plan.from_json(art.plan_json), cpu="Another CPU")
+    assert not any(s.kernel == ORT_SEGMENT for s in plan.steps)
+    order = {"cpu": 5.0, "walk": 5.0, "ort": 1.0}
+    monkeypatch.setattr(ort_decode_timing, "measure_plans", lambda graph, candidates: {n: order[n] for n in candidates})
+    chosen, data = run_site.recheck(art, plan, resolve_threads())
+    assert chosen.meta["kernel_choice"][run_site.RUN_SITE]["whole_plan"]["chosen"] == "ort"
+    segments = [s for s in chosen.steps if s.kernel == ORT_SEGMENT]
+    assert segments and {s.attrs["file"] for s in segments} <= set(data)
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4))
+    rows = torch.arange(9)
+    inputs = {"input_ids": ids, "positions": rows, "logits_indices": rows}
+    got = PlanExecutor(chosen, art.weights, data=data).run_values(inputs)["logits"]
+    want = PlanExecutor(plan, art.weights).run_values(inputs)["logits"]
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    invariant, _ = run_site.recheck(art, _moved(Plan.from_json(art.plan_json), cpu="Another CPU"), resolve_threads(),
+                                    invariant=True)
+    assert "nothing to choose" in invariant.meta["kernel_choice"][run_site.RUN_SITE]["whole_plan"]
+
+
 def _moved(plan: Plan, **machine) -> Plan:
     """`plan` as if its kernels had been chosen on another machine."""
     plan.meta["kernel_choice"]["machine"] = {**plan.meta["kernel_choice"]["machine"], **machine}
@@ -72,10 +109,10 @@ def test_another_machine_runs_what_measures_fastest_there(lowered, monkeypatch, 
     art = read_artifact(lowered)
     plan = _moved(Plan.from_json(art.plan_json), cpu="Another CPU")
     assert any(s.kernel == ORT_SEGMENT for s in plan.steps)
-    order = {"cpu": 5.0, "walk": 5.0, "graph": 9.0, fastest: 1.0}
+    order = {"cpu": 5.0, "walk": 5.0, "graph": 9.0, "ort": 7.0, fastest: 1.0}
     monkeypatch.setattr(ort_decode_timing, "measure_plans", lambda graph, candidates: {n: order[n] for n in candidates})
     lines = []
-    chosen = run_site.recheck(art, plan, resolve_threads(), echo=lines.append)
+    chosen, data = run_site.recheck(art, plan, resolve_threads(), echo=lines.append)
     record = chosen.meta["kernel_choice"][run_site.RUN_SITE]
     assert record["whole_plan"]["chosen"] == fastest and "Another CPU" in record["why"] and "re-checking" in lines[0]
     assert any(s.kernel == ORT_SEGMENT for s in chosen.steps) is not torch_form
@@ -83,7 +120,7 @@ def test_another_machine_runs_what_measures_fastest_there(lowered, monkeypatch, 
     # the plan chosen computes what its kernels compute: the torch form's logits are the torch plan's
     ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(3))
     rows = torch.arange(7)
-    logits = PlanExecutor(chosen, art.weights, data=art.data).run_values(
+    logits = PlanExecutor(chosen, art.weights, data=data).run_values(
         {"input_ids": ids, "positions": rows, "logits_indices": rows})["logits"]
     assert torch.isfinite(logits).all() and logits.shape[0] == 7
 
@@ -91,9 +128,9 @@ def test_another_machine_runs_what_measures_fastest_there(lowered, monkeypatch, 
 def test_a_busy_measurement_keeps_the_compiled_plan(lowered, monkeypatch):
     art = read_artifact(lowered)
     plan = _moved(Plan.from_json(art.plan_json), threads=64)
-    busy = ort_decode_timing.Timings({"cpu": 1.0, "walk": 9.0, "graph": 9.0}, {}, {"busy": "other work"})
+    busy = ort_decode_timing.Timings({"cpu": 1.0, "walk": 9.0, "graph": 9.0, "ort": 9.0}, {}, {"busy": "other work"})
     monkeypatch.setattr(ort_decode_timing, "measure_plans", lambda graph, candidates: busy)
-    chosen = run_site.recheck(art, plan, resolve_threads())
+    chosen, _ = run_site.recheck(art, plan, resolve_threads())
     assert chosen.steps == plan.steps
     assert "busy" in chosen.meta["kernel_choice"][run_site.RUN_SITE]["whole_plan"]["why"]
 
@@ -101,7 +138,7 @@ def test_a_busy_measurement_keeps_the_compiled_plan(lowered, monkeypatch):
 def test_the_same_machine_rechecks_nothing(lowered):
     art = read_artifact(lowered)
     plan = Plan.from_json(art.plan_json)
-    assert run_site.recheck(art, plan, resolve_threads()) is plan
+    assert run_site.recheck(art, plan, resolve_threads())[0] is plan
 
 
 def test_load_rechecks_for_real_and_caches_the_verdict(lowered, monkeypatch, tmp_path, capfd):
@@ -111,7 +148,7 @@ def test_load_rechecks_for_real_and_caches_the_verdict(lowered, monkeypatch, tmp
     monkeypatch.setenv(run_site.RECHECK_ENV, "1")
     first = llmc.load(lowered, kv_memory="8MiB")
     record = first.engine.executor.plan.meta["kernel_choice"][run_site.RUN_SITE]
-    assert record["why"] == "asked" and set(record["whole_plan"]["step_us"]) == {"cpu", "walk", "graph"}
+    assert record["why"] == "asked" and set(record["whole_plan"]["step_us"]) == {"cpu", "walk", "graph", "ort"}
     out = first.generate("hello", llmc.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     del first
