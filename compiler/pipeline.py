@@ -179,7 +179,7 @@ def pass_configs(tgt: Target, opts: CompileOptions, source_quantised: bool = Fal
     --add-pass) placed by their stage."""
     explicit = opts.passes is not None
     base = (parse_pass_list(e for e in opts.passes.split(",") if e.strip()) if explicit
-            else tgt.pass_configs())
+            else target_configs(tgt))
     quant = opts.quant or recipes.default_quant(explicit, source_quantised, tgt.default_quant)
     kv_cache = opts.kv_cache or (None if explicit else tgt.default_kv_cache)
     added = (prune_passes(opts.prune, opts.sparsity, opts.sparsity_method)
@@ -189,6 +189,25 @@ def pass_configs(tgt: Target, opts: CompileOptions, source_quantised: bool = Fal
              + added_passes(opts.add))
     configs = schedule(lowering_configs() + base, added)
     return apply_options(drop_disabled(configs, opts.disable), opts.pass_options)
+
+
+def target_configs(tgt: Target) -> list[PassConfig]:
+    """The target's default pipeline as typed pass configurations, in stage order."""
+    configs = parse_pass_list(tgt.default_pipeline, origin=f"target {tgt.name}")
+    assert [c.stage for c in configs] == sorted(c.stage for c in configs), tgt.name
+    return configs
+
+
+def full_pipeline(tgt: Target) -> list[str]:
+    """The passes a compile for `tgt` without pipeline flags runs after lowering, as name:key=value
+    specs: the default pipeline with the default_quant and default_kv_cache passes placed."""
+    return [c.spec() for c in pass_configs(tgt, CompileOptions()) if c.origin != "lowering"]
+
+
+def describe_target(tgt: Target) -> str:
+    """The target's line in `llmc targets`: its facts, its recipe, whether it is ready."""
+    ready = "ready" if tgt.compile_ready else "not ready yet"
+    return f"{tgt.facts()}; {recipes.target_recipe(tgt)}; {ready}"
 
 
 @contextlib.contextmanager

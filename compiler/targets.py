@@ -1,5 +1,7 @@
-"""Compile targets: the hardware facts (memory, bandwidth, peak throughput per dtype) and the
-precision and default pass pipeline llmc specialises an artifact for."""
+"""Compile targets as data: the hardware facts (memory, bandwidth, peak throughput per dtype) and the
+precision, default pass names and default recipes llmc specialises an artifact for. This module sits
+below the passes and imports none of them; what a target's names become (typed pass configurations,
+the full pipeline, its line in `llmc targets`) is built in compiler/pipeline.py."""
 
 from __future__ import annotations
 
@@ -58,22 +60,6 @@ class Target:
     def activation_ir_dtype(self) -> str:
         return PRECISION_DTYPES[self.activation_dtype]
 
-    def pass_configs(self) -> list:
-        """The default pipeline as typed pass configurations (PassConfig), in stage order."""
-        from llmc.passes.registry import parse_pass_list
-
-        configs = parse_pass_list(self.default_pipeline, origin=f"target {self.name}")
-        assert [c.stage for c in configs] == sorted(c.stage for c in configs), self.name
-        return configs
-
-    def full_pipeline(self) -> list[str]:
-        """The passes a compile without pipeline flags runs after lowering, as name:key=value
-        specs: the default pipeline with the default_quant and default_kv_cache passes placed."""
-        from llmc.compiler.options import CompileOptions
-        from llmc.compiler.pipeline import pass_configs
-
-        return [c.spec() for c in pass_configs(self, CompileOptions()) if c.origin != "lowering"]
-
     def check_ready(self) -> None:
         """Raise TargetError when llmc cannot compile for this target yet."""
         if not self.compile_ready:
@@ -85,19 +71,15 @@ class Target:
         d["default_pipeline"] = list(self.default_pipeline)
         return d
 
-    def describe(self) -> str:
+    def facts(self) -> str:
+        """`h100-fp8: NVIDIA H100 ...; cuda sm_90, 80 GiB at 3350.0 GB/s, 1979 fp8 TFLOPS, weights fp8,
+        activations bf16`: the first part of its line in `llmc targets` (compiler/pipeline.py's
+        describe_target adds the recipe and readiness)."""
         unit = "TOPS" if self.compute_dtype.startswith("int") else "TFLOPS"
-        ready = "ready" if self.compile_ready else "not ready yet"
         return (f"{self.name}: {self.description}; {self.device} {self.arch}, "
                 f"{self.memory_bytes / GiB:.0f} GiB at {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
                 f"{self.peak_tflops[self.compute_dtype]:g} {self.compute_dtype} {unit}, "
-                f"weights {self.weight_dtype}, activations {self.activation_dtype}; {self.recipe()}; {ready}")
-
-    def recipe(self) -> str:
-        """What a compile for this target makes of the weights when the user names no --quant."""
-        from llmc.compiler.recipes import target_recipe
-
-        return target_recipe(self)
+                f"weights {self.weight_dtype}, activations {self.activation_dtype}")
 
 
 def host_memory_bytes() -> int:

@@ -179,14 +179,15 @@ def inspect(artifact, as_json, ir, kernels, source, memory, kv_memory):
 @click.option("--json", "as_json", is_flag=True)
 def targets(as_json):
     """List every target with its hardware facts and default pipeline."""
+    from llmc.compiler.pipeline import describe_target, full_pipeline
     from llmc.compiler.targets import TARGETS
 
     if as_json:
         click.echo(json.dumps({n: t.to_dict() for n, t in TARGETS.items()}, indent=2, sort_keys=True))
         return
     for t in TARGETS.values():
-        click.echo(t.describe())
-        click.echo(f"    pipeline: {', '.join(t.full_pipeline())}")
+        click.echo(describe_target(t))
+        click.echo(f"    pipeline: {', '.join(full_pipeline(t))}")
 
 
 def sampling_options(f):

@@ -22,6 +22,7 @@ from llmc.cli import main
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.frontends import load_model
+from llmc.compiler.pipeline import full_pipeline
 from llmc.compiler.targets import TARGETS, get_target
 from llmc.passes.lowering import LOWERING
 from llmc.runtime.executor import PlanExecutor
@@ -88,7 +89,7 @@ def test_targets_lists_every_target_with_its_facts_and_default_pipeline():
         facts = lines[index]
         assert t.arch in facts and f"{t.memory_bytes / 2**30:.0f} GiB" in facts
         assert f"{t.bandwidth_bytes_per_s / 1e9:.1f} GB/s" in facts and f"weights {t.weight_dtype}" in facts
-        assert lines[index + 1].strip() == f"pipeline: {', '.join(t.full_pipeline())}"
+        assert lines[index + 1].strip() == f"pipeline: {', '.join(full_pipeline(t))}"
 
 
 def test_targets_json_is_every_targets_full_record():

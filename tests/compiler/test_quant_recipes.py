@@ -5,7 +5,7 @@ conflicting flags are refused with a PassError before anything is loaded."""
 import pytest
 
 from llmc.compiler.options import CompileOptions
-from llmc.compiler.pipeline import pass_configs
+from llmc.compiler.pipeline import full_pipeline, pass_configs
 from llmc.compiler.recipes import QUANT_RECIPES, quant_passes
 from llmc.compiler.targets import TARGETS, get_target
 from llmc.errors import PassError
@@ -40,7 +40,7 @@ def test_each_recipe_names_its_passes_with_typed_options(quant, group_size, expe
 
 def test_recipes_go_before_the_cleanup_passes_of_the_cpu_target():
     specs = chosen("cpu", quant="int4-rtn", group_size=32)
-    assert specs == ["quantize_int4:group_size=32"] + get_target("cpu").full_pipeline()
+    assert specs == ["quantize_int4:group_size=32"] + full_pipeline(get_target("cpu"))
     assert specs[1:1 + len(CLEANUP)] == CLEANUP
     configs = pass_configs(get_target("cpu"), CompileOptions(quant="int4-rtn", group_size=32))
     config = next(c for c in configs if c.name == "quantize_int4")
@@ -84,7 +84,7 @@ def test_unknown_quant_is_a_pass_error():
 def test_h100_fp8_quantises_the_kv_cache_to_fp8_unless_told_otherwise():
     h100 = get_target("h100-fp8")
     assert chosen("h100-fp8")[-1] == "quantize_kv_cache:dtype=fp8"
-    assert h100.full_pipeline()[-1] == "quantize_kv_cache:dtype=fp8"
+    assert full_pipeline(h100)[-1] == "quantize_kv_cache:dtype=fp8"
     assert chosen("h100-fp8", kv_cache="int8")[-1] == "quantize_kv_cache"
     assert "quantize_kv_cache" not in names("h100-fp8", kv_cache="none")
     assert "quantize_kv_cache" not in names("h100-bf16")

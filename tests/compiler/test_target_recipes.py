@@ -20,7 +20,7 @@ from llmc.compiler import recipes
 from llmc.compiler.frontends.samples import build_tiny_tokenizer
 from llmc.compiler.inspect import report, summarize
 from llmc.compiler.options import CompileOptions
-from llmc.compiler.pipeline import compile_model, pass_configs
+from llmc.compiler.pipeline import compile_model, describe_target, pass_configs
 from llmc.compiler.targets import TARGETS, get_target
 from llmc.errors import PassError
 
@@ -90,7 +90,7 @@ def test_passes_given_by_the_user_are_the_reason():
 @pytest.mark.parametrize("target", list(EXPECTED))
 def test_llmc_targets_states_each_recipe(target):
     t = get_target(target)
-    line, quant = t.describe(), t.default_quant
+    line, quant = describe_target(t), t.default_quant
     if quant is None:
         assert ("recipe: a quantised source's own blocks kept (a GGUF's), other sources "
                 f"{t.weight_dtype} weights") in line

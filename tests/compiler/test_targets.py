@@ -5,6 +5,7 @@ import json
 import pytest
 
 from llmc.compiler.ir import DTYPE_BYTES
+from llmc.compiler.pipeline import describe_target, full_pipeline
 from llmc.compiler.targets import PRECISION_DTYPES, TARGETS, Target, get_target, host_memory_bytes
 from llmc.errors import TargetError
 from llmc.passes.base import build_pipeline
@@ -44,7 +45,7 @@ def test_cpu_bf16_target_casts_to_bf16_before_the_cpu_fusions():
     bf16.check_ready()
     assert bf16.device == "cpu" and bf16.weight_ir_dtype == bf16.activation_ir_dtype == "bfloat16"
     assert [p for p in bf16.default_pipeline if p != "cast_bf16"] == cpu.default_pipeline
-    assert [p.name for p in build_pipeline(bf16.full_pipeline())] == bf16.default_pipeline
+    assert [p.name for p in build_pipeline(full_pipeline(bf16))] == bf16.default_pipeline
 
 
 @pytest.mark.parametrize("name", GPU_NAMES)
@@ -54,7 +55,7 @@ def test_gpu_targets_are_ready_with_registered_passes(name):
     assert target.device == "cuda" and target.compile_ready and target.activation_ir_dtype == "bfloat16"
     assert target.default_pipeline[0] == "remove_noops" and target.default_pipeline[-1] == "dce"
     assert "cast_bf16" in target.default_pipeline
-    names = [p.name for p in build_pipeline(target.full_pipeline())]
+    names = [p.name for p in build_pipeline(full_pipeline(target))]
     if target.default_kv_cache:   # the KV-cache pass comes last, after the target's own pipeline
         assert names.pop() == "quantize_kv_cache"
     assert names[-len(target.default_pipeline):] == target.default_pipeline
@@ -91,12 +92,12 @@ def test_to_dict_is_json_and_round_trips():
 
 
 def test_describe_is_one_line_of_facts():
-    line = get_target("h100-fp8").describe()
+    line = describe_target(get_target("h100-fp8"))
     assert "\n" not in line
     assert line.startswith("h100-fp8: ")
     for fact in ("sm_90", "80 GiB", "3350.0 GB/s", "1979 fp8 TFLOPS", "; ready"):
         assert fact in line
-    assert "624 int8 TOPS" in get_target("a100-int8").describe()
+    assert "624 int8 TOPS" in describe_target(get_target("a100-int8"))
 
 
 def test_targets_are_hashable_and_immutable():

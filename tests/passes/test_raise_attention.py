@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmc.codegen.plan import build_plan
 from llmc.compiler.interpreter import interpret
-from llmc.compiler.pipeline import trace_and_lower
+from llmc.compiler.pipeline import full_pipeline, trace_and_lower
 from llmc.compiler.targets import get_target
 from llmc.compiler.trace import export_lm, translate
 from llmc.errors import IRError
@@ -224,4 +224,4 @@ def test_lowering_leaves_nothing_to_raise_so_no_target_pipeline_raises_again(eag
     before = graph.to_json()
     assert run_pass(graph)[0].details["attention"] == 0 and graph.to_json() == before
     for target in ("cpu", "h100-bf16"):
-        assert "raise_attention" not in get_target(target).full_pipeline()
+        assert "raise_attention" not in full_pipeline(get_target(target))
