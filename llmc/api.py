@@ -57,7 +57,8 @@ def load(path: str | Path, device: str | None = None, **engine_options) -> "LLM"
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
     """Serve the artifact at `path` over an OpenAI-compatible HTTP API until SIGTERM (as `llmc serve`).
     `options`: api_key, max_queue, ttft_slo_ms, served_model_name, shutdown_timeout, max_request_bytes
-    (default 8 MiB), max_n (default 16), metrics_need_key, and `load`'s engine options.
+    (default 8 MiB), max_n (default 16), metrics_need_key, result_cache (bytes, e.g. "256MiB"; off by
+    default), result_cache_ttl (seconds), and `load`'s engine options.
     To mount the app yourself: `llmc.runtime.server.build_app(llmc.load(path))`."""
     from llmc.runtime.server.launch import serve as serve_artifact
 

@@ -717,11 +717,17 @@ def export(artifact, format_, output, force, quiet):
               help="The most choices (n, best_of) one request may ask for; more is a 400.")
 @click.option("--metrics-need-key", is_flag=True,
               help="/metrics needs the --api-key too (by default it is open to Prometheus, as vLLM's).")
+@click.option("--result-cache", default=None, metavar="SIZE",
+              help="Keep up to SIZE (256MiB, ...) of results whose output is determined (greedy or seeded) and "
+                   "answer a repeated request from them (header X-Cache: hit). Off by default.")
+@click.option("--result-cache-ttl", type=FiniteFloat(min=0.0, min_open=True), default=None, metavar="SECONDS",
+              help="Seconds a cached result stays valid (default: until evicted).")
 @device_option
 @threads_option
 @speculative_options
 def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_ms, max_num_seqs, shutdown_timeout,
-          kv_memory, max_request_bytes, max_n, metrics_need_key, device, threads, speculative, num_speculative_tokens):
+          kv_memory, max_request_bytes, max_n, metrics_need_key, result_cache, result_cache_ttl, device, threads,
+          speculative, num_speculative_tokens):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions),
     with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
     `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
@@ -731,7 +737,8 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
     serve_artifact(artifact, host, port, api_key=api_key, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms,
                    served_model_name=served_model_name, shutdown_timeout=shutdown_timeout, kv_memory=kv_memory,
                    max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key,
-                   device=device, threads=_threads(threads), max_num_seqs=max_num_seqs,
+                   result_cache=result_cache, result_cache_ttl=result_cache_ttl, device=device,
+                   threads=_threads(threads), max_num_seqs=max_num_seqs,
                    speculative=_speculative(speculative, num_speculative_tokens))
 
 

@@ -1,6 +1,8 @@
 """The FastAPI app of `llmc serve`: OpenAI's `/v1/models`, `/v1/completions` and
 `/v1/chat/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
-`/health` and Prometheus' `/metrics`. Every error answers in OpenAI's envelope with the status
+`/health` and Prometheus' `/metrics`. With a result cache (result_cache.py), a repeated request whose
+output is determined is answered from it, whole or streamed, with the header `X-Cache: hit`.
+Every error answers in OpenAI's envelope with the status
 OpenAI's clients expect: 400 (not FastAPI's 422) naming the field, 401, 404, 413, 429, 500, 503,
 body-parse failures and unknown routes included. The event loop only parses bodies (capped in
 size) and moves results: templates and tokenisers run on prepare.py's thread, the model on
@@ -29,6 +31,7 @@ from llmc.runtime.server.metrics import ServerMetrics
 from llmc.runtime.server.prepare import Prepared, RequestPreparer
 from llmc.runtime.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse
 from llmc.runtime.server.responses import ResponseBuilder
+from llmc.runtime.server.result_cache import CachedResult, ResultCache, is_determined, make_result_cache, request_key
 
 # What the /v1 routes may answer besides 200, for the OpenAPI schema (and the clients and fuzzers
 # that read it): every error is OpenAI's envelope.
@@ -55,13 +58,16 @@ _SHOWN = _shown_repr()
 
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
               ttft_slo_ms: float | None = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              max_n: int = DEFAULT_MAX_N, metrics_need_key: bool = False) -> FastAPI:
+              max_n: int = DEFAULT_MAX_N, metrics_need_key: bool = False, result_cache: int | str | None = None,
+              result_cache_ttl: float | None = None) -> FastAPI:
     """An app serving `engine` (an `llmc.runtime.engine.Engine`, or `llmc.load(...)`'s LLM) under the
     model name `served_model_name` (default: the artifact's directory name). With `api_key`, the
     /v1 routes need `Authorization: Bearer <api_key>` (and /metrics too with `metrics_need_key`; by
     default it stays open for Prometheus, as vLLM's). `max_queue`: requests waiting beyond the
     engine's batch before 429s; `ttft_slo_ms`: refuse (429) requests predicted to miss it;
-    `max_request_bytes`: a larger body is a 413, unread; `max_n`: the most choices (n) per request."""
+    `max_request_bytes`: a larger body is a 413, unread; `max_n`: the most choices (n) per request;
+    `result_cache`: bytes ('256MiB', ...) of a cache of determined results (greedy or seeded), each
+    kept `result_cache_ttl` seconds (None: until evicted)."""
     path, engine = getattr(engine, "path", None), getattr(engine, "engine", engine)
     name = served_model_name or (model_name(path) if path is not None else None)
     if not name:
@@ -73,6 +79,18 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     tokenizer = copy.deepcopy(engine.tokenizer)
     core = AsyncEngine(engine, metrics, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms)
     preparer = RequestPreparer(engine, max_n)
+    results = make_result_cache(result_cache, result_cache_ttl)
+
+    async def answer(body, prepared: Prepared, builder: ResponseBuilder, request: Request, route: str):
+        key = None
+        if results is not None and is_determined(prepared.params):
+            key = request_key(name, route, prepared.token_ids, prepared.params, body)
+            hit = results.get(key)
+            (metrics.result_cache_hits if hit is not None else metrics.result_cache_misses).inc()
+            if hit is not None:
+                return _replay(body, hit, builder)
+        store = None if key is None else (lambda result: _store(results, key, result, metrics))
+        return await _serve(core, body, _job(engine, body, builder.request_id, prepared), builder, request, store)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -108,7 +126,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         _check_model(body.model, name)
         builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", name, tokenizer, False, body.logprobs)
         prepared = await preparer.completion(body)
-        return await _serve(core, body, _job(engine, body, builder.request_id, prepared), builder, request)
+        return await answer(body, prepared, builder, request, "completions")
 
     @app.post("/v1/chat/completions", dependencies=auth, responses=_COMPLETED)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -117,7 +135,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", name, tokenizer, True, top)
         prepared = await preparer.chat(body)
         builder.tools = prepared.tools
-        return await _serve(core, body, _job(engine, body, builder.request_id, prepared), builder, request)
+        return await answer(body, prepared, builder, request, "chat")
 
     return app
 
@@ -138,19 +156,47 @@ def _job(engine, body, request_id: str, prepared: Prepared) -> Job:
                engine.max_model_len)
 
 
-async def _serve(core: AsyncEngine, body, job: Job, builder: ResponseBuilder, request: Request):
-    """Queue the job and answer it; the request is aborted if its client leaves before the end."""
+def _store(results: ResultCache, key: bytes, result: CachedResult, metrics: ServerMetrics) -> None:
+    """Keep a result that ran to its end (an aborted one is not the request's output)."""
+    if all(o.finish_reason not in (None, "abort") for o in result.output.outputs):
+        results.put(key, result)
+        metrics.result_cache_bytes.set(results.bytes)
+
+
+def _replay(body, hit: CachedResult, builder: ResponseBuilder):
+    """A cached result as a fresh response (its own id), whole or as the stream it was made in."""
+    headers = {"X-Cache": "hit"}
+    if not body.stream:
+        return JSONResponse(builder.body(hit.output), headers=headers)
+
+    async def events():
+        for event in _chunks(builder, hit.deltas, set()):
+            yield event
+        if body.include_usage:
+            yield _sse(builder.usage_chunk(hit.output))
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+async def _serve(core: AsyncEngine, body, job: Job, builder: ResponseBuilder, request: Request, store=None):
+    """Queue the job and answer it; the request is aborted if its client leaves before the end.
+    `store(CachedResult)`, when given, keeps the finished result for the result cache."""
     core.submit(job)
     handed_over = False   # to the stream, which then aborts on its own
+    headers = None if store is None else {"X-Cache": "miss"}
     try:
         update = await _next_update(job, request)   # errors before the first token keep their status
         if body.stream:
             handed_over = True
-            return StreamingResponse(_events(core, job, update, builder, body.include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_events(core, job, update, builder, body.include_usage, store),
+                                     media_type="text/event-stream", headers=headers)
+        deltas = list(update.deltas)
         while not update.finished:
             update = await _next_update(job, request)
-        return JSONResponse(builder.body(update.output))
+            deltas += update.deltas
+        if store is not None:
+            store(CachedResult(update.output, deltas))
+        return JSONResponse(builder.body(update.output), headers=headers)
     finally:
         if not handed_over:
             core.abort(job.request_id)
@@ -178,27 +224,38 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _events(core: AsyncEngine, job: Job, update: Update, builder: ResponseBuilder, include_usage: bool):
+async def _events(core: AsyncEngine, job: Job, update: Update, builder: ResponseBuilder, include_usage: bool,
+                  store=None):
     """Server-sent events from the first update on; starlette cancels this generator when the
     client disconnects, and the `finally` then aborts the request."""
     started: set[int] = set()
+    deltas = []
     try:
         while True:
-            for delta in update.deltas:
-                yield _sse(builder.chunk(delta, first=delta.index not in started))
-                started.add(delta.index)
+            for event in _chunks(builder, update.deltas, started):
+                yield event
+            deltas += update.deltas
             if update.finished:
                 break
             update = await job.updates.get()
             if update.error is not None:
                 yield _sse(update.error.body())
                 break
+        if update.output is not None and store is not None:
+            store(CachedResult(update.output, deltas))
         if update.output is not None and include_usage:
             yield _sse(builder.usage_chunk(update.output))
         yield "data: [DONE]\n\n"
     finally:
         if not update.finished:
             core.abort(job.request_id)
+
+
+def _chunks(builder: ResponseBuilder, deltas, started: set[int]):
+    """Each delta's stream event; `started`: the choices whose first event went out (updated)."""
+    for delta in deltas:
+        yield _sse(builder.chunk(delta, first=delta.index not in started))
+        started.add(delta.index)
 
 
 def _sse(payload: dict) -> str:

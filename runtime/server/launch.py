@@ -14,6 +14,7 @@ import uvicorn
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.server.app import build_app
 from llmc.runtime.server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
+from llmc.runtime.server.result_cache import make_result_cache
 
 
 class DrainingServer(uvicorn.Server):
@@ -34,17 +35,22 @@ class DrainingServer(uvicorn.Server):
 def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None, max_queue: int = 256,
           ttft_slo_ms: float | None = None, served_model_name: str | None = None, shutdown_timeout: float = 30.0,
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_n: int = DEFAULT_MAX_N,
-          metrics_need_key: bool = False, log_level: str = "info", **engine_options) -> None:
+          metrics_need_key: bool = False, log_level: str = "info", result_cache: int | str | None = None,
+          result_cache_ttl: float | None = None, **engine_options) -> None:
     """Serve the artifact at `path` on http://host:port (OpenAI API under /v1) until SIGTERM or Ctrl-C.
+    `result_cache`: bytes of determined results kept ('256MiB'; off by default), each for
+    `result_cache_ttl` seconds (None: until evicted).
     `engine_options` are `llmc.load`'s (kv_memory, threads, max_num_seqs, device, ...)."""
     import llmc
 
     _check_options(max_queue, ttft_slo_ms, shutdown_timeout)
     _check_limits(max_request_bytes, max_n, metrics_need_key, api_key)
+    make_result_cache(result_cache, result_cache_ttl)   # its errors before the model loads
     sock = listening_socket(host, port)   # before the model loads: a taken port fails at once
     try:
         app = build_app(llmc.load(path, **engine_options), served_model_name, api_key, max_queue, ttft_slo_ms,
-                        max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key)
+                        max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key,
+                        result_cache=result_cache, result_cache_ttl=result_cache_ttl)
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=math.ceil(shutdown_timeout))
         DrainingServer(config, app.state.core, shutdown_timeout).run(sockets=[sock])
     finally:

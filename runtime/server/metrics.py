@@ -59,6 +59,10 @@ class ServerMetrics:
                                      buckets=_REQUEST_BUCKETS)
         self.inference_time = histogram("request_inference_time_seconds", "First scheduled until finished.",
                                         buckets=_REQUEST_BUCKETS)
+        self.result_cache_hits = counter("result_cache_hits", "Requests answered from the result cache.")
+        self.result_cache_misses = counter("result_cache_misses", "Requests the result cache could have answered "
+                                           "(their output is determined) but did not hold.")
+        self.result_cache_bytes = gauge("result_cache_bytes", "Bytes the result cache holds.")
         self._success = Counter("llmc:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
 
