@@ -10,6 +10,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import llmc
+from llmc.cache import summary_line
 from llmc.compiler.artifact import (
     GRAPH,
     KERNEL_INDEX,
@@ -23,9 +25,11 @@ from llmc.compiler.artifact import (
     verify_file,
 )
 from llmc.compiler.bounded_input import read_json_bytes
+from llmc.compiler.ir import Graph
 from llmc.compiler.manifest_schema import RECOMPILE, check_kernel_records, check_model_agrees
 from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import ArtifactError
+from llmc.runtime.memory_report import expected, measure, memory_line
 
 
 def _read_manifest(path: Path) -> dict:
@@ -92,6 +96,7 @@ def report(artifact: str | Path, kv_memory: str = "1GiB") -> dict:
         "kernel_choice": plan_meta.get("kernel_choice"),  # cpu: --kernels
         # cpu: the mode a load runs unless it asks otherwise (--batch-invariant; before the flag: on)
         "batch_invariant": plan_meta.get("batch_invariant", True) is not False,
+        "batch_invariant_except": invariance_exceptions(plan, manifest["model"]),
         "decode_graph": _decode_graph_summary(plan_meta.get("decode_graph")),
         "parallel": manifest.get("parallel"),   # tensor parallel: what each rank holds and runs per step
         "memory_at_load": _memory_at_load(plan, manifest["model"], kv_memory),   # rank 0's
@@ -164,17 +169,12 @@ def _weight_lines(weights: dict) -> list[str]:
 
 
 def _memory_at_load(plan: dict, model: dict, kv_memory: str) -> dict:
-    from llmc.runtime.memory_report import expected
-
     return expected(plan, model, kv_memory)
 
 
 def measured_memory(artifact: str | Path, kv_memory: str) -> dict:
     """Load the artifact (its KV cache at `kv_memory`) and split this process's RSS as the runtime holds it
     (runtime/memory_report.py)."""
-    import llmc
-    from llmc.runtime.memory_report import measure
-
     return measure(llmc.load(artifact, kv_memory=kv_memory).engine).to_dict()
 
 
@@ -190,8 +190,6 @@ def memory_lines(at_load: dict, measured: dict | None = None) -> list[str]:
         lines.append(f"    {at_load['ort_sessions']} ONNX Runtime sessions: each packs its own copy of the weights "
                      f"its MatMulNBits read, beside their fp32 scales made once for all (--memory measures them)")
     if measured:
-        from llmc.runtime.memory_report import memory_line
-
         lines.append(f"  memory measured after a load: {memory_line(measured)}")
     return lines
 
@@ -305,7 +303,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
               + _parallel_lines(r["parallel"]))
     if r["target_device"] == "cpu":
         lines += kernel_choice_lines(r["kernel_choice"]) + decode_graph_lines(r["decode_graph"])
-        lines.append(batch_invariance_line(r["batch_invariant"]))
+        lines.append(batch_invariance_line(r["batch_invariant"], r["batch_invariant_except"]))
     if brief:
         return "\n".join(lines)
     lines.append("  passes:")
@@ -317,14 +315,28 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
         if p.get("accuracy"):
             lines.append(f"    {'':<16} {_accuracy_line(p['accuracy'])}")
     if show_ir:
-        from llmc.compiler.ir import Graph
         path = Path(artifact)
         view = rank_view(read_manifest(path), 0, f"artifact '{path}'")
         lines.append(str(Graph.from_json(_read_listed(path, view, rank_file(view, GRAPH)))))
     return "\n".join(lines)
 
 
-def batch_invariance_line(on: bool) -> str:
+def invariance_exceptions(plan: dict, model: dict) -> list[str]:
+    """What of a cpu plan rounds by the row count even in batch-invariant mode, as far as the artifact
+    shows it (runtime/batch_invariance.py's describe adds what only a load knows: the native kernels built)."""
+    out = []
+    kv = (model.get("kv_cache") or {}).get("dtype", "float32")
+    if kv != "float32":
+        out.append(f"attention over the {kv} KV cache")
+    if any(s["kernel"] == "cpu.flash_attention" and s["attrs"].get("softcap") is not None for s in plan["steps"]):
+        out.append("soft-capped attention")
+    return out
+
+
+def batch_invariance_line(on: bool, exceptions: list[str] = ()) -> str:
+    if on and exceptions:
+        return (f"  batch invariance: on, except {'; '.join(exceptions)} (those round by the rows in a step; the "
+                f"rest of a sequence's logits do not depend on the batch)")
     if on:
         return ("  batch invariance: on (a sequence's logits do not depend on the batch or its rows per step; "
                 "llmc.load(..., batch_invariant=False) allows the faster row-dependent kernels)")
@@ -396,8 +408,6 @@ def _machine_lines(machine: dict | None) -> list[str]:
 def _timings_lines(record: dict | None) -> list[str]:
     """When and under what load the compile's kernel timings were measured
     (compiler/driver/tuning/ort_timing_cache.py)."""
-    from llmc.cache import summary_line
-
     return [f"    timings: {summary_line(record)}"] if record else []
 
 

@@ -272,3 +272,17 @@ def test_bench_speculative_reports_the_policy_and_the_plain_tokens(artifacts, ca
                                         "request asks for logprobs or penalties", "min_tokens pending",
                                         "at its token limit", "the draft model proposed nothing"}
     assert spec["steps_plain"] == 0 or spec["stood_aside"]
+
+
+def test_inspect_names_what_the_artifact_keeps_outside_invariance(artifacts, tmp_path, capsys):
+    """`llmc inspect` states the mode, and for an int8 KV cache that its attention rounds by the rows,
+    as a load's invariance() does."""
+    from llmc_cli import llmc_in_process
+
+    code, out, _ = llmc_in_process(capsys, "inspect", artifacts["fp32"])
+    assert code == 0 and "batch invariance: on (" in out
+    kv8 = llmc.compile("tiny-llama", output=tmp_path / "kv8.llmc", quiet=True, kernels="cpu", kv_cache="int8",
+                       calib_samples=2, calib_seq_len=16)
+    code, out, _ = llmc_in_process(capsys, "inspect", kv8)
+    assert code == 0 and "batch invariance: on, except attention over the int8 KV cache" in out
+    assert "int8 KV cache" in llmc.load(kv8, kv_memory="4MiB").engine.executor.invariance()
