@@ -722,12 +722,19 @@ def export(artifact, format_, output, force, quiet):
                    "answer a repeated request from them (header X-Cache: hit). Off by default.")
 @click.option("--result-cache-ttl", type=FiniteFloat(min=0.0, min_open=True), default=None, metavar="SECONDS",
               help="Seconds a cached result stays valid (default: until evicted).")
+@click.option("--semantic-cache-threshold", type=FiniteFloat(min=0.0, max=1.0, min_open=True), default=None,
+              metavar="COSINE", help="Answer requests sent with \"semantic_cache\": true from the result of an "
+              "earlier one whose text is this close in meaning (cosine of the model's own hidden states; on "
+              "docs/benchmarks.md's paraphrase set 0.98 hit half the paraphrases and 3 of 20 different "
+              "questions). Off by default.")
+@click.option("--semantic-cache-entries", type=POSITIVE, default=10_000, show_default=True,
+              help="Results the semantic cache keeps (the oldest goes first).")
 @device_option
 @threads_option
 @speculative_options
 def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_ms, max_num_seqs, shutdown_timeout,
-          kv_memory, max_request_bytes, max_n, metrics_need_key, result_cache, result_cache_ttl, device, threads,
-          speculative, num_speculative_tokens):
+          kv_memory, max_request_bytes, max_n, metrics_need_key, result_cache, result_cache_ttl,
+          semantic_cache_threshold, semantic_cache_entries, device, threads, speculative, num_speculative_tokens):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions),
     with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
     `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
@@ -737,7 +744,9 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
     serve_artifact(artifact, host, port, api_key=api_key, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms,
                    served_model_name=served_model_name, shutdown_timeout=shutdown_timeout, kv_memory=kv_memory,
                    max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key,
-                   result_cache=result_cache, result_cache_ttl=result_cache_ttl, device=device,
+                   result_cache=result_cache, result_cache_ttl=result_cache_ttl,
+                   semantic_cache_threshold=semantic_cache_threshold, semantic_cache_entries=semantic_cache_entries,
+                   device=device,
                    threads=_threads(threads), max_num_seqs=max_num_seqs,
                    speculative=_speculative(speculative, num_speculative_tokens))
 

@@ -393,6 +393,28 @@ class PlanExecutor:
         values = self.run_values({"input_ids": input_ids, "positions": positions}, backend)
         return values["logits"] if "logits" in values else values[self.plan.outputs[0]]
 
+    @torch.inference_mode()
+    def final_hidden_state(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden state the LM head reads at the last of `input_ids` (positions from 0, no KV cache):
+        [hidden], from a prefill pass of its own. Plans whose LM head runs inside an ONNX Runtime segment
+        keep it out of reach."""
+        head = next(s for s in self.plan.steps if self.plan.outputs[0] in s.outputs)
+        if head.kernel == ORT_SEGMENT or head.inputs[0] not in self._registers:
+            raise RuntimeLlmcError("the plan's LM head runs inside an ONNX Runtime segment, so its input hidden "
+                                   "states cannot be read")
+        kept = self._registers[head.inputs[0]]
+        inputs = {"input_ids": input_ids, "positions": torch.arange(len(input_ids))}
+        if "logits_indices" in self.plan.inputs:
+            inputs["logits_indices"] = torch.tensor([len(input_ids) - 1])
+        regs: list[Any] = self._params + [None] * (self._num_registers - len(self._params))
+        for name in self.plan.inputs:
+            regs[self._registers[name]] = self._check_input(name, inputs)
+        context = {"backend": self.no_cache_backend(), "rope_cache": RopeCache(), "target": self.plan.target,
+                   "launch_configs": self.launch_configs}
+        self._walk([launch._replace(frees=tuple(f for f in launch.frees if f != kept)) for launch in self._program],
+                   regs, context)
+        return regs[kept][-1]
+
     def _check_input(self, name: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         if name not in inputs:
             raise RuntimeLlmcError(f"plan input {name!r} was not given; the plan takes {self.plan.inputs}")

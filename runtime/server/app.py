@@ -31,7 +31,15 @@ from llmc.runtime.server.metrics import ServerMetrics
 from llmc.runtime.server.prepare import Prepared, RequestPreparer
 from llmc.runtime.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse
 from llmc.runtime.server.responses import ResponseBuilder
-from llmc.runtime.server.result_cache import CachedResult, ResultCache, is_determined, make_result_cache, request_key
+from llmc.runtime.server.result_cache import (
+    CachedResult,
+    ResultCache,
+    is_determined,
+    make_result_cache,
+    ran_to_end,
+    request_key,
+)
+from llmc.runtime.server.semantic_cache import make_semantic_cache
 
 # What the /v1 routes may answer besides 200, for the OpenAPI schema (and the clients and fuzzers
 # that read it): every error is OpenAI's envelope.
@@ -59,7 +67,8 @@ _SHOWN = _shown_repr()
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
               ttft_slo_ms: float | None = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               max_n: int = DEFAULT_MAX_N, metrics_need_key: bool = False, result_cache: int | str | None = None,
-              result_cache_ttl: float | None = None) -> FastAPI:
+              result_cache_ttl: float | None = None, semantic_cache_threshold: float | None = None,
+              semantic_cache_entries: int = 10_000) -> FastAPI:
     """An app serving `engine` (an `llmc.runtime.engine.Engine`, or `llmc.load(...)`'s LLM) under the
     model name `served_model_name` (default: the artifact's directory name). With `api_key`, the
     /v1 routes need `Authorization: Bearer <api_key>` (and /metrics too with `metrics_need_key`; by
@@ -67,7 +76,9 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     engine's batch before 429s; `ttft_slo_ms`: refuse (429) requests predicted to miss it;
     `max_request_bytes`: a larger body is a 413, unread; `max_n`: the most choices (n) per request;
     `result_cache`: bytes ('256MiB', ...) of a cache of determined results (greedy or seeded), each
-    kept `result_cache_ttl` seconds (None: until evicted)."""
+    kept `result_cache_ttl` seconds (None: until evicted); `semantic_cache_threshold`: the cosine
+    similarity over which a request sent with `"semantic_cache": true` gets the result of an earlier
+    one close in meaning (semantic_cache.py; at most `semantic_cache_entries` kept)."""
     path, engine = getattr(engine, "path", None), getattr(engine, "engine", engine)
     name = served_model_name or (model_name(path) if path is not None else None)
     if not name:
@@ -80,6 +91,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     core = AsyncEngine(engine, metrics, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms)
     preparer = RequestPreparer(engine, max_n)
     results = make_result_cache(result_cache, result_cache_ttl)
+    semantic = make_semantic_cache(engine, preparer, semantic_cache_threshold, semantic_cache_entries)
 
     async def answer(body, prepared: Prepared, builder: ResponseBuilder, request: Request, route: str):
         key = None
@@ -88,8 +100,15 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
             hit = results.get(key)
             (metrics.result_cache_hits if hit is not None else metrics.result_cache_misses).inc()
             if hit is not None:
-                return _replay(body, hit, builder)
-        store = None if key is None else (lambda result: _store(results, key, result, metrics))
+                return _replay(body, hit, builder, {"X-Cache": "hit"})
+        near = None
+        if semantic is not None and body.semantic_cache:
+            near = await semantic.lookup(name, route, body, metrics)
+            if near.hit is not None:
+                return _replay(body, near.hit, builder, near.headers())
+        stores = ([] if key is None else [lambda result: _store(results, key, result, metrics)]) + (
+            [] if near is None else [near.store])
+        store = (lambda result: [keep(result) for keep in stores]) if stores else None
         return await _serve(core, body, _job(engine, body, builder.request_id, prepared), builder, request, store)
 
     @asynccontextmanager
@@ -158,14 +177,13 @@ def _job(engine, body, request_id: str, prepared: Prepared) -> Job:
 
 def _store(results: ResultCache, key: bytes, result: CachedResult, metrics: ServerMetrics) -> None:
     """Keep a result that ran to its end (an aborted one is not the request's output)."""
-    if all(o.finish_reason not in (None, "abort") for o in result.output.outputs):
+    if ran_to_end(result):
         results.put(key, result)
         metrics.result_cache_bytes.set(results.bytes)
 
 
-def _replay(body, hit: CachedResult, builder: ResponseBuilder):
+def _replay(body, hit: CachedResult, builder: ResponseBuilder, headers: dict):
     """A cached result as a fresh response (its own id), whole or as the stream it was made in."""
-    headers = {"X-Cache": "hit"}
     if not body.stream:
         return JSONResponse(builder.body(hit.output), headers=headers)
 

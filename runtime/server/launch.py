@@ -36,10 +36,12 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Non
           ttft_slo_ms: float | None = None, served_model_name: str | None = None, shutdown_timeout: float = 30.0,
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_n: int = DEFAULT_MAX_N,
           metrics_need_key: bool = False, log_level: str = "info", result_cache: int | str | None = None,
-          result_cache_ttl: float | None = None, **engine_options) -> None:
+          result_cache_ttl: float | None = None, semantic_cache_threshold: float | None = None,
+          semantic_cache_entries: int = 10_000, **engine_options) -> None:
     """Serve the artifact at `path` on http://host:port (OpenAI API under /v1) until SIGTERM or Ctrl-C.
     `result_cache`: bytes of determined results kept ('256MiB'; off by default), each for
-    `result_cache_ttl` seconds (None: until evicted).
+    `result_cache_ttl` seconds (None: until evicted). `semantic_cache_threshold`: answer requests sent with
+    `"semantic_cache": true` from the results of earlier ones close in meaning (cosine; off by default).
     `engine_options` are `llmc.load`'s (kv_memory, threads, max_num_seqs, device, ...)."""
     import llmc
 
@@ -50,7 +52,9 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Non
     try:
         app = build_app(llmc.load(path, **engine_options), served_model_name, api_key, max_queue, ttft_slo_ms,
                         max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key,
-                        result_cache=result_cache, result_cache_ttl=result_cache_ttl)
+                        result_cache=result_cache, result_cache_ttl=result_cache_ttl,
+                        semantic_cache_threshold=semantic_cache_threshold,
+                        semantic_cache_entries=semantic_cache_entries)
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=math.ceil(shutdown_timeout))
         DrainingServer(config, app.state.core, shutdown_timeout).run(sockets=[sock])
     finally:

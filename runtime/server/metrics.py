@@ -62,6 +62,10 @@ class ServerMetrics:
         self.result_cache_hits = counter("result_cache_hits", "Requests answered from the result cache.")
         self.result_cache_misses = counter("result_cache_misses", "Requests the result cache could have answered "
                                            "(their output is determined) but did not hold.")
+        self.semantic_cache_hits = counter("semantic_cache_hits", "Opted-in requests answered with the result "
+                                           "of a request close in meaning.")
+        self.semantic_cache_misses = counter("semantic_cache_misses", "Opted-in requests the semantic cache "
+                                             "held nothing close enough to.")
         self.result_cache_bytes = gauge("result_cache_bytes", "Bytes the result cache holds.")
         self._success = Counter("llmc:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)

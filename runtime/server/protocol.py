@@ -116,6 +116,7 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     structured_outputs: StructuredOutputsField | None = None
+    semantic_cache: bool = False   # llmc's: may be answered with the result of a request close in meaning
 
     def structured_outputs_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The request's constraint and the field it came in (for a 400's param); at most one field."""

@@ -23,7 +23,7 @@ from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 
 # Body fields that change neither the tokens generated nor the response's choices.
-UNKEYED_FIELDS = frozenset({"stream", "stream_options", "user", "priority"})
+UNKEYED_FIELDS = frozenset({"stream", "stream_options", "user", "priority", "semantic_cache"})
 # What an entry costs beyond its pickled bytes and key: the OrderedDict slot, the tuple, the float
 # and the bytes objects' headers (tracemalloc measured 220 bytes on CPython 3.12).
 ENTRY_OVERHEAD = 256
@@ -54,10 +54,17 @@ def is_determined(params: SamplingParams) -> bool:
     return (params.greedy or params.seed is not None) and not params.logits_processors
 
 
-def request_key(model: str, route: str, token_ids: list[int], params: SamplingParams, body) -> bytes:
-    """The digest (sha256) keying a request: equal exactly when every input to the output is equal."""
+def ran_to_end(result: CachedResult) -> bool:
+    """Whether every choice finished (an aborted one is not the request's output)."""
+    return all(o.finish_reason not in (None, "abort") for o in result.output.outputs)
+
+
+def request_key(model: str, route: str, token_ids: list[int], params: SamplingParams, body,
+                unkeyed: frozenset = frozenset()) -> bytes:
+    """The digest (sha256) keying a request: equal exactly when every input to the output is equal
+    (the body's `unkeyed` fields left out besides UNKEYED_FIELDS)."""
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "logits_processors"}
-    shown = body.model_dump(mode="json", exclude=set(UNKEYED_FIELDS), by_alias=True)
+    shown = body.model_dump(mode="json", exclude=set(UNKEYED_FIELDS | unkeyed), by_alias=True)
     material = json.dumps([model, route, token_ids, _plain(fields), shown], sort_keys=True, default=repr,
                           separators=(",", ":"))
     return hashlib.sha256(material.encode()).digest()
