@@ -135,3 +135,19 @@ def test_the_embedding_is_the_hidden_state_the_lm_head_reads(compiled):
     head = next(s for s in executor.plan.steps if "logits" in s.outputs)
     state = executor.final_hidden_state(ids)
     torch.testing.assert_close(state @ executor.weight(head.inputs[1]).float().T, logits.float(), rtol=0, atol=1e-5)
+
+
+def test_embedding_beside_running_steps_leaves_every_output_as_offline(compiled, offline):
+    """The embedding pass runs on the prepare thread while the engine steps other requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmc.runtime.sampling_params import SamplingParams
+
+    prompts = [f"Story number {i} begins with" for i in range(12)]
+    want = [offline.generate(p, SamplingParams(max_tokens=30, temperature=0))[0].outputs[0].text for p in prompts]
+    with InProcessServer(llmc.load(compiled, kv_memory=KV_MEMORY, threads=1), semantic_cache_threshold=1.0) as served:
+        def ask(prompt):
+            return served.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                                    extra_body=OPT_IN).choices[0].text
+        with ThreadPoolExecutor(12) as pool:
+            assert list(pool.map(ask, prompts)) == want
