@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from llmc.codegen import cpu_native
 from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token
 from llmc.compiler.schemes import FLOAT_OFFSET, FP8_STATIC, INT8_PER_TOKEN, INT_ZERO, SCHEMES
 from llmc.errors import RuntimeLlmcError
@@ -165,8 +166,6 @@ def run_dense_rows(x: torch.Tensor, src: DenseSource) -> torch.Tensor | None:
     """fp32 rows x [rows, K] -> [rows, N] as run_dense, through the native fp32 GEMV (one dot product per
     output, in the same order at every row count: batch-invariant) instead of the GEMM; None where that
     GEMV does not run."""
-    from llmc.codegen import cpu_native
-
     h = x
     activations = SCHEMES[src.scheme].activations
     if activations == FP8_STATIC and src.act_scale is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, apply_rope, cos_sin
 from llmc.compiler.artifact import OutputKind, read_artifact, staged_output
+from llmc.compiler.ir import Graph
 from llmc.compiler.progress import Stages, echo_stderr
 from llmc.compiler.schemes import schemes_where
 from llmc.errors import LlmcError
@@ -27,9 +28,7 @@ def export_onnx(artifact_path, output, force: bool = False, quiet: bool = True) 
     """Write DIR/model.onnx, DIR/tokenizer/ and DIR/llmc_onnx.json for the artifact at `artifact_path`,
     via a staging sibling renamed into place (nothing is left behind on failure); unless `quiet`, a
     line on stderr for each stage that runs longer than a moment (compiler/progress.py)."""
-    import onnx
-
-    from llmc.compiler.ir import Graph
+    import onnx  # heavy optional dependency onnx
 
     with Stages(echo_stderr, quiet) as stages:
         stages.start(f"reading {artifact_path}")
@@ -77,7 +76,7 @@ EXPORT = OutputKind("ONNX export", "export", export_problem)
 # -- IR -> ONNX --------------------------------------------------------------------------------
 def build_model(graph, weights: dict):
     """(onnx ModelProto, config dict) for an llmc IR graph and its weights."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper  # heavy optional dependency onnx
 
     _refuse_unsupported(graph)
     meta = graph.meta

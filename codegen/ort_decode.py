@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, rope_angles
+from llmc.codegen.ort_lowering import kept_in_torch, unforced
 from llmc.compiler.ir import Graph
 from llmc.compiler.ops import ATTENTION_OPS
 
@@ -44,7 +45,6 @@ def decode_refusal(graph: Graph) -> str | None:
                                                                 for i in n.inputs[:3]) else None)
         if why:
             return f"node {n.name}: {why} has no decode-graph lowering"
-    from llmc.codegen.ort_lowering import kept_in_torch, unforced
 
     ops = {n.name: n.op for n in graph.nodes}
     for name, why in unforced(kept_in_torch(graph)).items():   # ops ORT cannot run, in graph order
@@ -55,7 +55,7 @@ def decode_refusal(graph: Graph) -> str | None:
 def build_decode_graph(graph: Graph, nbits_level: int, levels: dict[str, int] | None = None) -> tuple[bytes, dict]:
     """(ONNX bytes, the plan.meta record without file hash) for `graph`'s decode graph; MatMulNBits
     at `nbits_level`, or at `levels[node]` for the nodes named there."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper  # heavy optional dependency onnx
 
     levels = levels or {}
     b = OnnxBuilder(graph, graph.weights, segment=True, nbits_level=nbits_level)

@@ -22,7 +22,7 @@ from llmc.codegen.onnx_ops import (
     nbits_int8_block,
 )
 from llmc.codegen.plan import Plan, PlanStep
-from llmc.compiler.ir import Graph, Node
+from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.compiler.schemes import ORT, SCHEMES, schemes_where
 from llmc.errors import TargetError
@@ -125,7 +125,7 @@ def _boundary(graph: Graph, seg: Segment, outputs: list[str]) -> None:
 def build_segment(graph: Graph, seg: Segment, nbits_level: int = INT8_COMPUTE) -> tuple[bytes, OnnxBuilder]:
     """The segment as ONNX bytes (weights as external initializers, MatMulNBits at `nbits_level`)
     and the builder that made it (its `sources` and `values` say what the initializers hold)."""
-    from onnx import helper
+    from onnx import helper  # heavy optional dependency onnx
 
     b = OnnxBuilder(graph, graph.weights, segment=True, nbits_level=nbits_level)
     b.env = {i: i for i in seg.inputs}
@@ -177,7 +177,7 @@ class SegmentModels:
 
 
 def _elem_type(dtype: str) -> int:
-    from onnx import TensorProto
+    from onnx import TensorProto  # heavy optional dependency onnx
     return {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32}[dtype]
 
 
@@ -197,7 +197,7 @@ def _name_outputs(b: OnnxBuilder, seg: Segment) -> None:
 
 
 def segment_ops(model: bytes) -> set[tuple[str, str]]:
-    import onnx
+    import onnx  # heavy optional dependency onnx
     return {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in onnx.load_from_string(model).graph.node}
 
 
@@ -210,8 +210,6 @@ def segment_step(seg: Segment, number: int, model: bytes, b: OnnxBuilder, plan: 
 
 def restep(plan: Plan, steps: list[PlanStep]) -> Plan:
     """`plan` with `steps` instead of its own, its memory planned again over them."""
-    from llmc.compiler.ir import TensorType
-
     lifetimes = value_lifetimes([(s.inputs, s.outputs) for s in steps], plan.outputs)
     symbols = {s for t in plan.types.values() for d in t["shape"] if isinstance(d, str)
                for s in re.findall(r"[A-Za-z_]\w*", d)}

@@ -26,6 +26,7 @@ import torch
 from llmc.compiler.bounded_input import file_kind, read_json_bytes
 from llmc.compiler.bounded_input import parse_json as parse_bounded_json
 from llmc.compiler.manifest_schema import RECOMPILE, check_manifest, check_model_agrees
+from llmc.compiler.tokenizer_files import load_tokenizer as load_checked
 from llmc.compiler.verified_files import known_digest, remember
 from llmc.compiler.weight_store import Entry, LazyTensor, WeightStore
 from llmc.compiler.weights_file import map_weights_file, write_weights_file
@@ -515,7 +516,6 @@ def read_text(path: Path, name: str) -> str:
 def load_tokenizer(artifact: Artifact):
     """The artifact's tokenizer as a transformers PreTrainedTokenizerFast, checked as untrusted input
     and against the model's vocabulary (compiler/tokenizer_files.py)."""
-    from llmc.compiler.tokenizer_files import load_tokenizer as load_checked
     return load_checked(artifact.tokenizer_dir, artifact.manifest["model"]["vocab_size"], f"artifact '{artifact.path}'")
 
 

@@ -191,7 +191,7 @@ def _encoded(key: str, allowed: Sequence[str]):
 
 
 def _dtype(value, kinds):
-    from llmc.compiler.ops import TORCH_DTYPES  # lazily: ops imports this module
+    from llmc.compiler.ops import TORCH_DTYPES  # cycle with llmc.compiler.ops (it imports this module)
     return _encoded("$dtype", tuple(TORCH_DTYPES))(value, kinds)
 
 

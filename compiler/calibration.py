@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from llmc.compiler.bounded_input import read_input
 from llmc.errors import PassError
 
 # Short, generic openings across registers (story, explanation, dialogue, list, code, news) so
@@ -62,7 +63,6 @@ def check_sizes(num_samples: int, seq_len: int, config) -> None:
 
 def read_calib_bytes(path: Path) -> bytes:
     """The --calib file's bytes, refused once past the input cap (compiler/bounded_input.py)."""
-    from llmc.compiler.bounded_input import read_input
     try:
         return read_input(path, f"calibration file '{path}'", PassError)
     except OSError as e:

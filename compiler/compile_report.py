@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import tempfile
 from pathlib import Path
 
@@ -86,6 +87,4 @@ def peak_rss_bytes() -> int:
         status = Path("/proc/self/status").read_text()
         return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
     except (OSError, StopIteration, ValueError):
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux

@@ -223,7 +223,7 @@ class Graph:
     def to_networkx(self):
         """Dataflow graph (networkx.DiGraph) over node names (graph inputs and params are not
         nodes); networkx is imported here, so the runtime, which reads graphs, never loads it."""
-        import networkx as nx
+        import networkx as nx  # heavy optional dependency networkx
 
         g = nx.DiGraph()
         prod = self.producers()
@@ -268,7 +268,7 @@ class Graph:
         """Check SSA form, topological order, dangling values, and op types. With `for_runtime` (before
         codegen), also refuse every node the runtime would refuse to load (ops.runtime_refusal: attrs
         outside the op's spec, aten fallbacks off the allow-list of pure tensor ops)."""
-        from llmc.compiler.ops import infer_types, runtime_refusal
+        from llmc.compiler.ops import infer_types, runtime_refusal  # cycle with llmc.compiler.ops
 
         defined = {v.name for v in self.inputs} | set(self.params)
         if len(defined) != len(self.inputs) + len(self.params):

@@ -6,13 +6,14 @@ bytes, weight bytes and collectives."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from llmc.compiler.ir import Graph
 from llmc.compiler.ops import COLLECTIVE_OPS, POINT_TO_POINT_OPS
 from llmc.errors import PassError
 from llmc.passes.base import PassContext, PassManager, PassRecord, Stage
-from llmc.passes.registry import PassConfig
+from llmc.passes.registry import PassConfig, pass_class
 
 SHARD_PASS = "shard_tensor_parallel"
 PIPELINE_PASS = "shard_pipeline"
@@ -65,14 +66,11 @@ def _manager(configs: list[PassConfig], ctx: PassContext) -> PassManager:
 
 
 def _with_dump(ctx: PassContext, folder: Path) -> PassContext:
-    from dataclasses import replace
     return replace(ctx, dump_ir=folder)
 
 
 def _refuse_calibrated_after_shard(after: list[PassConfig]) -> None:
     """A pass that measures the model on calibration text cannot run on one rank's part of it."""
-    from llmc.passes.registry import pass_class
-
     for c in after:
         if "calibration" in pass_class(c.name).needs:
             raise PassError(f"{c.name} ({c.stage.label}) runs after the shard stage (--tp, --pp) and measures the "
@@ -92,7 +90,7 @@ def shard_record(records: list[PassRecord]) -> dict:
 def rank_entry(rank: int, graph: Graph, plan) -> dict:
     """What the manifest says of one rank: its heads and KV bytes (the rank's own cache), its
     weight bytes by dtype, its collectives per step and its planned activation peak."""
-    from llmc.compiler.pipeline import weight_bytes_by_dtype
+    from llmc.compiler.pipeline import weight_bytes_by_dtype  # cycle with llmc.compiler.pipeline
 
     meta = graph.meta
     return {"dir": f"rank{rank}", "num_heads": meta["num_heads"], "num_kv_heads": meta["num_kv_heads"],
@@ -109,7 +107,7 @@ def _count(graph: Graph, ops: tuple[str, ...]) -> dict[str, int]:
 def whole_model_meta(rank_meta: dict, details: dict, config) -> dict:
     """The model as a whole (the manifest's `model`): rank 0's facts with the heads, KV bytes and HF
     config of the unsharded model. Each rank's graph says the same but for its own heads and KV bytes."""
-    from llmc.compiler.pipeline import hf_config_dict
+    from llmc.compiler.pipeline import hf_config_dict  # cycle with llmc.compiler.pipeline
 
     if "pp" in details and "tp" in details:  # both: every stage's layers, every tp rank's heads
         layers, heads, kv_heads = sum(details["split"]), details["num_heads"], details["num_kv_heads"]

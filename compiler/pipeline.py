@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
+from transformers.utils import logging as hf_logging
 
 import llmc
+from llmc.codegen import autotune as triton_autotune  # through the module: tests fake autotune
 from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.ort_lowering import DEFAULT_MODE, check_kernels_option
 from llmc.codegen.plan import build_plan
@@ -45,6 +48,7 @@ from llmc.compiler.targets import Target, get_target
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassManager, Stage, echo_stderr
 from llmc.passes.lowering import LOWERING
+from llmc.passes.quantize_kv import SCALE_PARAMS
 from llmc.passes.registry import PassConfig, apply_options, drop_disabled, parse_pass_list, schedule
 
 
@@ -80,8 +84,6 @@ def kv_cache_meta(attns: list[Node]) -> dict | None:
     """The quantised KV cache the attention nodes read (quantize_kv_cache sets each node's
     `kv_cache` dtype and scales input), for the runtime to allocate; None when it is unquantised.
     Every layer must agree, and its scales must be the param the runtime looks up by layer."""
-    from llmc.passes.quantize_kv import SCALE_PARAMS
-
     dtypes = {n.attrs.get("kv_cache") for n in attns}
     if dtypes == {None}:
         return None
@@ -213,8 +215,6 @@ def describe_target(tgt: Target) -> str:
 @contextlib.contextmanager
 def transformers_bars(enabled: bool):
     """transformers' own progress bars ("Loading weights") on or off while a model loads."""
-    from transformers.utils import logging as hf_logging
-
     was = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
     try:
@@ -253,8 +253,6 @@ def materialise(loaded, pipeline: list, log) -> None:
 
 
 def whole_model_limit() -> int:
-    import psutil
-
     return psutil.virtual_memory().total // 2
 
 
@@ -312,9 +310,8 @@ def launch_configs(graph: Graph, tgt: Target, opts: CompileOptions, echo) -> tup
         if opts.autotune and not opts.quiet:
             echo(f"llmc: target {tgt.name} launches no Triton kernels; --autotune has nothing to tune")
         return {}, None
-    from llmc.codegen.autotune import autotune  # Triton kernels: imported for GPU targets only
 
-    return autotune(graph, tgt.name, opts.autotune, (lambda _: None) if opts.quiet else echo)
+    return triton_autotune.autotune(graph, tgt.name, opts.autotune, (lambda _: None) if opts.quiet else echo)
 
 
 def compile_model(source: str, target: str | Target = "cpu", output: str | Path = "model.llmc",

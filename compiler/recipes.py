@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from llmc.compiler.schemes import KV_CACHE_FORMATS, TORCH, TRITON, schemes_where
 from llmc.errors import PassError
-
-if TYPE_CHECKING:
-    from llmc.passes.registry import PassConfig
+from llmc.passes.registry import PassConfig, parse_pass_list
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -42,8 +39,6 @@ PRUNE_EXAMPLE = "heads:0.25,ffn:0.3,layers:4"
 
 def configs(origin: str, entries: list[tuple[str, dict]]) -> list[PassConfig]:
     """PassConfigs of `entries`; an option a pass refuses is reported against the flag."""
-    from llmc.passes.registry import PassConfig
-
     try:
         return [PassConfig.of(name, origin=origin, **options) for name, options in entries]
     except PassError as e:
@@ -272,8 +267,6 @@ def shard_passes(tp: int, pp: int = 1, pp_split: str | None = None) -> list[Pass
 
 def added_passes(add: list[str]) -> list[PassConfig]:
     """`--add-pass name[:key=value...]`: a registered pass placed by its stage."""
-    from llmc.passes.registry import parse_pass_list
-
     return [c for spec in add for c in parse_pass_list([spec], origin="--add-pass")]
 
 

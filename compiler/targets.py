@@ -5,9 +5,10 @@ the full pipeline, its line in `llmc targets`) is built in compiler/pipeline.py.
 
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import asdict, dataclass, field
+
+import psutil
 
 from llmc.errors import TargetError
 
@@ -83,11 +84,7 @@ class Target:
 
 
 def host_memory_bytes() -> int:
-    try:
-        import psutil
-        return int(psutil.virtual_memory().total)
-    except ImportError:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(psutil.virtual_memory().total)
 
 
 def gpu_target(name: str, description: str, arch: str, memory_gib: int, bandwidth: float,

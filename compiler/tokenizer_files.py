@@ -19,7 +19,7 @@ def load_tokenizer(folder: Path, vocab_size: int, where: str):
     """The tokenizer in `folder` (a transformers PreTrainedTokenizerFast) for a model whose embedding
     has `vocab_size` rows, after the checks above; `where` names the artifact in errors."""
     check_tokenizer_files(folder, vocab_size, where)
-    from transformers import AutoTokenizer  # the runtime pays for transformers only when it asks
+    from transformers import AutoTokenizer  # heavy optional dependency transformers
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:   # tokenizers reports a bad file as a bare Exception; transformers as many kinds
@@ -123,7 +123,7 @@ def _check_ids(tokenizer: dict, vocab_size: int, where: str) -> None:
 def render_chat_template(tokenizer, messages, where: str) -> str:
     """The prompt the tokenizer's chat template makes of `messages`, run in transformers' Jinja
     sandbox; a template the sandbox stops (SecurityError, a range too big) or that fails is refused."""
-    import jinja2
+    import jinja2  # heavy optional dependency jinja2: only chat templates need it
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except (jinja2.TemplateError, OverflowError, MemoryError, RecursionError, ArithmeticError, LookupError,

@@ -20,6 +20,7 @@ from llmc.compiler.weight_store import as_dtype, as_lazy, contiguous
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.options import PassOptions, option
+from llmc.passes.quantize_calibrated import awq_method, gptq_method
 from llmc.passes.quantize_moe import quantize_experts
 
 # method_fn(weight fp32 [N, K], ctx, node) -> (codes, scales, zeros or None); int4 codes are
@@ -405,7 +406,6 @@ def int4_method(method: str, graph: Graph, ctx: PassContext, nodes: list[Node], 
     see the graph and the chosen linears."""
     if method == "rtn":
         return lambda weight, ctx, node: quantize_int4(weight, group_of(node))
-    from llmc.passes.quantize_calibrated import awq_method, gptq_method
     if method == "gptq":
         return gptq_method(graph, ctx, nodes, group_of, act_order=options.act_order, damp=options.damp,
                            clip=options.clip)

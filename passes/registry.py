@@ -9,6 +9,7 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Iterable
 
+import llmc.passes as package
 from llmc.errors import PassError
 from llmc.passes.options import PassOptions
 
@@ -23,7 +24,7 @@ _INFRASTRUCTURE = {"base", "registry", "options"}
 
 def register_pass(cls: type[Pass]) -> type[Pass]:
     """Class decorator: check a pass's declaration and make it reachable by its `name`."""
-    from llmc.passes.base import NEEDS, Stage
+    from llmc.passes.base import NEEDS, Stage  # cycle with llmc.passes.base (it imports this module)
 
     name = getattr(cls, "name", "")
     if not name:
@@ -49,7 +50,6 @@ def load_builtin_passes() -> None:
     global _loaded
     if _loaded:
         return
-    import llmc.passes as package
 
     for info in pkgutil.iter_modules(package.__path__):
         if info.name not in _INFRASTRUCTURE and not info.name.startswith("_"):

@@ -25,7 +25,7 @@ def load_model(source: str, lazy: bool = False) -> LoadedModel:
         return load_sample(source, lazy)
     path = Path(source).expanduser()
     if is_onnx_source(path):
-        from llmc.compiler.frontends.onnx_frontend import load_onnx  # imports onnx, which other sources never need
+        from llmc.compiler.frontends.onnx_frontend import load_onnx  # heavy optional dependency onnx
 
         return load_onnx(path, source=source)
     if path.is_dir():

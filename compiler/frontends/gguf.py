@@ -286,7 +286,7 @@ def record_gguf_source(config, path: Path) -> None:
     """Note the source file in the config as from_pretrained(gguf_file=...) does, on transformers
     versions that note it (a GgufConfig), so the artifact's hf_config is what it always was."""
     try:
-        from transformers.utils.quantization_config import GgufConfig
+        from transformers.utils.quantization_config import GgufConfig  # not in every transformers version
     except ImportError:
         return
     config.quantization_config = GgufConfig(gguf_file=path.name)

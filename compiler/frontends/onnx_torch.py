@@ -24,6 +24,7 @@ import onnx
 import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from llmc.compiler.frontends.onnx_contrib import (
     CONTRIB_DOMAIN,
@@ -490,7 +491,6 @@ def range_(ctx, step, start, limit, delta):
 
 def _same_size(a, b) -> bool:
     try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
         return statically_known_true(a == b) if isinstance(a == b, torch.SymBool) else bool(a == b)
     except ImportError:
         return bool(a == b)

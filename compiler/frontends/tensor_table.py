@@ -113,7 +113,7 @@ def conversion_rules(module: torch.nn.Module, kind: str) -> list:
     """The rules of class `kind` ("WeightRenaming", "WeightConverter") transformers applies to
     checkpoint names as it loads them into `module`; none before transformers 5."""
     try:
-        from transformers import conversion_mapping
+        from transformers import conversion_mapping  # transformers 5 only
     except ImportError:
         return []
     cls = getattr(conversion_mapping, kind)

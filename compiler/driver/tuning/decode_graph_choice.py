@@ -13,6 +13,8 @@ from llmc.codegen.ort_lowering import segment_ops
 from llmc.compiler.driver.tuning.ort_decode_timing import doubt, measure_decode_step
 from llmc.compiler.driver.tuning.ort_timing import INT8_ACTIVATIONS
 from llmc.compiler.ir import Graph
+from llmc.runtime import ort_segment  # through the module: tests fake cpu_kernel_ops
+from llmc.runtime.ort_segment import require_ops
 
 CLOSE_CALL = 2.0   # segments costing up to this many times the plan walk's in ORT: time a whole decode step
 
@@ -59,12 +61,10 @@ def plan_decode_graph(graph: Graph, plan, files: dict[str, bytes], mode: str, nb
 def _missing_ops(model: bytes, mode: str) -> str | None:
     """The first op of the decode graph this onnxruntime cannot run on the CPU (--kernels ort, which
     asked for ORT throughout, raises instead)."""
-    from llmc.runtime.ort_segment import cpu_kernel_ops, require_ops
-
     ops = segment_ops(model)
     if mode == "ort":
         require_ops(ops, "--kernels ort (the decode graph)")
-    missing = sorted(ops - cpu_kernel_ops())
+    missing = sorted(ops - ort_segment.cpu_kernel_ops())
     return ".".join(missing[0]).lstrip(".") if missing else None
 
 

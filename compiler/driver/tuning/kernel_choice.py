@@ -37,6 +37,8 @@ from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record
 from llmc.compiler.driver.tuning.run_site import machine_record
 from llmc.compiler.ir import Graph
 from llmc.errors import TargetError
+from llmc.runtime.batch_invariance import fp32_nbits
+from llmc.runtime.ort_segment import require_ops
 from llmc.runtime.threads import resolve_threads
 
 
@@ -127,8 +129,6 @@ INVARIANT_NO_GRAPH = ("batch-invariant (--batch-invariant on): its attention rou
 def _invariant_segments(built, chosen: list[bool], int8: set[int], choice: dict) -> list[bool]:
     """`chosen` less the segments whose MatMulNBits stay on fp32 activations (not among `int8`), noted
     in `choice`."""
-    from llmc.runtime.batch_invariance import fp32_nbits
-
     kept = [i for i, on in enumerate(chosen) if on and i not in int8 and fp32_nbits(built[i][0])]
     if kept:
         choice["batch_invariant"] = (f"{len(kept)} segment(s) kept on torch: their MatMulNBits on fp32 activations "
@@ -167,6 +167,4 @@ def _whole_plan(graph: Graph, cpu_plan: Plan, lowered: Plan, files: dict[str, by
 
 
 def _require_segment_ops(built: list) -> None:
-    from llmc.runtime.ort_segment import require_ops
-
     require_ops(set().union(*(segment_ops(model) for model, _ in built)) if built else set(), "--kernels ort")

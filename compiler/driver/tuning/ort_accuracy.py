@@ -20,8 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from llmc.codegen.onnx_ops import INT8_COMPUTE
+from llmc.codegen.ort_lowering import SegmentModels
 from llmc.compiler.driver.tuning.ort_timing import INT8_ACTIVATIONS, INT8_EXCLUDED, request_cost
 from llmc.compiler.ir import Graph
+from llmc.passes.accuracy import mean_kl, significant, top1_agreement
+from llmc.runtime.executor import PlanExecutor
 
 KL_SLACK = 0.02      # relative: KL(source || model) may rise by 2% of itself, the noise of ~1,000 tokens
 TOP1_SLACK = 0.005   # top-1 agreement may fall by half a point (5 tokens in 1,000)
@@ -59,7 +62,6 @@ def gate_int8_activations(graph: Graph, plan, segments: list, built, kinds: list
                f"checking it on the calibration text")
         _refuse(kinds, candidates, why)
         return set(), {"accepted": 0, "why": why}
-    from llmc.codegen.ort_lowering import SegmentModels
 
     int8_built = SegmentModels(graph, segments, INT8_COMPUTE)
     exact_chosen = [kind["chosen"] == "ort" for kind in kinds]
@@ -106,9 +108,6 @@ def _subsets(candidates: list[int], segments: list, plan) -> list[list[int]]:
 def score(plan, files: dict[str, bytes], graph: Graph, reference: CalibrationReference) -> dict:
     """KL(source || plan) and top-1 agreement of `plan`'s next-token logits on the calibration
     sequences (each run as one prefill)."""
-    from llmc.passes.accuracy import mean_kl, significant, top1_agreement
-    from llmc.runtime.executor import PlanExecutor
-
     executor = PlanExecutor(plan, graph.weights, data=files)
     logits = []
     for seq in reference.seqs:

@@ -14,9 +14,15 @@ import time
 
 import torch
 
-from llmc.cache import spread
-from llmc.compiler.driver.tuning.ort_timing_cache import Timings
+from llmc.cache import pick, spread
+from llmc.codegen.cpu_native import timing_key as native_key
+from llmc.codegen.ort_decode import DECODE_FILE
+from llmc.compiler.driver.tuning.ort_timing_cache import Timings, recall_measured
 from llmc.compiler.ir import Graph
+from llmc.runtime.executor import PlanExecutor
+from llmc.runtime.ort_decode import DecodeGraph
+from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata
+from llmc.runtime.threads import resolve_threads
 
 CONTEXT = 128         # cached tokens the timed decode step attends to
 BLOCK = 16
@@ -53,10 +59,6 @@ DEFAULTS = ("cpu", "plan", "walk", "graph")
 
 
 def _recalled(key: dict, graph: Graph, candidates: dict[str, tuple]) -> dict:
-    from llmc.codegen.cpu_native import timing_key as native_key
-    from llmc.compiler.driver.tuning.ort_timing_cache import recall_measured
-    from llmc.runtime.threads import resolve_threads
-
     threads = resolve_threads()
     key = {**key, "threads": threads, "context": CONTEXT, "repeats": REPEATS, "native": native_key()}
     value, measured = recall_measured(key, lambda: _measure(graph, candidates, threads), _close_call)
@@ -70,8 +72,6 @@ def step_ranges(timings, names) -> dict[str, tuple[float, float]]:
 
 
 def _close_call(value: dict) -> str | None:
-    from llmc.cache import pick
-
     names = [name for name in value["us"] if name != "launches"]
     return pick(step_ranges(Timings(value["us"], value["spread"]), names), DEFAULTS)[1]
 
@@ -79,8 +79,6 @@ def _close_call(value: dict) -> str | None:
 def doubt(timings, *names: str) -> str | None:
     """Why `timings` (measure_decode_step's or measure_plans') may not choose among `names` (the
     default first), or None: measured on a busy machine, or the fastest's range overlaps an earlier one's."""
-    from llmc.cache import pick
-
     measured = getattr(timings, "measured", {})
     if measured.get("busy"):
         return f"measured on a busy machine ({measured['busy']})"
@@ -92,9 +90,6 @@ class _Primed:
     inputs and metadata (each run writes the same cache slot with the same key and value)."""
 
     def __init__(self, graph: Graph, plan, data: dict[str, bytes]):
-        from llmc.runtime.executor import PlanExecutor
-        from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata
-
         self.executor = executor = PlanExecutor(plan, graph.weights, data=data)
         layout, context = plan.kv_layout(), _context(graph)
         blocks = context // BLOCK + 1
@@ -125,9 +120,6 @@ def _runner(graph: Graph, primed: dict, plan, files: dict[str, bytes], decode: t
     """A function running one decode step of `plan`: through the decode graph `decode` when given, else
     walked (with the native decode program unless `native` is False); `primed` shares one executor and
     cache among the candidates of a plan."""
-    from llmc.codegen.ort_decode import DECODE_FILE
-    from llmc.runtime.ort_decode import DecodeGraph
-
     key = (id(plan), id(files))
     if key not in primed:
         primed[key] = _Primed(graph, plan, files)

@@ -10,9 +10,15 @@ in DEFAULTS (the unlowered plan first), the earlier way stays and the record say
 
 from __future__ import annotations
 
+from llmc.cache import pick
+from llmc.codegen import cpu_native
+from llmc.codegen.ort_decode import DECODE_FILE
 from llmc.codegen.plan import ORT_SEGMENT
+from llmc.compiler.driver.tuning import ort_decode_timing  # through the module: tests fake measure_plans
+from llmc.compiler.driver.tuning.ort_decode_timing import DEFAULTS, step_ranges
 from llmc.compiler.driver.tuning.ort_timing import PREFILL_TOKENS
 from llmc.compiler.ir import Graph
+from llmc.runtime.native_decode import COVERED
 
 # auto times whole decode steps (every candidate plan loaded on all the weights) only for models up
 # to this many bytes of weights; above it each candidate would hold the model again, and the per-launch
@@ -31,9 +37,6 @@ def whole_step_refusal(graph: Graph) -> str | None:
 
 def whole_plan_question(cpu_plan, lowered) -> str | None:
     """Why the lowered plan stands without a whole-step timing, or None: it must be timed."""
-    from llmc.codegen import cpu_native
-    from llmc.runtime.native_decode import COVERED
-
     if not cpu_native.available():
         return f"the native kernels are not built: {cpu_native.status()}"
     if not any(s.kernel in COVERED and s.kernel != "cpu.flash_attention" for s in cpu_plan.steps):
@@ -50,17 +53,13 @@ def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], 
     the lowered one through its decode graph (where plan.meta["decode_graph"] offers one; then the walk
     launch by launch is timed too, for the graph's native_first: kernel_choice.py). `cpu_plan`
     carries the qlinear dispatch its torch kernels load with; `files` are the lowered plan's ONNX files."""
-    from llmc.cache import pick
-    from llmc.codegen.ort_decode import DECODE_FILE
-    from llmc.compiler.driver.tuning.ort_decode_timing import DEFAULTS, measure_plans, step_ranges
-
     kinds = [k for k in choice["measured"]["kinds"] if k["chosen"] != "cpu"]
     prefill_us = sum(k["segments"] * (k["us"]["cpu"]["prefill"] - k["us"][k["chosen"]]["prefill"]) for k in kinds)
     candidates = {"cpu": (cpu_plan, {}, None), "walk": (lowered, files, None)}
     record = lowered.meta.get("decode_graph") or {}
     if record.get("chosen"):   # and the walk launch by launch, which steps the program does not take run
         candidates.update(graph=(lowered, files, (files[DECODE_FILE], record)), launches=(lowered, files, None, False))
-    timings = measure_plans(graph, candidates)
+    timings = ort_decode_timing.measure_plans(graph, candidates)
     extra = lambda name: prefill_us if name == "cpu" else 0
     ranges = {name: (PREFILL_TOKENS * low + extra(name), PREFILL_TOKENS * high + extra(name))
               for name, (low, high) in step_ranges(timings, [n for n in timings if n != "launches"]).items()}

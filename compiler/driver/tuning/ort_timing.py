@@ -18,10 +18,20 @@ import time
 
 import torch
 
-from llmc.cache import pick
+from llmc.cache import pick, spread
+from llmc.codegen import ort_lowering  # through the module: tests fake build_segment
 from llmc.codegen.cpu_kernels import RopeCache, resolve_kernel
+from llmc.codegen.cpu_native import timing_key as native_key
+from llmc.codegen.cpu_qlinear_dense import DISPATCH_META
+from llmc.codegen.onnx_ops import INT8_COMPUTE, MS_DOMAIN
+from llmc.codegen.ort_lowering import segment_ops
+from llmc.compiler.driver.tuning.ort_timing_cache import Timings, recall_measured
+from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record
 from llmc.compiler.ir import Graph, eval_dim
 from llmc.compiler.ops import TORCH_DTYPES, run_reference
+from llmc.runtime import ort_segment  # through the module: tests fake cpu_kernel_ops
+from llmc.runtime.ort_segment import OrtSegment
+from llmc.runtime.threads import resolve_threads
 
 PREFILL_TOKENS = 128
 REPEATS = {"decode": 15, "prefill": 3}
@@ -79,9 +89,6 @@ class TorchSegment:
     probe is measured for the plan only for the qlinears that stay in torch)."""
 
     def __init__(self, graph: Graph, seg, threads: int):
-        from llmc.codegen.cpu_qlinear_dense import DISPATCH_META
-        from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record
-
         self.seg = seg
         self.launches = []
         steps = [(f"cpu.{n.op}", n.inputs, n.attrs) for n in seg.nodes]
@@ -158,9 +165,6 @@ def measure(runners: dict, graph: Graph, seg, outputs: dict | None = None) -> di
     """Microseconds per call of each runner, at decode and prefill shapes (a Timings: with each
     runner's spread at each shape); each runner's first (warm) outputs at each token count go into
     `outputs`, for errors() to reuse."""
-    from llmc.cache import spread
-    from llmc.compiler.driver.tuning.ort_timing_cache import Timings
-
     us = Timings({name: {} for name in runners}, {name: {} for name in runners})
     rivals = [name for name in runners if name != INT8_ACTIVATIONS]
     for shape, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
@@ -211,8 +215,6 @@ def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tup
     """Each segment's kind (one dict shared by the segments of a kind: what was measured, the family
     `chosen` for it, `int8_candidate` where ORT on int8 activations would be faster still), and
     the record of what was measured (plan.meta)."""
-    from llmc.runtime.threads import resolve_threads
-
     threads = resolve_threads()
     kinds: dict[str, dict] = {}
     chosen = []
@@ -230,13 +232,8 @@ def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tup
 def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> dict:
     """One kind's record: what was measured (from the machine's cache when it was measured before)
     and the choice."""
-    from llmc.codegen.cpu_native import timing_key as native_key
-    from llmc.codegen.ort_lowering import segment_ops
-    from llmc.compiler.driver.tuning.ort_timing_cache import recall_measured
-    from llmc.runtime.ort_segment import cpu_kernel_ops
-
     entry = {"first": seg.span, "ops": _op_counts(seg), "segments": 0}
-    missing = sorted(segment_ops(model) - cpu_kernel_ops())
+    missing = sorted(segment_ops(model) - ort_segment.cpu_kernel_ops())
     if missing:
         return {**entry, "chosen": "cpu", "why": f"onnxruntime lacks {'.'.join(missing[0]).lstrip('.')}"}
     size = weight_bytes(graph, seg)
@@ -257,10 +254,6 @@ def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> d
 
 
 def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int) -> dict:
-    from llmc.codegen.onnx_ops import INT8_COMPUTE, MS_DOMAIN
-    from llmc.codegen.ort_lowering import build_segment, segment_ops
-    from llmc.runtime.ort_segment import OrtSegment
-
     io = lambda names: [(n, graph.type_of(n)) for n in names]
     session = lambda m, b: OrtSegment(m, b.values, io(seg.inputs), io(seg.outputs), threads, f"segment {seg.span}")
     previous = torch.get_num_threads()
@@ -268,7 +261,7 @@ def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int) -> dic
     try:
         runners = {"cpu": TorchSegment(graph, seg, threads), "ort": session(model, builder)}
         if (MS_DOMAIN, "MatMulNBits") in segment_ops(model):
-            runners[INT8_ACTIVATIONS] = session(*build_segment(graph, seg, INT8_COMPUTE))
+            runners[INT8_ACTIVATIONS] = session(*ort_lowering.build_segment(graph, seg, INT8_COMPUTE))
         outputs: dict = {}
         us = measure(runners, graph, seg, outputs)
         # measure kept every runner's outputs: the runners (each holding the segment's weights in its

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from llmc.cache import busy_reason, cache_root, remeasuring, trusting, watch_load
+from llmc.runtime.roofline import cpu_model
 
 # bump when what is measured, or how, changes: older entries then stop matching
 TIMING_FORMAT = 4
@@ -43,9 +44,7 @@ def cache_dir() -> Path:
 
 
 def machine() -> dict:
-    import onnxruntime
-
-    from llmc.runtime.roofline import cpu_model
+    import onnxruntime  # heavy optional dependency onnxruntime
 
     return {"cpu": cpu_model(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
             "format": TIMING_FORMAT}
