@@ -27,6 +27,8 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 1.0   # optimistic, so a request tries dra
 DECAY = 0.95             # per verified step: acceptance follows what the request writes now
 PROBE_AFTER = 64         # steps a request decodes plainly before it drafts again, to re-measure
 PROBE_LONG_MATCH = 8     # the same, when prompt lookup matched its longest n-gram
+PROBE_RATE = 0.9         # a probe is made only where drafts kept at this rate (a request copying its prompt) pay
+MARGIN = 0.05            # drafting must promise this much more than plain decoding (see _paying_k)
 
 
 # where the step cost is not measured (runtime/step_cost.py: a GPU, Triton's interpreter, tensor-parallel
@@ -94,7 +96,8 @@ class Speculator:
         return out
 
     def _propose_draft(self, seqs: list[Sequence], states: list[SamplingState]) -> dict[int, list[int]]:
-        ks = [self._k(seq, state, len(seqs)) for seq, state in zip(seqs, states)]
+        step = [float(len(seqs)), float(len(seqs))]   # rows and expected tokens so far: see _k
+        ks = [self._k(seq, state, len(seqs), step=step) for seq, state in zip(seqs, states)]
         chosen = [i for i, k in enumerate(ks) if k > 0]
         drafts, probs = self.proposer.propose([seqs[i] for i in chosen], [ks[i] for i in chosen],
                                               [states[i] for i in chosen])
@@ -111,9 +114,10 @@ class Speculator:
         limits = [self._limit(seq, state) for seq, state in zip(seqs, states)]
         out = {}
         count = self.config.tree_candidates
+        step = [float(len(seqs)), float(len(seqs))]   # rows and expected tokens so far: see _k
         for seq, state, limit, (found, n) in zip(seqs, states, limits, self.proposer.lookups(seqs, limits, count)):
             if found:
-                k = self._k(seq, state, len(seqs), long_match=n >= self.config.prompt_lookup_max)
+                k = self._k(seq, state, len(seqs), long_match=n >= self.config.prompt_lookup_max, step=step)
                 if k > 0:   # a sampled request verifies one chain: see rejection_sample
                     found = found if state.params.greedy else found[:1]
                     out[seq.seq_id] = merge_candidates([c[:k] for c in found], k * len(found))
@@ -141,35 +145,63 @@ class Speculator:
             return "request asks for logprobs or penalties"
         return "min_tokens pending" if seq.num_output_tokens < p.min_tokens else "at its token limit"
 
-    def _k(self, seq: Sequence, state: SamplingState, batch: int, long_match: bool = False) -> int:
+    def _k(self, seq: Sequence, state: SamplingState, batch: int, long_match: bool = False,
+           step: list[float] | None = None) -> int:
         """How many drafts `seq` gets now, in a step of `batch` decodes: the k within _limit that
-        makes the most tokens per unit of step time at its acceptance rate. Off (k = 0), it
+        makes the most tokens per unit of step time at its acceptance rate. `step` ([rows, expected
+        tokens] of the step so far: the decodes and the drafts given to sequences before this one) is
+        updated with this one's, so each prices its drafts against the rows the others already added
+        (a step of 4 decodes and two sequences' 4 drafts is 12 rows, not 8 twice). Off (k = 0), it
         probes again after PROBE_AFTER steps, or PROBE_LONG_MATCH when prompt lookup matched a
         suffix of the longest n (copying resumed: extraction answers quote in stretches)."""
+        step = step if step is not None else [float(batch), float(batch)]
+        k = self._chosen_k(seq, state, int(step[0]), long_match, step[1])
+        if k > 0:
+            rate = self.acceptance[seq.seq_id].rate if seq.seq_id in self.acceptance else PRIOR_ACCEPTANCE
+            step[0] += k
+            step[1] += sum(rate ** j for j in range(1, k + 1))
+        return k
+
+    def _chosen_k(self, seq: Sequence, state: SamplingState, rows: int, long_match: bool, tokens: float) -> int:
+        """_k's choice for `seq`, given the step's rows and expected tokens before it."""
         k = self._limit(seq, state)
         if k <= 0:
             self.metrics.on_aside(self._aside_reason(seq, state))
         if not self.config.adaptive or k <= 0:
             return k
         acc = self.acceptance.setdefault(seq.seq_id, _Acceptance(seq))
-        best = max(range(k + 1), key=lambda j: self.tokens_per_cost(acc.rate, j, batch))
+        best = self._paying_k(acc.rate, k, rows, tokens)
         if best == 0:
+            # a probe measures acceptance again, with the k that would pay most were the drafts kept as a
+            # copying request's are: none where even that would not pay for the rows it adds
+            probe = self._paying_k(PROBE_RATE, k, rows, tokens)
+            if probe == 0:
+                self.metrics.on_aside("would not pay even at a copying request's acceptance")
+                return 0
             acc.steps_off += 1
             if acc.steps_off < (PROBE_LONG_MATCH if long_match else PROBE_AFTER):
                 self.metrics.on_aside("would not pay at its acceptance rate")
                 return 0
             acc.kept, acc.tested = 0.0, 0.0  # forget, and measure again
-            best = k
+            best = probe
         acc.steps_off = 0
         return best
 
-    def tokens_per_cost(self, rate: float, k: int, batch: int) -> float:
-        """Tokens a step makes per unit of its time when one of `batch` decoding sequences drafts k
-        tokens kept with probability `rate` each (expected 1 + rate + ... + rate^k of them)."""
-        tokens = batch + sum(rate ** j for j in range(1, k + 1))
-        n = batch + k
-        cost = self.step_cost.of(n) + self.draft_forward_cost * k
-        return tokens / cost
+    def _paying_k(self, rate: float, limit: int, rows: int, tokens: float) -> int:
+        """The k <= limit making the most tokens per unit of step time at `rate`, or 0 where that beats
+        plain decoding by less than MARGIN (the step cost prices the forward, not the drafting and
+        verification around it)."""
+        score = lambda j: self.tokens_per_cost(rate, j, rows, tokens)
+        best = max(range(limit + 1), key=score)
+        return best if score(best) > (1 + MARGIN) * score(0) else 0
+
+    def tokens_per_cost(self, rate: float, k: int, batch: int, tokens: float | None = None) -> float:
+        """Tokens a step makes per unit of its time when, to a step of `batch` rows expected to make
+        `tokens` tokens (default: `batch` decodes), one sequence adds k drafts kept with probability
+        `rate` each (expected rate + ... + rate^k more tokens)."""
+        made = (batch if tokens is None else tokens) + sum(rate ** j for j in range(1, k + 1))
+        cost = self.step_cost.of(batch + k) + self.draft_forward_cost * k
+        return made / cost
 
     # -- after the step ------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], logits: torch.Tensor, states: list[SamplingState],

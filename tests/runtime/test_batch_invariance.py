@@ -269,6 +269,7 @@ def test_bench_speculative_reports_the_policy_and_the_plain_tokens(artifacts, ca
     assert spec["same_tokens_as_plain"] is True and result["batch_invariant"] == "on"
     assert spec["steps_speculated"] + spec["steps_plain"] > 0
     assert set(spec["stood_aside"]) <= {"no n-gram match", "would not pay at its acceptance rate",
+                                        "would not pay even at a copying request's acceptance",
                                         "request asks for logprobs or penalties", "min_tokens pending",
                                         "at its token limit", "the draft model proposed nothing"}
     assert spec["steps_plain"] == 0 or spec["stood_aside"]

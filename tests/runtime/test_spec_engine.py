@@ -199,3 +199,25 @@ def test_k_follows_acceptance_and_speculation_stops_where_it_would_not_pay(artif
     # StepCost): drafting alone pays where most drafts are kept, not where few are
     assert speculator.tokens_per_cost(0.8, 4, 1) > 1.3 * speculator.tokens_per_cost(0.8, 0, 1)
     assert speculator.tokens_per_cost(0.2, 4, 1) < speculator.tokens_per_cost(0.2, 0, 1)
+
+
+def test_drafts_are_priced_against_the_rows_others_already_added(artifact):
+    """Steps cost little more up to 8 rows and much more past them (as measured on the default
+    artifact: the native program, then the walk): a sequence drafting alone gets its k; one that would
+    push a step already holding 8 decodes and another's drafts past them gets none, and the step's
+    rows grow only by the drafts given."""
+    from llmc.runtime.step_cost import StepCost
+
+    engine = make_engine(artifact, {"method": "ngram", "num_speculative_tokens": 4})
+    engine.add_request("r", prompt_token_ids=[5, 6, 7], params=greedy(200))
+    engine.step()
+    sample = engine.requests["r"].samples[0]
+    speculator = engine.speculator
+    speculator.step_cost = StepCost(table=((1, 1.0), (2, 1.05), (4, 1.1), (8, 1.2), (16, 8.0)))
+    speculator._k(sample.seq, sample.state, 1)   # its acceptance record, at the prior
+    for _ in range(30):
+        speculator.acceptance[sample.seq.seq_id].update(4, 4)
+    alone = [1.0, 1.0]
+    assert speculator._k(sample.seq, sample.state, 1, step=alone) == 4 and alone[0] == 5
+    crowded = [12.0, 12.5]   # 8 decodes and another sequence's 4 drafts
+    assert speculator._k(sample.seq, sample.state, 8, step=crowded) == 0 and crowded == [12.0, 12.5]
