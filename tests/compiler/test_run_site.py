@@ -25,13 +25,10 @@ def _rechecking(monkeypatch):
     monkeypatch.delenv(run_site.RECHECK_ENV, raising=False)
 
 
-@pytest.fixture(scope="module")
-def lowered(tmp_path_factory):
-    """tiny-llama int4 with every segment on ONNX Runtime (faked timings), invariance off."""
-    root = tmp_path_factory.mktemp("run_site")
+def _compiled(root, speed: dict[str, float]):
+    """tiny-llama int4 compiled under auto with these faked segment timings (us), invariance off."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LLMC_CACHE", str(root / "cache"))
-        speed = {"ort": 1.0, "cpu": 2.0, "ort-int8": 3.0}
         patch.setattr(ort_timing, "measure", lambda runners, graph, seg, outputs=None: {
             name: {"decode": speed[name], "prefill": speed[name]} for name in runners})
         lowered_wins(patch)
@@ -40,16 +37,15 @@ def lowered(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    """Every segment on ONNX Runtime."""
+    return _compiled(tmp_path_factory.mktemp("run_site"), {"ort": 1.0, "cpu": 2.0, "ort-int8": 3.0})
+
+
+@pytest.fixture(scope="module")
 def torch_kept(tmp_path_factory):
-    """tiny-llama int4 with every segment kept on the torch kernels (faked timings), invariance off."""
-    root = tmp_path_factory.mktemp("run_site_torch")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LLMC_CACHE", str(root / "cache"))
-        speed = {"ort": 3.0, "cpu": 1.0, "ort-int8": 3.0}
-        patch.setattr(ort_timing, "measure", lambda runners, graph, seg, outputs=None: {
-            name: {"decode": speed[name], "prefill": speed[name]} for name in runners})
-        return llmc.compile("tiny-llama", output=root / "a.llmc", quiet=True, batch_invariant="off",
-                            quant="int4-rtn", group_size=32)
+    """Every segment kept on the torch kernels."""
+    return _compiled(tmp_path_factory.mktemp("run_site_torch"), {"ort": 3.0, "cpu": 1.0, "ort-int8": 3.0})
 
 
 def test_segments_kept_on_torch_are_lowered_where_onnx_runtime_measures_faster(torch_kept, monkeypatch):
