@@ -119,6 +119,21 @@ def busy_reason(record: dict) -> str | None:
     return None if loadavg <= cores + BUSY_MARGIN else f"the load average was {loadavg:.1f} on {cores} cores"
 
 
+def write_json(path: Path, entry: dict) -> None:
+    """`entry` as JSON at `path`, atomically (a rename), so concurrent processes never read half a file;
+    a cache that cannot be written only costs measuring again."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entry, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 def spread(samples: Sequence[float]) -> float:
     """How far a measurement's samples spread: (median - best) / best (0 for one sample)."""
     best = min(samples)

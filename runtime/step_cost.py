@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from llmc.cache import busy_reason, cache_root, watch_load
+from llmc.cache import busy_reason, cache_root, watch_load, write_json
 
 CONTEXT = 32
 ROWS = (1, 2, 4, 8, 16)   # a decode step; verification of 1, 3 and 7 drafts; a batch past the native program's 8
@@ -80,7 +79,7 @@ def measured_step_cost(executor, backend, threads: int) -> tuple[StepCost, dict]
     if busy:
         record["busy"] = busy
     else:
-        _write(path, {"key": key, **record})
+        write_json(path, {"key": key, **record})
     return fit(us), record
 
 
@@ -125,17 +124,6 @@ def _read(path, key: dict) -> dict | None:
     ok = isinstance(entry, dict) and entry.get("key") == key and isinstance(entry.get("us"), dict) \
         and {str(n) for n in ROWS} <= set(entry["us"])
     return {"us": entry["us"], "measured": entry.get("measured")} if ok else None
-
-
-def _write(path, entry: dict) -> None:
-    """Atomically; a cache that cannot be written only costs measuring again."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(entry, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
 
 
 __all__ = ["StepCost", "fit", "measured_step_cost", "ROWS"]

@@ -53,16 +53,13 @@ def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], 
     the lowered one through its decode graph (where plan.meta["decode_graph"] offers one; then the walk
     launch by launch is timed too, for the graph's native_first: kernel_choice.py). `cpu_plan`
     carries the qlinear dispatch its torch kernels load with; `files` are the lowered plan's ONNX files."""
-    kinds = [k for k in choice["measured"]["kinds"] if k["chosen"] != "cpu"]
-    prefill_us = sum(k["segments"] * (k["us"]["cpu"]["prefill"] - k["us"][k["chosen"]]["prefill"]) for k in kinds)
+    prefill_us = prefill_extra_us(choice)
     candidates = {"cpu": (cpu_plan, {}, None), "walk": (lowered, files, None)}
     record = lowered.meta.get("decode_graph") or {}
     if record.get("chosen"):   # and the walk launch by launch, which steps the program does not take run
         candidates.update(graph=(lowered, files, (files[DECODE_FILE], record)), launches=(lowered, files, None, False))
     timings = ort_decode_timing.measure_plans(graph, candidates)
-    extra = lambda name: prefill_us if name == "cpu" else 0
-    ranges = {name: (PREFILL_TOKENS * low + extra(name), PREFILL_TOKENS * high + extra(name))
-              for name, (low, high) in step_ranges(timings, [n for n in timings if n != "launches"]).items()}
+    ranges = request_ranges(timings, [n for n in timings if n != "launches"], prefill_us)
     chosen, why = pick(ranges, DEFAULTS)
     busy = getattr(timings, "measured", {}).get("busy")
     if busy:
@@ -71,4 +68,21 @@ def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], 
             "cost": f"prefill + {PREFILL_TOKENS} x decode", **({"why": why} if why else {})}
 
 
-__all__ = ["choose_whole_plan", "whole_plan_question", "whole_step_refusal", "WHOLE_STEP_LIMIT"]
+def prefill_extra_us(choice: dict) -> float:
+    """What a prefill costs more on the torch kernels than in the ORT segments the kinds chose, as
+    measured (choice: plan.meta's kernel_choice)."""
+    kinds = [k for k in (choice.get("measured") or {}).get("kinds", []) if k.get("chosen") not in (None, "cpu")]
+    return sum(k["segments"] * (k["us"]["cpu"]["prefill"] - k["us"][k["chosen"]]["prefill"])
+               for k in kinds if "cpu" in k.get("us", {}) and k["chosen"] in k.get("us", {}))
+
+
+def request_ranges(timings, names, prefill_us: float) -> dict[str, tuple[float, float]]:
+    """Each way's request cost range: PREFILL_TOKENS decode steps (best, median), plus the prefill
+    difference for the unlowered plan ("cpu")."""
+    extra = lambda name: prefill_us if name == "cpu" else 0.0
+    return {name: (PREFILL_TOKENS * low + extra(name), PREFILL_TOKENS * high + extra(name))
+            for name, (low, high) in step_ranges(timings, names).items()}
+
+
+__all__ = ["prefill_extra_us", "request_ranges", "choose_whole_plan", "whole_plan_question", "whole_step_refusal",
+           "WHOLE_STEP_LIMIT"]

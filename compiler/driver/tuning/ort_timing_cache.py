@@ -10,16 +10,14 @@ measures everything again."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from llmc.cache import busy_reason, cache_root, remeasuring, trusting, watch_load
+from llmc.cache import busy_reason, cache_root, remeasuring, trusting, watch_load, write_json
 from llmc.runtime.roofline import cpu_model
 
 # bump when what is measured, or how, changes: older entries then stop matching
@@ -78,7 +76,7 @@ def recall_measured(key: dict, measure: Callable[[], dict],
         measured = {k: v for k, v in measured.items() if v is not None or k == "other_cores"}
         _memo[path] = {"value": value, "measured": measured}
         if "busy" not in measured and "close" not in measured:
-            _write(path, text, _memo[path])
+            write_json(path, {"key": json.loads(text), **_memo[path]})
     if not _depth:   # a recall inside another's measurement happens only when that one is measured
         _log.append(_memo[path]["measured"])
     return _memo[path]["value"], _memo[path]["measured"]
@@ -111,19 +109,6 @@ def _read(path: Path, text: str) -> dict | None:
     ok = (isinstance(entry, dict) and entry.get("key") == json.loads(text) and isinstance(entry.get("value"), dict)
           and isinstance(entry.get("measured"), dict))
     return {"value": entry["value"], "measured": entry["measured"]} if ok else None
-
-
-def _write(path: Path, text: str, entry: dict) -> None:
-    """Atomically (a rename), so concurrent compiles never read half a file; a cache that cannot
-    be written only costs measuring again."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"key": json.loads(text), **entry}, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 __all__ = ["recall", "recall_measured", "Timings", "mark", "summary", "cache_dir",

@@ -38,8 +38,7 @@ from llmc.codegen.ort_lowering import (
 )
 from llmc.codegen.plan import ORT_SEGMENT, Plan
 from llmc.compiler.driver.tuning import ort_decode_timing
-from llmc.compiler.driver.tuning.ort_plan_choice import WHOLE_STEP_LIMIT
-from llmc.compiler.driver.tuning.ort_timing import PREFILL_TOKENS
+from llmc.compiler.driver.tuning.ort_plan_choice import WHOLE_STEP_LIMIT, prefill_extra_us, request_ranges
 from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record
 from llmc.compiler.ir import Graph
 from llmc.errors import RuntimeLlmcError
@@ -139,10 +138,8 @@ def _whole_plan(graph, plan: Plan, data: dict, choice: dict, record: dict, invar
         record["whole_plan"] = "nothing to choose: every step runs on the torch kernels, and ONNX Runtime runs none"
         return plan, data
     timings = ort_decode_timing.measure_plans(graph, candidates)   # through the module: tests fake it
-    prefill = _prefill_extra_us(choice)
-    extra = lambda name: prefill if name == "cpu" else 0.0   # the compile's measure of the segments' prefill
-    ranges = {name: (PREFILL_TOKENS * low + extra(name), PREFILL_TOKENS * high + extra(name))
-              for name, (low, high) in ort_decode_timing.step_ranges(timings, list(candidates)).items()}
+    prefill = prefill_extra_us(choice)   # the compile's measure of the segments' prefill
+    ranges = request_ranges(timings, list(candidates), prefill)
     compiled = "graph" if "graph" in candidates else "walk"
     chosen, why = pick(ranges, (compiled, *[n for n in ("walk", "cpu", "ort") if n in candidates and n != compiled]))
     busy = getattr(timings, "measured", {}).get("busy")
@@ -177,13 +174,6 @@ def _all_lowered(graph, base: Plan, invariant: bool) -> tuple[Plan, dict[str, by
     lowered = restep(base, steps)
     lowered.meta = {k: v for k, v in base.meta.items() if k != "decode_graph"}
     return lowered, files
-
-
-def _prefill_extra_us(choice: dict) -> float:
-    """What a prefill costs more on the torch kernels than in the ORT segments, as the compile measured."""
-    kinds = [k for k in (choice.get("measured") or {}).get("kinds", []) if k.get("chosen") not in (None, "cpu")]
-    return sum(k["segments"] * (k["us"]["cpu"]["prefill"] - k["us"][k["chosen"]]["prefill"])
-               for k in kinds if "cpu" in k.get("us", {}) and k["chosen"] in k.get("us", {}))
 
 
 def _dense_switch(plan: Plan, graph, threads: int, record: dict) -> None:
