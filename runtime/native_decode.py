@@ -261,9 +261,10 @@ class NativeDecode:
         if metadata is None or cache is None:
             return False
         step = metadata.native_step(cache.block_size)
-        if step is None:   # a few rows of prefill chunks (speculative verification): each row as a decode row
+        if step is None and metadata.slot_mapping.shape[0] <= cpu_native.MAX_ROWS:
+            # a few rows of prefill chunks (speculative verification): each row as a decode row (a long
+            # prefill is not asked: its per-row tables would be built for nothing)
             step = metadata.native_row_step(cache.block_size)
-            step = step if step is not None and step.rows <= cpu_native.MAX_ROWS else None
         caches = None if step is None else self._cache_table(cache)
         if caches is None:
             return False
