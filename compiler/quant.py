@@ -58,7 +58,8 @@ def quantize_to_grid(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                      bits: int = 4) -> torch.Tensor:
     """Integer codes (in the groups' float dtype) of groups [..., g] on the grid (scales, zeros) [...]."""
     s, z = scales.to(groups.dtype)[..., None], zeros.to(groups.dtype)[..., None]
-    return torch.clamp(torch.round(groups / s) + z, 0, 2 ** bits - 1)
+    # the same operations in place on one quotient: a table's worth of temporaries is not made thrice
+    return torch.div(groups, s).round_().add_(z).clamp_(0, 2 ** bits - 1)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,10 +77,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 def dequantize_int4_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Unpacked codes [N, K], scales/zeros [N, K/g] -> w [N, K] in `dtype`; groups contiguous along K."""
-    g = codes.shape[1] // scales.shape[1]
-    s = scales.to(dtype).repeat_interleave(g, dim=1)
-    z = zeros.to(dtype).repeat_interleave(g, dim=1)
-    return (codes.to(dtype) - z) * s
+    n, k = codes.shape
+    groups = scales.shape[1]
+    # one [N, K] allocation, worked in place: an LM head's dequantised weight is hundreds of MB,
+    # and each temporary (broadcast scales, a difference) would cost as much again
+    w = codes.to(dtype, copy=True).reshape(n, groups, k // groups)
+    w.sub_(zeros.to(dtype)[..., None]).mul_(scales.to(dtype)[..., None])
+    return w.reshape(n, k)
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -24,7 +24,8 @@ from llmc.passes.quantize_calibrated import awq_method, gptq_method
 from llmc.passes.quantize_moe import quantize_experts
 
 # method_fn(weight fp32 [N, K], ctx, node) -> (codes, scales, zeros or None); int4 codes are
-# unpacked uint8 [N, K] in 0..15, int8 codes int8 [N, K].
+# unpacked uint8 [N, K] in 0..15, int8 codes int8 [N, K]. A method whose `reads_weight` is False
+# made its codes ahead and is handed None (the source weight is not read again for it).
 WeightQuantizer = Callable[[torch.Tensor, PassContext, Node], tuple]
 
 FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64"}
@@ -112,7 +113,10 @@ def quantize_linear_weights(graph: Graph, node: Node, method_fn: WeightQuantizer
     before = after = 0
     if names["qweight"] not in graph.params:
         before = graph.params[weight].type.nbytes()
-        codes, scales, zeros = parts or method_fn(graph.weights[weight].float(), ctx, node)
+        if parts is None:   # a method that made its codes ahead (GPTQ, AWQ) is not handed the float weight
+            values = graph.weights[weight].float() if getattr(method_fn, "reads_weight", True) else None
+            parts = method_fn(values, ctx, node)
+        codes, scales, zeros = parts
         after = add_quant_params(graph, weight, fmt, codes, scales, zeros, act_scale)
     k, n = graph.params[weight].type.shape[1], graph.params[weight].type.shape[0]
     has_zeros, has_act = names["zeros"] in graph.params, names["act_scale"] in graph.params

@@ -78,8 +78,13 @@ class StoredCodes:
         shape = (packed.shape[0], packed.shape[1] * 2)
         return LazyTensor(shape, dtype, lambda: dequantize_int4_codes(*self.get(weight)).to(dtype))
 
-    def method(self, weight: torch.Tensor, ctx: PassContext, node: Node):
-        return self.get(node.inputs[1])
+    # the quantise loop calls the codes' maker with the float weight, which these codes no longer need
+    reads_weight = False
+
+    def __call__(self, weight: None, ctx: PassContext, node: Node):
+        """The node's codes, handed over once: the graph keeps them as its params from here on."""
+        packed, scales, zeros = self._parts.pop(node.inputs[1])
+        return unpack_int4(packed), scales, zeros
 
 
 def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Callable[[Node], int],
@@ -112,7 +117,7 @@ def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Cal
             for n, w, c, s, z in zip(todo, weights, *(p.split(rows) for p in parts)):
                 stored.put(n.inputs[1], c, s, z)
                 dequantized[n.inputs[1]] = stored.dequantized(n.inputs[1], w.dtype)
-    return stored.method
+    return stored
 
 
 def linears_by_input(nodes: list[Node], position: dict[int, int]) -> dict[str, list[Node]]:
@@ -162,7 +167,7 @@ def awq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Call
         scales, stored = awq_walk(graph, run, nodes, group_of, search, quantize)
     for x, group in linears_by_input(nodes, {id(n): i for i, n in enumerate(graph.nodes)}).items():
         fold_input_scale(graph, x, group, scales[x])
-    return stored.method
+    return stored
 
 
 def awq_walk(graph: Graph, run: StagedRun, nodes: list[Node], group_of, search, quantize):
