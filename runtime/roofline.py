@@ -17,7 +17,7 @@ import torch
 
 from llmc.cache import busy_reason, cache_root, remeasuring, spread, trusting, watch_load
 
-BANDWIDTH_BYTES = 512 << 20      # a buffer far beyond any last-level cache
+BANDWIDTH_BYTES = 512 << 20      # the bandwidth probe's least size; 4x the last-level cache where that is more
 GEMM_SIZE = 1024
 # a figure whose median sample is this much slower than its best is not cached: the machine was
 # not steady while it ran
@@ -59,9 +59,28 @@ def _rate(amount: float, samples: list[float]) -> Figure:
     return Figure(amount / min(samples), spread(samples))
 
 
-def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> Figure:
-    """GB/s of an fp32 GEMV over `nbytes` of matrix (what a batch-1 decode step does), best of
-    `repeats`, in torch's current thread count."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), 0 where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=0)
+
+
+def probe_bytes() -> int:
+    """A buffer that DRAM, not the cache, must serve: a 512 MiB one sat mostly inside a 480 MiB L3
+    and read ~1.3x faster than the memory behind it (a decode's fraction of it then read low)."""
+    return max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes())
+
+
+def measure_bandwidth(nbytes: int | None = None, repeats: int = 5) -> Figure:
+    """GB/s of an fp32 GEMV over `nbytes` of matrix (what a batch-1 decode step does; default
+    probe_bytes()), best of `repeats`, in torch's current thread count."""
+    nbytes = probe_bytes() if nbytes is None else nbytes
     cols = 4096
     w = torch.empty(max(1, nbytes // (4 * cols)), cols).fill_(1.0)
     x = torch.ones(cols)
@@ -78,7 +97,7 @@ def cache_key(threads: int) -> str:
     """The figures' entry in the cache: torch's tensors on huge pages (llmc/__init__.py) stream faster, so a
     figure measured without them is not the roofline of a run with them."""
     pages = " / huge pages" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else ""
-    return f"{cpu_model()} / {threads} threads{pages}"
+    return f"{cpu_model()} / {threads} threads{pages} / probe {probe_bytes() >> 20} MiB"
 
 
 def _read_cache(path: Path) -> dict:

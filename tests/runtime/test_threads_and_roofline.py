@@ -162,3 +162,18 @@ def test_gemm_count_sees_the_linears_inside_onnx_runtime_segments(tmp_path):
     assert any(s.inner_steps() for s in plans["ort"].steps)
     assert roofline.gemm_weights(plans["ort"]) == roofline.gemm_weights(plans["cpu"])
     assert roofline.gemm_weights(plans["cpu"])[0] > 0
+
+
+def test_the_bandwidth_probe_is_larger_than_the_last_level_cache(monkeypatch, tmp_path):
+    """A probe inside the cache measures the cache: the buffer is 4x the largest cache (sysfs), at least 512 MiB."""
+    llc = roofline.last_level_cache_bytes()
+    assert roofline.probe_bytes() >= max(roofline.BANDWIDTH_BYTES, 4 * llc)
+    assert f"probe {roofline.probe_bytes() >> 20} MiB" in roofline.cache_key(2)
+    fake = tmp_path / "cpu0" / "cache"
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K")):
+        (fake / index).mkdir(parents=True)
+        (fake / index / "size").write_text(size + "\n")
+    real_path = roofline.Path
+    monkeypatch.setattr(roofline, "Path", lambda p: real_path(str(p).replace("/sys/devices/system/cpu/cpu0", str(tmp_path / "cpu0"))))
+    assert roofline.last_level_cache_bytes() == 480 << 20
+    assert roofline.probe_bytes() == 4 * (480 << 20)
