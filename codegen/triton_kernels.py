@@ -1,5 +1,5 @@
 """Triton kernels: each "triton.<op>" plan step run on a GPU (or Triton's interpreter) with the
-interface of codegen/cpu_kernels.py (inputs, the step's attrs, the per-forward context it names).
+interface of codegen/torch_cpu/cpu_kernels.py (inputs, the step's attrs, the per-forward context it names).
 Norms, SwiGLU, rotary and quantised GEMMs launch Triton kernels; attention goes to the attention
 backend (runtime/triton_attention_backend.py), which launches the paged attention kernels; ops
 that are torch calls whatever the device (linear, embedding, cast, split, aten, ...) run
@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from llmc.codegen import cpu_kernels
+from llmc.codegen.torch_cpu import cpu_kernels
 from llmc.codegen.triton_elementwise import rms_norm as launch_rms_norm
 from llmc.codegen.triton_elementwise import rotary
 from llmc.codegen.triton_elementwise import swiglu as launch_swiglu

@@ -732,7 +732,7 @@ def flash_attention_ref(*inputs, **attrs):
 # -- collectives across tensor-parallel ranks (passes/shard_tensor_parallel.py puts them in) -----
 # Their meaning spans the ranks of one process group: all_reduce sums x over the ranks, all_gather
 # joins the ranks' x along the last dim in rank order. One process holds one rank's x only, so the
-# reference evaluates a world of one; the CPU kernels (codegen/cpu_collectives.py) communicate.
+# reference evaluates a world of one; the CPU kernels (codegen/torch_cpu/cpu_collectives.py) communicate.
 COLLECTIVE_OPS = ("all_reduce", "all_gather")
 
 
@@ -774,7 +774,7 @@ def vocab_embedding_ref(ids, weight, *, vocab_start, **attrs):
 # -- point-to-point between pipeline stages (passes/shard_pipeline.py puts them in) ---------------
 # send hands x to rank `peer` and passes it on unchanged (so a stage's plan has an output); recv
 # takes the previous stage's hidden states [tokens, hidden], its `tokens` those of `positions`.
-# A single process has no peer: the reference refuses, the CPU kernels (codegen/cpu_point_to_point.py)
+# A single process has no peer: the reference refuses, the CPU kernels (codegen/torch_cpu/cpu_point_to_point.py)
 # communicate.
 POINT_TO_POINT_OPS = ("send", "recv")
 

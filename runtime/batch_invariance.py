@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from llmc.codegen import cpu_kernels, cpu_native
+from llmc.codegen import cpu_native
 from llmc.codegen.plan import ORT_SEGMENT
+from llmc.codegen.torch_cpu import cpu_kernels
 
 META_KEY = cpu_kernels.BATCH_INVARIANT
 # the kernels whose launches take the batch-invariant variant (an attr they read)

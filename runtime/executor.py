@@ -9,9 +9,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from llmc.codegen import cpu_kernels
-from llmc.codegen.cpu_kernels import RopeCache
 from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan
+from llmc.codegen.torch_cpu import cpu_kernels
+from llmc.codegen.torch_cpu.cpu_kernels import RopeCache
 from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime import batch_invariance, native_decode

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from llmc.codegen.cpu_qlinear_dense import scratch_bytes
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import scratch_bytes
 from llmc.compiler.schemes import NATIVE, SCHEMES
 from llmc.runtime.block_manager import num_blocks_for_budget, parse_bytes
 from llmc.runtime.host_memory import file_mappings, resident_bytes

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from llmc.codegen import cpu_native
-from llmc.codegen.cpu_kernels import RopeCache
+from llmc.codegen.torch_cpu.cpu_kernels import RopeCache
 from llmc.runtime.host_memory import huge_pages
 
 OP_FIELDS = 16

@@ -15,8 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from llmc.codegen.cpu_collectives import COLLECTIVE_SECONDS, use_group
-from llmc.codegen.cpu_point_to_point import P2P_SECONDS
+from llmc.codegen.torch_cpu.cpu_collectives import COLLECTIVE_SECONDS, use_group
+from llmc.codegen.torch_cpu.cpu_point_to_point import P2P_SECONDS
 from llmc.errors import RuntimeLlmcError
 
 TIMEOUT_ENV = "LLMC_COLLECTIVE_TIMEOUT"

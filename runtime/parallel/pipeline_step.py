@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmc.codegen.cpu_point_to_point import receive, wait_sends
+from llmc.codegen.torch_cpu.cpu_point_to_point import receive, wait_sends
 from llmc.runtime.paged_attention import StepMetadata
 from llmc.runtime.parallel.step_batch import StepBatch
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from llmc.codegen.cpu_collectives import use_group
+from llmc.codegen.torch_cpu.cpu_collectives import use_group
 
 
 def join_stage_groups(tp: int, pp: int, timeout_s: float) -> None:

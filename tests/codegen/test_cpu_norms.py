@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.cpu_kernels import resolve_kernel
+from llmc.codegen.torch_cpu.cpu_kernels import resolve_kernel
 
 
 @pytest.mark.parametrize("rows", [1, 7, 512])

@@ -4,7 +4,7 @@ pass, and the result equals rotary applied to each in float64 (compiler.ops.appl
 import pytest
 import torch
 
-from llmc.codegen.cpu_kernels import TILED_ROPE_ROWS, RopeCache, resolve_kernel
+from llmc.codegen.torch_cpu.cpu_kernels import TILED_ROPE_ROWS, RopeCache, resolve_kernel
 from llmc.compiler.ops import apply_rope, rope_cos_sin
 from llmc.runtime.attention import NoCacheAttention, attend
 

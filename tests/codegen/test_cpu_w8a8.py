@@ -1,11 +1,11 @@
-"""The CPU w8a8 qlinear (codegen/cpu_qlinear_a8.py): per-token int8 codes that are the reference's
+"""The CPU w8a8 qlinear (codegen/torch_cpu/cpu_qlinear_a8.py): per-token int8 codes that are the reference's
 fake quantisation, and an int8 x int8 GEMM whose fp32 result is the exact integer product widened
 and scaled, for K where the int32 sums pass 2^24 (no longer exact in fp32) too."""
 
 import pytest
 import torch
 
-from llmc.codegen.cpu_qlinear_a8 import INT_MM, pack_w8a8, quantize_per_token, run_a8_qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear_a8 import INT_MM, pack_w8a8, quantize_per_token, run_a8_qlinear
 from llmc.compiler.quant import fake_quant_int8_per_token
 
 

@@ -299,12 +299,12 @@ def timing_cache(tmp_path, monkeypatch):
 def test_torch_qlinears_auto_keeps_get_their_dense_switch_recorded_and_used(capsys, tmp_path, timing_cache,
                                                                             monkeypatch):
     from llmc.codegen import ort_lowering
-    from llmc.codegen.cpu_qlinear_dense import DispatchedWeights
     from llmc.codegen.onnx_ops import FP32_COMPUTE
+    from llmc.codegen.torch_cpu.cpu_qlinear_dense import DispatchedWeights
     from llmc.compiler.driver.tuning import ort_timing
 
     monkeypatch.setattr(ort_timing, "measure", _faked("cpu"))
-    from llmc.codegen import cpu_qlinear_dense
+    from llmc.codegen.torch_cpu import cpu_qlinear_dense
 
     built, build = [], ort_lowering.build_segment
     monkeypatch.setattr(ort_lowering, "build_segment", lambda graph, seg, level: built.append(level) or build(
@@ -336,7 +336,7 @@ def test_torch_qlinears_auto_keeps_get_their_dense_switch_recorded_and_used(caps
 
 
 def test_a_second_compile_measures_nothing_and_writes_the_same_bytes(tmp_path, timing_cache, monkeypatch):
-    from llmc.codegen import cpu_qlinear_dense
+    from llmc.codegen.torch_cpu import cpu_qlinear_dense
     from llmc.compiler.driver.tuning import ort_timing, ort_timing_cache
 
     first = llmc.compile("tiny-llama", output=tmp_path / "a.llmc", kernels="auto", quant="int8", quiet=True)

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from llmc.codegen.cpu_kernels import CPU_KERNELS, RopeCache, resolve_kernel
 from llmc.codegen.plan import Plan, build_plan
+from llmc.codegen.torch_cpu.cpu_kernels import CPU_KERNELS, RopeCache, resolve_kernel
 from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import OPS, run_reference
 from llmc.errors import ArtifactError, IRError, TargetError

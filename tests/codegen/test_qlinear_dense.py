@@ -1,4 +1,4 @@
-"""The CPU qlinear's dense path (codegen/cpu_qlinear_dense.py: dequantise into a reused scratch,
+"""The CPU qlinear's dense path (codegen/torch_cpu/cpu_qlinear_dense.py: dequantise into a reused scratch,
 one fp32 GEMM) equals compiler.ops.qlinear_ref bit for bit in every scheme; the kernel takes it
 from the row count chosen at load (forced here through LLMC_QLINEAR_DENSE_FROM, or measured) and
 keeps the packed low-bit kernel below it."""
@@ -7,9 +7,15 @@ import pytest
 import torch
 
 from llmc.codegen import cpu_native
-from llmc.codegen import cpu_qlinear_dense as dense
-from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
-from llmc.codegen.cpu_qlinear_dense import DispatchedWeights, dense_source, halves_source, measure_shape, run_dense
+from llmc.codegen.torch_cpu import cpu_qlinear_dense as dense
+from llmc.codegen.torch_cpu.cpu_kernels import prepare_qlinear, qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import (
+    DispatchedWeights,
+    dense_source,
+    halves_source,
+    measure_shape,
+    run_dense,
+)
 from llmc.compiler.ops import qlinear_ref
 from llmc.compiler.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
 from llmc.errors import RuntimeLlmcError
@@ -57,7 +63,7 @@ def test_dense_path_is_the_reference_bit_for_bit(scheme):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_weight_over_the_block_budget_is_multiplied_a_block_of_rows_at_a_time(scheme, monkeypatch):
     """Blocks of 20 output rows (the last short): each row's dot products as the whole weight's."""
-    from llmc.codegen import cpu_qlinear_dense
+    from llmc.codegen.torch_cpu import cpu_qlinear_dense
 
     params, attrs = stored(scheme, 48, 128, seed=len(scheme) + 3)
     x = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(4))

@@ -1,4 +1,4 @@
-"""How the CPU qlinear's switch to the dense GEMM is timed (codegen/cpu_qlinear_dense.measure_shape):
+"""How the CPU qlinear's switch to the dense GEMM is timed (codegen/torch_cpu/cpu_qlinear_dense.measure_shape):
 on one thread, whatever the caller's thread count (restored after), up to the largest probe; a
 packed kernel that is faster at every probe is never switched away from, and one that is slower
 everywhere gives way from the first row."""
@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from llmc.codegen import cpu_qlinear_dense as dense
+from llmc.codegen.torch_cpu import cpu_qlinear_dense as dense
 from llmc.compiler.quant import quantize_int8
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from llmc.codegen import cpu_native
-from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
-from llmc.codegen.cpu_qlinear import DenseWeights, Int4Weights, Int8Weights, pack_qlinear
-from llmc.codegen.cpu_qlinear_dense import DENSE_FROM_ENV
 from llmc.codegen.plan import build_plan
+from llmc.codegen.torch_cpu.cpu_kernels import prepare_qlinear, qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear import DenseWeights, Int4Weights, Int8Weights, pack_qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import DENSE_FROM_ENV
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ops import qlinear_ref

@@ -17,7 +17,7 @@ import transformers
 
 import llmc
 from llmc import SamplingParams
-from llmc.codegen.cpu_moe import moe as cpu_moe
+from llmc.codegen.torch_cpu.cpu_moe import moe as cpu_moe
 from llmc.compiler.ops import OPS
 from llmc.errors import IRError, PassError
 

@@ -19,7 +19,7 @@ from test_arch_moe import moe_float64, randn
 
 import llmc
 from llmc import SamplingParams
-from llmc.codegen.cpu_moe import qmoe as cpu_qmoe
+from llmc.codegen.torch_cpu.cpu_moe import qmoe as cpu_qmoe
 from llmc.compiler.ir import TensorType
 from llmc.compiler.ops import DTYPE_NAMES, OPS, ExpertWeights, expert_weights, moe_routing, qmoe_inputs
 from llmc.compiler.quant import pack_int4, quantize_int4, quantize_int8

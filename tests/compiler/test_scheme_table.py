@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen import cpu_kernels, cpu_native, cpu_qlinear, cpu_qlinear_a8
-from llmc.codegen.cpu_qlinear_native import native_gemv_weights
+from llmc.codegen import cpu_native
 from llmc.codegen.kernel_select import KERNEL_OPS
 from llmc.codegen.ort_lowering import ort_refusal
+from llmc.codegen.torch_cpu import cpu_kernels, cpu_qlinear, cpu_qlinear_a8
+from llmc.codegen.torch_cpu.cpu_qlinear_native import native_gemv_weights
 from llmc.compiler import quant
 from llmc.compiler.frontends import load_model
 from llmc.compiler.frontends.gguf_dequant import BLOCK_LAYOUTS

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import llmc
-from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
-from llmc.codegen.cpu_qlinear_a8 import Fp8Weights
+from llmc.codegen.torch_cpu.cpu_kernels import prepare_qlinear, qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear_a8 import Fp8Weights
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ops import qlinear_ref

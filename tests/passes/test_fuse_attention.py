@@ -12,8 +12,8 @@ import torch
 from contiguous_kv_cache import ContiguousKVCache
 
 import llmc
-from llmc.codegen.cpu_kernels import RopeCache, resolve_kernel
 from llmc.codegen.plan import build_plan
+from llmc.codegen.torch_cpu.cpu_kernels import RopeCache, resolve_kernel
 from llmc.compiler.inspect import report
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, TensorType

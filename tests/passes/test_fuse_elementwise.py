@@ -7,8 +7,8 @@ interpreter and CPU plan, whose memory plan gives every output of a multi-output
 import pytest
 import torch
 
-from llmc.codegen.cpu_kernels import resolve_kernel
 from llmc.codegen.plan import Plan, build_plan
+from llmc.codegen.torch_cpu.cpu_kernels import resolve_kernel
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, TensorType

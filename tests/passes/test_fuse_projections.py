@@ -13,8 +13,8 @@ from renamed_params import renamed
 import llmc
 from llmc import SamplingParams
 from llmc.cli import main
-from llmc.codegen.cpu_kernels import resolve_kernel
 from llmc.codegen.plan import Plan, build_plan
+from llmc.codegen.torch_cpu.cpu_kernels import resolve_kernel
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph, TensorType
@@ -41,9 +41,9 @@ def run_passes(graph, names, calibration=None):
 @pytest.fixture(autouse=True)
 def packed_kernels(monkeypatch):
     """Quantised linears keep their packed kernels at every row count: where the dense switch
-    (codegen/cpu_qlinear_dense.py) starts is measured per weight shape, so a fused and an unfused
+    (codegen/torch_cpu/cpu_qlinear_dense.py) starts is measured per weight shape, so a fused and an unfused
     projection could otherwise run different (equally valid) kernels at the same row count."""
-    from llmc.codegen.cpu_qlinear_dense import DENSE_FROM_ENV, NEVER_DENSE
+    from llmc.codegen.torch_cpu.cpu_qlinear_dense import DENSE_FROM_ENV, NEVER_DENSE
     monkeypatch.setenv(DENSE_FROM_ENV, str(NEVER_DENSE))
 
 

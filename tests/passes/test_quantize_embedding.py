@@ -10,8 +10,8 @@ from safetensors import safe_open
 from transformers import LlamaForCausalLM
 
 import llmc
-from llmc.codegen.cpu_kernels import CPU_KERNELS
 from llmc.codegen.plan import Plan, build_plan
+from llmc.codegen.torch_cpu.cpu_kernels import CPU_KERNELS
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.frontends.samples import build_tiny_tokenizer, fill_seeded_weights, tiny_llama_config
 from llmc.compiler.interpreter import interpret

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import llmc
-from llmc.codegen import cpu_qlinear_a8
-from llmc.codegen.cpu_kernels import prepare_qlinear, qlinear
-from llmc.codegen.cpu_qlinear_a8 import W8A8Weights
+from llmc.codegen.torch_cpu import cpu_qlinear_a8
+from llmc.codegen.torch_cpu.cpu_kernels import prepare_qlinear, qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear_a8 import W8A8Weights
 from llmc.compiler.frontends import load_model
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ops import qlinear_ref

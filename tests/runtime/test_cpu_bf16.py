@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import llmc
-from llmc.codegen.cpu_kernels import linear, prepare_linear
+from llmc.codegen.torch_cpu.cpu_kernels import linear, prepare_linear
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.inspect import report as inspect_report
 from llmc.compiler.inspect import summarize

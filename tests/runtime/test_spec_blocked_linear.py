@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import llmc
-from llmc.codegen.cpu_kernels import blocked_linear_weight, linear
+from llmc.codegen.torch_cpu.cpu_kernels import blocked_linear_weight, linear
 from llmc.runtime.engine import Engine, EngineConfig
 
 

@@ -343,7 +343,7 @@ def test_triton_kernels_give_the_reference_results(case):
 
 
 def test_torch_ops_of_triton_plans_reuse_the_cpu_kernels():
-    from llmc.codegen.cpu_kernels import CPU_KERNELS
+    from llmc.codegen.torch_cpu.cpu_kernels import CPU_KERNELS
     from llmc.codegen.triton_kernels import TORCH_OPS, resolve_kernel
 
     for op in TORCH_OPS:

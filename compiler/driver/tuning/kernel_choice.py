@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-from llmc.codegen.cpu_qlinear_dense import DISPATCH_META
 from llmc.codegen.onnx_ops import FP32_COMPUTE, INT8_COMPUTE
 from llmc.codegen.ort_decode import DECODE_FILE
 from llmc.codegen.ort_lowering import (
@@ -28,6 +27,7 @@ from llmc.codegen.ort_lowering import (
     unforced,
 )
 from llmc.codegen.plan import Plan
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import DISPATCH_META
 from llmc.compiler.driver.tuning import ort_timing_cache
 from llmc.compiler.driver.tuning.decode_graph_choice import graph_step_verdict, plan_decode_graph
 from llmc.compiler.driver.tuning.ort_accuracy import gate_int8_activations

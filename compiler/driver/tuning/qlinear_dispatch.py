@@ -1,5 +1,5 @@
 """`--kernels auto`'s (and `--kernels cpu`'s) quantised-linear dispatch: from which row count each qlinear
-weight shape runs as a dense fp32 GEMM rather than its low-bit kernel (codegen/cpu_qlinear_dense.py),
+weight shape runs as a dense fp32 GEMM rather than its low-bit kernel (codegen/torch_cpu/cpu_qlinear_dense.py),
 measured at compile once per shape, thread count and machine (ort_timing_cache.py) and recorded in
 plan.meta["kernel_choice"]["qlinear_dispatch"] for the runtime and `llmc inspect`."""
 
@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from llmc.codegen import cpu_qlinear_dense
-from llmc.codegen.cpu_kernels import packed_run, prepare_qlinear
 from llmc.codegen.cpu_native import timing_key as native_key
-from llmc.codegen.cpu_qlinear_dense import DISPATCH_META, PROBE_ROWS, DenseSource, DispatchedWeights, shape_key
+from llmc.codegen.torch_cpu import cpu_qlinear_dense
+from llmc.codegen.torch_cpu.cpu_kernels import packed_run, prepare_qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import (
+    DISPATCH_META,
+    PROBE_ROWS,
+    DenseSource,
+    DispatchedWeights,
+    shape_key,
+)
 from llmc.compiler.driver.tuning.ort_timing_cache import recall
 from llmc.compiler.weight_store import WeightStore
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 
 from llmc.cache import pick
-from llmc.codegen.cpu_qlinear_dense import DISPATCH_META
 from llmc.codegen.onnx_ops import FP32_COMPUTE
 from llmc.codegen.ort_decode import DECODE_FILE
 from llmc.codegen.ort_lowering import (
@@ -37,6 +36,7 @@ from llmc.codegen.ort_lowering import (
     torch_plan,
 )
 from llmc.codegen.plan import ORT_SEGMENT, Plan
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import DISPATCH_META
 from llmc.compiler.driver.tuning import ort_decode_timing
 from llmc.compiler.driver.tuning.ort_plan_choice import WHOLE_STEP_LIMIT, prefill_extra_us, request_ranges
 from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record

@@ -1,5 +1,5 @@
 """The w8a8 Triton GEMM and its per-token int8 activation quantiser, run in Triton's interpreter:
-bit for bit the CPU kernel (codegen/cpu_qlinear_a8.py), close to qlinear_ref on weights the
+bit for bit the CPU kernel (codegen/torch_cpu/cpu_qlinear_a8.py), close to qlinear_ref on weights the
 smoothquant + quantize_w8a8 passes produce for tiny-llama, and to float64 math from the codes."""
 
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from llmc.codegen import cpu_qlinear_a8
+from llmc.codegen.torch_cpu import cpu_qlinear_a8
 from llmc.codegen.triton_configs import TILE_CONFIGS, TileConfig
 from llmc.codegen.triton_gemm import (
     ACTIVATION_DTYPES,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from llmc.codegen import cpu_native
-from llmc.codegen.cpu_qlinear_dense import DenseSource, dense_source, halves_source, run_dense
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import DenseSource, dense_source, halves_source, run_dense
 from llmc.compiler.quant import AFFINE4_CENTRE
 
 

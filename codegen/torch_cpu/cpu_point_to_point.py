@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from llmc.codegen.cpu_kernels import kernel
+from llmc.codegen.torch_cpu.cpu_kernels import kernel
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import RuntimeLlmcError
 

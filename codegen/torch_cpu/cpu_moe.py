@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.cpu_kernels import kernel
+from llmc.codegen.torch_cpu.cpu_kernels import kernel
 from llmc.compiler.ops import expert_weights, moe_routing, qmoe_inputs
 
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from llmc.codegen import cpu_native
-from llmc.codegen.cpu_qlinear import DenseWeights, pack_qlinear, run_qlinear
-from llmc.codegen.cpu_qlinear_a8 import MATMULS as A8_MATMULS
-from llmc.codegen.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear
-from llmc.codegen.cpu_qlinear_dense import (
+from llmc.codegen.torch_cpu.cpu_qlinear import DenseWeights, pack_qlinear, run_qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear_a8 import MATMULS as A8_MATMULS
+from llmc.codegen.torch_cpu.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import (
     DispatchedWeights,
     choose_dense_from,
     dense_source,
@@ -23,7 +23,7 @@ from llmc.codegen.cpu_qlinear_dense import (
     run_dense_rows,
     shape_key,
 )
-from llmc.codegen.cpu_qlinear_native import NativeGemm, native_gemm, native_gemv_weights, run_native_gemm
+from llmc.codegen.torch_cpu.cpu_qlinear_native import NativeGemm, native_gemm, native_gemv_weights, run_native_gemm
 from llmc.compiler.ops import (
     OPS,
     TORCH_DTYPES,
@@ -221,8 +221,8 @@ def blocked_linear_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def pack_for_cpu(scheme: str, qweight, scales, zeros, act_scale, group_size: int):
-    """int8/int4 in torch's packed layout (codegen/cpu_qlinear.py), fp8/w8a8 as exact codes for
-    their activation-quantising GEMMs (codegen/cpu_qlinear_a8.py); None when torch has no kernel."""
+    """int8/int4 in torch's packed layout (codegen/torch_cpu/cpu_qlinear.py), fp8/w8a8 as exact codes for
+    their activation-quantising GEMMs (codegen/torch_cpu/cpu_qlinear_a8.py); None when torch has no kernel."""
     if SCHEMES[scheme].activations != FLOAT_ACTS:
         return pack_a8_qlinear(scheme, qweight, scales, act_scale)
     return pack_qlinear(scheme, qweight, scales, zeros, group_size)
@@ -230,9 +230,9 @@ def pack_for_cpu(scheme: str, qweight, scales, zeros, act_scale, group_size: int
 
 def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
     """Convert a qlinear's stored weights once, at load, into the native GEMV's form where it has one
-    (codegen/cpu_qlinear_native.py), else torch's packed CPU layout, and pair them with the dense path
+    (codegen/torch_cpu/cpu_qlinear_native.py), else torch's packed CPU layout, and pair them with the dense path
     (dequantise + fp32 GEMM) taken from the row count where it measured faster, or that the plan's meta
-    records for the shape (codegen/cpu_qlinear_dense.py)."""
+    records for the shape (codegen/torch_cpu/cpu_qlinear_dense.py)."""
     _, qweight, scales, zeros, act_scale = qlinear_inputs(list(inputs), attrs)[:5]
     if (qweight is None or scales is None or (attrs.get("has_zeros") and zeros is None)
             or (attrs.get("has_act_scale") and act_scale is None)):
@@ -482,4 +482,4 @@ __all__ = ["CPU_KERNELS", "RopeCache", "kernel", "resolve_kernel"]
 
 # the collectives register themselves as cpu.all_reduce / cpu.all_gather, the sparse MoE kernel as
 # cpu.moe (they need `kernel` above)
-from llmc.codegen import cpu_collectives, cpu_moe  # noqa: E402,F401
+from llmc.codegen.torch_cpu import cpu_collectives, cpu_moe  # noqa: E402,F401

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from llmc.codegen.cpu_kernels import kernel
+from llmc.codegen.torch_cpu.cpu_kernels import kernel
 from llmc.errors import RuntimeLlmcError
 
 COLLECTIVE_SECONDS = {"all_reduce": 0.0, "all_gather": 0.0}
@@ -67,4 +67,4 @@ def _timed(op: str, world_size: int, x, communicate):
 
 
 # the pipeline's point-to-point kernels register themselves as cpu.send / cpu.recv
-from llmc.codegen import cpu_point_to_point  # noqa: E402,F401
+from llmc.codegen.torch_cpu import cpu_point_to_point  # noqa: E402,F401
