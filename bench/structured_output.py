@@ -62,8 +62,7 @@ SCHEMAS = {
         "additionalProperties": False},
     "ticket": {"type": "object", "properties": {
         "title": NAME, "priority": {"enum": ["low", "medium", "high", "urgent"]},
-        "tags": {"type": "array", "items": {"enum": ["bug", "ui", "backend", "docs"]}, "maxItems": 3,
-                 "uniqueItems": True},
+        "tags": {"type": "array", "items": {"enum": ["bug", "ui", "backend", "docs"]}, "maxItems": 3},
         "estimate_hours": {"type": "number", "minimum": 0.5, "maximum": 40}},
         "required": ["title", "priority", "tags"], "additionalProperties": False},
     "point": {"type": "object", "properties": {"x": {"type": "number", "minimum": -1000, "maximum": 1000},

@@ -117,6 +117,8 @@ def test_n_samples_each_follow_the_grammar(llm):
 @pytest.mark.parametrize("spec, problem", [
     ({"json": {"type": "nonsense"}}, "structured_outputs.json cannot be compiled: Invalid type"),
     ({"json": '{"type": '}, "structured_outputs.json cannot be compiled: Expecting value"),
+    # a keyword the grammar engine cannot enforce is refused by name, not silently left out
+    ({"json": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}, "uniqueItems"),
     ({"regex": "([a-z"}, "structured_outputs.regex cannot be compiled"),
     ({"grammar": "root ::= undefined_rule"}, "Rule 'undefined_rule' not found"),
     ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
