@@ -14,7 +14,7 @@ import llmc  # noqa: F401 (before torch, so that its tensors go on huge pages as
 import torch
 # isort: on
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.native_decode import OP_KINDS, OP_NAMES
 from llmc.runtime.sampling_params import SamplingParams

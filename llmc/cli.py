@@ -609,7 +609,7 @@ def _bench_url(url, artifact, api_key, workload_kind, as_json, qps, workload) ->
 def _native_kernels(engine) -> str:
     """The native kernels' status, whether the GEMVs round activations to int16 codes, and how much of the
     weights the decode program streams sits on huge pages."""
-    from llmc.codegen import cpu_native
+    from llmc.codegen.native import cpu_native
     program = getattr(getattr(engine, "executor", None), "native_decode", None)
     parts = [cpu_native.status()]
     if cpu_native.int16_activations():

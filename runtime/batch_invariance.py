@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.codegen.plan import ORT_SEGMENT
 from llmc.codegen.torch_cpu import cpu_kernels
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.codegen.torch_cpu.cpu_kernels import RopeCache
 from llmc.runtime.host_memory import huge_pages
 

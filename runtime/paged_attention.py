@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.compiler.ops import scaled_dot_product
 from llmc.runtime.attention import AttentionBackend, attend
 from llmc.runtime.host_memory import zeroed
@@ -50,7 +50,7 @@ class PagedKVCache:
         self._rows = [[c.view(-1, num_kv_heads * head_dim) for c in layers]
                       for layers in (self.k_cache, self.v_cache)]
         self._scratch = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]   # see read
-        # what the native decode attention writes and reads (codegen/cpu_native.py), per layer
+        # what the native decode attention writes and reads (codegen/native/cpu_native.py), per layer
         self._native = [None if self.quantized else cpu_native.cache_pointers(k, v) for k, v in zip(*self._rows)]
 
     def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +353,7 @@ class PagedAttention(AttentionBackend):
     def decode_native(self, q, k, v, rotary, *, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
                       window=None, softcap=None, **attrs) -> torch.Tensor | None:
         """`forward` for a step of decodes only, with the rotary (cos, sin [decodes, head_dim]) on q and
-        k folded in, as one native call (codegen/cpu_native.py); None where it does not apply: the
+        k folded in, as one native call (codegen/native/cpu_native.py); None where it does not apply: the
         caller rotates and runs `forward`. Nothing is written to the cache unless it applies. Takes the
         attention op's attrs as they are; those it does not read (`attrs`) do not change decoding."""
         if softcap is not None or not causal:

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.codegen.torch_cpu.cpu_qlinear import DenseWeights, pack_qlinear, run_qlinear
 from llmc.codegen.torch_cpu.cpu_qlinear_a8 import MATMULS as A8_MATMULS
 from llmc.codegen.torch_cpu.cpu_qlinear_a8 import pack_a8_qlinear, run_a8_qlinear

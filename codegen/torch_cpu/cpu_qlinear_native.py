@@ -1,4 +1,4 @@
-"""qlinear held in the native GEMV's form alone (codegen/cpu_native.py) wherever that form exists and the
+"""qlinear held in the native GEMV's form alone (codegen/native/cpu_native.py) wherever that form exists and the
 GEMVs run: a 4-bit weight is reordered once at load into the GEMV's nibble order and that one copy serves
 every row count (decode rows, then MAX_ROWS rows a call below the dense switch, then the dense GEMM
 dequantising from it); GGUF's 5- to 8-bit blocks without minimums (affine8) are read as stored. Before,
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.codegen.torch_cpu.cpu_qlinear_dense import DenseSource, dense_source, halves_source, run_dense
 from llmc.compiler.quant import AFFINE4_CENTRE
 

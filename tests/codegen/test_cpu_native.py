@@ -1,4 +1,4 @@
-"""The native decode kernels (codegen/cpu_native.py) against float64 references: rotary, the cache
+"""The native decode kernels (codegen/native/cpu_native.py) against float64 references: rotary, the cache
 write and paged attention for several sequences with scattered block tables, sliding windows, GQA
 groups and head sizes on and off the vector fast path; and the torch fallback."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.compiler.ops import apply_rope, rope_cos_sin
 from llmc.compiler.quant import pack_int4
 
@@ -162,7 +162,7 @@ def test_decode_attention_declines_what_it_cannot_read():
 
 
 def test_llmc_native_0_turns_them_off():
-    code = "from llmc.codegen import cpu_native; print(cpu_native.available(), cpu_native.status())"
+    code = "from llmc.codegen.native import cpu_native; print(cpu_native.available(), cpu_native.status())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "LLMC_NATIVE": "0"}).stdout
     assert out.strip() == "False off (LLMC_NATIVE=0)"

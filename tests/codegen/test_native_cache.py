@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from llmc_cli import error_line, llmc_in_process
 
-from llmc.codegen import cpu_native, native_cache
+from llmc.codegen import native_cache
+from llmc.codegen.native import cpu_native
 from llmc.errors import LlmcError
 
 CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -11,7 +11,7 @@ from llmc_cli import llmc_in_process
 
 import llmc
 from llmc import SamplingParams
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.compiler.artifact import read_artifact
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native kernels are not built here")

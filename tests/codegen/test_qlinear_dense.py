@@ -6,7 +6,7 @@ keeps the packed low-bit kernel below it."""
 import pytest
 import torch
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.codegen.torch_cpu import cpu_qlinear_dense as dense
 from llmc.codegen.torch_cpu.cpu_kernels import prepare_qlinear, qlinear
 from llmc.codegen.torch_cpu.cpu_qlinear_dense import (

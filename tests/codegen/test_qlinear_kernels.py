@@ -8,7 +8,7 @@ kernel's prepare hook."""
 import pytest
 import torch
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.codegen.plan import build_plan
 from llmc.codegen.torch_cpu.cpu_kernels import prepare_qlinear, qlinear
 from llmc.codegen.torch_cpu.cpu_qlinear import DenseWeights, Int4Weights, Int8Weights, pack_qlinear

@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import llmc
 from llmc import SamplingParams
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.compiler.frontends.samples import build_tiny_tokenizer
 from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 

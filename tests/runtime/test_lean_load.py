@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import llmc
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.inspect import report
 from llmc.runtime.executor import PlanExecutor

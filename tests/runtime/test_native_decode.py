@@ -11,7 +11,7 @@ from transformers import MistralConfig, Qwen2Config
 
 import llmc
 from llmc import SamplingParams
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.runtime import native_decode
 from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 

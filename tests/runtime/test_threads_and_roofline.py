@@ -119,7 +119,7 @@ def test_bench_text_shows_threads_and_roofline(artifact):
     text = CliRunner().invoke(cli, args, catch_exceptions=False).output
     assert "threads           1" in text
     assert "MiB/token" in text and "of 20.0 GB/s" in text
-    from llmc.codegen import cpu_native
+    from llmc.codegen.native import cpu_native
     if cpu_native.available():   # and where the GEMVs round activations, it says so
         assert f"native kernels    {cpu_native.status()}" in text
         assert ("int16 activations" in text) == cpu_native.int16_activations()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.codegen.ort_decode import DECODE_FILE, build_decode_graph, decode_refusal
 from llmc.codegen.ort_lowering import segment_ops
 from llmc.compiler.driver.tuning.ort_decode_timing import doubt, measure_decode_step

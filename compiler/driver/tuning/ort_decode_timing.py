@@ -15,7 +15,7 @@ import time
 import torch
 
 from llmc.cache import pick, spread
-from llmc.codegen.cpu_native import timing_key as native_key
+from llmc.codegen.native.cpu_native import timing_key as native_key
 from llmc.codegen.ort_decode import DECODE_FILE
 from llmc.compiler.driver.tuning.ort_timing_cache import Timings, recall_measured
 from llmc.compiler.ir import Graph

@@ -11,7 +11,7 @@ in DEFAULTS (the unlowered plan first), the earlier way stays and the record say
 from __future__ import annotations
 
 from llmc.cache import pick
-from llmc.codegen import cpu_native
+from llmc.codegen.native import cpu_native
 from llmc.codegen.ort_decode import DECODE_FILE
 from llmc.codegen.plan import ORT_SEGMENT
 from llmc.compiler.driver.tuning import ort_decode_timing  # through the module: tests fake measure_plans

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmc.codegen.cpu_native import timing_key as native_key
+from llmc.codegen.native.cpu_native import timing_key as native_key
 from llmc.codegen.torch_cpu import cpu_qlinear_dense
 from llmc.codegen.torch_cpu.cpu_kernels import packed_run, prepare_qlinear
 from llmc.codegen.torch_cpu.cpu_qlinear_dense import (

@@ -33,9 +33,8 @@ from llmc.cache import cache_root
 from llmc.codegen.native_cache import CacheRefused, digest_path, private_directory, record, verified_open, warn
 from llmc.errors import LlmcError
 
-SOURCES = tuple(Path(__file__).with_name("native") / name
-                for name in ("decode_kernels.c", "gemv_int16.c", "decode_program.c"))
-HEADERS = (Path(__file__).with_name("native") / "half_params.h",)   # included by the sources: in the cache key
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_kernels.c", "gemv_int16.c", "decode_program.c"))
+HEADERS = (Path(__file__).with_name("half_params.h"),)   # included by the sources: in the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
 BF16 = torch.bfloat16
