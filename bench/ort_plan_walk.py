@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from llmc.codegen.ort_lowering import torch_plan
+from llmc.codegen.ort.ort_lowering import torch_plan
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.runtime.executor import PlanExecutor

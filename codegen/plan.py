@@ -21,7 +21,7 @@ RECOMPILE = "the artifact is corrupt or was not made by this llmc; recompile the
 # Which kernel family a target's plan launches: torch ops on the CPU, Triton kernels (and torch
 # calls for ops without one) on GPU targets.
 KERNEL_NAMESPACES = {name: "triton" if t.device == "cuda" else "cpu" for name, t in TARGETS.items()}
-ORT_SEGMENT = "ort.segment"   # a run of cpu steps as one ONNX Runtime session (codegen/ort_lowering.py)
+ORT_SEGMENT = "ort.segment"   # a run of cpu steps as one ONNX Runtime session (codegen/ort/ort_lowering.py)
 
 
 @dataclass
@@ -45,7 +45,7 @@ class PlanStep:
         return f"plan.json step {index} (node {self.node!r}, kernel {self.kernel})"
 
     def inner_steps(self) -> list["PlanStep"]:
-        """The cpu steps an ONNX Runtime segment stands for (codegen/ort_lowering.py); [] for others."""
+        """The cpu steps an ONNX Runtime segment stands for (codegen/ort/ort_lowering.py); [] for others."""
         return [PlanStep.from_dict(d) for d in self.attrs["steps"]] if self.kernel == ORT_SEGMENT else []
 
 

@@ -430,7 +430,7 @@ def _decode_graph_summary(record) -> dict | None:
 
 
 def decode_graph_lines(record: dict | None) -> list[str]:
-    """Whether decode-only steps run as one ONNX Runtime session (codegen/ort_decode.py), and why not."""
+    """Whether decode-only steps run as one ONNX Runtime session (codegen/ort/ort_decode.py), and why not."""
     if not record:
         return []
     if not record.get("chosen"):

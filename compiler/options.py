@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmc.codegen.ort_lowering import KERNEL_MODES
+from llmc.codegen.ort.ort_lowering import KERNEL_MODES
 from llmc.compiler.bounded_input import file_kind
 from llmc.compiler.recipes import KV_CACHE_CHOICES, KV_GROUPING_CHOICES, QUANT_CHOICES, SPARSITY_METHODS
 from llmc.errors import PassError

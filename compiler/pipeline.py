@@ -18,7 +18,7 @@ from transformers.utils import logging as hf_logging
 import llmc
 from llmc.codegen import autotune as triton_autotune  # through the module: tests fake autotune
 from llmc.codegen.kernel_sources import kernel_sources
-from llmc.codegen.ort_lowering import DEFAULT_MODE, check_kernels_option
+from llmc.codegen.ort.ort_lowering import DEFAULT_MODE, check_kernels_option
 from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
 from llmc.compiler.artifact import RankFiles, staged_output, write_contents

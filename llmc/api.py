@@ -39,7 +39,7 @@ def export(path: str | Path, format: str = "onnx", output: str | Path | None = N
     """Export the artifact at `path` as a standalone model in `format` ("onnx": DIR/model.onnx that
     plain onnxruntime runs, with DIR/tokenizer/ and DIR/llmc_onnx.json) into the directory `output`;
     quiet=False prints a line on stderr for each stage that runs longer than a moment."""
-    from llmc.codegen.onnx_export import ExportError, export_onnx
+    from llmc.codegen.ort.onnx_export import ExportError, export_onnx
 
     if format != "onnx":
         raise ExportError(f"export format {format!r} is not supported; use format='onnx'")

@@ -1,4 +1,4 @@
-"""Runs a plan's decode graph (codegen/ort_decode.py): a decode-only step's whole forward as one
+"""Runs a plan's decode graph (codegen/ort/ort_decode.py): a decode-only step's whole forward as one
 ONNX Runtime run over the paged KV cache, whose per-layer tensors are bound as inputs without a
 copy; the step's new keys and values come back stacked over layers and are written into the cache
 with one copy each."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmc.codegen.ort_decode import BLOCK_TABLES, NEW_KEYS, NEW_VALUES, cache_inputs
+from llmc.codegen.ort.ort_decode import BLOCK_TABLES, NEW_KEYS, NEW_VALUES, cache_inputs
 from llmc.codegen.plan import RECOMPILE
 from llmc.compiler.ir import TensorType
 from llmc.errors import ArtifactError
@@ -39,7 +39,7 @@ class DecodeGraph:
         self.session = load_session(record, inputs, outputs, data, weights, where, spin=True, made=made)
         outs = record["outputs"]
         self._logits = outs.index("logits") if "logits" in outs else 0   # the output the runner samples
-        # decode steps the native decode program takes run it instead (codegen/ort_decode.py)
+        # decode steps the native decode program takes run it instead (codegen/ort/ort_decode.py)
         self.native_first = record.get("native_first", False)
 
     def serves(self, meta: StepMetadata, cache: PagedKVCache) -> bool:
@@ -60,7 +60,7 @@ class DecodeGraph:
 def check_record(record, plan, where: str) -> None:
     """plan.meta["decode_graph"] is untrusted data: its fields must have their types, read the plan's
     own inputs and give its outputs, and make initializers from plan params by transforms of this llmc."""
-    from llmc.codegen.onnx_weights import TRANSFORMS
+    from llmc.codegen.ort.onnx_weights import TRANSFORMS
 
     bad = [k for k, t in RECORD_FIELDS.items() if not isinstance(record.get(k), t)]
     bad += [] if isinstance(record.get("native_first", False), bool) else ["native_first"]

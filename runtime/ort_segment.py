@@ -45,15 +45,15 @@ def require_ops(ops: set[tuple[str, str]], where: str) -> None:
 
 def check_segment_model(model: bytes, inputs: list[str], outputs: list[str], sources: dict,
                         where: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Refuse ONNX bytes that are not a segment as codegen/ort_lowering.py makes them: other ops or
+    """Refuse ONNX bytes that are not a segment as codegen/ort/ort_lowering.py makes them: other ops or
     domains, functions or subgraphs, other inputs or outputs, or external data other than the
     initializers the step supplies (ORT would read such data from a file the bytes name). Returns
     each supplied initializer's dims and dtype."""
     import onnx
     from onnx import helper
 
-    from llmc.codegen.onnx_ops import EXTERNAL_LOCATION, SEGMENT_OPS
-    from llmc.codegen.ort_int8 import signed_int8_exact
+    from llmc.codegen.ort.onnx_ops import EXTERNAL_LOCATION, SEGMENT_OPS
+    from llmc.codegen.ort.ort_int8 import signed_int8_exact
 
     try:
         proto = onnx.load_from_string(model)
@@ -205,7 +205,7 @@ def load_session(attrs: dict, inputs: list[tuple[str, TensorType]], outputs: lis
     """An OrtSegment over the ONNX file `attrs` names ({file, sha256, initializers}),
     with those inputs and outputs (`spin`: see session_options). `made` holds the initializers made
     for other sessions by (param, transform, dims): each is made once however many sessions read it."""
-    from llmc.codegen.onnx_weights import initializer
+    from llmc.codegen.ort.onnx_weights import initializer
     from llmc.runtime.threads import current_threads
 
     model = data.get(attrs["file"])

@@ -90,7 +90,7 @@ def _check_segment(index: int, step: PlanStep, plan: Plan) -> None:
     """An ONNX Runtime segment reads and gives exactly what the cpu steps it stands for read from
     and give to the rest of the plan, holds no attention, and makes its initializers from params
     those steps read by transforms this llmc has."""
-    from llmc.codegen.onnx_weights import TRANSFORMS
+    from llmc.codegen.ort.onnx_weights import TRANSFORMS
 
     where, inner = step.where(index), step.inner_steps()
     defined = [o for s in inner for o in s.outputs]

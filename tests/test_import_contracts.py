@@ -39,7 +39,8 @@ def test_the_contracts_hold_on_the_tree(tmp_path):
 
 @pytest.mark.parametrize("importer, upward, contract", [
     ("codegen/plan.py", "llmc.runtime.executor", "codegen imports neither runtime nor driver"),
-    ("codegen/ort_lowering.py", "llmc.compiler.driver.tuning.ort_timing", "codegen imports neither runtime nor driver"),
+    ("codegen/ort/ort_lowering.py", "llmc.compiler.driver.tuning.ort_timing",
+     "codegen imports neither runtime nor driver"),
     ("passes/cast_dtype.py", "llmc.codegen.plan", "each layer imports only the layers below"),
     ("runtime/engine.py", "llmc.passes.registry", "runtime imports no pass, frontend, pipeline"),
 ])

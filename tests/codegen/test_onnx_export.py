@@ -149,13 +149,13 @@ def test_cli_refuses_what_it_does_not_export(tmp_path, capfd, options, words):
 
 
 def test_exporter_module_does_not_import_onnx():
-    code = "import sys, llmc.codegen.onnx_export; print(sorted({'onnx', 'onnxruntime'} & set(sys.modules)))"
+    code = "import sys, llmc.codegen.ort.onnx_export; print(sorted({'onnx', 'onnxruntime'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
 def test_sliding_window_with_a_past_matches_the_reference(artifacts):
     """A `window` on the attention nodes masks keys older than the window, across the past too."""
-    from llmc.codegen.onnx_export import build_model
+    from llmc.codegen.ort.onnx_export import build_model
 
     a = read_artifact(artifacts["fp32"][0])
     graph = Graph.from_json(a.graph_json)

@@ -1,11 +1,11 @@
-"""ONNX initializer transforms (codegen/onnx_weights.py) against their arithmetic definition, and a
+"""ONNX initializer transforms (codegen/ort/onnx_weights.py) against their arithmetic definition, and a
 segment builder's initializers made only when read."""
 
 import pytest
 import torch
 
-from llmc.codegen.onnx_ops import LazyInitializers
-from llmc.codegen.onnx_weights import initializer
+from llmc.codegen.ort.onnx_ops import LazyInitializers
+from llmc.codegen.ort.onnx_weights import initializer
 from llmc.compiler.quant import unpack_int4
 
 

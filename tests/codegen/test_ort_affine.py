@@ -11,8 +11,8 @@ import torch
 from timing_fakes import lowered_wins
 
 import llmc
-from llmc.codegen.onnx_weights import initializer
-from llmc.codegen.ort_lowering import torch_plan
+from llmc.codegen.ort.onnx_weights import initializer
+from llmc.codegen.ort.ort_lowering import torch_plan
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.runtime.executor import PlanExecutor

@@ -18,8 +18,8 @@ from llmc_cli import error_line, llmc_in_process
 from timing_fakes import lowered_wins
 
 import llmc
-from llmc.codegen.ort_int8 import signed_int8_exact
-from llmc.codegen.ort_lowering import torch_plan
+from llmc.codegen.ort.ort_int8 import signed_int8_exact
+from llmc.codegen.ort.ort_lowering import torch_plan
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.errors import ArtifactError, RuntimeLlmcError
@@ -133,15 +133,15 @@ def test_w8a8_segments_multiply_the_int8_codes_where_that_is_exact_and_refuse_to
     # on a VNNI machine the segments take the weights' int8 codes (u8 x s8, 2.6x the u8 x u8 kernel);
     # the logits test above holds them to the torch kernels' exact int8 products
     assert _matmul_integer_weight_types(artifacts["w8a8"]) == {onnx.TensorProto.INT8}
-    monkeypatch.setattr("llmc.codegen.ort_int8.signed_int8_exact", lambda: False)
+    monkeypatch.setattr("llmc.codegen.ort.ort_int8.signed_int8_exact", lambda: False)
     with pytest.raises(ArtifactError, match=r"segment_\d+.*multiplies uint8 x int8 codes.*recompile the model on "
                                             r"this machine"):
         llmc.load(artifacts["w8a8"])
 
 
 def test_w8a8_segments_carry_uint8_weights_where_uint8_x_int8_is_not_exact(tmp_path, monkeypatch):
-    monkeypatch.setattr("llmc.codegen.onnx_ops.signed_int8_exact", lambda: False)
-    monkeypatch.setattr("llmc.codegen.ort_int8.signed_int8_exact", lambda: False)
+    monkeypatch.setattr("llmc.codegen.ort.onnx_ops.signed_int8_exact", lambda: False)
+    monkeypatch.setattr("llmc.codegen.ort.ort_int8.signed_int8_exact", lambda: False)
     path = llmc.compile("tiny-llama", output=tmp_path / "u8.llmc", kernels="ort", quant="w8a8", quiet=True)
     assert _matmul_integer_weight_types(path) == {onnx.TensorProto.UINT8}
     ort_plan, torch_plan = _executors(path)
@@ -263,7 +263,7 @@ def test_timing_stops_for_a_clear_loser_after_one_repeat_when_its_calls_are_slow
 
 
 def test_segment_models_are_built_once_each_and_only_when_asked_for(monkeypatch):
-    from llmc.codegen import ort_lowering
+    from llmc.codegen.ort import ort_lowering
 
     built = []
     monkeypatch.setattr(ort_lowering, "build_segment", lambda graph, seg, level: built.append(seg) or (
@@ -298,8 +298,8 @@ def timing_cache(tmp_path, monkeypatch):
 
 def test_torch_qlinears_auto_keeps_get_their_dense_switch_recorded_and_used(capsys, tmp_path, timing_cache,
                                                                             monkeypatch):
-    from llmc.codegen import ort_lowering
-    from llmc.codegen.onnx_ops import FP32_COMPUTE
+    from llmc.codegen.ort import ort_lowering
+    from llmc.codegen.ort.onnx_ops import FP32_COMPUTE
     from llmc.codegen.torch_cpu.cpu_qlinear_dense import DispatchedWeights
     from llmc.compiler.driver.tuning import ort_timing
 

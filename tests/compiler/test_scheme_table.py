@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from llmc.codegen.kernel_select import KERNEL_OPS
 from llmc.codegen.native import cpu_native
-from llmc.codegen.ort_lowering import ort_refusal
+from llmc.codegen.ort.ort_lowering import ort_refusal
 from llmc.codegen.torch_cpu import cpu_kernels, cpu_qlinear, cpu_qlinear_a8
 from llmc.codegen.torch_cpu.cpu_qlinear_native import native_gemv_weights
 from llmc.compiler import quant

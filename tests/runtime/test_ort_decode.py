@@ -1,4 +1,4 @@
-"""The decode graph (codegen/ort_decode.py): a decode-only step's whole forward as one ONNX Runtime
+"""The decode graph (codegen/ort/ort_decode.py): a decode-only step's whole forward as one ONNX Runtime
 session reading the paged KV cache. Its logits for a batch of decodes over shuffled cache blocks equal
 the reference interpreter's over each whole sequence (fp32, 1e-4); through llmc.load its greedy tokens
 and log-probs equal the plan walk's (fp32, int8, int4, w8a8) while steps holding a prefill still walk
@@ -17,7 +17,7 @@ from tiny_hf_models import ARCHS, hf_greedy, max_relative_error, prompt_ids, sav
 
 import llmc
 from llmc import SamplingParams
-from llmc.codegen.onnx_ops import FP32_COMPUTE
+from llmc.codegen.ort.onnx_ops import FP32_COMPUTE
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.driver.tuning.decode_graph_choice import CLOSE_CALL, choose_decode_graph, plan_decode_graph

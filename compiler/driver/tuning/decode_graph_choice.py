@@ -1,4 +1,4 @@
-"""Whether a lowered cpu plan gets the decode graph (codegen/ort_decode.py: the whole forward of a
+"""Whether a lowered cpu plan gets the decode graph (codegen/ort/ort_decode.py: the whole forward of a
 decode-only step as one ONNX Runtime session): under `--kernels ort` wherever it can be built and this
 onnxruntime runs its ops, under `--kernels auto` where its segments' timings (ort_timing.py) or, on a
 close call, whole decode steps timed both ways (ort_decode_timing.py) show it faster than the plan walk."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import hashlib
 
 from llmc.codegen.native import cpu_native
-from llmc.codegen.ort_decode import DECODE_FILE, build_decode_graph, decode_refusal
-from llmc.codegen.ort_lowering import segment_ops
+from llmc.codegen.ort.ort_decode import DECODE_FILE, build_decode_graph, decode_refusal
+from llmc.codegen.ort.ort_lowering import segment_ops
 from llmc.compiler.driver.tuning.ort_decode_timing import doubt, measure_decode_step
 from llmc.compiler.driver.tuning.ort_timing import INT8_ACTIVATIONS
 from llmc.compiler.ir import Graph

@@ -1,6 +1,6 @@
 """The kernels of a cpu plan as `--kernels` says, the compile driver's step after planning: `cpu` keeps
 the torch kernels (their quantised linears' dense switch measured now), `ort` lowers every segment
-to ONNX Runtime (codegen/ort_lowering.py builds them), and `auto`, the cpu target's default, keeps a
+to ONNX Runtime (codegen/ort/ort_lowering.py builds them), and `auto`, the cpu target's default, keeps a
 segment in ORT only where it measured faster than the torch kernels on this machine and no less
 accurate (ort_timing.py; MatMulNBits on int8 activations only where the calibration text shows the
 model unchanged, ort_accuracy.py), then weighs the lowered plan, walked or through its decode graph
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 
-from llmc.codegen.onnx_ops import FP32_COMPUTE, INT8_COMPUTE
-from llmc.codegen.ort_decode import DECODE_FILE
-from llmc.codegen.ort_lowering import (
+from llmc.codegen.ort.onnx_ops import FP32_COMPUTE, INT8_COMPUTE
+from llmc.codegen.ort.ort_decode import DECODE_FILE
+from llmc.codegen.ort.ort_lowering import (
     DEFAULT_MODE,
     SegmentModels,
     check_kernels_option,

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmc.codegen.onnx_ops import INT8_COMPUTE
-from llmc.codegen.ort_lowering import SegmentModels
+from llmc.codegen.ort.onnx_ops import INT8_COMPUTE
+from llmc.codegen.ort.ort_lowering import SegmentModels
 from llmc.compiler.driver.tuning.ort_timing import INT8_ACTIVATIONS, INT8_EXCLUDED, request_cost
 from llmc.compiler.ir import Graph
 from llmc.passes.accuracy import mean_kl, significant, top1_agreement

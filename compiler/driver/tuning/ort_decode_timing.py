@@ -1,4 +1,4 @@
-"""`--kernels auto`'s whole decode steps. For the decode graph (codegen/ort_decode.py): on a close call
+"""`--kernels auto`'s whole decode steps. For the decode graph (codegen/ort/ort_decode.py): on a close call
 (its segments alone cost a little more in ORT than the plan walk runs them, and what the graph saves
 besides decides), and wherever the walk runs the native decode program (runtime/native_decode.py),
 whose saving the per-segment timings cannot see. And the unlowered cpu plan, walked with that program,
@@ -16,7 +16,7 @@ import torch
 
 from llmc.cache import pick, spread
 from llmc.codegen.native.cpu_native import timing_key as native_key
-from llmc.codegen.ort_decode import DECODE_FILE
+from llmc.codegen.ort.ort_decode import DECODE_FILE
 from llmc.compiler.driver.tuning.ort_timing_cache import Timings, recall_measured
 from llmc.compiler.ir import Graph
 from llmc.runtime.executor import PlanExecutor

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from llmc.cache import pick
 from llmc.codegen.native import cpu_native
-from llmc.codegen.ort_decode import DECODE_FILE
+from llmc.codegen.ort.ort_decode import DECODE_FILE
 from llmc.codegen.plan import ORT_SEGMENT
 from llmc.compiler.driver.tuning import ort_decode_timing  # through the module: tests fake measure_plans
 from llmc.compiler.driver.tuning.ort_decode_timing import DEFAULTS, step_ranges

@@ -19,10 +19,10 @@ import time
 import torch
 
 from llmc.cache import pick, spread
-from llmc.codegen import ort_lowering  # through the module: tests fake build_segment
 from llmc.codegen.native.cpu_native import timing_key as native_key
-from llmc.codegen.onnx_ops import INT8_COMPUTE, MS_DOMAIN
-from llmc.codegen.ort_lowering import segment_ops
+from llmc.codegen.ort import ort_lowering  # through the module: tests fake build_segment
+from llmc.codegen.ort.onnx_ops import INT8_COMPUTE, MS_DOMAIN
+from llmc.codegen.ort.ort_lowering import segment_ops
 from llmc.codegen.torch_cpu.cpu_kernels import RopeCache, resolve_kernel
 from llmc.codegen.torch_cpu.cpu_qlinear_dense import DISPATCH_META
 from llmc.compiler.driver.tuning.ort_timing_cache import Timings, recall_measured

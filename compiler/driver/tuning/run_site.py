@@ -7,7 +7,7 @@ runs.
 
 - The whole plan: the plan as compiled (walked, and through its decode graph where the compile chose
   one), the same plan on the torch kernels (each ort.segment step keeps the torch steps it replaced:
-  codegen/ort_lowering.torch_plan), and that plan with every segment ONNX Runtime can run lowered there
+  codegen/ort/ort_lowering.torch_plan), and that plan with every segment ONNX Runtime can run lowered there
   (built now from the artifact's graph and weights: a segment the compile kept on torch stored no ONNX
   model; in batch-invariant runs without MatMulNBits on fp32 activations, which round by row count),
   one decode step each (ort_decode_timing.py); the prefill term of the cost is the compile's (the
@@ -24,9 +24,9 @@ from __future__ import annotations
 import os
 
 from llmc.cache import pick
-from llmc.codegen.onnx_ops import FP32_COMPUTE
-from llmc.codegen.ort_decode import DECODE_FILE
-from llmc.codegen.ort_lowering import (
+from llmc.codegen.ort.onnx_ops import FP32_COMPUTE
+from llmc.codegen.ort.ort_decode import DECODE_FILE
+from llmc.codegen.ort.ort_lowering import (
     SegmentModels,
     find_segments,
     kept_in_torch,

@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, apply_rope, cos_sin
+from llmc.codegen.ort.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, apply_rope, cos_sin
 from llmc.compiler.artifact import OutputKind, read_artifact, staged_output
 from llmc.compiler.ir import Graph
 from llmc.compiler.progress import Stages, echo_stderr

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from llmc.codegen.memory_plan import MemoryPlan, assign_slots, value_lifetimes
-from llmc.codegen.onnx_ops import (
+from llmc.codegen.ort.onnx_ops import (
     AFFINE_BITS,
     INT8_COMPUTE,
     MS_DOMAIN,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.codegen.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, rope_angles
-from llmc.codegen.ort_lowering import kept_in_torch, unforced
+from llmc.codegen.ort.onnx_ops import MS_DOMAIN, OPSET, TRANSLATIONS, OnnxBuilder, rope_angles
+from llmc.codegen.ort.ort_lowering import kept_in_torch, unforced
 from llmc.compiler.ir import Graph
 from llmc.compiler.ops import ATTENTION_OPS
 

@@ -1,5 +1,5 @@
-"""llmc IR ops as ONNX nodes, shared by the standalone ONNX export (codegen/onnx_export.py) and the
-ONNX Runtime kernel family's plan segments (codegen/ort_lowering.py). An export holds its weights
+"""llmc IR ops as ONNX nodes, shared by the standalone ONNX export (codegen/ort/onnx_export.py) and the
+ONNX Runtime kernel family's plan segments (codegen/ort/ort_lowering.py). An export holds its weights
 and keeps to standard ONNX where it can; a segment takes its weights from the artifact at load and
 uses ONNX Runtime's contrib ops where they are the fast path (MatMulNBits with int8 compute for int4
 and int8 weights, fused skip + RMS norm). onnx is imported inside functions: the runtime imports
@@ -13,8 +13,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from llmc.codegen.onnx_weights import initializer, integral_zeros
-from llmc.codegen.ort_int8 import signed_int8_exact
+from llmc.codegen.ort.onnx_weights import initializer, integral_zeros
+from llmc.codegen.ort.ort_int8 import signed_int8_exact
 from llmc.compiler.ops import qlinear_inputs
 from llmc.compiler.schemes import SCHEMES
 from llmc.compiler.weight_store import WeightStore, values_of
@@ -79,7 +79,7 @@ class OnnxBuilder:
         return self.const(f"const/f32/{value!r}", np.array(value, dtype=np.float32))
 
     def weight(self, name: str, transform: str = "same", dims: tuple[int, ...] | None = None) -> str:
-        """The param `name` under `transform` (codegen/onnx_weights.py), shaped `dims` (default: as
+        """The param `name` under `transform` (codegen/ort/onnx_weights.py), shaped `dims` (default: as
         the transform gives it), as an initializer."""
         key = name if transform == "same" and dims is None else \
             f"{name}.{transform}" + ("" if dims is None else "." + "x".join(map(str, dims)))
@@ -339,7 +339,7 @@ def _w8a8_matmul(b: OnnxBuilder, x: str, qweight: str, scales: str, k: int) -> s
     """compiler.quant.fake_quant_int8_per_token's codes, multiplied exactly: per-token scale
     max|x| / 127 (1 where a row is zero), codes round(x / s) in -127..127, int32 sums times both
     scales. The activations' codes are carried as uint8 + 128 (zero point 128); the weights' as
-    int8 in a segment on a machine where u8 x s8 is exact (codegen/ort_int8.py), else as uint8 + 128
+    int8 in a segment on a machine where u8 x s8 is exact (codegen/ort/ort_int8.py), else as uint8 + 128
     too: MLAS's u8 x s8 kernel saturates int16 pair sums on AVX2 machines without VNNI (measured:
     sums off by 10^5), u8 x u8 does not."""
     amax = b.one("ReduceMax", b.one("Abs", x), axes=[-1], keepdims=1)
