@@ -120,12 +120,13 @@ def _check_ids(tokenizer: dict, vocab_size: int, where: str) -> None:
                             f"{vocab_size} rows does not fit; recompile")
 
 
-def render_chat_template(tokenizer, messages, where: str) -> str:
-    """The prompt the tokenizer's chat template makes of `messages`, run in transformers' Jinja
-    sandbox; a template the sandbox stops (SecurityError, a range too big) or that fails is refused."""
+def render_chat_template(tokenizer, messages, where: str, tools: list[dict] | None = None) -> str:
+    """The prompt the tokenizer's chat template makes of `messages` (and the `tools` it offers), run in
+    transformers' Jinja sandbox; a template the sandbox stops (SecurityError, a range too big) or that
+    fails is refused."""
     import jinja2  # heavy optional dependency jinja2: only chat templates need it
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except (jinja2.TemplateError, OverflowError, MemoryError, RecursionError, ArithmeticError, LookupError,
             TypeError, ValueError, AttributeError) as e:
         raise RuntimeLlmcError(f"the chat template of {where} failed ({type(e).__name__}: {_first_line(e)}); "

@@ -44,6 +44,9 @@ def __getattr__(name):
     if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
         from llmc.runtime import outputs, sampling_params
         return getattr(sampling_params if name == "SamplingParams" else outputs, name)
+    if name == "parse_tool_calls":
+        from llmc.runtime.server.tools import parse_tool_calls
+        return parse_tool_calls
     if name == "StructuredOutputsParams":
         from llmc.runtime.structured_output import StructuredOutputsParams
         return StructuredOutputsParams
@@ -51,5 +54,6 @@ def __getattr__(name):
 
 
 __all__ = ["compile", "load", "LLM", "evaluate", "export", "serve", "SamplingParams", "StructuredOutputsParams",
+           "parse_tool_calls",
            "RequestOutput", "CompletionOutput", "LlmcError", "ModelLoadError", "UnsupportedModelError", "IRError",
            "PassError", "TargetError", "ArtifactError", "RuntimeLlmcError", "__version__"]

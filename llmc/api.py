@@ -149,14 +149,18 @@ class LLM:
         with self._held():
             self._drop(ids)
 
-    def generate(self, prompts=None, sampling_params=None, *, messages=None, priority=None, use_tqdm=False):
+    def generate(self, prompts=None, sampling_params=None, *, messages=None, tools=None, priority=None,
+                 use_tqdm=False):
         """One prompt or a list: strings or {"prompt_token_ids": [...]}. `sampling_params` is one
         SamplingParams or a list (one per prompt). Returns RequestOutputs in prompt order. Every
         value is checked before any request is added; a call that fails leaves the engine as it
-        found it."""
+        found it. `messages` (with the `tools` the chat template offers the model) instead of prompts:
+        see chat()."""
         label = "prompts"
+        if tools is not None and messages is None:
+            raise RuntimeLlmcError("generate(): tools are offered through the chat template; pass messages")
         if messages is not None:
-            prompts, label = [self.apply_chat_template(m) for m in _as_conversations(messages)], "messages"
+            prompts, label = [self.apply_chat_template(m, tools) for m in _as_conversations(messages)], "messages"
         if prompts is None:
             raise RuntimeLlmcError("generate() needs prompts or messages")
         prompts = [prompts] if isinstance(prompts, (str, dict)) else _as_list(prompts, "prompts")
@@ -187,9 +191,11 @@ class LLM:
         if close is not None:
             close()
 
-    def chat(self, messages, sampling_params=None, **kw):
-        """One conversation (list of {"role", "content"}) or a list of them."""
-        return self.generate(messages=messages, sampling_params=sampling_params, **kw)
+    def chat(self, messages, sampling_params=None, tools=None, **kw):
+        """One conversation (list of {"role", "content"}) or a list of them. `tools` (OpenAI's
+        [{"type": "function", "function": {"name", "description", "parameters"}}]) are rendered by the
+        chat template, as vLLM's LLM.chat does; llmc.parse_tool_calls(text) reads the calls back."""
+        return self.generate(messages=messages, sampling_params=sampling_params, tools=tools, **kw)
 
     def stream(self, prompt, sampling_params=None) -> Iterator[str]:
         """Yield the text of one prompt's first sample as it is generated."""
@@ -211,12 +217,17 @@ class LLM:
         finally:
             self._forget([request_id])
 
-    def apply_chat_template(self, messages) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+    def apply_chat_template(self, messages, tools=None) -> str:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise RuntimeLlmcError(f"the model in {self.path} has no chat template; pass plain prompts")
         from llmc.compiler.tokenizer_files import render_chat_template
+        from llmc.runtime.server.tools import checked_tools, template_message
+        if tools is not None:
+            tools = checked_tools(tools, template, f"the model in {self.path}")
         with self._held():
-            return render_chat_template(self.tokenizer, messages, f"the model in {self.path}")
+            return render_chat_template(self.tokenizer, [template_message(m) for m in messages],
+                                        f"the model in {self.path}", tools)
 
     def _checked(self, prompt, params, priority, where: str) -> dict:
         """add_request's arguments for one prompt, every value checked (nothing is added yet)."""
@@ -266,10 +277,11 @@ def _as_conversations(messages) -> list[list[dict]]:
             raise RuntimeLlmcError(f"{where} is {shown(conversation)}; a conversation is a non-empty list "
                                    "of {'role': str, 'content': str} dicts")
         for j, message in enumerate(conversation):
+            calls = isinstance(message, dict) and isinstance(message.get("tool_calls"), list)
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
+                    and (isinstance(message.get("content"), str) or calls and message.get("content") is None)):
                 raise RuntimeLlmcError(f"{where}[{j}] is {shown(message)}; each message is a "
-                                       "{'role': str, 'content': str} dict")
+                                       "{'role': str, 'content': str} dict (content None with 'tool_calls')")
     return conversations
 
 

@@ -16,6 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from llmc.errors import RuntimeLlmcError
 from llmc.runtime.server.protocol import ApiError, FunctionDef, NamedToolChoice, ToolDef
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -93,6 +94,29 @@ def tool_plan(tools: list[ToolDef] | None, tool_choice, template: str | None) ->
         return ToolPlan("auto", dumped)
     raise ApiError(400, f"tool_choice {tool_choice!r} is not one of none, auto, required or "
                         "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+
+
+def checked_tools(tools, template: str, where: str) -> list[dict]:
+    """Python's tools (LLM.chat): OpenAI's function dicts, checked as the server checks them, for a
+    template that reads `tools`; a RuntimeLlmcError naming the problem otherwise."""
+    from pydantic import TypeAdapter, ValidationError
+
+    if not re.search(r"\btools\b", template):
+        raise RuntimeLlmcError(f"tools: the chat template of {where} does not take tools (it never reads "
+                               "`tools`); call chat() without them, or use a model whose template supports them")
+    try:
+        parsed = TypeAdapter(list[ToolDef]).validate_python(tools)
+    except ValidationError as e:
+        first = e.errors()[0]
+        place = ".".join(str(p) for p in first["loc"])
+        raise RuntimeLlmcError(f"tools[{place}]: {first['msg']}; pass a list of "
+                               "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}") from None
+    return [t.model_dump(exclude_none=True) for t in parsed]
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content left, OpenAI tool calls) of a model's text: its Hermes `<tool_call>` blocks parsed."""
+    return ToolPlan("auto", []).calls(text)
 
 
 def _parameters(function: FunctionDef) -> dict:
