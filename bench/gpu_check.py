@@ -27,7 +27,7 @@ import torch
 BANDWIDTHS = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
               ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12),
               ("RTX 4090", 1.008e12), ("L40S", 0.864e12), ("L4", 0.3e12), ("Orin", 204.8e9)]
-# llmc's GPU family (codegen/triton_configs.py) by compute capability
+# llmc's GPU family (codegen/triton/triton_configs.py) by compute capability
 FAMILIES = {(9, 0): "h100", (8, 0): "a100", (8, 9): "rtx4090", (8, 7): "orin"}
 MODEL_TARGETS = ("h100-bf16", "h100-fp8")
 DEADLINE_S = 280  # model runs are skipped once this much time has passed
@@ -92,7 +92,7 @@ def check(name: str, error: float, tol: float, note: str = "") -> Row:
 
 
 def elementwise_checks(device, sizes: Sizes, target: str, gen: torch.Generator) -> list[Row]:
-    from llmc.codegen.triton_elementwise import rms_norm, rotary, swiglu
+    from llmc.codegen.triton.triton_elementwise import rms_norm, rotary, swiglu
     from llmc.compiler.ops import rms_norm_ref, rope_ref
 
     m, h = sizes.rows, sizes.hidden
@@ -120,7 +120,7 @@ def elementwise_checks(device, sizes: Sizes, target: str, gen: torch.Generator) 
 
 
 def gemm_checks(device, sizes: Sizes, target: str, gen: torch.Generator) -> list[Row]:
-    from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
+    from llmc.codegen.triton.triton_gemm import dequant_gemm, w8a8_gemm
     from llmc.compiler.ops import qlinear_ref
     from llmc.compiler.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
 
@@ -206,7 +206,7 @@ def attention_checks(device, sizes: Sizes, target: str, gen: torch.Generator) ->
 
 def prefill_error(device, sizes: Sizes, target: str, cache_dtype, gen) -> float:
     """Queries of ragged chunks, each after a cached prefix, against attend() in fp32."""
-    from llmc.codegen.triton_attention import paged_prefill_attention
+    from llmc.codegen.triton.triton_attention import paged_prefill_attention
     from llmc.compiler.ops import rope_ref
     from llmc.runtime.attention import attend
 
@@ -227,7 +227,7 @@ def prefill_error(device, sizes: Sizes, target: str, cache_dtype, gen) -> float:
 
 
 def decode_error(device, sizes: Sizes, target: str, cache_dtype, num_splits, gen) -> float:
-    from llmc.codegen.triton_attention import paged_decode_attention
+    from llmc.codegen.triton.triton_attention import paged_decode_attention
     from llmc.compiler.ops import rope_ref
     from llmc.runtime.attention import attend
 
@@ -249,7 +249,7 @@ def decode_error(device, sizes: Sizes, target: str, cache_dtype, num_splits, gen
 
 def kv_write_check(device, sizes: Sizes, target: str, gen) -> Row:
     """int8 codes written by the kernel against runtime/kv_quant.quantize_kv (torch)."""
-    from llmc.codegen.triton_attention import write_kv_cache
+    from llmc.codegen.triton.triton_attention import write_kv_cache
     from llmc.runtime.paged_attention import PagedKVCache
 
     kvh, hd, bs, t = sizes.kv_heads, sizes.head_dim, sizes.block_size, sizes.rows
@@ -285,7 +285,7 @@ def time_ms(fn: Callable[[], object]) -> float:
 def prefill_timings(device, sizes: Sizes, target: str) -> list[Row]:
     """Causal FlashAttention over b sequences of s tokens (keys already in a bf16 paged cache)
     against SDPA on dense tensors (K/V heads repeated, so SDPA may pick its flash backend)."""
-    from llmc.codegen.triton_attention import paged_prefill_attention
+    from llmc.codegen.triton.triton_attention import paged_prefill_attention
 
     h, kvh, hd, bs = sizes.heads, sizes.kv_heads, sizes.head_dim, sizes.block_size
     rows = []
@@ -311,7 +311,7 @@ def prefill_timings(device, sizes: Sizes, target: str) -> list[Row]:
 
 def decode_timings(device, sizes: Sizes, target: str, bandwidth: float) -> list[Row]:
     """Split-K paged decode over a bf16 cache; bytes = the keys and values every query reads."""
-    from llmc.codegen.triton_attention import paged_decode_attention
+    from llmc.codegen.triton.triton_attention import paged_decode_attention
 
     h, kvh, hd, bs = sizes.heads, sizes.kv_heads, sizes.head_dim, sizes.block_size
     rows = []
@@ -331,7 +331,7 @@ def decode_timings(device, sizes: Sizes, target: str, bandwidth: float) -> list[
 
 
 def gemm_timings(device, sizes: Sizes, target: str, gen) -> list[Row]:
-    from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
+    from llmc.codegen.triton.triton_gemm import dequant_gemm, w8a8_gemm
     from llmc.compiler.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
 
     rows = []

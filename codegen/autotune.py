@@ -1,5 +1,5 @@
 """`llmc compile --autotune`: on a CUDA GPU, time each Triton kernel family's candidate launch configs
-(codegen/triton_configs.py) on the shapes the graph launches and keep the fastest per family; the
+(codegen/triton/triton_configs.py) on the shapes the graph launches and keep the fastest per family; the
 plan renders its kernels with the winners and records every timing in plan.meta["autotune"].
 Without a GPU nothing is timed: the plan records the target's defaults and says why.
 
@@ -15,15 +15,15 @@ from typing import Callable, NamedTuple
 import torch
 
 from llmc.codegen.kernel_select import KV_BLOCK_SIZE
-from llmc.codegen.triton_attention import paged_decode_attention, paged_prefill_attention
-from llmc.codegen.triton_configs import (
+from llmc.codegen.triton.triton_attention import paged_decode_attention, paged_prefill_attention
+from llmc.codegen.triton.triton_configs import (
     attention_candidates,
     attention_config,
     gemm_candidates,
     row_config,
     tile_config,
 )
-from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
+from llmc.codegen.triton.triton_gemm import dequant_gemm, w8a8_gemm
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.ops import ATTENTION_OPS, TORCH_DTYPES, qlinear_inputs
 from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES

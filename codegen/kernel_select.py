@@ -1,5 +1,5 @@
 """Which Triton kernels a plan step launches: for each IR op, the exact rendered sources the runtime's
-launchers (codegen/triton_kernels.py, runtime/triton_attention_backend.py) render for the step's
+launchers (codegen/triton/triton_kernels.py, runtime/triton_attention_backend.py) render for the step's
 dtypes, shapes and target, so the plan can record them and the artifact can store them. Ops absent
 from KERNEL_OPS run as torch calls on the GPU (cuBLAS GEMMs, gathers, views) and launch none."""
 
@@ -7,17 +7,17 @@ from __future__ import annotations
 
 from typing import Callable
 
-from llmc.codegen.triton_attention import (
+from llmc.codegen.triton.triton_attention import (
     render_decode,
     render_decode_reduce,
     render_kv_cache_write,
     render_prefill,
 )
-from llmc.codegen.triton_configs import attention_config, tile_config
-from llmc.codegen.triton_elementwise import render_rms_norm, render_rotary, render_swiglu
-from llmc.codegen.triton_gemm import render_dequant_gemm, render_w8a8_gemm
-from llmc.codegen.triton_moe import render_moe
-from llmc.codegen.triton_render import RenderedKernel
+from llmc.codegen.triton.triton_configs import attention_config, tile_config
+from llmc.codegen.triton.triton_elementwise import render_rms_norm, render_rotary, render_swiglu
+from llmc.codegen.triton.triton_gemm import render_dequant_gemm, render_w8a8_gemm
+from llmc.codegen.triton.triton_moe import render_moe
+from llmc.codegen.triton.triton_render import RenderedKernel
 from llmc.compiler.ir import TensorType
 from llmc.compiler.ops import qlinear_inputs
 from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES

@@ -24,7 +24,7 @@ def kernel_sources(plan: Plan) -> tuple[dict[str, str], list[dict]]:
             entry["steps"].append(step.node)
     sources = {}
     if by_sha:   # a cpu plan records none: the renderer (and triton, ~0.1 s to import) is not needed
-        from llmc.codegen.triton_render import render_kernel  # heavy optional dependency jinja2 (templates)
+        from llmc.codegen.triton.triton_render import render_kernel  # heavy optional dependency jinja2 (templates)
     for digest, entry in by_sha.items():
         kernel = render_kernel(entry["template"], entry["name"], entry["constants"])
         assert kernel.sha256 == digest, f"kernel {entry['file']} renders to {kernel.sha256}, recorded {digest}"

@@ -374,7 +374,7 @@ class PlanExecutor:
 
     def _run_checked(self, launch: Launch, regs: list, context: dict) -> list:
         """Run one launch, failing if it launched a Triton kernel its step does not record."""
-        from llmc.codegen.triton_render import record_loads
+        from llmc.codegen.triton.triton_render import record_loads
 
         with record_loads() as launched:
             results = launch.fn(*[regs[i] for i in launch.args], **launch.attrs,
@@ -463,7 +463,7 @@ def plan_launch_configs(plan: Plan) -> dict:
     """The launch configs a Triton plan's GEMM and attention kernels were rendered with, by family
     ("gemm": TileConfig, "attention": AttentionConfig): those plan.meta["autotune"] records
     (codegen/autotune.py), the target's defaults where it records none."""
-    from llmc.codegen.triton_configs import AttentionConfig, TileConfig, attention_config, tile_config
+    from llmc.codegen.triton.triton_configs import AttentionConfig, TileConfig, attention_config, tile_config
 
     autotune = plan.meta.get("autotune") or {}
     recorded = (autotune.get("configs") or {}) if isinstance(autotune, dict) else None
@@ -497,7 +497,7 @@ def resolve_kernel(name: str):
     """The function a plan step's kernel name stands for; Triton kernels are imported only when
     a plan names them (importing triton must wait until the device has been chosen)."""
     if name.startswith("triton."):
-        from llmc.codegen.triton_kernels import resolve_kernel as resolve_triton
+        from llmc.codegen.triton.triton_kernels import resolve_kernel as resolve_triton
         return resolve_triton(name)
     return cpu_kernels.resolve_kernel(name)
 

@@ -59,7 +59,7 @@ def verified_plan(art: Artifact) -> Plan:
 def _render(record: dict, where: str) -> str:
     import jinja2
 
-    from llmc.codegen.triton_render import render_kernel
+    from llmc.codegen.triton.triton_render import render_kernel
 
     try:
         return render_kernel(record["template"], record["name"], dict(record["constants"])).sha256

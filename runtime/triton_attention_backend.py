@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from llmc.codegen.triton_attention import (
+from llmc.codegen.triton.triton_attention import (
     decode_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
     write_kv_cache,
 )
-from llmc.codegen.triton_configs import AttentionConfig, attention_config
+from llmc.codegen.triton.triton_configs import AttentionConfig, attention_config
 from llmc.runtime.attention import AttentionBackend
 from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 

@@ -20,9 +20,9 @@ from llmc.codegen.autotune import (
 from llmc.codegen.kernel_select import KERNEL_OPS, kernel_record, kernels_for_step
 from llmc.codegen.kernel_sources import kernel_sources
 from llmc.codegen.plan import Plan, build_plan
-from llmc.codegen.triton_configs import attention_candidates, gemm_candidates, tile_config
-from llmc.codegen.triton_kernels import resolve_kernel
-from llmc.codegen.triton_render import record_loads, render_kernel
+from llmc.codegen.triton.triton_configs import attention_candidates, gemm_candidates, tile_config
+from llmc.codegen.triton.triton_kernels import resolve_kernel
+from llmc.codegen.triton.triton_render import record_loads, render_kernel
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ir import Graph, TensorType
 from llmc.compiler.ops import TORCH_DTYPES, run_reference
@@ -284,6 +284,6 @@ def test_plain_attention_kernels_follow_the_window_and_a_quantised_cache():
 def test_every_template_names_its_launch_grid():
     """Each launch's record carries its grid; a new template without one fails here, not at compile."""
     from llmc.codegen.kernel_select import GRIDS
-    from llmc.codegen.triton_render import TEMPLATE_DIR
+    from llmc.codegen.triton.triton_render import TEMPLATE_DIR
     templates = {p.name for p in TEMPLATE_DIR.glob("*.py.j2") if not p.name.startswith("_")}
     assert templates == set(GRIDS)

@@ -114,7 +114,7 @@ def test_an_moe_block_of_another_structure_is_refused_at_lowering(tmp_path):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_the_triton_kernels_match_the_reference(dtype, tol):
-    from llmc.codegen.triton_moe import moe as triton_moe
+    from llmc.codegen.triton.triton_moe import moe as triton_moe
 
     x, weights = randn(7, 24, seed=5), expert_weights(seed=6)
     x, (router, gate_up, down) = x.to(dtype), (w.to(dtype) for w in weights)

@@ -125,7 +125,7 @@ def test_int4_experts_compute_hf_s_mixtral_over_their_dequantised_weights(mixtra
 @pytest.mark.triton
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_the_triton_kernels_compute_the_mixture_of_the_dequantised_experts(scheme):
-    from llmc.codegen.triton_moe import qmoe as triton_qmoe
+    from llmc.codegen.triton.triton_moe import qmoe as triton_qmoe
 
     inputs, attrs, want = qmoe_case(scheme, 2, seed=4)
     x, router, gate_up, down = qmoe_inputs(inputs, scheme)

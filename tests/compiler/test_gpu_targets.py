@@ -13,12 +13,12 @@ from llmc_cli import llmc_in_process
 
 import llmc
 from llmc import SamplingParams
-from llmc.codegen import triton_elementwise
 from llmc.codegen.autotune import NO_GPU, default_configs
 from llmc.codegen.kernel_sources import kernel_file
 from llmc.codegen.plan import Plan
-from llmc.codegen.triton_configs import row_config
-from llmc.codegen.triton_render import render_kernel
+from llmc.codegen.triton import triton_elementwise
+from llmc.codegen.triton.triton_configs import row_config
+from llmc.codegen.triton.triton_render import render_kernel
 from llmc.compiler.artifact import read_artifact, sha256_file
 from llmc.compiler.inspect import kernel_report
 from llmc.compiler.targets import TARGETS

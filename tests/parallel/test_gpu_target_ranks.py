@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import llmc
-from llmc.codegen import triton_kernels
 from llmc.codegen.torch_cpu import cpu_kernels
+from llmc.codegen.triton import triton_kernels
 from llmc.runtime.parallel.group import process_group_backend
 from llmc.runtime.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ from llmc.cli import main
 from llmc.codegen import autotune as autotuning
 from llmc.codegen.autotune import default_configs, record
 from llmc.codegen.plan import Plan
-from llmc.codegen.triton_configs import (
+from llmc.codegen.triton.triton_configs import (
     TileConfig,
     attention_candidates,
     attention_config,

@@ -269,7 +269,7 @@ def test_tampered_kernel_source_is_refused_even_with_its_manifest_hash_updated(b
 def test_kernel_changed_in_installed_templates_is_refused(bf16_artifact, tmp_path, monkeypatch):
     import jinja2
 
-    from llmc.codegen import triton_render
+    from llmc.codegen.triton import triton_render
 
     templates = tmp_path / "templates"
     shutil.copytree(triton_render.TEMPLATE_DIR, templates)
@@ -325,7 +325,7 @@ def op_case(op: str, gen: torch.Generator) -> tuple[list, dict]:
 @pytest.mark.parametrize("case", ["rms_norm", "add_rms_norm", "swiglu", "rope", "qlinear-int8", "qlinear-int4",
                                   "qlinear-fp8", "qlinear-w8a8"])
 def test_triton_kernels_give_the_reference_results(case):
-    from llmc.codegen.triton_kernels import resolve_kernel
+    from llmc.codegen.triton.triton_kernels import resolve_kernel
     from llmc.compiler.ops import OPS
 
     op = case.split("-")[0]
@@ -344,7 +344,7 @@ def test_triton_kernels_give_the_reference_results(case):
 
 def test_torch_ops_of_triton_plans_reuse_the_cpu_kernels():
     from llmc.codegen.torch_cpu.cpu_kernels import CPU_KERNELS
-    from llmc.codegen.triton_kernels import TORCH_OPS, resolve_kernel
+    from llmc.codegen.triton.triton_kernels import TORCH_OPS, resolve_kernel
 
     for op in TORCH_OPS:
         assert resolve_kernel(f"triton.{op}") is CPU_KERNELS[f"cpu.{op}"]

@@ -1,4 +1,4 @@
-"""The Triton attention kernels (codegen/triton_attention.py), run in Triton's interpreter: the
+"""The Triton attention kernels (codegen/triton/triton_attention.py), run in Triton's interpreter: the
 KV-cache write against runtime/paged_attention.PagedKVCache (bit for bit), prefill and decode
 attention against float64 torch SDPA on the keys and values gathered through the block tables,
 and against the PagedAttention backend, with rotary checked against compiler.ops.apply_rope."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.triton_attention import (
+from llmc.codegen.triton.triton_attention import (
     decode_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
@@ -20,8 +20,8 @@ from llmc.codegen.triton_attention import (
     render_prefill,
     write_kv_cache,
 )
-from llmc.codegen.triton_configs import ATTENTION_CONFIGS, AttentionConfig, attention_config
-from llmc.codegen.triton_render import kernel_cache_dir
+from llmc.codegen.triton.triton_configs import ATTENTION_CONFIGS, AttentionConfig, attention_config
+from llmc.codegen.triton.triton_render import kernel_cache_dir
 from llmc.compiler.ops import apply_rope, rope_cos_sin
 from llmc.errors import TargetError
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata

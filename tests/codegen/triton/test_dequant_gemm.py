@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from llmc.codegen.triton_configs import TILE_CONFIGS, TileConfig, tile_config
-from llmc.codegen.triton_gemm import dequant_gemm, render_dequant_gemm
-from llmc.codegen.triton_render import kernel_cache_dir, load_kernel
+from llmc.codegen.triton.triton_configs import TILE_CONFIGS, TileConfig, tile_config
+from llmc.codegen.triton.triton_gemm import dequant_gemm, render_dequant_gemm
+from llmc.codegen.triton.triton_render import kernel_cache_dir, load_kernel
 from llmc.compiler import quant, schemes
 from llmc.errors import LlmcError, TargetError
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from llmc.codegen.triton_configs import TILE_CONFIGS, TileConfig
-from llmc.codegen.triton_gemm import dequant_gemm, render_dequant_gemm
+from llmc.codegen.triton.triton_configs import TILE_CONFIGS, TileConfig
+from llmc.codegen.triton.triton_gemm import dequant_gemm, render_dequant_gemm
 from llmc.compiler import quant, schemes
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/codegen/triton/conftest.py sets the interpreter"

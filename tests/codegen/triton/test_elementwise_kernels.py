@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.triton_elementwise import (
+from llmc.codegen.triton.triton_elementwise import (
     render_rms_norm,
     render_rotary,
     render_swiglu,
@@ -17,7 +17,7 @@ from llmc.codegen.triton_elementwise import (
     rotary_qk,
     swiglu,
 )
-from llmc.codegen.triton_render import kernel_cache_dir
+from llmc.codegen.triton.triton_render import kernel_cache_dir
 from llmc.compiler.ops import rms_norm_ref, rope_ref
 from llmc.errors import TargetError
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llmc.codegen.torch_cpu import cpu_qlinear_a8
-from llmc.codegen.triton_configs import TILE_CONFIGS, TileConfig
-from llmc.codegen.triton_gemm import (
+from llmc.codegen.triton.triton_configs import TILE_CONFIGS, TileConfig
+from llmc.codegen.triton.triton_gemm import (
     ACTIVATION_DTYPES,
     _check_act_scale,
     _quantize_rows,
@@ -18,7 +18,7 @@ from llmc.codegen.triton_gemm import (
     render_w8a8_gemm,
     w8a8_gemm,
 )
-from llmc.codegen.triton_render import kernel_cache_dir
+from llmc.codegen.triton.triton_render import kernel_cache_dir
 from llmc.compiler.frontends import load_model
 from llmc.compiler.ops import qlinear_ref
 from llmc.compiler.pipeline import trace_and_lower

@@ -1,5 +1,5 @@
 """Launchers of the row-wise Triton kernels: RMSNorm (with the residual add fused), SwiGLU and
-rotary embedding (codegen/templates/rms_norm, swiglu, rotary .py.j2). Each `render_*` names the
+rotary embedding (codegen/triton/templates/rms_norm, swiglu, rotary .py.j2). Each `render_*` names the
 exact source a launch runs for its target, dtype and shape constants, so a plan can record it
 (template, name, constants, sha256); the launch functions render through those same functions.
 
@@ -11,8 +11,8 @@ import functools
 
 import torch
 
-from llmc.codegen.triton_configs import block_size, row_config
-from llmc.codegen.triton_render import RenderedKernel, load_kernel, render_kernel
+from llmc.codegen.triton.triton_configs import block_size, row_config
+from llmc.codegen.triton.triton_render import RenderedKernel, load_kernel, render_kernel
 from llmc.compiler.ops import DTYPE_NAMES, TORCH_DTYPES
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")

@@ -85,7 +85,7 @@ def row_config(target: str) -> RowConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Launch settings of the attention kernels (codegen/triton_attention.py) for one GPU family."""
+    """Launch settings of the attention kernels (codegen/triton/triton_attention.py) for one GPU family."""
     block_m: int           # prefill: query rows per program
     block_n: int           # prefill: keys per inner step
     num_warps: int

@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from llmc.codegen.triton_configs import AttentionConfig, attention_config
-from llmc.codegen.triton_render import RenderedKernel, load_kernel, render_kernel
+from llmc.codegen.triton.triton_configs import AttentionConfig, attention_config
+from llmc.codegen.triton.triton_render import RenderedKernel, load_kernel, render_kernel
 from llmc.compiler.schemes import KV_CACHE_FORMATS
 
 ACTIVATION_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

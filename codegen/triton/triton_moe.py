@@ -10,8 +10,8 @@ import functools
 
 import torch
 
-from llmc.codegen.triton_configs import block_size
-from llmc.codegen.triton_render import RenderedKernel, load_kernel, render_kernel
+from llmc.codegen.triton.triton_configs import block_size
+from llmc.codegen.triton.triton_render import RenderedKernel, load_kernel, render_kernel
 from llmc.compiler.ops import DTYPE_NAMES, ExpertWeights, moe_routing
 from llmc.compiler.schemes import SCHEMES
 

@@ -30,7 +30,7 @@ _RECORDERS: list[list] = []       # the open record_loads() blocks' logs
 
 @dataclass(frozen=True)
 class RenderedKernel:
-    template: str            # file name under codegen/templates
+    template: str            # file name under codegen/triton/templates
     name: str                # the @triton.jit function the source defines
     constants: tuple         # sorted (name, value) pairs it was rendered with
     source: str

@@ -1,5 +1,5 @@
 """Launchers of the Triton GEMMs over quantised weights: the dequantising GEMM
-(codegen/templates/dequant_gemm.py.j2) and the w8a8 int8 GEMM with its per-token activation
+(codegen/triton/templates/dequant_gemm.py.j2) and the w8a8 int8 GEMM with its per-token activation
 quantiser (int8_gemm.py.j2, quantize_int8.py.j2). Each picks the rendered kernels for a scheme,
 dtypes and target config, sizes the grid, and runs them; the render_* functions name the exact
 sources a launch runs, for a plan to record."""
@@ -10,8 +10,8 @@ import functools
 
 import torch
 
-from llmc.codegen.triton_configs import TileConfig, block_size, row_config, tile_config
-from llmc.codegen.triton_render import RenderedKernel, load_kernel, render_kernel
+from llmc.codegen.triton.triton_configs import TileConfig, block_size, row_config, tile_config
+from llmc.codegen.triton.triton_render import RenderedKernel, load_kernel, render_kernel
 from llmc.compiler.schemes import FLOAT_OFFSET, FP8_STATIC, INT8_PER_TOKEN, SCHEMES, TRITON
 
 # the schemes the dequantising GEMM runs: Triton's, but w8a8 (int8 activations: the int8 GEMM)

@@ -12,12 +12,12 @@ from typing import Callable
 import torch
 
 from llmc.codegen.torch_cpu import cpu_kernels
-from llmc.codegen.triton_elementwise import rms_norm as launch_rms_norm
-from llmc.codegen.triton_elementwise import rotary
-from llmc.codegen.triton_elementwise import swiglu as launch_swiglu
-from llmc.codegen.triton_gemm import dequant_gemm, w8a8_gemm
-from llmc.codegen.triton_moe import moe as launch_moe
-from llmc.codegen.triton_moe import qmoe as launch_qmoe
+from llmc.codegen.triton.triton_elementwise import rms_norm as launch_rms_norm
+from llmc.codegen.triton.triton_elementwise import rotary
+from llmc.codegen.triton.triton_elementwise import swiglu as launch_swiglu
+from llmc.codegen.triton.triton_gemm import dequant_gemm, w8a8_gemm
+from llmc.codegen.triton.triton_moe import moe as launch_moe
+from llmc.codegen.triton.triton_moe import qmoe as launch_qmoe
 from llmc.compiler.ops import OPS, qlinear_inputs, qmoe_inputs, split_kv_scales
 from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import ArtifactError, RuntimeLlmcError
