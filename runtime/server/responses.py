@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.server.tools import HermesStream
 
 
 class ResponseBuilder:
@@ -18,7 +19,8 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}   # completions' logprobs.text_offset, by choice
         self.tools = None   # a chat request's ToolPlan (tools.py), once prepared
-        self._held: dict[int, str] = {}   # streamed text of auto/required tool choices, parsed at the end
+        self._held: dict[int, str] = {}   # streamed text of "required" tool choices, parsed at the end
+        self._auto: dict[int, HermesStream] = {}   # streamed "auto" tool choices, parsed as they come
 
     def _envelope(self, kind: str, **fields) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, **fields}
@@ -61,8 +63,8 @@ class ResponseBuilder:
 
     def _tool_choice(self, index: int, text: str, choice: dict, streamed: bool, first: bool) -> dict:
         """A chat choice of a request offering tools: its text parsed into tool_calls. Streamed, a named
-        function's arguments come as they are generated; auto and required choices are held back and
-        parsed whole at the end (a call is known to be one only once it is complete)."""
+        function's arguments come as they are generated, an auto choice's calls each as its block closes;
+        a required choice (one JSON array) is held back and parsed whole at the end."""
         role = {"role": "assistant"} if first else {}
         if not streamed:
             content, calls = self.tools.calls(text)
@@ -75,6 +77,8 @@ class ResponseBuilder:
                 call = {"index": 0, "id": opened["id"], "type": "function",
                         "function": {"name": self.tools.function, "arguments": text}}
             return {"delta": role | ({"tool_calls": [call]} if text or first else {}), **choice}
+        if self.tools.mode == "auto":
+            return self._auto_delta(index, text, choice, role)
         self._held[index] = self._held.get(index, "") + text
         if choice["finish_reason"] is None:
             return {"delta": role, **choice}
@@ -82,6 +86,15 @@ class ResponseBuilder:
         delta = role | ({"content": content} if content else {}) | (
             {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {})
         return {"delta": delta, **_finished(choice, calls)}
+
+    def _auto_delta(self, index: int, text: str, choice: dict, role: dict) -> dict:
+        stream = self._auto.setdefault(index, HermesStream(self.tools))
+        content, calls = stream.feed(text)
+        if choice["finish_reason"] is not None:
+            content += stream.finish()
+            choice = _finished(choice, [None] * self._auto.pop(index).calls)
+        delta = role | ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        return {"delta": delta, **choice}
 
     def _logprobs(self, index: int, token_ids: list[int], steps) -> dict | None:
         if self.top_logprobs is None or steps is None:

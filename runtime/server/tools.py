@@ -66,6 +66,54 @@ class ToolPlan:
                 "function": {"name": name, "arguments": arguments}}
 
 
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class HermesStream:
+    """"auto" tool calls read from a streamed output as it comes: text outside <tool_call> blocks goes
+    out as content (what may yet begin a block, and trailing whitespace, held back), each block as one
+    call once its closing tag arrives; whitespace next to a call is dropped, as the whole-output parse
+    strips it. A block that is not a well-formed call goes out as content (the whole-output parse keeps
+    all text as content then: a stream cannot take back the calls it sent)."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan, self.buffer, self.calls, self.after_call = plan, "", 0, False
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content, calls) that can go out now, after `text`."""
+        self.buffer += text
+        content, calls = "", []
+        while True:
+            if self.after_call:   # whitespace after a call is dropped until other text comes
+                self.buffer = self.buffer.lstrip()
+                self.after_call = not self.buffer
+            start = self.buffer.find(OPEN)
+            end = self.buffer.find(CLOSE, start) if start >= 0 else -1
+            if end < 0:
+                break
+            left, parsed = self.plan.calls(self.buffer[start:end + len(CLOSE)])
+            before = self.buffer[:start]
+            content += (before.rstrip() if parsed else before) + (left or "")
+            self.buffer, self.after_call = self.buffer[end + len(CLOSE):], bool(parsed)
+            for call in parsed:
+                calls.append({"index": self.calls, **call})
+                self.calls += 1
+        held = start if start >= 0 else len(self.buffer) - _partial_tag(self.buffer)
+        ready = len(self.buffer[:held].rstrip())
+        content, self.buffer = content + self.buffer[:ready], self.buffer[ready:]
+        return content, calls
+
+    def finish(self) -> str:
+        """The content still held at the end (an unclosed block is content)."""
+        rest, self.buffer = self.buffer, ""
+        return rest.rstrip() if self.calls else rest
+
+
+def _partial_tag(text: str) -> int:
+    """How many trailing characters of `text` may be the start of <tool_call>."""
+    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
+
+
 def tool_plan(tools: list[ToolDef] | None, tool_choice, template: str | None) -> ToolPlan | None:
     """The request's plan (None: no tools offered, or tool_choice "none"); a 400 for a choice naming no
     offered function, or tools sent to a model whose chat template takes none."""

@@ -82,11 +82,17 @@ def test_a_named_call_streams_its_arguments_as_deltas(served):
     jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)), TIME)
 
 
-def test_auto_streams_parsed_calls_at_the_end(served):
-    written = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "celsius"\}\}</tool_call>'
-    chunks = list(ask(served, stream=True, extra_body={"guided_regex": written}))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls] == ["get_weather"]
+def test_auto_streams_each_call_as_its_block_closes(served):
+    written = (r'Checking\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "celsius"\}\}'
+               r'</tool_call> <tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC\+1"\}\}</tool_call>')
+    chunks = [c for c in ask(served, stream=True, max_tokens=200, extra_body={"guided_regex": written}) if c.choices]
+    at = [i for i, c in enumerate(chunks) if c.choices[0].delta.tool_calls]
+    calls = [tc for i in at for tc in chunks[i].choices[0].delta.tool_calls]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "get_weather", {"city": "Oslo", "unit": "celsius"}), (1, "get_time", {"zone": "UTC+1"})]
+    assert len(at) == 2 and at[0] < len(chunks) - 1   # the first call went out before the output ended
+    assert all(c.id and c.type == "function" for c in calls)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
@@ -121,3 +127,24 @@ def test_a_template_without_tools_refuses_them_naming_why(compiled):
         assert caught.value.body["code"] == "tools_unsupported"
         assert "chat template does not take tools" in caught.value.body["message"]
         assert ask(served, tool_choice="none", max_tokens=4).choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("text, content, names", [
+    ('Sure.\n<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}'
+     '</tool_call> done <tool_c', "Sure.done <tool_c", ["a", "b"]),
+    ("plain text\n with no call  \n", "plain text\n with no call  \n", []),
+    ('x <tool_call>{"name": bad}</tool_call> y', 'x <tool_call>{"name": bad}</tool_call> y', []),
+])
+def test_auto_calls_parse_the_same_however_the_stream_is_cut(text, content, names):
+    import random
+
+    from llmc.runtime.server.tools import HermesStream, ToolPlan
+    rng = random.Random(0)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), 8))
+        stream, got, calls = HermesStream(ToolPlan("auto", [])), "", []
+        for piece in (text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])):
+            more, new = stream.feed(piece)
+            got, calls = got + more, calls + new
+        assert got + stream.finish() == content
+        assert [(c["index"], c["function"]["name"]) for c in calls] == list(enumerate(names))
