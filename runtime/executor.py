@@ -1,6 +1,6 @@
-"""Runs a static plan: a walk over precomputed launches of its kernel family (torch "cpu" kernels,
-or "triton" kernels on a GPU or Triton's interpreter), with activations held in the memory plan's
-slots and dropped as soon as their value dies."""
+"""Runs a static plan: a walk over precomputed launches of its kernel families (codegen/family.py: torch
+"cpu" kernels with ONNX Runtime segments, or "triton" kernels on a GPU or Triton's interpreter), with
+activations held in the memory plan's slots and dropped as soon as their value dies."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from llmc.codegen.family import attention_backend
+from llmc.codegen.family import resolve_kernel as resolve_family_kernel
 from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan
 from llmc.codegen.torch_cpu import cpu_kernels
 from llmc.codegen.torch_cpu.cpu_kernels import RopeCache
@@ -21,11 +23,6 @@ from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
 from llmc.runtime.plan_check import check_plan
 
-KERNEL_FAMILIES = ("cpu", "triton", "ort")
-# the kernel families one plan may name -> the family its attention backend is of: ONNX Runtime
-# segments run beside torch ("cpu") attention, which reads the paged KV cache
-FAMILY_MIXES = {frozenset({"cpu"}): "cpu", frozenset({"triton"}): "triton", frozenset({"cpu", "ort"}): "cpu",
-                frozenset({"ort"}): "cpu"}
 SERVING_INPUTS = ("input_ids", "positions", "logits_indices")
 
 
@@ -449,14 +446,9 @@ def _held(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def kernel_family(plan: Plan) -> str:
-    """The family of the plan's attention kernels ("cpu" or "triton"): a plan names one family, or
-    ONNX Runtime segments beside cpu kernels."""
-    families = frozenset(s.kernel.partition(".")[0] for s in plan.steps)
-    if families and families not in FAMILY_MIXES:
-        mixes = "; ".join(" + ".join(sorted(m)) for m in FAMILY_MIXES)
-        raise ArtifactError(f"plan for {plan.target} names kernels of families {sorted(families)}; this llmc "
-                            f"runs plans of {mixes}; recompile the model with this llmc")
-    return FAMILY_MIXES.get(families, "cpu")
+    """The attention backend of the plan's kernel families ("cpu" or "triton", codegen/family.py): a plan
+    names one family, or ONNX Runtime segments beside cpu kernels."""
+    return attention_backend((s.kernel for s in plan.steps), plan.target)
 
 
 def plan_launch_configs(plan: Plan) -> dict:
@@ -494,12 +486,10 @@ def _recorded_config(cls, recorded, family: str):
 
 
 def resolve_kernel(name: str):
-    """The function a plan step's kernel name stands for; Triton kernels are imported only when
-    a plan names them (importing triton must wait until the device has been chosen)."""
-    if name.startswith("triton."):
-        from llmc.codegen.triton.triton_kernels import resolve_kernel as resolve_triton
-        return resolve_triton(name)
-    return cpu_kernels.resolve_kernel(name)
+    """The function a plan step's kernel name stands for, from its family (codegen/family.py); Triton
+    kernels are imported only when a plan names them (importing triton must wait until the device has
+    been chosen)."""
+    return resolve_family_kernel(name)
 
 
-__all__ = ["PlanExecutor", "Launch", "KERNEL_FAMILIES", "kernel_family", "plan_launch_configs", "resolve_kernel"]
+__all__ = ["PlanExecutor", "Launch", "kernel_family", "plan_launch_configs", "resolve_kernel"]
