@@ -17,7 +17,7 @@ import torch
 import llmc
 from llmc import SamplingParams
 from llmc.codegen.native import cpu_native
-from llmc.runtime.bench import hf_model_from_artifact
+from llmc.tools.bench import hf_model_from_artifact
 
 TEXT = Path(__file__).resolve().parent.parent / "samples" / "eval.txt"
 

@@ -10,7 +10,7 @@ import torch
 
 import llmc
 from llmc import SamplingParams
-from llmc.runtime.bench import hf_model_from_artifact
+from llmc.tools.bench import hf_model_from_artifact
 
 
 def main():

@@ -360,8 +360,8 @@ def gemm_timings(device, sizes: Sizes, target: str, gen) -> list[Row]:
 def model_rows(workdir: Path, source: str, deadline: float) -> list[Row]:
     """Compile SmolLM2 for each model target, then decode 128 tokens at batch 1 and 32 on CUDA."""
     import llmc
-    from llmc.runtime.bench import Workload, run_engine
     from llmc.runtime.engine import Engine, EngineConfig
+    from llmc.tools.bench import Workload, run_engine
 
     rows = []
     for target in MODEL_TARGETS:

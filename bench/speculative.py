@@ -17,9 +17,9 @@ import os
 import sys
 import time
 
-from llmc.runtime.bench_workloads import text_prompts
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.tools.bench_workloads import text_prompts
 
 
 def decode_run(engine: Engine, prompt: str, max_tokens: int, ignore_eos: bool) -> tuple[list[int], int, float]:

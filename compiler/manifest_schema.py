@@ -60,7 +60,7 @@ class KVCache(Record):
 
 
 class HFConfig(Record):
-    model_type: StrictStr  # what the HF baseline rebuilds the model from (runtime/bench.py)
+    model_type: StrictStr  # what the HF baseline rebuilds the model from (llmc/tools/bench.py)
 
 
 class Model(Record):

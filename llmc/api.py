@@ -29,7 +29,7 @@ def evaluate(path: str | Path, text: str, ref: str | Path | None = None, max_tok
              progress: bool = False, device: str | None = None) -> dict:
     """Perplexity of the artifact at `path` on `text` (context 512, stride 256, first
     `max_tokens` tokens); with `ref`, also KL(ref || ours) and top-1 agreement against it."""
-    from llmc.runtime.evaluate import evaluate_text
+    from llmc.tools.evaluate import evaluate_text
 
     return evaluate_text(path, text, ref=ref, max_tokens=max_tokens, progress=progress, device=device)
 

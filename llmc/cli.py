@@ -495,7 +495,10 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     acceptance figures and the speedup."""
     from llmc.api import run_site_plan
     from llmc.runtime import memory_report
-    from llmc.runtime.bench import (
+    from llmc.runtime.engine import Engine, EngineConfig
+    from llmc.runtime.parallel.report import rank_report
+    from llmc.runtime.roofline import bench_roofline
+    from llmc.tools.bench import (
         Workload,
         hf_model_from_artifact,
         median_run,
@@ -505,9 +508,6 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         speculative_summary,
         warm_up,
     )
-    from llmc.runtime.engine import Engine, EngineConfig
-    from llmc.runtime.parallel.report import rank_report
-    from llmc.runtime.roofline import bench_roofline
 
     threads = _threads(threads)
     try:
@@ -519,7 +519,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                           Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
                                    qps_value, seed))
     if plot:
-        from llmc.runtime.bench_plot import check_plot_path
+        from llmc.tools.bench_plot import check_plot_path
         check_plot_path(plot)
     speculative = _speculative(speculative, num_speculative_tokens)
     if speculative is not None and repeat > 1:
@@ -550,7 +550,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         warm_up(engine)
     base, base_name, base_runs, hf_model = None, baseline, [], None
     if baseline == "hf":   # built first, so that its runs alternate with the engine's
-        from llmc.runtime.hf_baseline import baseline_name
+        from llmc.tools.hf_baseline import baseline_name
         hf_model, base_name = hf_model_from_artifact(engine), baseline_name(engine.executor.plan)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
     hf_run = None if hf_model is None else lambda: base_runs.append(run_hf_baseline(
@@ -586,14 +586,14 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     # the results first: a plot that fails to save must not lose the run
     click.echo(json.dumps(result, indent=2, sort_keys=True, default=str) if as_json else _bench_table(result))
     if plot:
-        from llmc.runtime.bench_plot import plot_bench
+        from llmc.tools.bench_plot import plot_bench
         plot_bench(ours, plot, base, title=f"llmc bench: {artifact}",
                    baseline_name="HF" if base_name == "hf" else base_name)
 
 
 def _bench_url(url, artifact, api_key, workload_kind, as_json, qps, workload) -> None:
     """`llmc bench --url`: the workload against a running server; only the workload options apply."""
-    from llmc.runtime.bench_http import format_http_bench, run_http, served_model
+    from llmc.tools.bench_http import format_http_bench, run_http, served_model
 
     if url is None:
         raise LlmcError("bench needs ARTIFACT (run it here) or --url URL (drive a running `llmc serve`)")
@@ -765,8 +765,8 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
 @threads_option
 def eval_command(artifact, text_file, ref, max_tokens, as_json, quiet, device, threads):
     """Perplexity of ARTIFACT on a text: windows of 512 tokens, stride 256, each token scored once."""
-    from llmc.runtime.evaluate import DEFAULT_TEXT, evaluate_text, format_summary, read_eval_text
     from llmc.runtime.threads import apply_threads
+    from llmc.tools.evaluate import DEFAULT_TEXT, evaluate_text, format_summary, read_eval_text
 
     apply_threads(_threads(threads))
     text = read_eval_text(text_file)

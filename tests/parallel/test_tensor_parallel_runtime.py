@@ -72,7 +72,7 @@ def test_batched_requests_equal_their_solo_runs(tp2):
 
 
 def test_an_hf_baseline_is_refused_for_a_sharded_artifact(tp2):
-    from llmc.runtime.bench import hf_model_from_artifact
+    from llmc.tools.bench import hf_model_from_artifact
 
     with pytest.raises(RuntimeLlmcError, match="give the unsharded artifact as --baseline PATH"):
         hf_model_from_artifact(tp2.engine)

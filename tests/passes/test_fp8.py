@@ -20,8 +20,8 @@ from llmc.compiler.quant import dequantize_fp8, quantize_fp8
 from llmc.errors import PassError
 from llmc.passes.base import PassContext, PassManager
 from llmc.passes.registry import get_pass
-from llmc.runtime.evaluate import ArtifactScorer
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.tools.evaluate import ArtifactScorer
 
 E4M3_EPS = 2.0 ** -3        # spacing of e4m3 codes in [1, 2): 3 mantissa bits
 E4M3_MIN_NORMAL = 2.0 ** -6

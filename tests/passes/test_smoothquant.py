@@ -23,8 +23,8 @@ from llmc.errors import PassError
 from llmc.passes.base import PassContext, PassManager
 from llmc.passes.registry import get_pass
 from llmc.passes.smoothquant import smoothing_factors
-from llmc.runtime.evaluate import ArtifactScorer
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.tools.evaluate import ArtifactScorer
 
 SMOOTHED = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
 

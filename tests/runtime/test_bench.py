@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from llmc.cli import cli
 from llmc.compiler.frontends import load_model
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime.bench import (
+from llmc.runtime.engine import Engine, EngineConfig
+from llmc.tools.bench import (
     Workload,
     hf_model_from_artifact,
     median_run,
@@ -21,8 +22,7 @@ from llmc.runtime.bench import (
     run_engine_repeated,
     run_hf_baseline,
 )
-from llmc.runtime.bench_plot import plot_bench
-from llmc.runtime.engine import Engine, EngineConfig
+from llmc.tools.bench_plot import plot_bench
 
 VOCAB = 512
 
@@ -217,7 +217,7 @@ def test_hf_baseline_finds_quantised_linears_inside_onnx_runtime_segments(tmp_pa
     steps: the baseline still dequantises every one of them."""
     import llmc
     from llmc.codegen.plan import Plan
-    from llmc.runtime.hf_baseline import baseline_name, dequantised_weights
+    from llmc.tools.hf_baseline import baseline_name, dequantised_weights
 
     path = llmc.compile("tiny-llama", output=tmp_path / "int8-ort.llmc", quant="int8", kernels="ort")
     plan = Plan.from_json((path / "plan.json").read_text())

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from llmc_cli import llmc_in_process
 
-from llmc.runtime import bench
-from llmc.runtime.bench import Workload, decode_time_per_token, hf_model_from_artifact, run_engine, run_hf_baseline
 from llmc.runtime.engine import Engine, EngineConfig
+from llmc.tools import bench
+from llmc.tools.bench import Workload, decode_time_per_token, hf_model_from_artifact, run_engine, run_hf_baseline
 
 ROOT = Path(__file__).resolve().parents[2]
 # seed 7 draws samples/open.jsonl's prompt 17 first: tiny-llama answers it with 8 tokens, EOS the

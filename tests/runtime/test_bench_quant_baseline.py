@@ -14,8 +14,8 @@ from llmc.cli import cli
 from llmc.compiler.artifact import read_artifact
 from llmc.compiler.interpreter import interpret
 from llmc.compiler.ir import Graph
-from llmc.runtime.bench import hf_model_from_artifact
 from llmc.runtime.engine import Engine, EngineConfig
+from llmc.tools.bench import hf_model_from_artifact
 
 # max |HF - reference| over the reference logits' range: fp32 rounding sits near 1e-7
 TOLERANCE = 1e-4
@@ -65,7 +65,7 @@ def test_cli_bench_hf_baseline_on_a_quantised_artifact(quant_artifact):
 
 def test_w8a8_baseline_says_its_activations_are_not_quantised(tmp_path):
     path = llmc.compile("tiny-llama", target="cpu", output=tmp_path / "w8a8.llmc", quant="w8a8")
-    from llmc.runtime.hf_baseline import baseline_name
+    from llmc.tools.hf_baseline import baseline_name
 
     name = baseline_name(Engine(path, EngineConfig(kv_memory="4MiB")).executor.plan)
     assert name.startswith("hf (fp32, dequantised w8a8 weights") and "activations run in fp32" in name

@@ -13,7 +13,7 @@ from llmc.cli import main as cli_main
 from llmc.compiler.frontends import load_model
 from llmc.errors import RuntimeLlmcError
 from llmc.passes.base import PASSES, Pass, PassResult
-from llmc.runtime.evaluate import CONTEXT, DEFAULT_TEXT, STRIDE, eval_windows, evaluate_text, read_eval_text
+from llmc.tools.evaluate import CONTEXT, DEFAULT_TEXT, STRIDE, eval_windows, evaluate_text, read_eval_text
 
 TEXT = DEFAULT_TEXT.read_text()
 

@@ -169,7 +169,7 @@ TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
 
 def test_bench_reports_the_blocks_the_window_gave_back(mistral):
     from llmc.cli import _window_lines
-    from llmc.runtime.bench import Workload, run_engine
+    from llmc.tools.bench import Workload, run_engine
 
     engine = load(mistral[1]).engine
     requests = Workload(num_requests=3, input_len=20, output_len=40).build(engine.model["vocab_size"])

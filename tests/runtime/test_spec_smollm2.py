@@ -12,7 +12,7 @@ import pytest
 
 import llmc
 from llmc import SamplingParams
-from llmc.runtime.bench_workloads import grounded_prompts, open_prompts
+from llmc.tools.bench_workloads import grounded_prompts, open_prompts
 
 pytestmark = pytest.mark.smollm2
 

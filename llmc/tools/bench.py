@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime.bench_workloads import text_prompts
-from llmc.runtime.hf_baseline import dequantised_weights
 from llmc.runtime.metrics import EngineMetrics, SpeculativeMetrics, percentiles
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.tools.bench_workloads import text_prompts
+from llmc.tools.hf_baseline import dequantised_weights
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Workload:
     prefix_len: int = 0              # tokens every prompt shares (prefix-cache workloads)
     qps: float = math.inf            # inf: all requests arrive at once; else Poisson arrivals
     seed: int = 0
-    kind: str = "random"             # random token ids, or a text workload (runtime/bench_workloads.py)
+    kind: str = "random"             # random token ids, or a text workload (llmc/tools/bench_workloads.py)
     ignore_eos: bool = False         # text requests end at EOS unless set; random ones have no natural end
 
     def __post_init__(self):
@@ -297,7 +297,7 @@ def pruned_shapes(meta: dict, weights: dict[str, torch.Tensor]) -> dict:
 def hf_model_from_artifact(engine) -> torch.nn.Module:
     """Rebuild the HF model from the artifact's own config and weights (same numbers, no
     download), so the baseline runs exactly what we compiled; quantised weights are dequantised
-    to fp32 (runtime/hf_baseline.py), so HF does the fp32 work the source model would."""
+    to fp32 (llmc/tools/hf_baseline.py), so HF does the fp32 work the source model would."""
     import transformers
 
     if "parallel" in engine.manifest:  # rank 0 holds its part of the weights only

@@ -14,7 +14,7 @@ import numpy as np
 from llmc.errors import RuntimeLlmcError
 
 TEXT_WORKLOADS = ("grounded", "open")
-SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"   # the source tree's samples/ (llmc/tools/ is two below)
 
 
 def text_prompts(kind: str, num_requests: int, seed: int) -> list[str]:

@@ -28,7 +28,7 @@ from llmc.runtime.kernel_check import verified_plan
 CONTEXT = 512
 STRIDE = 256
 # From a source checkout; an installed llmc has no samples/ and needs --text.
-DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "samples" / "eval.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "samples" / "eval.txt"   # the source tree's samples/
 
 
 @dataclass(frozen=True)
