@@ -6,14 +6,16 @@ finds a step's family by the prefix of its kernel name (`cpu.rms_norm`, `triton.
 `ort.segment`). Choosing among candidates by measurement is the driver's job
 (compiler/driver/tuning/), never a family's.
 
-A family's callables import their modules when called: loading a cpu plan imports no Triton (which must
-wait until the device is chosen), and a compile imports jinja2 and ONNX only for the families it lowers."""
+The Triton and ONNX Runtime families import their modules when called: loading a cpu plan imports no
+Triton (which must wait until the device is chosen), and ONNX's lowering only where a compile asks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from llmc.codegen.native import cpu_native
+from llmc.codegen.torch_cpu.cpu_kernels import resolve_kernel as resolve_torch
 from llmc.compiler.targets import TARGETS
 from llmc.errors import ArtifactError
 
@@ -118,11 +120,6 @@ def _plan_steps(graph, plan, target):
     return plan.steps
 
 
-def _torch_resolve(kernel: str) -> Kernel:
-    from llmc.codegen.torch_cpu.cpu_kernels import resolve_kernel as resolve_torch  # torch family: imported on use
-    return resolve_torch(kernel)
-
-
 def _triton_resolve(kernel: str) -> Kernel:
     from llmc.codegen.triton.triton_kernels import resolve_kernel as resolve_triton  # heavy optional dependency triton
     return resolve_triton(kernel)
@@ -132,8 +129,7 @@ def _native_refusal(target: str) -> str | None:
     cpu = _device_refusal("cpu", "native C")(target)
     if cpu is not None:
         return cpu
-    from llmc.codegen.native import cpu_native  # builds the library on first use (a C compiler run)
-    return None if cpu_native.available() else cpu_native.status()
+    return None if cpu_native.available() else cpu_native.status()   # builds the library on first use
 
 
 def _ort_refusal(target: str) -> str | None:
@@ -148,7 +144,7 @@ def _ort_segments(graph, plan, target):
 
 
 TORCH_CPU = register(KernelFamily("cpu", "torch_cpu", _device_refusal("cpu", "torch CPU"),
-                                  candidates=_plan_steps, resolve=_torch_resolve, attention="cpu"))
+                                  candidates=_plan_steps, resolve=resolve_torch, attention="cpu"))
 # called by the torch kernels and the runtime's native decode program, not named by plan steps
 NATIVE = register(KernelFamily("native", "native", _native_refusal))
 ORT = register(KernelFamily("ort", "ort", _ort_refusal, candidates=_ort_segments, sessions=True, attention="cpu"))
