@@ -781,3 +781,18 @@ int64_t llmc_openmp(void) {
     return 0;
 #endif
 }
+
+/* 4-bit codes as stored (byte j of each 16: codes 2j and 2j + 1, the even one low) into the GEMVs' halves
+ * order (byte b: codes b and 16 + b), `bytes` of them (a multiple of 16), over `threads` threads: one pass
+ * at memory speed, where torch's word arithmetic makes eight over temporaries (a load's longest part) */
+void llmc_q4_halves(const uint8_t *src, uint8_t *dst, int64_t bytes, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < bytes / 16; c++) {
+        const uint8_t *s = src + 16 * c;
+        uint8_t *d = dst + 16 * c;
+        for (int b = 0; b < 16; b++) {
+            int lo = (s[b >> 1] >> (4 * (b & 1))) & 15, hi = (s[8 + (b >> 1)] >> (4 * (b & 1))) & 15;
+            d[b] = (uint8_t)(lo | hi << 4);
+        }
+    }
+}

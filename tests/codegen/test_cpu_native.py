@@ -433,3 +433,20 @@ def test_gemv_q4_refuses_what_it_cannot_run():
     assert cpu_native.gemv_q4(torch.randn(cpu_native.MAX_ROWS + 1, 64), w) is None
     assert cpu_native.gemv_q4(torch.randn(2, 32), w) is None
     assert cpu_native.gemv_q4(torch.randn(2, 64, dtype=torch.float64), w) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_native_halves_repack_equals_the_word_arithmetic(threads):
+    """Stored nibble pairs into the GEMVs' halves order: the C pass and torch's word arithmetic agree on
+    every byte, and both put codes b and 16 + b of each 32 into byte b."""
+    codes = torch.randint(0, 16, (96, 256), dtype=torch.uint8)
+    stored = pack_int4(codes)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native = cpu_native._halves(stored)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(native, cpu_native._halves_torch(stored))
+    blocks = codes.reshape(96, -1, 32)
+    assert torch.equal(native.reshape(96, -1, 16), blocks[..., :16] | (blocks[..., 16:] << 4))
