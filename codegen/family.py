@@ -6,8 +6,8 @@ finds a step's family by the prefix of its kernel name (`cpu.rms_norm`, `triton.
 `ort.segment`). Choosing among candidates by measurement is the driver's job
 (compiler/driver/tuning/), never a family's.
 
-The Triton and ONNX Runtime families import their modules when called: loading a cpu plan imports no
-Triton (which must wait until the device is chosen), and ONNX's lowering only where a compile asks."""
+The Triton family's kernels are imported when a plan names them: importing triton must wait until the
+device has been chosen (ONNX itself is imported by the ORT modules only where they build a graph)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from llmc.codegen.native import cpu_native
+from llmc.codegen.ort.ort_lowering import find_segments, kept_in_torch
 from llmc.codegen.torch_cpu.cpu_kernels import resolve_kernel as resolve_torch
 from llmc.compiler.targets import TARGETS
 from llmc.errors import ArtifactError
@@ -139,7 +140,6 @@ def _ort_refusal(target: str) -> str | None:
 def _ort_segments(graph, plan, target):
     """The runs of the cpu plan's steps ONNX Runtime can run (codegen/ort/ort_lowering.py); which become
     `ort.segment` steps is the driver's choice (compiler/driver/tuning/kernel_choice.py)."""
-    from llmc.codegen.ort.ort_lowering import find_segments, kept_in_torch  # heavy optional dependency onnx
     return find_segments(graph, kept_in_torch(graph), plan.outputs)
 
 
