@@ -174,6 +174,7 @@ def test_the_bandwidth_probe_is_larger_than_the_last_level_cache(monkeypatch, tm
         (fake / index).mkdir(parents=True)
         (fake / index / "size").write_text(size + "\n")
     real_path = roofline.Path
-    monkeypatch.setattr(roofline, "Path", lambda p: real_path(str(p).replace("/sys/devices/system/cpu/cpu0", str(tmp_path / "cpu0"))))
+    moved = lambda p: real_path(str(p).replace("/sys/devices/system/cpu/cpu0", str(tmp_path / "cpu0")))
+    monkeypatch.setattr(roofline, "Path", moved)
     assert roofline.last_level_cache_bytes() == 480 << 20
     assert roofline.probe_bytes() == 4 * (480 << 20)
