@@ -461,6 +461,10 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
               "(samples/open.jsonl). Text prompts keep their own length, and their requests end at EOS.")
 @click.option("--ignore-eos", is_flag=True, help="Text workloads: generate --output-len tokens past EOS (random "
               "workloads always do: their prompts have no natural end).")
+@click.option("--long-fraction", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True,
+              help="Random workloads: this share of the requests have --long-input-len prompts (the rest "
+              "--input-len); --url reports TTFT and TPOT per class.")
+@click.option("--long-input-len", type=NON_NEGATIVE, default=0, show_default=True)
 @click.option("--kv-memory", default="1GiB", show_default=True)
 @click.option("--max-num-seqs", type=POSITIVE, default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=POSITIVE, default=None)
@@ -487,9 +491,10 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @ring_attention_option
 @batch_invariant_option
 def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
-          seed, workload_kind, ignore_eos, kv_memory, max_num_seqs, max_num_batched_tokens, no_prefix_caching, baseline,
-          baseline_batch_size, as_json, plot, bandwidth, gemm_peak, remeasure, repeat, device, threads, speculative,
-          num_speculative_tokens, ring_attention_threshold, batch_invariant):
+          seed, workload_kind, ignore_eos, long_fraction, long_input_len, kv_memory, max_num_seqs,
+          max_num_batched_tokens, no_prefix_caching, baseline, baseline_batch_size, as_json, plot, bandwidth,
+          gemm_peak, remeasure, repeat, device, threads, speculative, num_speculative_tokens,
+          ring_attention_threshold, batch_invariant):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
@@ -517,7 +522,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     if url is not None or artifact is None:
         return _bench_url(url, artifact, api_key, workload_kind, as_json, qps,
                           Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
-                                   qps_value, seed))
+                                   qps_value, seed, long_fraction=long_fraction, long_input_len=long_input_len))
     if plot:
         from llmc.tools.bench_plot import check_plot_path
         check_plot_path(plot)
@@ -526,7 +531,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         raise LlmcError("--repeat does not combine with --speculative (which already runs the workload twice); "
                         "repeat the command instead")
     workload = Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
-                        qps_value, seed, workload_kind, ignore_eos)
+                        qps_value, seed, workload_kind, ignore_eos, long_fraction, long_input_len)
     with _remeasuring(remeasure):
         engine = Engine(artifact, EngineConfig(kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,

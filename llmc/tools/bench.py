@@ -32,6 +32,8 @@ class Workload:
     seed: int = 0
     kind: str = "random"             # random token ids, or a text workload (llmc/tools/bench_workloads.py)
     ignore_eos: bool = False         # text requests end at EOS unless set; random ones have no natural end
+    long_fraction: float = 0.0       # random workloads: this share of requests is "long" (the rest "short")
+    long_input_len: int = 0          # a long request's prompt length (--input-len is a short one's)
 
     def __post_init__(self):
         self.ignore_eos = self.ignore_eos or self.kind == "random"
@@ -44,6 +46,10 @@ class Workload:
             raise RuntimeLlmcError("bench: --prefix-len and --seed must be at least 0")
         if not self.qps > 0:  # also nan: no request would ever arrive
             raise RuntimeLlmcError(f"bench: --qps is {self.qps}; it must be positive (or inf for all at once)")
+        if not 0 <= self.long_fraction <= 1 or (self.long_fraction > 0) != (self.long_input_len > 0):
+            raise RuntimeLlmcError("bench: --long-fraction (in [0, 1]) and --long-input-len go together")
+        if self.long_fraction > 0 and self.kind != "random":
+            raise RuntimeLlmcError("bench: long and short requests mix in random workloads only")
 
     def build(self, vocab_size: int, tokenizer=None) -> list[dict]:
         """The requests; a text workload's prompts (their own lengths) need the tokenizer."""
@@ -52,14 +58,17 @@ class Workload:
         gaps = np.zeros(self.num_requests) if math.isinf(self.qps) else rng.exponential(1 / self.qps, self.num_requests)
         arrivals = np.cumsum(gaps) - gaps[0]
         texts = None if self.kind == "random" else text_prompts(self.kind, self.num_requests, self.seed)
+        # a mixed workload's classes are drawn from their own stream: the short requests keep their lengths
+        long = np.random.default_rng([self.seed, 1]).random(self.num_requests) < self.long_fraction
         reqs = []
         for i in range(self.num_requests):
-            n_in = _spread(rng, self.input_len, self.input_spread)
+            n_in = _spread(rng, self.long_input_len if long[i] else self.input_len, self.input_spread)
             n_out = _spread(rng, self.output_len, self.output_spread)
             ids = prefix + (rng.integers(0, vocab_size, max(1, n_in - self.prefix_len)).tolist() if texts is None
                             else tokenizer(texts[i])["input_ids"])
             reqs.append({"prompt_token_ids": ids, "max_tokens": n_out, "ignore_eos": self.ignore_eos,
-                         "arrival": float(arrivals[i])})
+                         "arrival": float(arrivals[i])} | ({"class": "long" if long[i] else "short"}
+                                                            if self.long_fraction > 0 else {}))
         return reqs
 
 

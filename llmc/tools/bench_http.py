@@ -1,7 +1,8 @@
 """`llmc bench --url`: the bench workload (random prompts of set lengths, Poisson arrivals) sent to
 a running OpenAI-compatible server as streamed completions (greedy, `ignore_eos`, so every request
 makes its full length), timed at the client: TTFT, TPOT and ITL percentiles and throughput, as the
-offline bench reports them. Each stream chunk counts as the arrival of its tokens."""
+offline bench reports them, and per class for a mix of long and short prompts (--long-fraction). Each
+stream chunk counts as the arrival of its tokens."""
 
 from __future__ import annotations
 
@@ -36,13 +37,24 @@ def run_http(url: str, model: str, requests: list[dict], api_key: str | None = N
     started = time.perf_counter()
     timings = asyncio.run(_send_all(url, model, requests, api_key, started))
     total = max(times[-1] for _, times, _ in timings) - started
+    tokens = sum(n for _, _, n in timings)
+    report = {"url": url, "model": model, "requests_per_s": len(requests) / total,
+              "output_tokens_per_s": tokens / total, "total_seconds": total, "output_tokens": tokens,
+              **latencies(timings)}
+    classes = sorted({r["class"] for r in requests if "class" in r})
+    if classes:   # a mixed workload: each class's latencies apart (long prompts stall short requests' decode)
+        report["classes"] = {c: {"requests": sum(r.get("class") == c for r in requests),
+                                 **latencies([t for t, r in zip(timings, requests) if r.get("class") == c])}
+                             for c in classes}
+    return report
+
+
+def latencies(timings: list[tuple[float, list[float], int]]) -> dict:
+    """TTFT, TPOT and ITL percentiles (ms) of (sent time, chunk arrival times, tokens) per request."""
     ttft = [times[0] - sent for sent, times, _ in timings]
     itl = [b - a for _, times, _ in timings for a, b in zip(times, times[1:])]
     tpot = [(times[-1] - times[0]) / (n - 1) for _, times, n in timings if n > 1]
-    tokens = sum(n for _, _, n in timings)
-    return {"url": url, "model": model, "requests_per_s": len(requests) / total, "output_tokens_per_s": tokens / total,
-            "total_seconds": total, "output_tokens": tokens, "ttft_ms": percentiles(ttft, 1e3),
-            "tpot_ms": percentiles(tpot, 1e3), "itl_ms": percentiles(itl, 1e3)}
+    return {"ttft_ms": percentiles(ttft, 1e3), "tpot_ms": percentiles(tpot, 1e3), "itl_ms": percentiles(itl, 1e3)}
 
 
 async def _send_all(url, model, requests, api_key, started) -> list[tuple[float, list[float], int]]:
@@ -80,9 +92,14 @@ def _headers(api_key: str | None) -> dict:
 def format_http_bench(r: dict) -> str:
     def pct(d):
         return "  ".join(f"{k} {d[k]:8.1f}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
-    return "\n".join([f"server            {r['url']} ({r['model']})",
-                      f"requests/s        {r['requests_per_s']:.2f}",
-                      f"output tokens/s   {r['output_tokens_per_s']:.1f}",
-                      f"TTFT ms           {pct(r['ttft_ms'])}",
-                      f"TPOT ms           {pct(r['tpot_ms'])}",
-                      f"ITL ms            {pct(r['itl_ms'])}"])
+    lines = [f"server            {r['url']} ({r['model']})",
+             f"requests/s        {r['requests_per_s']:.2f}",
+             f"output tokens/s   {r['output_tokens_per_s']:.1f}",
+             f"TTFT ms           {pct(r['ttft_ms'])}",
+             f"TPOT ms           {pct(r['tpot_ms'])}",
+             f"ITL ms            {pct(r['itl_ms'])}"]
+    for name, c in r.get("classes", {}).items():
+        lines += [f"{name} ({c['requests']} requests)",
+                  f"  TTFT ms         {pct(c['ttft_ms'])}",
+                  f"  TPOT ms         {pct(c['tpot_ms'])}"]
+    return "\n".join(lines)
