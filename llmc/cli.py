@@ -643,14 +643,9 @@ def _bench_table(r: dict) -> str:
     from llmc.runtime.memory_report import memory_line
     from llmc.runtime.parallel.report import format_ranks
     from llmc.runtime.roofline import format_roofline
+    from llmc.tools.bench_http import latency_lines, percentile_cells
 
-    def pct(d):
-        return "  ".join(f"{k} {d[k]:8.1f}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
-    lines = [f"requests/s        {r['requests_per_s']:.2f}",
-             f"output tokens/s   {r['output_tokens_per_s']:.1f}",
-             f"TTFT ms           {pct(r['ttft_ms'])}",
-             f"TPOT ms           {pct(r['tpot_ms'])}",
-             f"ITL ms            {pct(r['itl_ms'])}",
+    lines = [*latency_lines(r),
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
              *_window_lines(r.get("kv_window")),
@@ -670,7 +665,7 @@ def _bench_table(r: dict) -> str:
         b = r["baseline"]
         name = "HF" if b["name"] == "hf" else b["name"]
         lines += [f"baseline          {name}: {b['output_tokens_per_s']:.1f} output tokens/s, "
-                  f"{b['requests_per_s']:.2f} req/s, TPOT ms {pct(b['tpot_ms'])}",
+                  f"{b['requests_per_s']:.2f} req/s, TPOT ms {percentile_cells(b['tpot_ms'])}",
                   f"ratio             {r['ratio']:.2f}x output tokens/s (ours / baseline)"]
     if r.get("repeats"):
         runs = r["repeats"]

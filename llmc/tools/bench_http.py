@@ -89,17 +89,24 @@ def _headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def percentile_cells(d: dict) -> str:
+    """p50, p95 and p99 of a percentiles() dict, as the bench tables show them."""
+    return "  ".join(f"{k} {d[k]:8.1f}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
+
+
+def latency_lines(r: dict) -> list[str]:
+    """The bench table's throughput and latency lines (the offline bench's and --url's)."""
+    return [f"requests/s        {r['requests_per_s']:.2f}",
+            f"output tokens/s   {r['output_tokens_per_s']:.1f}",
+            f"TTFT ms           {percentile_cells(r['ttft_ms'])}",
+            f"TPOT ms           {percentile_cells(r['tpot_ms'])}",
+            f"ITL ms            {percentile_cells(r['itl_ms'])}"]
+
+
 def format_http_bench(r: dict) -> str:
-    def pct(d):
-        return "  ".join(f"{k} {d[k]:8.1f}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
-    lines = [f"server            {r['url']} ({r['model']})",
-             f"requests/s        {r['requests_per_s']:.2f}",
-             f"output tokens/s   {r['output_tokens_per_s']:.1f}",
-             f"TTFT ms           {pct(r['ttft_ms'])}",
-             f"TPOT ms           {pct(r['tpot_ms'])}",
-             f"ITL ms            {pct(r['itl_ms'])}"]
+    lines = [f"server            {r['url']} ({r['model']})", *latency_lines(r)]
     for name, c in r.get("classes", {}).items():
         lines += [f"{name} ({c['requests']} requests)",
-                  f"  TTFT ms         {pct(c['ttft_ms'])}",
-                  f"  TPOT ms         {pct(c['tpot_ms'])}"]
+                  f"  TTFT ms         {percentile_cells(c['ttft_ms'])}",
+                  f"  TPOT ms         {percentile_cells(c['tpot_ms'])}"]
     return "\n".join(lines)

@@ -7,18 +7,12 @@ import json
 
 import jsonschema
 import pytest
+from tool_chat_template import TOOL_TEMPLATE
 
 import llmc
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.sampling_params import SamplingParams
 
-TOOL_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
-    "<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
-    "{%- endfor %}{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
