@@ -1,7 +1,7 @@
 """Expert weights of Mixtral-style `moe` ops under the weight-only int8 and int4 passes: each moe
 becomes a qmoe over its experts' codes and scales (and int4 zero points), stored as qlinear stores one
 weight, per expert; the router stays float. The CPU kernel and the Triton kernels dequantise only the
-chosen experts' weights (codegen/cpu_moe.py, codegen/triton_moe.py). Experts are rounded to nearest
+chosen experts' weights (codegen/torch_cpu/cpu_moe.py, codegen/triton/triton_moe.py). Experts are rounded to nearest
 whatever the pass's method (GPTQ and AWQ calibrate linears one by one; an expert sees only the tokens
 routed to it)."""
 

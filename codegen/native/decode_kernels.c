@@ -1,6 +1,6 @@
 /* llmc's native CPU kernels for decode-sized work: a few rows of fp32 each, where torch's eager
  * operators cost more in dispatch (2-5 us an operator) than in arithmetic. Built on the user's machine
- * at first use (codegen/cpu_native.py: cc -O3 -march=native) and called through ctypes with raw
+ * at first use (codegen/native/cpu_native.py: cc -O3 -march=native) and called through ctypes with raw
  * pointers; the Python side checks shapes, dtypes and contiguity before every call. Norms are
  * single-threaded: a decode row's is microseconds of work, less than waking a thread pool. Attention
  * (it reads a layer's cache) and the int8 GEMV (it streams megabytes) split over OpenMP threads: built with
