@@ -83,8 +83,9 @@ class StoredCodes:
 
     def __call__(self, weight: None, ctx: PassContext, node: Node):
         """The node's codes, handed over once: the graph keeps them as its params from here on."""
-        packed, scales, zeros = self._parts.pop(node.inputs[1])
-        return unpack_int4(packed), scales, zeros
+        parts = self.get(node.inputs[1])
+        del self._parts[node.inputs[1]]
+        return parts
 
 
 def gptq_method(graph: Graph, ctx: PassContext, nodes: list[Node], group_of: Callable[[Node], int],
