@@ -156,39 +156,52 @@ def _grid_error(x, s, z, bits, importance):
 def _quantize_columns(w, hinv, perm, g, bits, block_size, grid_of):
     """The GPTQ loop over columns in visiting order, with lazy batch updates: inside a block
     only the block's columns are updated, the rest once per block with one matmul.
-    w [N, K] (visiting order) -> codes [N, K] (visiting order), scales, zeros [N, K/g]."""
+    w [N, K] (visiting order) -> codes [N, K] (visiting order), scales, zeros [N, K/g].
+
+    The block is worked on transposed, [columns, N], so that each column's handful of
+    operations reads contiguous memory: on w's own row-major layout every element of a column
+    sat in its own cache line, which made the loop ~3x slower than its arithmetic. Each
+    group's grid is cast to w's dtype once."""
     n, k = w.shape
+    maxq = 2 ** bits - 1
     codes = torch.zeros_like(w)
     scales = torch.zeros(n, k // g, dtype=torch.float32, device=w.device)
     zeros = torch.zeros_like(scales)
     starts, group_of = _group_starts(perm, g), (perm // g).tolist()
+    grid = {}       # group -> its (scale, zero) [N] in w's dtype, as stored (fp32) then cast
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        w1, u1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
-        err = w.new_zeros(n, i2 - i1)
+        w1, u1 = w[:, i1:i2].T.contiguous(), hinv[i1:i2, i1:i2]
+        pivots = u1.diagonal().tolist()
+        err, q1 = torch.zeros_like(w1), torch.empty_like(w1)
         for i in range(i2 - i1):
             if i1 + i in starts:
                 grp, cols = starts[i1 + i]
-                current = _current_columns(w, w1, err[:, :i], hinv, i1, cols)
+                current = _current_columns(w, w1, err[:i], hinv, i1, cols)
                 scales[:, grp], zeros[:, grp] = grid_of(cols, current)
-            # the grid as stored (fp32 scales), so compensation sees the error actually made
-            s, z = (t[:, group_of[i1 + i]].to(w.dtype) for t in (scales, zeros))
-            codes[:, i1 + i] = quantize_to_grid(w1[:, i:i + 1], s, z, bits)[:, 0]
-            err[:, i] = (w1[:, i] - (codes[:, i1 + i] - z) * s) / u1[i, i]
-            w1[:, i:] -= torch.outer(err[:, i], u1[i, i:])
-        w[:, i2:] -= err @ hinv[i1:i2, i2:]
+                # the grid as stored (fp32 scales), so compensation sees the error actually made
+                grid[grp] = tuple(t[:, grp].to(w.dtype).contiguous() for t in (scales, zeros))
+            s, z = grid[group_of[i1 + i]]
+            x, q, e = w1[i], q1[i], err[i]
+            torch.div(x, s, out=q).round_().add_(z).clamp_(0, maxq)
+            torch.sub(q, z, out=e).mul_(s)
+            torch.sub(x, e, out=e).div_(pivots[i])
+            w1[i:].sub_(u1[i, i:, None] * e)
+        codes[:, i1:i2] = q1.T
+        w[:, i2:] -= err.T @ hinv[i1:i2, i2:]
     return codes, scales, zeros
 
 
 def _current_columns(w, w1, err, hinv, i1, cols):
     """Up-to-date values [N, len(cols)] of not-yet-quantised columns (visiting positions
-    `cols`, in that order): those in the block live in w1; those after it still lack the
-    block's pending update, which is applied here for just these columns."""
-    i2 = i1 + w1.shape[1]
+    `cols`, in that order): those in the block live in w1 (the block transposed, [b, N]);
+    those after it still lack the pending update from the block's quantised columns (their
+    errors err [i, N]), which is applied here for just these columns."""
+    i2 = i1 + w1.shape[0]
     inside = cols < i2
     current = w.new_empty(w.shape[0], cols.numel())
-    current[:, inside] = w1[:, cols[inside] - i1]
-    current[:, ~inside] = w[:, cols[~inside]] - err @ hinv[i1:i1 + err.shape[1]][:, cols[~inside]]
+    current[:, inside] = w1[cols[inside] - i1].T
+    current[:, ~inside] = w[:, cols[~inside]] - err.T @ hinv[i1:i1 + err.shape[0]][:, cols[~inside]]
     return current
 
 
