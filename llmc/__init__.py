@@ -38,7 +38,7 @@ def __getattr__(name):
     if name in ("compile",):
         from llmc.api import compile
         return compile
-    if name in ("load", "LLM", "evaluate", "export", "serve"):
+    if name in ("load", "LLM", "evaluate", "distill", "export", "serve"):
         from llmc import api
         return getattr(api, name)
     if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
@@ -54,6 +54,6 @@ def __getattr__(name):
 
 
 __all__ = ["compile", "load", "LLM", "evaluate", "export", "serve", "SamplingParams", "StructuredOutputsParams",
-           "parse_tool_calls",
+           "parse_tool_calls", "distill",
            "RequestOutput", "CompletionOutput", "LlmcError", "ModelLoadError", "UnsupportedModelError", "IRError",
            "PassError", "TargetError", "ArtifactError", "RuntimeLlmcError", "__version__"]

@@ -25,6 +25,21 @@ def compile(model: str, target: str = "cpu", output: str | Path | None = None, *
     return compile_model(model, target, output, CompileOptions.build(**options))
 
 
+def distill(student: str | Path, teacher: str | Path, text: str | Path, output: str | Path | None = None,
+            **options) -> Path:
+    """Train the artifact `student` (float weights; pruned, GQA-converted or a draft) to match the
+    artifact `teacher`'s next-token distribution on the text file `text`, with torch on the CPU, and
+    write the result as the artifact `output` (as `llmc distill`; see compiler/driver/distill.py).
+    `options` (compiler/driver/distill_options.py): steps, lr, seq_len, batch, temperature, seed,
+    checkpoint, checkpoint_every, threads, force, quiet (default True)."""
+    from llmc.compiler.driver.distill import distill_artifact
+    from llmc.compiler.driver.distill_options import DistillOptions
+
+    options.setdefault("quiet", True)
+    output = output or f"{Path(str(student)).name.removesuffix('.llmc')}-distilled.llmc"
+    return distill_artifact(student, teacher, text, output, DistillOptions.build(**options))
+
+
 def evaluate(path: str | Path, text: str, ref: str | Path | None = None, max_tokens: int = 4096,
              progress: bool = False, device: str | None = None) -> dict:
     """Perplexity of the artifact at `path` on `text` (context 512, stride 256, first

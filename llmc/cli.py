@@ -777,6 +777,11 @@ def eval_command(artifact, text_file, ref, max_tokens, as_json, quiet, device, t
         click.echo(format_summary(result, artifact, text_file or str(DEFAULT_TEXT), ref))
 
 
+from llmc.cli_distill import distill_command  # noqa: E402  (its module makes the flags from the options)
+
+cli.add_command(distill_command)
+
+
 # Bare `llmc` raises this (click >= 8.2) to show the help, which is what the user asked for.
 _SHOW_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
