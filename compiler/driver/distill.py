@@ -58,7 +58,6 @@ from llmc.compiler.artifact import (
     write_contents,
 )
 from llmc.compiler.bounded_input import read_input
-from llmc.compiler.draft import vocab_difference
 from llmc.compiler.driver.distill_checkpoint import (
     default_checkpoint,
     load_checkpoint,
@@ -159,6 +158,13 @@ def check_same_tokenizer(student: Artifact, teacher: Artifact, student_tok, teac
                            f"({why}); a student must share its teacher's tokenizer and vocabulary")
 
 
+def vocab_difference(ours: dict[str, int], theirs: dict[str, int]) -> str:
+    if len(ours) != len(theirs):
+        return f"{len(ours)} tokens against {len(theirs)}"
+    token = min(t for t in ours if theirs.get(t) != ours[t])
+    return f"token {token!r} is id {ours[token]} in the student and {theirs.get(token)} in the teacher"
+
+
 def check_seq_len(art: Artifact, plan: Plan, seq_len: int, role: str) -> None:
     positions = art.manifest["model"]["max_position_embeddings"]
     if seq_len > min(positions, plan.max_tokens):
@@ -235,6 +241,7 @@ def train(run: Run, options: DistillOptions, checkpoint: Path, say: Callable[[st
         say(f"llmc: resuming at step {start} of {options.steps} from checkpoint '{checkpoint}'")
     progress = bar(options.steps, "distill", unit="step", quiet=options.quiet, initial=start)
     updating = False   # an interrupt inside optimizer.step() leaves the masters half-updated: not saved
+    saved = start
     try:
         for step in range(start, options.steps):
             loss = accumulate_gradients(run, step, options)
@@ -242,17 +249,18 @@ def train(run: Run, options: DistillOptions, checkpoint: Path, say: Callable[[st
                 group["lr"] = learning_rate(step, options)
             updating = True
             optimizer.step()
-            updating = False
             history.append(loss)
+            updating = False
             progress.update(1)
             progress.set_postfix(kl=f"{loss:.4f}")
             if (step + 1) % options.checkpoint_every == 0 and step + 1 < options.steps:
                 save_checkpoint(checkpoint, run.key, step + 1, graph.masters, optimizer, history)
+                saved = step + 1
                 if not options.quiet and not on_terminal():
                     say(f"llmc: step {step + 1}/{options.steps}: loss {recent(history):.4f}; "
                         f"checkpoint '{checkpoint}'")
     except (KeyboardInterrupt, SystemExit):
-        if not updating and len(history) > start:
+        if not updating and len(history) > saved:
             save_checkpoint(checkpoint, run.key, len(history), graph.masters, optimizer, history)
             say(f"llmc: interrupted after step {len(history)} of {options.steps}; the same command resumes "
                 f"from checkpoint '{checkpoint}'")

@@ -99,8 +99,8 @@ def refuse_untrainable(graph: Graph, manifest: dict, where: str) -> None:
     if manifest.get("parallel"):
         raise DistillError(f"{where} is sharded across ranks (--tp/--pp); distil an unsharded student "
                            f"(compile it without --tp/--pp)")
-    quantised = sorted({n.op for n in graph.nodes if n.op in QUANTISED_OPS}
-                       | {"quantised params" for p in graph.params.values() if p.quant is not None})
+    quantised = sorted({n.op for n in graph.nodes if n.op in QUANTISED_OPS}) or \
+        [f"param {p.name}" for p in graph.params.values() if p.quant is not None][:1]
     if quantised:
         recipe = (manifest.get("weights") or {}).get("quant") or "quantised"
         raise DistillError(f"{where} stores {recipe} weights ({', '.join(quantised)}), which gradients cannot "
