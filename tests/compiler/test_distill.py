@@ -154,8 +154,8 @@ REFUSALS = {
                         r"^student '.*mqa.llmc' and teacher '.*other-tokenizer.llmc' have different tokenizers "
                         r"\(token .* is id \d+ in the student and \d+ in the teacher\)"),
     "quantised student": (lambda t, c: {"student": quantised_student(t)},
-                          r"^student '.*int4.llmc' stores int4-rtn weights \(qembedding, qlinear\), which gradients cannot "
-                          r"train; compile the student with --quant none"),
+                          r"^student '.*int4.llmc' stores int4-rtn weights \(qembedding, qlinear\), which "
+                          r"gradients cannot train; compile the student with --quant none"),
     "student not an artifact": (lambda t, c: {"student": TEXT}, r"^student '.*eval.txt' is not an artifact"),
     "output exists": (lambda t, c: {"-o": t}, r"^output '.*' exists; pass --force to overwrite$"),
 }
