@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import functools
 
+from llmc.codegen.family import ORT
 from llmc.codegen.ort.onnx_ops import FP32_COMPUTE, INT8_COMPUTE
 from llmc.codegen.ort.ort_decode import DECODE_FILE
 from llmc.codegen.ort.ort_lowering import (
     DEFAULT_MODE,
     SegmentModels,
     check_kernels_option,
-    find_segments,
     kept_in_torch,
     lowered_steps,
     refuse_torch_ops,
@@ -78,7 +78,7 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     kept = kept_in_torch(graph)
     if mode == "ort":
         refuse_torch_ops(graph, kept)
-    segments = find_segments(graph, kept, plan.outputs)
+    segments = ORT.candidates(graph, plan, plan.target)   # the runs of steps the ORT family offers
     # ort: MatMulNBits on int8 activations, the fast path asked for; auto: on fp32 activations, the
     # level it may choose on timing alone (the int8 one also needs the calibration check, ort_accuracy)
     built = SegmentModels(graph, segments, INT8_COMPUTE if mode == "ort" else FP32_COMPUTE)

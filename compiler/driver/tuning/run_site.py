@@ -24,12 +24,11 @@ from __future__ import annotations
 import os
 
 from llmc.cache import pick
+from llmc.codegen.family import ORT
 from llmc.codegen.ort.onnx_ops import FP32_COMPUTE
 from llmc.codegen.ort.ort_decode import DECODE_FILE
 from llmc.codegen.ort.ort_lowering import (
     SegmentModels,
-    find_segments,
-    kept_in_torch,
     lowered_steps,
     restep,
     segment_ops,
@@ -164,7 +163,7 @@ def _all_lowered(graph, base: Plan, invariant: bool) -> tuple[Plan, dict[str, by
     or the plan's steps are not the graph's nodes."""
     if [s.node for s in base.steps] != [n.name for n in graph.nodes]:
         return None
-    segments = find_segments(graph, kept_in_torch(graph), base.outputs)
+    segments = ORT.candidates(graph, base, base.target)   # the runs of steps the ORT family offers
     built = SegmentModels(graph, segments, FP32_COMPUTE)
     chosen = [not (segment_ops(built[i][0]) - cpu_kernel_ops()) and not (invariant and fp32_nbits(built[i][0]))
               for i in range(len(segments))]
