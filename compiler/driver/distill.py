@@ -345,13 +345,16 @@ def distill_artifact(student: str | Path, teacher: str | Path, text: str | Path,
         kl_before = held_out_kl(PlanLogits(run.student), run.teacher_logits, run.windows.held_out)
         stages.start(f"training {run.graph.parameter_count():,} weights for {options.steps} steps of "
                      f"{options.batch} x {options.seq_len} tokens")
+        trained = time.perf_counter()
         start, history = train(run, options, checkpoint, say)
+        trained = time.perf_counter() - trained
         stages.start(f"writing the artifact '{output}'")
         kl_after = write_distilled(run, output, options, history, kl_before)
     remove_checkpoint(checkpoint)
+    resumed = f", resumed at step {start}" if start else ""
     say(f"llmc: distilled '{student}' from '{teacher}' into '{output}' in {time.perf_counter() - began:.1f} s "
-        f"({options.steps - start} steps" + (f", resumed at step {start}" if start else "") + "): held-out "
-        f"KL(teacher || student) {kl_before:.4f} -> {kl_after:.4f}")
+        f"({options.steps - start} steps in {trained:.1f} s{resumed}): held-out KL(teacher || student) "
+        f"{kl_before:.4f} -> {kl_after:.4f}")
     return output
 
 
