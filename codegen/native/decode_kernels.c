@@ -25,6 +25,9 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
                            int64_t f16, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
 int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz,
                            int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
+/* and the 4-bit one on int8 activations, where turned on (llmc_gemv_int8) */
+int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz,
+                          int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
 
 /* rotate-half rotary of one head: y = x * cos + [-x2, x1] * sin */
 static void rotate_head(const float *x, const float *cos, const float *sin, float *y, int64_t hd) {
@@ -700,6 +703,7 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *q, const
  * (fp16 when f16, else fp32); y [m, n] contiguous. Weight rows split over `threads` as llmc_gemv_q8's. */
 void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz_, int64_t f16,
                   int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+    if (llmc_gemv_q4_int8(x, x_stride, m, q, sz_, f16, zp, n, k, group, y, threads)) return;
     if (llmc_gemv_q4_int16(x, x_stride, m, q, sz_, f16, zp, n, k, group, y, threads)) return;
     int64_t groups = k / group;
 #pragma omp parallel for schedule(static) num_threads(threads)

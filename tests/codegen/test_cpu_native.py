@@ -5,6 +5,7 @@ groups and head sizes on and off the vector fast path; and the torch fallback.""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -405,6 +406,59 @@ def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads, i
     rounded = _int16_rounded(x) @ (s * codes.double()).T + x.double() @ offsets.T
     assert ((y.double() - rounded).abs().max() / want.abs().max()) < 1e-6
     assert ((y.double() - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] as the int8 path rounds it, in float64: per block of 64, codes round(x * (127 / max|x|))
+    (fp32 product, ties to even) times max|x| / 127"""
+    blocks = x.reshape(x.shape[0], -1, 64)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
+    return (torch.round(blocks * inv).double() * (top / 127.0).double()).reshape(x.shape)
+
+
+def _vnni() -> bool:
+    return "avx512_vnni" in Path("/proc/cpuinfo").read_text() and cpu_native.int16_activations()
+
+
+@pytest.mark.parametrize("rows,n,k,group,zero_point,half,threads", [
+    (1, 70, 512, 32, False, True, 2),        # GGUF Q4_1: fp16 scales and offsets per 32 codes
+    (3, 33, 384, 32, True, True, 1),         # Q4_0-style zero points, K three pairs of blocks (odd)
+    (cpu_native.MAX_ROWS, 40, 256, 64, True, False, 2),
+    (2, 21, 1024, 128, False, False, 2),
+    (5, 17, 768, 256, True, False, 1)])
+def test_gemv_q4_on_int8_activations_is_its_rounding_exactly(rows, n, k, group, zero_point, half, threads):
+    """With LLMC_INT8_ACTIVATIONS' switch on, the 4-bit GEMV computes s * sum(q * x8) + o * sum(x) per group
+    on x rounded to int8 codes per block of 64 (llama.cpp's activation rounding), within fp32 summation of
+    the float64 reference; off again, it is back on int16 codes. Shapes it cannot take stay on int16."""
+    if not _vnni():
+        pytest.skip("no AVX-512 VNNI: the int8 path is not built")
+    from llmc.compiler.quant import dequantize_affine_codes, dequantize_int4_codes
+
+    g = torch.Generator().manual_seed(n + group + k)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.1 + 1e-3
+    second = torch.randint(0, 16, scales.shape, generator=g).float() if zero_point else \
+        torch.randn(scales.shape, generator=g) * 0.05
+    if half:
+        scales, second = scales.half().float(), second.half().float()
+    w = cpu_native.q4_weights(pack_int4(codes), scales, second, zero_point)
+    x = torch.randn(rows, k + 3, generator=g)[:, 1:1 + k]
+    previous = cpu_native.set_int8_activations(True)
+    try:
+        y = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w))
+    finally:
+        cpu_native.set_int8_activations(previous)
+    s, o = scales.double().repeat_interleave(group, 1), second.double().repeat_interleave(group, 1)
+    offsets = -s * o if zero_point else o
+    want = _int8_rounded(x) @ (s * codes.double()).T + x.double() @ offsets.T
+    dense = (dequantize_int4_codes if zero_point else dequantize_affine_codes)(codes, scales, second)
+    exact = x.double() @ dense.double().T
+    assert ((y.double() - want).abs().max() / exact.abs().max()) < 1e-6
+    assert ((y.double() - exact).abs().max() / exact.abs().max()) < 2e-2     # 2^-8 of each block's largest
+    y16 = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w))
+    rounded16 = _int16_rounded(x) @ (s * codes.double()).T + x.double() @ offsets.T
+    assert ((y16.double() - rounded16).abs().max() / exact.abs().max()) < 1e-6
 
 
 def test_gemv_int16_activations_keep_non_finite_values():
