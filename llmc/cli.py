@@ -729,12 +729,17 @@ def export(artifact, format_, output, force, quiet):
               "questions). Off by default.")
 @click.option("--semantic-cache-entries", type=POSITIVE, default=10_000, show_default=True,
               help="Results the semantic cache keeps (the oldest goes first).")
+@click.option("--disaggregate", default=None, metavar="prefill:P,decode:D",
+              help="Run prefill and decode in engine processes of their own (P and D of them, --threads split "
+                   "between them, --kv-memory and --max-num-seqs each), the KV blocks of each request moved "
+                   "from one to the other after its first token (docs/disaggregated_serving.md).")
 @device_option
 @threads_option
 @speculative_options
 def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_ms, max_num_seqs, shutdown_timeout,
           kv_memory, max_request_bytes, max_n, metrics_need_key, result_cache, result_cache_ttl,
-          semantic_cache_threshold, semantic_cache_entries, device, threads, speculative, num_speculative_tokens):
+          semantic_cache_threshold, semantic_cache_entries, disaggregate, device, threads, speculative,
+          num_speculative_tokens):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions),
     with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
     `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
@@ -746,7 +751,7 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
                    max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key,
                    result_cache=result_cache, result_cache_ttl=result_cache_ttl,
                    semantic_cache_threshold=semantic_cache_threshold, semantic_cache_entries=semantic_cache_entries,
-                   device=device,
+                   disaggregate=disaggregate, device=device,
                    threads=_threads(threads), max_num_seqs=max_num_seqs,
                    speculative=_speculative(speculative, num_speculative_tokens))
 

@@ -8,6 +8,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from llmc.runtime.speculative_config import SpeculativeConfig, speculative_confi
 from llmc.runtime.stop import StopChecker
 from llmc.runtime.structured_output import GrammarCompiler, consume, grammar_drafts, mask_draft_rows
 from llmc.runtime.threads import apply_threads, resolve_threads
+
+if TYPE_CHECKING:
+    from llmc.runtime.kv_transfer import Handoff
 
 # Forked samples get ids far from Sequence's own counter.
 _fork_ids = itertools.count(1 << 40)
@@ -215,6 +219,39 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
         return request_id
+
+    def add_prefilled(self, handoff: Handoff, kv: torch.Tensor) -> bool:
+        """Disaggregated decode: take in a request another engine prefilled (runtime/kv_transfer.py's
+        `handoff`: its prompt, the first token sampled there with its logprobs and generator state) with
+        its prompt's KV blocks `kv` (PagedKVCache.export_blocks' bytes); False while the batch or the
+        cache has no room for it (Scheduler.admit_prefilled), a RuntimeLlmcError if it can never fit."""
+        h, where, now = handoff, f"request {handoff.request_id}", time.monotonic()
+        if h.request_id in self.requests:
+            raise RuntimeLlmcError(f"request id {h.request_id!r} is already in use; pick another")
+        params = request_values.sampling_params(h.params, where)
+        ids = self.prompt_ids(h.prompt, h.prompt_token_ids, where)
+        seq = Sequence(ids, request_id=h.request_id, params=params, priority=h.priority, arrival_time=now)
+        req = _Request(h.request_id, h.prompt, ids, params,
+                       RequestMetrics(arrival_time=now, first_token_time=now, num_prompt_tokens=len(ids)))
+        s = self._sample(seq, req, 0)   # before the first token is appended: its stop checker reads it below
+        seq.append_token(h.first_token)
+        if not self.scheduler.admit_prefilled(seq):
+            return False
+        first = seq.num_cached_tokens // self.config.block_size   # blocks before it: this cache's prefix hits
+        self.cache.import_blocks(seq.block_table[first:kv.shape[2]], kv[:, :, first:])
+        self.block_manager.mark_full_blocks(seq)
+        seq.num_cached_tokens = h.num_cached_tokens
+        req.samples.append(s)
+        s.logprobs, s.cumulative_logprob = h.logprobs, h.cumulative_logprob
+        if h.generator_state is not None:
+            s.state.generator.set_state(h.generator_state)
+        if s.state.grammar is not None:
+            consume(s.state.grammar, h.first_token)
+        finished = s.stop.check_new_token()   # the text and the stop strings as the prefill engine saw them
+        assert not finished, "a request is handed over only when its first token did not finish it"
+        s.stop.new_text()   # streamed by the prefill engine
+        self.requests[h.request_id] = req
+        return True
 
     def prompt_ids(self, prompt: str | None, prompt_token_ids, where: str) -> list[int]:
         """The checked token ids of a prompt given as text or as ids (ids win when both are);

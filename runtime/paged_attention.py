@@ -127,6 +127,19 @@ class PagedKVCache:
             flat = cache.view(-1, *cache.shape[2:])
             flat[dst_t] = flat[src_t]
 
+    def export_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """The stored bytes of `blocks` in every layer, [2 (keys, values), layers, len(blocks), block bytes]
+        (uint8, a copy): what runtime/kv_transfer.py moves into another engine's cache of this layout."""
+        index = torch.tensor(blocks, device=self._k_layers.device)
+        return torch.stack([c.view(torch.uint8).flatten(2).index_select(1, index)
+                            for c in (self._k_layers, self._v_layers)])
+
+    def import_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Store export_blocks' bytes `data` [2, layers, len(blocks), block bytes] into `blocks`."""
+        index = torch.tensor(blocks, device=self._k_layers.device)
+        for cache, part in zip((self._k_layers, self._v_layers), data):
+            cache.view(torch.uint8).flatten(2).index_copy_(1, index, part)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets src's keys and values in every layer."""
         if not pairs:

@@ -126,6 +126,25 @@ class Scheduler:
         self.running.append(child)
         return child
 
+    def admit_prefilled(self, seq: Sequence) -> bool:
+        """Take in a sequence whose prompt KV another engine computed (disaggregated decode,
+        runtime/kv_transfer.py): blocks for all its tokens, all but the last counted as computed, the
+        caller writing their KV from block seq.num_cached_tokens // block_size on (the ones before are
+        this cache's prefix hits); it runs from the next step. False while the batch is full, the free
+        blocks fall short, or preempted sequences wait (they go first)."""
+        error = self._fit_error(seq)
+        if error is not None:
+            raise RuntimeLlmcError(error)
+        bm = self.block_manager
+        if self.waiting or len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(seq):
+            return False
+        seq.uses_prefix_cache = bm.window is None   # a window's dropped blocks arrive unfilled
+        bm.allocate(seq)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of `request_id`, waiting or running, freeing its blocks."""
         seqs = [s for s in self.waiting + self.running if s.request_id == request_id]

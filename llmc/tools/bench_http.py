@@ -2,7 +2,8 @@
 a running OpenAI-compatible server as streamed completions (greedy, `ignore_eos`, so every request
 makes its full length), timed at the client: TTFT, TPOT and ITL percentiles and throughput, as the
 offline bench reports them, and per class for a mix of long and short prompts (--long-fraction). Each
-stream chunk counts as the arrival of its tokens."""
+stream chunk counts as the arrival of its tokens. Against a disaggregated server (`llmc serve
+--disaggregate`), the KV moved per request and its transfer time, from the server's /metrics."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def served_model(url: str, api_key: str | None) -> tuple[str, int]:
 
 def run_http(url: str, model: str, requests: list[dict], api_key: str | None = None) -> dict:
     """Send `requests` (Workload.build's) to the server at their arrival times; the latency report."""
+    transfers = kv_transfers(url, api_key)
     started = time.perf_counter()
     timings = asyncio.run(_send_all(url, model, requests, api_key, started))
     total = max(times[-1] for _, times, _ in timings) - started
@@ -41,12 +43,33 @@ def run_http(url: str, model: str, requests: list[dict], api_key: str | None = N
     report = {"url": url, "model": model, "requests_per_s": len(requests) / total,
               "output_tokens_per_s": tokens / total, "total_seconds": total, "output_tokens": tokens,
               **latencies(timings)}
+    moved = {k: v - transfers.get(k, 0.0) for k, v in kv_transfers(url, api_key).items()}
+    if moved.get("count"):
+        report["kv_transfer"] = {"requests": int(moved["count"]), "bytes_per_request": moved["bytes"] / moved["count"],
+                                 "ms_per_request": moved["seconds"] / moved["count"] * 1e3}
     classes = sorted({r["class"] for r in requests if "class" in r})
     if classes:   # a mixed workload: each class's latencies apart (long prompts stall short requests' decode)
         report["classes"] = {c: {"requests": sum(r.get("class") == c for r in requests),
                                  **latencies([t for t, r in zip(timings, requests) if r.get("class") == c])}
                              for c in classes}
     return report
+
+
+def kv_transfers(url: str, api_key: str | None) -> dict:
+    """The server's KV transfer totals so far (count, bytes, seconds); {} from a server without them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", headers=_headers(api_key), timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    names = {"llmc:kv_transfer_seconds_count": "count", "llmc:kv_transfer_seconds_sum": "seconds",
+             "llmc:kv_transfer_request_bytes_sum": "bytes"}
+    try:
+        return {names[s.name]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name in names}
+    except ValueError:   # not Prometheus' text: another server's /metrics
+        return {}
 
 
 def latencies(timings: list[tuple[float, list[float], int]]) -> dict:
@@ -105,6 +128,10 @@ def latency_lines(r: dict) -> list[str]:
 
 def format_http_bench(r: dict) -> str:
     lines = [f"server            {r['url']} ({r['model']})", *latency_lines(r)]
+    if r.get("kv_transfer"):
+        t = r["kv_transfer"]
+        lines.append(f"KV transfer       {t['requests']} requests, {t['bytes_per_request'] / 2**20:.2f} MiB and "
+                     f"{t['ms_per_request']:.1f} ms per request (mean: packed, sent, received)")
     for name, c in r.get("classes", {}).items():
         lines += [f"{name} ({c['requests']} requests)",
                   f"  TTFT ms         {percentile_cells(c['ttft_ms'])}",

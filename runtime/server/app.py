@@ -68,7 +68,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
               ttft_slo_ms: float | None = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               max_n: int = DEFAULT_MAX_N, metrics_need_key: bool = False, result_cache: int | str | None = None,
               result_cache_ttl: float | None = None, semantic_cache_threshold: float | None = None,
-              semantic_cache_entries: int = 10_000) -> FastAPI:
+              semantic_cache_entries: int = 10_000, core=None) -> FastAPI:
     """An app serving `engine` (an `llmc.runtime.engine.Engine`, or `llmc.load(...)`'s LLM) under the
     model name `served_model_name` (default: the artifact's directory name). With `api_key`, the
     /v1 routes need `Authorization: Bearer <api_key>` (and /metrics too with `metrics_need_key`; by
@@ -78,17 +78,18 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     `result_cache`: bytes ('256MiB', ...) of a cache of determined results (greedy or seeded), each
     kept `result_cache_ttl` seconds (None: until evicted); `semantic_cache_threshold`: the cosine
     similarity over which a request sent with `"semantic_cache": true` gets the result of an earlier
-    one close in meaning (semantic_cache.py; at most `semantic_cache_entries` kept)."""
+    one close in meaning (semantic_cache.py; at most `semantic_cache_entries` kept). `core`: what runs the
+    requests in place of an AsyncEngine around `engine` (disaggregate.py's Router, its metrics its own)."""
     path, engine = getattr(engine, "path", None), getattr(engine, "engine", engine)
     name = served_model_name or (model_name(path) if path is not None else None)
     if not name:
         raise RuntimeLlmcError("build_app(engine) needs served_model_name=... (an Engine does not know its "
                                "artifact's path; an LLM from llmc.load does)")
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name) if core is None else core.metrics
     # The event loop's own copy (token texts of logprobs): a Rust tokenizer used from two threads at
     # once can fail "Already borrowed".
     tokenizer = copy.deepcopy(engine.tokenizer)
-    core = AsyncEngine(engine, metrics, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms)
+    core = core or AsyncEngine(engine, metrics, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms)
     preparer = RequestPreparer(engine, max_n)
     results = make_result_cache(result_cache, result_cache_ttl)
     semantic = make_semantic_cache(engine, preparer, semantic_cache_threshold, semantic_cache_entries)
@@ -127,7 +128,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     @app.get("/health", response_class=Response, responses={200: {"description": "Serving (empty body)"},
                                                             503: {"description": "Shutting down (empty body)"}})
     async def health():
-        return Response(status_code=503 if core.draining else 200)
+        return Response(status_code=200 if core.healthy else 503)
 
     @app.get("/metrics", dependencies=auth if metrics_need_key else [], response_class=PlainTextResponse,
              responses={401: {"model": ErrorResponse}})

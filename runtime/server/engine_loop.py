@@ -112,6 +112,11 @@ class AsyncEngine:
     def draining(self) -> bool:
         return self._drain_deadline is not None
 
+    @property
+    def healthy(self) -> bool:
+        """What /health answers: serving (not shutting down)."""
+        return not self.draining
+
     def submit(self, job: Job) -> None:
         """Queue `job`, or refuse it: 503 while shutting down, 429 when the queue is full or the
         request is predicted to miss the TTFT SLO."""

@@ -12,7 +12,7 @@ import socket
 import uvicorn
 
 from llmc.errors import RuntimeLlmcError
-from llmc.runtime.server.app import build_app
+from llmc.runtime.server.app import build_app, model_name
 from llmc.runtime.server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from llmc.runtime.server.result_cache import make_result_cache
 
@@ -37,20 +37,28 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Non
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_n: int = DEFAULT_MAX_N,
           metrics_need_key: bool = False, log_level: str = "info", result_cache: int | str | None = None,
           result_cache_ttl: float | None = None, semantic_cache_threshold: float | None = None,
-          semantic_cache_entries: int = 10_000, **engine_options) -> None:
+          semantic_cache_entries: int = 10_000, disaggregate: str | None = None, **engine_options) -> None:
     """Serve the artifact at `path` on http://host:port (OpenAI API under /v1) until SIGTERM or Ctrl-C.
     `result_cache`: bytes of determined results kept ('256MiB'; off by default), each for
     `result_cache_ttl` seconds (None: until evicted). `semantic_cache_threshold`: answer requests sent with
     `"semantic_cache": true` from the results of earlier ones close in meaning (cosine; off by default).
-    `engine_options` are `llmc.load`'s (kv_memory, threads, max_num_seqs, device, ...)."""
+    `disaggregate`: 'prefill:P,decode:D' runs prefill and decode in engine processes of their own
+    (disaggregate.py). `engine_options` are `llmc.load`'s (kv_memory, threads, max_num_seqs, device, ...)."""
     import llmc
 
     _check_options(max_queue, ttft_slo_ms, shutdown_timeout)
     _check_limits(max_request_bytes, max_n, metrics_need_key, api_key)
     make_result_cache(result_cache, result_cache_ttl)   # its errors before the model loads
     sock = listening_socket(host, port)   # before the model loads: a taken port fails at once
+    engines = None
     try:
-        app = build_app(llmc.load(path, **engine_options), served_model_name, api_key, max_queue, ttft_slo_ms,
+        if disaggregate is not None:
+            from llmc.runtime.server.disaggregate import start_engines
+            engines = start_engines(path, disaggregate, served_model_name or model_name(path), max_queue,
+                                    engine_options, {"--ttft-slo-ms": ttft_slo_ms,
+                                                     "--semantic-cache-threshold": semantic_cache_threshold})
+        app = build_app(engines.model if engines else llmc.load(path, **engine_options), served_model_name,
+                        api_key, max_queue, ttft_slo_ms, core=engines and engines.core,
                         max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key,
                         result_cache=result_cache, result_cache_ttl=result_cache_ttl,
                         semantic_cache_threshold=semantic_cache_threshold,
@@ -58,6 +66,8 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Non
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=math.ceil(shutdown_timeout))
         DrainingServer(config, app.state.core, shutdown_timeout).run(sockets=[sock])
     finally:
+        if engines is not None:
+            engines.close()
         sock.close()
 
 

@@ -1,0 +1,369 @@
+"""One engine process of a disaggregated server (`llmc serve --disaggregate prefill:P,decode:D`;
+disaggregate.py starts it, or torchrun on another machine): the server's AsyncEngine loop with the
+router (rank 0) in place of HTTP clients. A prefill engine runs each request's prompt, samples its
+first token, streams it to the router and hands the request to the decode engine the router named
+(kv_transfer.py: the prompt's KV blocks packed, sent, freed here, the full ones kept in this prefix
+cache); a decode engine takes those requests in, decodes them, and runs whole the requests the router
+sends it directly (n > 1, prompt logprobs). A decode engine preempts by recompute, as any engine:
+the preempted request is prefilled again here, not sent back. Each engine reports its KV blocks and
+counters to the router twice a second, and exits when the router is gone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llmc.errors import LlmcError, RuntimeLlmcError
+from llmc.runtime.kv_transfer import Channel, Handoff, can_hand_off, export_request, recv_kv, send_kv
+from llmc.runtime.server.engine_loop import AsyncEngine, Job, Update
+from llmc.runtime.server.metrics import ServerMetrics
+from llmc.runtime.server.protocol import ApiError
+
+ROUTER = 0                   # the router's rank; prefill engines are ranks 1 .. P, decode engines the next D
+STATS_EVERY_S = 0.5
+RECENT_IDS = 4096            # a decode engine remembers this many finished requests (a late abort is for none)
+# Idle engines wait for work as long as the server runs: a dead peer closes its connections, which fails
+# the waits at once; a hung one is not detected.
+WAIT = timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class Roles:
+    prefill: int
+    decode: int
+
+    @property
+    def world(self) -> int:
+        return 1 + self.prefill + self.decode
+
+    @property
+    def prefill_ranks(self) -> list[int]:
+        return list(range(1, 1 + self.prefill))
+
+    @property
+    def decode_ranks(self) -> list[int]:
+        return list(range(1 + self.prefill, self.world))
+
+    def role(self, rank: int) -> str:
+        return "prefill" if rank in self.prefill_ranks else "decode"
+
+    def name(self, rank: int) -> str:
+        """The engine's name in metrics and messages: prefill-0, decode-1, ..."""
+        role = self.role(rank)
+        return f"{role}-{rank - (1 if role == 'prefill' else 1 + self.prefill)}"
+
+    def __str__(self) -> str:
+        return f"prefill:{self.prefill},decode:{self.decode}"
+
+
+def parse_roles(text: str) -> Roles:
+    """'prefill:P,decode:D' (both, each at least 1, in either order)."""
+    counts: dict[str, int] = {}
+    for part in str(text).split(","):
+        role, _, count = part.strip().partition(":")
+        if role not in ("prefill", "decode"):
+            raise RuntimeLlmcError(f"--disaggregate {text!r}: unknown role {role!r}; give prefill:N,decode:M "
+                                   f"(e.g. prefill:1,decode:1)")
+        if role in counts:
+            raise RuntimeLlmcError(f"--disaggregate {text!r}: {role} is given twice; give each role once")
+        if not count.strip().isdigit() or int(count) < 1:
+            raise RuntimeLlmcError(f"--disaggregate {text!r}: {role} needs a whole number of engines >= 1, "
+                                   f"not {count!r}")
+        counts[role] = int(count)
+    missing = [r for r in ("prefill", "decode") if r not in counts]
+    if missing:
+        raise RuntimeLlmcError(f"--disaggregate {text!r}: no {missing[0]} engines; give prefill:N,decode:M")
+    return Roles(counts["prefill"], counts["decode"])
+
+
+def join_groups(rank: int, world: int, init_method: str, kv_backend: str):
+    """Join the server's process group (gloo: the messages) and its engines' KV group (gloo, or NCCL
+    between GPUs); every rank, the router too, calls this. Returns the KV group."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=WAIT)
+    return dist.new_group(list(range(1, world)), backend=kv_backend, timeout=WAIT)
+
+
+@dataclass
+class RemoteJob(Job):
+    """A request the router sent: its updates go back to the router."""
+    worker: EngineWorker | None = None
+    decode: int | None = None    # a prefill engine's: the decode engine to hand it to
+
+    def deliver(self, update: Update) -> None:
+        self.worker.send_update(self.request_id, update)
+
+
+class EngineWorker(AsyncEngine):
+    """The engine loop of one prefill or decode engine, on this process's main thread."""
+
+    def __init__(self, engine, roles: Roles, rank: int, channel: Channel, kv_group):
+        super().__init__(engine, ServerMetrics(roles.name(rank)), max_queue=1 << 30)
+        self.roles, self.rank, self.role = roles, rank, roles.role(rank)
+        self.channel, self.kv_group = channel, kv_group
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # from the reader threads
+        self._pending: list[Handoff] = []            # decode: KV here, no room yet; first come first
+        self._pending_kv: dict[str, torch.Tensor] = {}
+        self._tombstones: set[str] = set()        # decode: aborted before their KV came
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._outboxes = {d: queue.SimpleQueue() for d in roles.decode_ranks} if self.role == "prefill" else {}
+        self._last_stats = 0.0
+
+    def serve(self) -> None:
+        """Run until the router says stop (or is gone: the process exits)."""
+        self._thread_for(self._read_router, "router")
+        if self.role == "decode":
+            for p in self.roles.prefill_ranks:
+                self._thread_for(lambda p=p: self._read_kv(p), f"kv-from-{p}")
+        for d, outbox in self._outboxes.items():
+            self._thread_for(lambda d=d, outbox=outbox: self._send_kv(d, outbox), f"kv-to-{d}")
+        self._run()
+
+    def _thread_for(self, target, name: str) -> None:
+        threading.Thread(target=target, name=f"llmc-{name}", daemon=True).start()
+
+    # -- reader and sender threads -----------------------------------------------------------
+    def _read_router(self) -> None:
+        while True:
+            try:
+                message = self.channel.recv(ROUTER)
+            except RuntimeError:   # the router is gone: nothing is left to serve
+                os._exit(1)
+            if message["op"] == "stop":
+                self._stopped = True
+            self._inbox.put(message)
+            self._wake.set()
+
+    def _read_kv(self, src: int) -> None:
+        """Decode: each handoff from prefill engine `src` and its KV, received while this engine steps."""
+        try:
+            while True:
+                handoff = self.channel.recv(src)
+                started = time.perf_counter()
+                kv = recv_kv(src, handoff.kv_shape, self.engine.device, self.kv_group)
+                self._inbox.put({"op": "kv", "handoff": handoff, "kv": kv, "seconds": time.perf_counter() - started})
+                self._wake.set()
+        except RuntimeError as e:   # that engine is gone: what it had not sent in full will not come
+            _log(f"{self.roles.name(self.rank)}: {self.roles.name(src)} is gone ({_first_line(e)})")
+            self._inbox.put({"op": "source_gone", "source": src})
+            self._wake.set()
+
+    def _send_kv(self, dst: int, outbox: queue.SimpleQueue) -> None:
+        """Prefill: the handoffs for decode engine `dst`, one after another."""
+        gone = False
+        while True:
+            handoff, kv = outbox.get()
+            if gone:
+                continue   # the router ends these requests: it saw that engine go too
+            try:
+                self.channel.send(dst, handoff)
+                send_kv(dst, kv, self.kv_group)
+            except RuntimeError as e:
+                gone = True
+                _log(f"{self.roles.name(self.rank)}: {self.roles.name(dst)} is gone ({_first_line(e)})")
+
+    # -- the engine thread -------------------------------------------------------------------
+    def send_update(self, request_id: str, update: Update) -> None:
+        e = update.error
+        error = None if e is None else {"status": e.status, "message": e.message, "param": e.param,
+                                        "code": e.code, "kind": e.kind}
+        self._tell({"op": "update", "rid": request_id, "deltas": update.deltas, "output": update.output,
+                    "error": error})
+
+    def _tell(self, message: dict) -> None:
+        self.channel.send(ROUTER, message)
+
+    def _take_commands(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            getattr(self, f"_on_{message['op']}")(message)
+        if self._pending:
+            self._adopt_pending()
+        super()._take_commands()
+        self._report()
+
+    def _on_stop(self, message: dict) -> None:
+        self._stopped = True
+
+    def _on_add(self, m: dict) -> None:
+        job = RemoteJob(m["rid"], m["user"], m["priority"], m["prompt"], m["prompt_token_ids"], m["params"],
+                        self.engine.max_model_len, loop=None, worker=self, decode=m["decode"])
+        try:
+            self.submit(job)
+        except ApiError as e:
+            job.deliver(Update([], error=e))
+
+    def _on_abort(self, m: dict) -> None:
+        """Drop the request wherever it is here and say so; a decode engine remembers an abort that
+        came before the request's KV (the router sends it only once the prefill engine handed it over)."""
+        rid = m["rid"]
+        with self._lock:
+            job = self._queued.pop(rid, None)
+            if job is not None:
+                self.queue.remove(job)
+        if job is None and rid in self._jobs:
+            job = self._jobs.pop(rid)
+            self._finish(job, self._cut_short(job, "abort", None))
+        held = job is not None or self._drop_pending(rid)
+        if held:
+            self._tell({"op": "aborted", "rid": rid})
+        elif self.role == "decode" and rid not in self._recent:
+            self._tombstones.add(rid)
+
+    def _drop_pending(self, rid: str) -> bool:
+        self._pending = [h for h in self._pending if h.request_id != rid]
+        return self._pending_kv.pop(rid, None) is not None
+
+    def _on_kv(self, m: dict) -> None:
+        """Decode: a handoff and its KV arrived (the transfer's bytes and time go to the router); it is
+        taken in once the batch and the blocks have room."""
+        h = m["handoff"]
+        if h.request_id in self._tombstones:
+            self._tombstones.discard(h.request_id)
+            self._tell({"op": "aborted", "rid": h.request_id})
+            return
+        self._tell({"op": "received", "rid": h.request_id, "bytes": h.kv_bytes,
+                    "seconds": h.pack_seconds + m["seconds"]})
+        self._pending.append(h)
+        self._pending_kv[h.request_id] = m["kv"]
+
+    def _on_source_gone(self, m: dict) -> None:
+        self._tell(m)   # after every handoff that came from there: the router ends the ones still on their way
+
+    def _adopt_pending(self) -> None:
+        """Decode: take in the handed-over requests, first come first, while the batch and blocks have room."""
+        while self._pending:
+            h = self._pending[0]
+            try:
+                if not self.engine.add_prefilled(h, self._pending_kv[h.request_id]):
+                    return
+            except RuntimeLlmcError as e:   # it can never fit this engine's cache
+                self.send_update(h.request_id, Update([], error=ApiError(400, str(e))))
+            self._drop_pending(h.request_id)
+            if h.request_id in self.engine.requests:
+                self._adopted(h)
+
+    def _adopted(self, h: Handoff) -> None:
+        now = time.monotonic()
+        job = RemoteJob(h.request_id, "", h.priority, h.prompt, h.prompt_token_ids, h.params,
+                        self.engine.max_model_len, loop=None, worker=self, sent={0: 1}, scheduled=True,
+                        scheduled_at=now, last_token_time=now)
+        job.request = self.engine.requests[h.request_id]
+        self._jobs[h.request_id] = job
+
+    def _step(self) -> None:
+        super()._step()
+        if self.role == "prefill":
+            for job in [j for j in self._jobs.values() if j.decode is not None]:
+                if can_hand_off(self.engine, job.request_id):
+                    self._hand_off(job)
+
+    def _hand_off(self, job: RemoteJob) -> None:
+        """Prefill: the request's first token went out with the step's updates; its KV goes to the decode
+        engine now, and it leaves this engine (its blocks freed)."""
+        handoff, kv = export_request(self.engine, job.request_id)
+        del self._jobs[job.request_id]
+        self._tell({"op": "handoff", "rid": job.request_id})
+        self._outboxes[job.decode].put((handoff, kv))
+
+    def _finish(self, job: Job, out) -> None:
+        super()._finish(job, out)
+        self._recent[job.request_id] = None
+        while len(self._recent) > RECENT_IDS:
+            self._recent.popitem(last=False)
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < STATS_EVERY_S:
+            return
+        self._last_stats = now
+        s, bm = self.engine.scheduler, self.engine.block_manager
+        self._tell({"op": "stats", "free_blocks": bm.num_free_blocks, "blocks": bm.num_blocks,
+                    "running": s.num_running, "waiting": s.num_waiting + len(self.queue) + len(self._pending),
+                    "prefix_queries": s.num_admitted_tokens, "prefix_hits": s.num_prefix_hit_tokens,
+                    "preemptions": s.num_preemptions})
+
+
+def _log(line: str) -> None:
+    print(f"llmc serve: {line}", file=sys.stderr, flush=True)
+
+
+def _first_line(error: Exception) -> str:
+    return ((str(error).strip().splitlines() or [type(error).__name__])[0])[:160]
+
+
+def engine_device(path: str, options: dict, local_index: int) -> torch.device:
+    """Where this engine runs: the CPU, or its own GPU (this machine's `local_index`-th, made current)."""
+    from llmc.compiler.artifact import read_manifest
+    from llmc.runtime.device import resolve_device
+    from llmc.runtime.parallel.group import rank_device
+
+    return rank_device(resolve_device(read_manifest(Path(path)), options.get("device"), path), local_index)
+
+
+def run_engine(path: str, roles: Roles, rank: int, options: dict, init_method: str, local_index: int,
+               say=None) -> int:
+    """An engine's life: load the artifact (telling `say(dict)` whether it did), join the groups, serve."""
+    import llmc
+    from llmc.runtime.parallel.group import process_group_backend
+
+    say = say or (lambda message: _log(f"{roles.name(rank)}: {json.dumps(message)}"))
+    try:
+        device = engine_device(path, options, local_index)
+        engine = llmc.load(path, **options).engine
+    except LlmcError as e:
+        say({"error": str(e)})
+        return 2
+    say({"loaded": True})
+    kv_group = join_groups(rank, roles.world, init_method, process_group_backend(device))
+    EngineWorker(engine, roles, rank, Channel(), kv_group).serve()
+    return 0
+
+
+def _follow_router() -> None:
+    """Started by the router on this machine: its end of our stdin closes when it exits, and so do we.
+    Ctrl-C and SIGTERM sent to the whole process group are the router's to handle (it drains, then
+    stops the engines): this process ignores them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def watch():
+        sys.stdin.buffer.read()
+        os._exit(1)
+    threading.Thread(target=watch, name="llmc-stdin", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmc.runtime.server.disaggregate_engine")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--roles", required=True)
+    parser.add_argument("--options", default="{}", help="llmc.load's engine options, as JSON")
+    parser.add_argument("artifact")
+    args = parser.parse_args(argv)
+    _follow_router()
+    return run_engine(args.artifact, parse_roles(args.roles), args.rank, json.loads(args.options),
+                      f"tcp://127.0.0.1:{args.port}", args.rank - 1,
+                      say=lambda message: print(json.dumps(message), flush=True))
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)   # at once: no goodbye with peers that may be gone
