@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import enum
 import json
 import sys
 import time
@@ -21,7 +20,9 @@ from llmc.errors import IRError, PassError
 from llmc.passes.accuracy import AccuracyMeter, check_budget
 from llmc.passes.options import PassOptions
 from llmc.passes.registry import (
+    NEEDS,
     PASSES,
+    Stage,
     build_pipeline,
     get_pass,
     parse_pass_options,
@@ -38,33 +39,6 @@ class PassResult:
     details: dict = field(default_factory=dict)   # JSON-serialisable
     bytes_saved: int = 0
     accuracy: dict | None = None                  # lossy passes: measured cost on calibration text
-
-
-class Stage(enum.IntEnum):
-    """Where a pass runs; the pipeline builder orders passes by stage. Lowering's own steps (with
-    the frontend cleanup) come first; the passes that change weights (prune, convert heads,
-    quantise) see the graph as lowered; cleanup passes run after them (simplify) and after the
-    fusions. The KV-cache pass comes last, so every attention it scales is final."""
-    LOWER = 0
-    PRUNE = 1
-    CONVERT_HEADS = 2
-    QUANTIZE = 3
-    SIMPLIFY = 4
-    SHARD = 5
-    CAST = 6
-    FUSE = 7
-    CLEANUP = 8
-    KV_CACHE = 9
-
-    @property
-    def label(self) -> str:
-        return self.name.lower().replace("_", "-")
-
-
-# What a pass may declare it needs; the driver provides each before the pipeline runs.
-NEEDS = {"calibration": "calibration sequences (--calib text, or text the model generates)",
-         "target": "the compile target's facts (its activation dtype)",
-         "source_weights": "the quantised forms a source stores weights in (a GGUF file's blocks)"}
 
 
 class Pass(abc.ABC):

@@ -5,6 +5,7 @@ flags produce configs; `schedule` places them by stage; `--passes` lists keep th
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Iterable
@@ -14,7 +15,34 @@ from llmc.errors import PassError
 from llmc.passes.options import PassOptions
 
 if TYPE_CHECKING:
-    from llmc.passes.base import Pass, Stage
+    from llmc.passes.base import Pass
+
+
+class Stage(enum.IntEnum):
+    """Where a pass runs; the pipeline builder orders passes by stage. Lowering's own steps (with
+    the frontend cleanup) come first; the passes that change weights (prune, convert heads,
+    quantise) see the graph as lowered; cleanup passes run after them (simplify) and after the
+    fusions. The KV-cache pass comes last, so every attention it scales is final."""
+    LOWER = 0
+    PRUNE = 1
+    CONVERT_HEADS = 2
+    QUANTIZE = 3
+    SIMPLIFY = 4
+    SHARD = 5
+    CAST = 6
+    FUSE = 7
+    CLEANUP = 8
+    KV_CACHE = 9
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+
+# What a pass may declare it needs; the driver provides each before the pipeline runs.
+NEEDS = {"calibration": "calibration sequences (--calib text, or text the model generates)",
+         "target": "the compile target's facts (its activation dtype)",
+         "source_weights": "the quantised forms a source stores weights in (a GGUF file's blocks)"}
 
 PASSES: dict[str, type[Pass]] = {}
 
@@ -24,8 +52,6 @@ _INFRASTRUCTURE = {"base", "registry", "options"}
 
 def register_pass(cls: type[Pass]) -> type[Pass]:
     """Class decorator: check a pass's declaration and make it reachable by its `name`."""
-    from llmc.passes.base import NEEDS, Stage  # cycle with llmc.passes.base (it imports this module)
-
     name = getattr(cls, "name", "")
     if not name:
         raise TypeError(f"pass class {cls.__qualname__} has no name")
