@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from llmc.compiler.quant import compute_dtype, int4_grid, int4_grid_of_range, quantize_to_grid
+from llmc.compiler.quant import compute_dtype, int4_grid, int4_grid_of_range
 from llmc.errors import PassError
 
 
