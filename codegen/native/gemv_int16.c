@@ -70,19 +70,26 @@ struct act16 { int16_t *codes; float *scale; float *sums; };
  * two 32-code chunks unpacks them (low nibbles: codes 0-15 of each chunk, high: 16-31). */
 static const int CHUNK_AT[2][4] = {{0, 16, 32, 48}, {0, 32, 16, 48}};
 
+/* a block of 64 activations loaded into v, its largest magnitude returned; *bad flags inf or nan lanes */
+static inline float block_top(const float *x, __m512 v[4], __mmask16 *bad) {
+    const __m512 finite = _mm512_set1_ps(FLT_MAX);
+    __m512 top = _mm512_setzero_ps();
+    *bad = 0;
+    for (int u = 0; u < 4; u++) {
+        v[u] = _mm512_loadu_ps(x + 16 * u);
+        __m512 a = _mm512_abs_ps(v[u]);
+        *bad |= _mm512_cmp_ps_mask(a, finite, _CMP_NLE_UQ);
+        top = _mm512_max_ps(top, a);
+    }
+    return _mm512_reduce_max_ps(top);
+}
+
 static void quantise_row(const float *x, int64_t k, int64_t group, int nibbles, int16_t *codes, float *scale,
                          float *sums) {
-    const __m512 finite = _mm512_set1_ps(FLT_MAX);
     for (int64_t b = 0; b < k / BLOCK; b++) {
-        __m512 v[4], top = _mm512_setzero_ps();
-        __mmask16 bad = 0;
-        for (int u = 0; u < 4; u++) {
-            v[u] = _mm512_loadu_ps(x + b * BLOCK + 16 * u);
-            __m512 a = _mm512_abs_ps(v[u]);
-            bad |= _mm512_cmp_ps_mask(a, finite, _CMP_NLE_UQ);   /* inf or nan */
-            top = _mm512_max_ps(top, a);
-        }
-        float amax = _mm512_reduce_max_ps(top);
+        __m512 v[4];
+        __mmask16 bad;
+        float amax = block_top(x + b * BLOCK, v, &bad);
         scale[b] = bad ? NAN : amax / 32767.f;   /* a non-finite activation makes every output nan */
         __m512 inv = _mm512_set1_ps(bad || amax == 0.f ? 0.f : 32767.f / amax);
         int tiny = !bad && amax > 0.f && amax < 1e-30f;   /* near where 32767 / amax overflows: divide */
@@ -162,6 +169,16 @@ static inline __m512 offsets(const float *sz, const float *sums, int64_t r, int6
     return t;
 }
 
+/* y[r * n] = row r's two chains of block sums, plus (offsets) or minus (zero points) its offsets term */
+static inline __attribute__((always_inline)) void finish_q4(const __m512 *f, const __m512 *h, const int64_t M,
+                                                            const float *sz, const float *sums, int64_t k,
+                                                            const int64_t G, int64_t zp, float *y, int64_t n) {
+    for (int64_t r = 0; r < M; r++) {
+        __m512 total = _mm512_add_ps(f[r], h[r]), t = offsets(sz, sums, r, k, G, zp);
+        y[r * n] = _mm512_reduce_add_ps(zp ? _mm512_sub_ps(total, t) : _mm512_add_ps(total, t));
+    }
+}
+
 /* y[r * n] = one weight row's dot with M rows: blocks alternate between two chains (one waits on the FMA
  * latency), then each row adds sum_g o_g * sum_{i in g} x_i, o_g = -s_g * z_g or the offset m_g */
 static inline __attribute__((always_inline)) void row_q4(const uint8_t *q, const struct act16 *a, int64_t k,
@@ -175,11 +192,7 @@ static inline __attribute__((always_inline)) void row_q4(const uint8_t *q, const
         block_q4(q, a, k, M, sz, G, b + 1, h);
     }
     if (b < blocks) block_q4(q, a, k, M, sz, G, b, f);
-    for (int64_t r = 0; r < M; r++) {
-        __m512 total = _mm512_add_ps(f[r], h[r]);
-        y[r * n] = _mm512_reduce_add_ps(zp ? _mm512_sub_ps(total, offsets(sz, a->sums, r, k, G, zp))
-                                           : _mm512_add_ps(total, offsets(sz, a->sums, r, k, G, zp)));
-    }
+    finish_q4(f, h, M, sz, a->sums, k, G, zp, y, n);
 }
 
 /* one block of 64 int8 codes against M rows' codes: for groups of 32 each half scaled by its own group's
@@ -288,17 +301,10 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
 struct act8 { int8_t *codes; float *scale; float *sums; };
 
 static void quantise_row8(const float *x, int64_t k, int64_t group, int8_t *codes, float *scale, float *sums) {
-    const __m512 finite = _mm512_set1_ps(FLT_MAX);
     for (int64_t b = 0; b < k / BLOCK; b++) {
-        __m512 v[4], top = _mm512_setzero_ps();
-        __mmask16 bad = 0;
-        for (int u = 0; u < 4; u++) {
-            v[u] = _mm512_loadu_ps(x + b * BLOCK + 16 * u);
-            __m512 a = _mm512_abs_ps(v[u]);
-            bad |= _mm512_cmp_ps_mask(a, finite, _CMP_NLE_UQ);
-            top = _mm512_max_ps(top, a);
-        }
-        float amax = _mm512_reduce_max_ps(top);
+        __m512 v[4];
+        __mmask16 bad;
+        float amax = block_top(x + b * BLOCK, v, &bad);
         scale[b] = bad ? NAN : amax / 127.f;
         __m512 inv = _mm512_set1_ps(bad || amax == 0.f ? 0.f : 127.f / amax);
         int tiny = !bad && amax > 0.f && amax < 1e-30f;
@@ -367,11 +373,7 @@ static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, con
         pair_q4(q, a, k, M, sz, G, p + 1, h);
     }
     if (p < pairs) pair_q4(q, a, k, M, sz, G, p, f);
-    for (int64_t r = 0; r < M; r++) {
-        __m512 total = _mm512_add_ps(f[r], h[r]);
-        y[r * n] = _mm512_reduce_add_ps(zp ? _mm512_sub_ps(total, offsets(sz, a->sums, r, k, G, zp))
-                                           : _mm512_add_ps(total, offsets(sz, a->sums, r, k, G, zp)));
-    }
+    finish_q4(f, h, M, sz, a->sums, k, G, zp, y, n);
 }
 
 /* llmc_gemv_q4's work on int8 activations where turned on (llmc_gemv_int8) and the shapes fit (K a

@@ -283,13 +283,13 @@ def test_only_norms_that_quantised_gemms_read_go_native(tmp_path, compiled):
     torch.testing.assert_close(native, unmarked.run_values(feed)["logits"], rtol=1e-3, atol=1e-3)
 
 
-def _int16_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] as gemv_int16.c rounds it, in float64: per block of 64, codes round(x * (32767 / max|x|))
-    (fp32 product, ties to even) times max|x| / 32767"""
+def _int16_rounded(x: torch.Tensor, largest: float = 32767.0) -> torch.Tensor:
+    """x [rows, k] as gemv_int16.c rounds it, in float64: per block of 64, codes round(x * (largest / max|x|))
+    (fp32 product, ties to even) times max|x| / largest; largest 32767 for int16 codes, 127 for int8"""
     blocks = x.reshape(x.shape[0], -1, 64)
     top = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
-    return (torch.round(blocks * inv).double() * (top / 32767.0).double()).reshape(x.shape)
+    inv = torch.where(top > 0, torch.tensor(largest) / top, torch.zeros(()))
+    return (torch.round(blocks * inv).double() * (top / largest).double()).reshape(x.shape)
 
 
 def _with_int16(on: bool, fn):
@@ -408,15 +408,6 @@ def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads, i
     assert ((y.double() - want).abs().max() / want.abs().max()) < 1e-4
 
 
-def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] as the int8 path rounds it, in float64: per block of 64, codes round(x * (127 / max|x|))
-    (fp32 product, ties to even) times max|x| / 127"""
-    blocks = x.reshape(x.shape[0], -1, 64)
-    top = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
-    return (torch.round(blocks * inv).double() * (top / 127.0).double()).reshape(x.shape)
-
-
 def _vnni() -> bool:
     return "avx512_vnni" in Path("/proc/cpuinfo").read_text() and cpu_native.int16_activations()
 
@@ -451,7 +442,7 @@ def test_gemv_q4_on_int8_activations_is_its_rounding_exactly(rows, n, k, group, 
         cpu_native.set_int8_activations(previous)
     s, o = scales.double().repeat_interleave(group, 1), second.double().repeat_interleave(group, 1)
     offsets = -s * o if zero_point else o
-    want = _int8_rounded(x) @ (s * codes.double()).T + x.double() @ offsets.T
+    want = _int16_rounded(x, 127.0) @ (s * codes.double()).T + x.double() @ offsets.T
     dense = (dequantize_int4_codes if zero_point else dequantize_affine_codes)(codes, scales, second)
     exact = x.double() @ dense.double().T
     assert ((y.double() - want).abs().max() / exact.abs().max()) < 1e-6
