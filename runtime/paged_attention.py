@@ -131,8 +131,11 @@ class PagedKVCache:
         """The stored bytes of `blocks` in every layer, [2 (keys, values), layers, len(blocks), block bytes]
         (uint8, a copy): what runtime/kv_transfer.py moves into another engine's cache of this layout."""
         index = torch.tensor(blocks, device=self._k_layers.device)
-        return torch.stack([c.view(torch.uint8).flatten(2).index_select(1, index)
-                            for c in (self._k_layers, self._v_layers)])
+        sources = [c.view(torch.uint8).flatten(2) for c in (self._k_layers, self._v_layers)]
+        out = sources[0].new_empty((2, sources[0].shape[0], len(blocks), sources[0].shape[2]))
+        for source, part in zip(sources, out):   # gathered in place: one copy of the blocks, not two
+            torch.index_select(source, 1, index, out=part)
+        return out
 
     def import_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         """Store export_blocks' bytes `data` [2, layers, len(blocks), block bytes] into `blocks`."""
