@@ -5,6 +5,7 @@ prompts, aborted requests leave no KV block held on either engine, and an engine
 requests with an error rather than a hang."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from conftest import API_KEY, Served, free_port, start_serve, stop_serve, wait_h
 from llmc_cli import error_line, llmc_in_process
 
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.structured_output import StructuredOutputsParams
 
 BLOCK_BYTES = 16 * 512   # tiny-llama: 512 KV bytes a token, 16 tokens a block
 KV = "256KiB"            # 32 blocks an engine: a few long decodes at once preempt on the decode engine
@@ -73,7 +75,13 @@ def test_greedy_outputs_equal_one_engines_streamed_whole_and_under_preemption(sp
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
 
 
-def test_seeded_samples_and_logprobs_carry_over_the_handoff_and_n2_runs_whole(split, offline):
+def test_seeded_samples_logprobs_and_grammars_carry_over_the_handoff_and_n2_runs_whole(split, offline):
+    regex = r"[0-9]{2}:[0-9]{2}"
+    reply = split.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=5,
+                                            extra_body={"guided_regex": regex})
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=5,
+                                                       structured_outputs=StructuredOutputsParams(regex=regex)))
+    assert reply.choices[0].text == expected[0].outputs[0].text and re.fullmatch(regex, reply.choices[0].text)
     for n in (1, 2):
         ask = dict(model="tiny", prompt=PROMPT, max_tokens=10, n=n, logprobs=2, seed=7, temperature=1.0)
         reply = split.client.completions.create(**ask)
