@@ -11,6 +11,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from llmc.compiler.ir import TORCH_DTYPES
+
 # Pure functional ops: their result depends only on their arguments, they write no tensor they are
 # given, and they touch no file, storage, generator or process state.
 _VIEWS = ("view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand",
@@ -191,7 +193,6 @@ def _encoded(key: str, allowed: Sequence[str]):
 
 
 def _dtype(value, kinds):
-    from llmc.compiler.ops import TORCH_DTYPES  # cycle with llmc.compiler.ops (it imports this module)
     return _encoded("$dtype", tuple(TORCH_DTYPES))(value, kinds)
 
 

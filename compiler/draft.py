@@ -16,6 +16,8 @@ import dataclasses
 import math
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from llmc.compiler.artifact import TOKENIZER_DIR, read_manifest, sha256_file
 from llmc.compiler.recipes import parse_prune
 from llmc.errors import ArtifactError, ModelLoadError, PassError
@@ -56,8 +58,6 @@ def read_draft_target(draft_of: str | None, draft_layers: int | None) -> DraftTa
 def check_same_tokenizer(loaded, target: DraftTarget) -> None:
     """Refuse a draft whose tokenizer or vocabulary differs from the target's: speculative
     decoding compares the two models' probabilities token id by token id."""
-    from transformers import AutoTokenizer  # heavy optional dependency transformers
-
     theirs = AutoTokenizer.from_pretrained(target.path / TOKENIZER_DIR, local_files_only=True).get_vocab()
     ours = loaded.tokenizer.get_vocab()
     if ours != theirs:

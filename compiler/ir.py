@@ -9,6 +9,8 @@ import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+import torch
+
 from llmc.compiler.weight_store import WeightStore
 from llmc.errors import IRError
 
@@ -20,6 +22,13 @@ DTYPE_BYTES = {
     "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
     "symint": 8,
+}
+# the torch dtype of each dtype name (all but symint)
+TORCH_DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+    "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 
 
@@ -223,7 +232,7 @@ class Graph:
     def to_networkx(self):
         """Dataflow graph (networkx.DiGraph) over node names (graph inputs and params are not
         nodes); networkx is imported here, so the runtime, which reads graphs, never loads it."""
-        import networkx as nx  # heavy optional dependency networkx
+        import networkx as nx  # networkx: ~0.1-0.3 s; `llmc --help` and the engine import this module
 
         g = nx.DiGraph()
         prod = self.producers()
@@ -268,7 +277,7 @@ class Graph:
         """Check SSA form, topological order, dangling values, and op types. With `for_runtime` (before
         codegen), also refuse every node the runtime would refuse to load (ops.runtime_refusal: attrs
         outside the op's spec, aten fallbacks off the allow-list of pure tensor ops)."""
-        from llmc.compiler.ops import infer_types, runtime_refusal  # cycle with llmc.compiler.ops
+        from llmc.compiler.ops import infer_types, runtime_refusal  # compiler.ops imports this module: a cycle
 
         defined = {v.name for v in self.inputs} | set(self.params)
         if len(defined) != len(self.inputs) + len(self.params):

@@ -23,7 +23,7 @@ from llmc.compiler.aten_allowlist import (
     encoded_float,
     target_refusal,
 )
-from llmc.compiler.ir import Node, TensorType
+from llmc.compiler.ir import TORCH_DTYPES, Node, TensorType
 from llmc.compiler.op_attrs import (
     BOOL,
     COUNT,
@@ -44,12 +44,6 @@ from llmc.compiler.quant import KV_QMAX, fake_quant_fp8, fake_quant_int8_per_tok
 from llmc.compiler.schemes import FP8_STATIC, INT8_PER_TOKEN, SCHEMES, dequantize_weight, schemes_where
 from llmc.errors import IRError
 
-TORCH_DTYPES = {
-    "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-    "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2, "int64": torch.int64, "int32": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 

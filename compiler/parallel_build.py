@@ -2,10 +2,12 @@
 before the shard stage run once on the whole model; then, for each rank, a copy of that graph runs
 the shard pass (with its rank or stage) and every later pass, giving one graph (and later one plan
 and weights file) per rank. Also the manifest's `parallel` section: each rank's heads, layers, KV
-bytes, weight bytes and collectives."""
+bytes, weight bytes and collectives; and what it shares with the `model` section (weight bytes by
+dtype, the HF config as data)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -90,14 +92,30 @@ def shard_record(records: list[PassRecord]) -> dict:
 def rank_entry(rank: int, graph: Graph, plan) -> dict:
     """What the manifest says of one rank: its heads and KV bytes (the rank's own cache), its
     weight bytes by dtype, its collectives per step and its planned activation peak."""
-    from llmc.compiler.pipeline import weight_bytes_by_dtype  # cycle with llmc.compiler.pipeline
-
     meta = graph.meta
     return {"dir": f"rank{rank}", "num_heads": meta["num_heads"], "num_kv_heads": meta["num_kv_heads"],
             "kv_bytes_per_token": meta["kv_bytes_per_token"], "weight_bytes": weight_bytes_by_dtype(graph),
             "collectives": _count(graph, COLLECTIVE_OPS) | {op: n for op, n in _count(graph, POINT_TO_POINT_OPS).items()
                                                              if n},
             "activation_peak_bytes": plan.memory.peak_bytes}
+
+
+def hf_config_dict(config, kv_heads: int) -> dict:
+    """The config as JSON data, less `_name_or_path`: it holds the path the model was loaded
+    from, which would make the artifact's bytes depend on where the checkpoint sits. It says
+    how many KV heads the compiled weights have (convert_kv_heads changes that)."""
+    data = json.loads(config.to_json_string(use_diff=False))
+    data.pop("_name_or_path", None)
+    if data.get("num_key_value_heads", kv_heads) != kv_heads:
+        data["num_key_value_heads"] = kv_heads
+    return data
+
+
+def weight_bytes_by_dtype(graph: Graph) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in graph.params.values():
+        out[p.type.dtype] = out.get(p.type.dtype, 0) + p.type.nbytes()
+    return dict(sorted(out.items()))
 
 
 def _count(graph: Graph, ops: tuple[str, ...]) -> dict[str, int]:
@@ -107,8 +125,6 @@ def _count(graph: Graph, ops: tuple[str, ...]) -> dict[str, int]:
 def whole_model_meta(rank_meta: dict, details: dict, config) -> dict:
     """The model as a whole (the manifest's `model`): rank 0's facts with the heads, KV bytes and HF
     config of the unsharded model. Each rank's graph says the same but for its own heads and KV bytes."""
-    from llmc.compiler.pipeline import hf_config_dict  # cycle with llmc.compiler.pipeline
-
     if "pp" in details and "tp" in details:  # both: every stage's layers, every tp rank's heads
         layers, heads, kv_heads = sum(details["split"]), details["num_heads"], details["num_kv_heads"]
         per_head_layer = rank_meta["kv_bytes_per_token"] // (rank_meta["num_layers"] * rank_meta["num_kv_heads"])

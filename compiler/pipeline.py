@@ -5,7 +5,6 @@ is printed (and written with --report), never stored in the artifact."""
 from __future__ import annotations
 
 import contextlib
-import json
 import platform
 import time
 from pathlib import Path
@@ -34,7 +33,14 @@ from llmc.compiler.ir import DTYPE_BYTES, Graph, Node
 from llmc.compiler.layer_stamp import traced_graph
 from llmc.compiler.ops import ATTENTION_OPS
 from llmc.compiler.options import CompileOptions
-from llmc.compiler.parallel_build import parallel_section, run_passes, shard_record, whole_model_meta
+from llmc.compiler.parallel_build import (
+    hf_config_dict,
+    parallel_section,
+    run_passes,
+    shard_record,
+    weight_bytes_by_dtype,
+    whole_model_meta,
+)
 from llmc.compiler.progress import Stages
 from llmc.compiler.recipes import (
     added_passes,
@@ -103,24 +109,6 @@ def attention_shape(attns: list[Node]) -> tuple[int, int, int, int] | None:
         return None
     first = attns[0].attrs
     return len(attns), first["num_heads"], first["num_kv_heads"], first["head_dim"]
-
-
-def hf_config_dict(config, kv_heads: int) -> dict:
-    """The config as JSON data, less `_name_or_path`: it holds the path the model was loaded
-    from, which would make the artifact's bytes depend on where the checkpoint sits. It says
-    how many KV heads the compiled weights have (convert_kv_heads changes that)."""
-    data = json.loads(config.to_json_string(use_diff=False))
-    data.pop("_name_or_path", None)
-    if data.get("num_key_value_heads", kv_heads) != kv_heads:
-        data["num_key_value_heads"] = kv_heads
-    return data
-
-
-def weight_bytes_by_dtype(graph: Graph) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for p in graph.params.values():
-        out[p.type.dtype] = out.get(p.type.dtype, 0) + p.type.nbytes()
-    return dict(sorted(out.items()))
 
 
 def total_weight_bytes(graphs: list[Graph]) -> dict[str, int]:

@@ -19,7 +19,8 @@ def load_tokenizer(folder: Path, vocab_size: int, where: str):
     """The tokenizer in `folder` (a transformers PreTrainedTokenizerFast) for a model whose embedding
     has `vocab_size` rows, after the checks above; `where` names the artifact in errors."""
     check_tokenizer_files(folder, vocab_size, where)
-    from transformers import AutoTokenizer  # heavy optional dependency transformers
+    # transformers: ~0.5 s after torch; compiler.artifact imports this module for every reader
+    from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:   # tokenizers reports a bad file as a bare Exception; transformers as many kinds
@@ -124,7 +125,7 @@ def render_chat_template(tokenizer, messages, where: str, tools: list[dict] | No
     """The prompt the tokenizer's chat template makes of `messages` (and the `tools` it offers), run in
     transformers' Jinja sandbox; a template the sandbox stops (SecurityError, a range too big) or that
     fails is refused."""
-    import jinja2  # heavy optional dependency jinja2: only chat templates need it
+    import jinja2  # jinja2: only chat templates; the engine imports this module (tests/test_lean_runtime.py)
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except (jinja2.TemplateError, OverflowError, MemoryError, RecursionError, ArithmeticError, LookupError,

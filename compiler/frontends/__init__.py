@@ -25,7 +25,8 @@ def load_model(source: str, lazy: bool = False) -> LoadedModel:
         return load_sample(source, lazy)
     path = Path(source).expanduser()
     if is_onnx_source(path):
-        from llmc.compiler.frontends.onnx_frontend import load_onnx  # heavy optional dependency onnx
+        # onnx: only .onnx sources (tests/compiler/test_compile_speed_paths.py)
+        from llmc.compiler.frontends.onnx_frontend import load_onnx
 
         return load_onnx(path, source=source)
     if path.is_dir():

@@ -43,6 +43,11 @@ from llmc.compiler.frontends.tensor_table import (
 from llmc.compiler.weight_store import LazyTensor
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
+try:
+    from transformers.utils.quantization_config import GgufConfig  # not in every transformers version
+except ImportError:
+    GgufConfig = None
+
 GGUF_MAGIC = b"GGUF"
 PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 VOCABULARY = "tokenizer.ggml.tokens"
@@ -285,8 +290,6 @@ def one_thread():
 def record_gguf_source(config, path: Path) -> None:
     """Note the source file in the config as from_pretrained(gguf_file=...) does, on transformers
     versions that note it (a GgufConfig), so the artifact's hf_config is what it always was."""
-    try:
-        from transformers.utils.quantization_config import GgufConfig  # not in every transformers version
-    except ImportError:
+    if GgufConfig is None:
         return
     config.quantization_config = GgufConfig(gguf_file=path.name)

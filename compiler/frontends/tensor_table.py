@@ -15,6 +15,11 @@ from llmc.compiler.frontends.model import first_line
 from llmc.compiler.weight_store import LazyTensor
 from llmc.errors import ModelLoadError
 
+try:
+    from transformers import conversion_mapping  # transformers 5 only
+except ImportError:
+    conversion_mapping = None
+
 SHOWN_NAMES = 4
 
 
@@ -112,9 +117,7 @@ def check_tensor_table(module: torch.nn.Module, stored: dict[str, StoredTensor],
 def conversion_rules(module: torch.nn.Module, kind: str) -> list:
     """The rules of class `kind` ("WeightRenaming", "WeightConverter") transformers applies to
     checkpoint names as it loads them into `module`; none before transformers 5."""
-    try:
-        from transformers import conversion_mapping  # transformers 5 only
-    except ImportError:
+    if conversion_mapping is None:
         return []
     cls = getattr(conversion_mapping, kind)
     return [rule for rule in conversion_mapping.get_model_conversion_mapping(module) if isinstance(rule, cls)]

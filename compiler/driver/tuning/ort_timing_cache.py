@@ -42,7 +42,7 @@ def cache_dir() -> Path:
 
 
 def machine() -> dict:
-    import onnxruntime  # heavy optional dependency onnxruntime
+    import onnxruntime  # onnxruntime: every compile imports this module, few time ORT kernels
 
     return {"cpu": cpu_model(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
             "format": TIMING_FORMAT}
