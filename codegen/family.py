@@ -122,7 +122,8 @@ def _plan_steps(graph, plan, target):
 
 
 def _triton_resolve(kernel: str) -> Kernel:
-    from llmc.codegen.triton.triton_kernels import resolve_kernel as resolve_triton  # heavy optional dependency triton
+    # jinja2 (its renderers): the engine imports this module
+    from llmc.codegen.triton.triton_kernels import resolve_kernel as resolve_triton
     return resolve_triton(kernel)
 
 

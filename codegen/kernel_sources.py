@@ -23,8 +23,9 @@ def kernel_sources(plan: Plan) -> tuple[dict[str, str], list[dict]]:
                                                          "steps": []})
             entry["steps"].append(step.node)
     sources = {}
-    if by_sha:   # a cpu plan records none: the renderer (and triton, ~0.1 s to import) is not needed
-        from llmc.codegen.triton.triton_render import render_kernel  # heavy optional dependency jinja2 (templates)
+    if by_sha:   # a cpu plan records none: the renderer is not needed
+        # jinja2: the engine imports this module (tests/test_lean_runtime.py)
+        from llmc.codegen.triton.triton_render import render_kernel
     for digest, entry in by_sha.items():
         kernel = render_kernel(entry["template"], entry["name"], entry["constants"])
         assert kernel.sha256 == digest, f"kernel {entry['file']} renders to {kernel.sha256}, recorded {digest}"

@@ -244,7 +244,8 @@ def build_plan(graph: Graph, target_name: str, max_tokens: int, configs: dict | 
 def record_kernels(graph: Graph, steps: list[PlanStep], target_name: str, configs: dict | None) -> dict:
     """Put each step's Triton kernels in its attrs; returns the plan meta saying which ops launch
     Triton kernels and which run as torch calls."""
-    from llmc.codegen.kernel_select import KV_BLOCK_SIZE, kernel_record  # heavy optional dependency jinja2 (templates)
+    # jinja2 and the Triton templates (~0.1 s): `llmc --help` and the engine import this module
+    from llmc.codegen.kernel_select import KV_BLOCK_SIZE, kernel_record
 
     types = graph.types()
     # the dtype a quantised KV cache stores, as its attention nodes say (quantize_kv_cache)
@@ -260,7 +261,8 @@ def record_kernels(graph: Graph, steps: list[PlanStep], target_name: str, config
 
 
 def step_kernels(node: Node, types: dict, target_name: str, configs: dict | None, kv_dtype: str | None) -> list:
-    from llmc.codegen.kernel_select import kernels_for_step  # heavy optional dependency jinja2 (templates)
+    # jinja2 and the Triton templates (~0.1 s): `llmc --help` and the engine import this module
+    from llmc.codegen.kernel_select import kernels_for_step
 
     try:
         return kernels_for_step(node.op, node.attrs, [types[i] for i in node.inputs],

@@ -28,7 +28,7 @@ def export_onnx(artifact_path, output, force: bool = False, quiet: bool = True) 
     """Write DIR/model.onnx, DIR/tokenizer/ and DIR/llmc_onnx.json for the artifact at `artifact_path`,
     via a staging sibling renamed into place (nothing is left behind on failure); unless `quiet`, a
     line on stderr for each stage that runs longer than a moment (compiler/progress.py)."""
-    import onnx  # heavy optional dependency onnx
+    import onnx  # onnx: only a running export (test_exporter_module_does_not_import_onnx)
 
     with Stages(echo_stderr, quiet) as stages:
         stages.start(f"reading {artifact_path}")
@@ -76,7 +76,7 @@ EXPORT = OutputKind("ONNX export", "export", export_problem)
 # -- IR -> ONNX --------------------------------------------------------------------------------
 def build_model(graph, weights: dict):
     """(onnx ModelProto, config dict) for an llmc IR graph and its weights."""
-    from onnx import TensorProto, helper  # heavy optional dependency onnx
+    from onnx import TensorProto, helper  # onnx: only a running export (test_exporter_module_does_not_import_onnx)
 
     _refuse_unsupported(graph)
     meta = graph.meta

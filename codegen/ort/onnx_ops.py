@@ -50,7 +50,7 @@ class OnnxBuilder:
         return f"{hint}/{self._count}"
 
     def add(self, op: str, inputs: list[str], outputs: list[str] | None = None, domain: str = "", **attrs) -> list[str]:
-        from onnx import helper  # heavy optional dependency onnx
+        from onnx import helper  # onnx: `llmc --help` and the engine import this module
         outputs = outputs or [self.fresh(op)]
         self.uses_ms |= domain == MS_DOMAIN
         self.nodes.append(helper.make_node(op, inputs, outputs, name=self.fresh(f"n/{op}"), domain=domain or None,
@@ -62,7 +62,7 @@ class OnnxBuilder:
 
     def const(self, name: str, array) -> str:
         """An initializer (added once per name)."""
-        from onnx import numpy_helper  # heavy optional dependency onnx
+        from onnx import numpy_helper  # onnx: `llmc --help` and the engine import this module
         if name not in self._inits:
             self._inits.add(name)
             self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
@@ -143,7 +143,7 @@ EXTERNAL_LOCATION = "llmc-plan-param"
 
 def _external(name: str, value):
     """A TensorProto declaring `value`'s dims and dtype with its data left external."""
-    from onnx import TensorProto, helper  # heavy optional dependency onnx
+    from onnx import TensorProto, helper  # onnx: `llmc --help` and the engine import this module
 
     t = TensorProto()
     t.name = name
@@ -363,7 +363,7 @@ def _codes_per_token(b: OnnxBuilder, x: str, s: str, k: int) -> str:
     QuantizeLinear along the token axis (4x the Div/Round/Clip/Add/Cast chain at 512 x 576). Its
     division and round-half-to-even are the chain's, and |x / s| <= 127 by s's construction, so
     its saturation at 0..255 never binds: the codes are the same."""
-    from onnx import numpy_helper  # heavy optional dependency onnx
+    from onnx import numpy_helper  # onnx: `llmc --help` and the engine import this module
     rows = b.one("Reshape", x, b.ints(-1, k))
     scale = b.one("Reshape", s, b.ints(-1))
     zeros = b.one("ConstantOfShape", b.one("Shape", scale), value=numpy_helper.from_array(np.array([128], np.uint8)))

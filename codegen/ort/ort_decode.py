@@ -55,7 +55,7 @@ def decode_refusal(graph: Graph) -> str | None:
 def build_decode_graph(graph: Graph, nbits_level: int, levels: dict[str, int] | None = None) -> tuple[bytes, dict]:
     """(ONNX bytes, the plan.meta record without file hash) for `graph`'s decode graph; MatMulNBits
     at `nbits_level`, or at `levels[node]` for the nodes named there."""
-    from onnx import TensorProto, helper  # heavy optional dependency onnx
+    from onnx import TensorProto, helper  # onnx: the engine and every compile import this module
 
     levels = levels or {}
     b = OnnxBuilder(graph, graph.weights, segment=True, nbits_level=nbits_level)

@@ -17,8 +17,8 @@ import numpy as np
 @lru_cache(maxsize=1)
 def signed_int8_exact() -> bool:
     """True when uint8 x int8 MatMulInteger is exact here, at a GEMV and a GEMM shape."""
-    import onnxruntime  # heavy optional dependency onnxruntime
-    from onnx import TensorProto, helper, numpy_helper  # heavy optional dependency onnx
+    import onnxruntime  # onnxruntime: `llmc --help` and the engine import this module
+    from onnx import TensorProto, helper, numpy_helper  # onnx: the same
 
     k, n = 256, 16
     rng = np.random.default_rng(0)

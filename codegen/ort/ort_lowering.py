@@ -125,7 +125,7 @@ def _boundary(graph: Graph, seg: Segment, outputs: list[str]) -> None:
 def build_segment(graph: Graph, seg: Segment, nbits_level: int = INT8_COMPUTE) -> tuple[bytes, OnnxBuilder]:
     """The segment as ONNX bytes (weights as external initializers, MatMulNBits at `nbits_level`)
     and the builder that made it (its `sources` and `values` say what the initializers hold)."""
-    from onnx import helper  # heavy optional dependency onnx
+    from onnx import helper  # onnx: `llmc --help` and the engine import this module
 
     b = OnnxBuilder(graph, graph.weights, segment=True, nbits_level=nbits_level)
     b.env = {i: i for i in seg.inputs}
@@ -177,7 +177,7 @@ class SegmentModels:
 
 
 def _elem_type(dtype: str) -> int:
-    from onnx import TensorProto  # heavy optional dependency onnx
+    from onnx import TensorProto  # onnx: `llmc --help` and the engine import this module
     return {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32}[dtype]
 
 
@@ -197,7 +197,7 @@ def _name_outputs(b: OnnxBuilder, seg: Segment) -> None:
 
 
 def segment_ops(model: bytes) -> set[tuple[str, str]]:
-    import onnx  # heavy optional dependency onnx
+    import onnx  # onnx: `llmc --help` and the engine import this module
     return {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in onnx.load_from_string(model).graph.node}
 
 
