@@ -54,7 +54,7 @@ def fp32_nbits(model: bytes) -> int:
     at 1 to 600)."""
     if not model:
         return 0
-    import onnx
+    import onnx  # onnx: only plans with ORT segments; the engine imports this module
 
     count = 0
     for node in onnx.load_from_string(model).graph.node:

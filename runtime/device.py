@@ -49,8 +49,8 @@ def use_triton_interpreter() -> None:
     if "triton.language" not in sys.modules:
         os.environ[INTERPRET_ENV] = "1"
         return
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
+    import triton.language as tl  # triton: ~0.2 s; loaded at the top, it would build before TRITON_INTERPRET is set
+    from triton.runtime.interpreter import InterpretedFunction  # the same
 
     if not isinstance(tl.zeros, InterpretedFunction):
         raise RuntimeLlmcError(f"running a GPU artifact on the CPU needs Triton's interpreter, but triton was "

@@ -28,7 +28,7 @@ class _Shadow:
 
 class DraftProposer:
     def __init__(self, path: str, engine):
-        from llmc.runtime.engine import _check_kv_fits, paged_kv_cache
+        from llmc.runtime.engine import _check_kv_fits, paged_kv_cache  # engine -> speculative -> this module: a cycle
 
         art = read_artifact(path)
         check_same_vocabulary(art, load_tokenizer(art), engine, path)

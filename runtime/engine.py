@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
 from llmc.compiler.artifact import load_tokenizer, read_artifact
@@ -28,11 +29,13 @@ from llmc.runtime.metrics import EngineMetrics
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmc.runtime.paged_attention import PagedKVCache
+from llmc.runtime.parallel.launch import start_ranks
 from llmc.runtime.prompt_logprobs import prompt_rows, record
 from llmc.runtime.sampler import Sampler, SamplingState, bad_words_token_ids
 from llmc.runtime.sampling_params import MAX_SEED, SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
+from llmc.runtime.speculative import Speculator
 from llmc.runtime.speculative_config import SpeculativeConfig, speculative_config
 from llmc.runtime.stop import StopChecker
 from llmc.runtime.structured_output import GrammarCompiler, consume, grammar_drafts, mask_draft_rows
@@ -96,7 +99,6 @@ def _check_kv_fits(cache_bytes: int, device: torch.device, asked) -> None:
     if device.type == "cuda":
         free, where = torch.cuda.mem_get_info(device)[0], f"{device} has"
     else:
-        import psutil
         free, where = psutil.virtual_memory().available, "the machine has"
     if cache_bytes > free:
         raise RuntimeLlmcError(f"--kv-memory {asked}: the KV cache needs {cache_bytes / 2**30:.2f} GiB "
@@ -178,7 +180,6 @@ class Engine:
                                                    config.enable_chunked_prefill), self.block_manager)
         self.runner = ModelRunner(self.executor, self.cache)
         if "parallel" in self.manifest:  # tensor parallel: this process is rank 0, the others follow its steps
-            from llmc.runtime.parallel.launch import start_ranks
             self.runner = start_ranks(artifact, self.manifest, self.executor, self.cache, config.threads,
                                       config.ring_attention_threshold)
         self.eos_token_ids = self.model["eos_token_ids"] or [self.tokenizer.eos_token_id]
@@ -190,7 +191,6 @@ class Engine:
         self._next_id = 0
         self.speculator = None
         if config.speculative is not None:
-            from llmc.runtime.speculative import Speculator
             self.speculator = Speculator(config.speculative, self)
             self.metrics.speculative = self.speculator.metrics
 

@@ -14,12 +14,16 @@ from llmc.codegen.family import resolve_kernel as resolve_family_kernel
 from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan
 from llmc.codegen.torch_cpu import cpu_kernels
 from llmc.codegen.torch_cpu.cpu_kernels import RopeCache
+from llmc.codegen.triton.triton_configs import AttentionConfig, TileConfig, attention_config, tile_config
 from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
+from llmc.compiler.progress import Stages, bar, echo_stderr
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime import batch_invariance, native_decode
 from llmc.runtime.attention import AttentionBackend, NoCacheAttention
 from llmc.runtime.host_memory import file_mappings, release_file_pages
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
+from llmc.runtime.ort_decode import load_decode_graph
+from llmc.runtime.ort_segment import load_segment
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
 from llmc.runtime.plan_check import check_plan
 
@@ -162,7 +166,7 @@ class PlanExecutor:
         """Attention for one sequence whose every token is in the forward, for this kernel family."""
         if self.family == "cpu":
             return NoCacheAttention()
-        from llmc.runtime.triton_attention_backend import TritonNoCacheAttention
+        from llmc.runtime.triton_attention_backend import TritonNoCacheAttention  # jinja2: only Triton plans
         return TritonNoCacheAttention(self.plan.target, self.kv_dtype(), self._kv_scales,
                                       config=self.launch_configs["attention"])
 
@@ -171,7 +175,7 @@ class PlanExecutor:
         self._check_serving(cache)
         if self.family == "cpu":
             return PagedAttention(cache, invariant=self.batch_invariant)
-        from llmc.runtime.triton_attention_backend import TritonPagedAttention
+        from llmc.runtime.triton_attention_backend import TritonPagedAttention  # jinja2: only Triton plans
         return TritonPagedAttention(cache, self.plan.target, self.launch_configs["attention"])
 
     def _check_serving(self, cache: PagedKVCache) -> None:
@@ -242,8 +246,6 @@ class PlanExecutor:
         """The plan's decode graph (runtime/ort_decode.py), its weights the executor's params."""
         if "decode_graph" not in self.plan.meta:
             return None
-        from llmc.runtime.ort_decode import load_decode_graph
-
         if self.device.type != "cpu":
             raise ArtifactError(f"plan.json meta.decode_graph: ONNX Runtime runs on the CPU, not {self.device}; "
                                 f"load the artifact on the CPU or compile it for this device's target")
@@ -259,8 +261,6 @@ class PlanExecutor:
 
     def _segment_launch(self, index: int, step, where: str) -> Launch:
         """An ONNX Runtime session over the step's ONNX file, its weights taken from the params."""
-        from llmc.runtime.ort_segment import load_segment
-
         if self.device.type != "cpu":
             raise ArtifactError(f"{where}: ONNX Runtime segments run on the CPU, not {self.device}; load the "
                                 f"artifact on the CPU or compile it for this device's target")
@@ -335,8 +335,6 @@ class PlanExecutor:
     def _walk_shown(self, regs: list, context: dict) -> None:
         """The walk of a plan whose Triton kernels run through the interpreter (minutes a step on a long
         prompt): a bar over its kernels on a terminal, and a line the first time a step runs long."""
-        from llmc.compiler.progress import Stages, bar, echo_stderr
-
         with Stages(echo_stderr, quiet=self._announced) as stages, \
                 bar(len(self._program), "Triton interpreter", unit="kernel") as shown:
             stages.start(f"running each step's {len(self._program)} launches through Triton's interpreter "
@@ -371,7 +369,7 @@ class PlanExecutor:
 
     def _run_checked(self, launch: Launch, regs: list, context: dict) -> list:
         """Run one launch, failing if it launched a Triton kernel its step does not record."""
-        from llmc.codegen.triton.triton_render import record_loads
+        from llmc.codegen.triton.triton_render import record_loads  # jinja2: only Triton plans
 
         with record_loads() as launched:
             results = launch.fn(*[regs[i] for i in launch.args], **launch.attrs,
@@ -455,8 +453,6 @@ def plan_launch_configs(plan: Plan) -> dict:
     """The launch configs a Triton plan's GEMM and attention kernels were rendered with, by family
     ("gemm": TileConfig, "attention": AttentionConfig): those plan.meta["autotune"] records
     (codegen/autotune.py), the target's defaults where it records none."""
-    from llmc.codegen.triton.triton_configs import AttentionConfig, TileConfig, attention_config, tile_config
-
     autotune = plan.meta.get("autotune") or {}
     recorded = (autotune.get("configs") or {}) if isinstance(autotune, dict) else None
     if not isinstance(recorded, dict):

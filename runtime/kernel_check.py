@@ -9,6 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from llmc.codegen.kernel_sources import kernel_file
 from llmc.codegen.plan import Plan
 from llmc.compiler.artifact import Artifact
 from llmc.errors import ArtifactError
@@ -32,8 +33,6 @@ def verify_kernels(plan: Plan, stored: dict[str, str], path: str | Path) -> None
     recorded = recorded_kernels(plan)
     if not recorded:
         return
-    from llmc.codegen.kernel_sources import kernel_file
-
     for digest, (record, node) in sorted(recorded.items()):
         where = f"artifact '{path}': kernel {record['name']} (step {node}, template {record['template']})"
         rendered = _render(record, where)
@@ -57,9 +56,9 @@ def verified_plan(art: Artifact) -> Plan:
 
 
 def _render(record: dict, where: str) -> str:
-    import jinja2
+    import jinja2  # jinja2: not for the engine's import (tests/test_lean_runtime.py)
 
-    from llmc.codegen.triton.triton_render import render_kernel
+    from llmc.codegen.triton.triton_render import render_kernel  # imports jinja2
 
     try:
         return render_kernel(record["template"], record["name"], dict(record["constants"])).sha256

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import llmc
 from llmc.compiler.artifact import read_manifest
 from llmc.errors import LlmcError, RuntimeLlmcError
 from llmc.runtime.device import resolve_device
@@ -40,6 +41,7 @@ from llmc.runtime.parallel.ring_attention import ring_backend, ring_threshold
 from llmc.runtime.parallel.stage_groups import join_stage_groups
 from llmc.runtime.parallel.steps import follow_step, lead_step
 from llmc.runtime.parallel.worker import load_rank
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.threads import apply_threads
 
 SETUP = 3                   # rank 0's first message: the KV cache's blocks and block size, the ring threshold
@@ -115,9 +117,6 @@ def follow(control, path: str, rank: int, parallel: dict, timeout: float, device
 
 def lead(control, args, device: torch.device) -> None:
     """Rank 0: the engine, whose runner drives the followers; each completion printed."""
-    import llmc
-    from llmc.runtime.sampling_params import SamplingParams
-
     threshold = ring_threshold(args.ring_attention_threshold)
 
     def runner(manifest, executor, cache):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from llmc.codegen.ort.onnx_weights import TRANSFORMS
 from llmc.codegen.ort.ort_decode import BLOCK_TABLES, NEW_KEYS, NEW_VALUES, cache_inputs
 from llmc.codegen.plan import RECOMPILE
 from llmc.compiler.ir import TensorType
 from llmc.errors import ArtifactError
+from llmc.runtime.ort_segment import load_session
 from llmc.runtime.paged_attention import PagedKVCache, StepMetadata
 
 RECORD_FIELDS = {"file": str, "sha256": str, "initializers": dict, "inputs": list, "outputs": list,
@@ -23,8 +25,6 @@ class DecodeGraph:
 
     def __init__(self, record: dict, plan, data: dict[str, bytes], weights: dict[str, torch.Tensor],
                  made: dict | None = None):
-        from llmc.runtime.ort_segment import load_session
-
         where = "plan.json meta.decode_graph"
         check_record(record, plan, where)
         self.num_layers = layers = record["num_layers"]
@@ -60,8 +60,6 @@ class DecodeGraph:
 def check_record(record, plan, where: str) -> None:
     """plan.meta["decode_graph"] is untrusted data: its fields must have their types, read the plan's
     own inputs and give its outputs, and make initializers from plan params by transforms of this llmc."""
-    from llmc.codegen.ort.onnx_weights import TRANSFORMS
-
     bad = [k for k, t in RECORD_FIELDS.items() if not isinstance(record.get(k), t)]
     bad += [] if isinstance(record.get("native_first", False), bool) else ["native_first"]
     if bad:

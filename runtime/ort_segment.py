@@ -11,10 +11,14 @@ import hashlib
 import numpy as np
 import torch
 
+from llmc.codegen.ort import ort_int8  # through the module: tests fake signed_int8_exact
+from llmc.codegen.ort.onnx_ops import EXTERNAL_LOCATION, SEGMENT_OPS
+from llmc.codegen.ort.onnx_weights import initializer
 from llmc.codegen.plan import RECOMPILE
 from llmc.compiler.ir import TensorType, eval_dim
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime.host_memory import anonymous_rss
+from llmc.runtime.threads import current_threads
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32,
                 torch.uint8: np.uint8, torch.int8: np.int8, torch.float16: np.float16}
@@ -26,7 +30,7 @@ ORT_FIX = ("install an onnxruntime with its contrib ops (pip install -U 'onnxrun
 
 def cpu_kernel_ops() -> set[tuple[str, str]]:
     """(domain, op) of every kernel this onnxruntime build has for its CPU execution provider."""
-    from onnxruntime.capi import _pybind_state
+    from onnxruntime.capi import _pybind_state  # onnxruntime: the engine and every compile import this module
 
     return {(k.domain, k.op_name) for k in _pybind_state.get_all_opkernel_def()
             if k.provider == "CPUExecutionProvider"}
@@ -34,7 +38,7 @@ def cpu_kernel_ops() -> set[tuple[str, str]]:
 
 def require_ops(ops: set[tuple[str, str]], where: str) -> None:
     """Raise naming the first of `ops` ((domain, op_type)) this onnxruntime cannot run on the CPU."""
-    import onnxruntime
+    import onnxruntime  # onnxruntime: the engine and every compile import this module
 
     missing = sorted(ops - cpu_kernel_ops())
     if missing:
@@ -49,11 +53,8 @@ def check_segment_model(model: bytes, inputs: list[str], outputs: list[str], sou
     domains, functions or subgraphs, other inputs or outputs, or external data other than the
     initializers the step supplies (ORT would read such data from a file the bytes name). Returns
     each supplied initializer's dims and dtype."""
-    import onnx
-    from onnx import helper
-
-    from llmc.codegen.ort.onnx_ops import EXTERNAL_LOCATION, SEGMENT_OPS
-    from llmc.codegen.ort.ort_int8 import signed_int8_exact
+    import onnx  # onnx: the engine and every compile import this module
+    from onnx import helper  # onnx: as above
 
     try:
         proto = onnx.load_from_string(model)
@@ -76,7 +77,7 @@ def check_segment_model(model: bytes, inputs: list[str], outputs: list[str], sou
                             f"{RECOMPILE}")
     signed = [n.name for n in g.node if n.op_type in ("MatMulInteger", "MatMulIntegerToFloat")
               and n.input[1] in external and external[n.input[1]].data_type == onnx.TensorProto.INT8]
-    if signed and not signed_int8_exact():
+    if signed and not ort_int8.signed_int8_exact():
         raise ArtifactError(f"{where}: node {signed[0]!r} multiplies uint8 x int8 codes, which ONNX Runtime on "
                             f"this CPU (no VNNI) sums in saturating int16; recompile the model on this machine "
                             f"(its w8a8 segments then carry uint8 weights), or with --kernels cpu")
@@ -85,7 +86,7 @@ def check_segment_model(model: bytes, inputs: list[str], outputs: list[str], sou
 
 
 def session_options(threads: int, spin: bool = False):
-    import onnxruntime
+    import onnxruntime  # onnxruntime: the engine and every compile import this module
 
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
@@ -117,7 +118,7 @@ def session_options(threads: int, spin: bool = False):
 @functools.lru_cache(maxsize=1)
 def _share_cpu_arena() -> None:
     """Register one CPU arena allocator with ONNX Runtime's process-wide environment."""
-    import onnxruntime
+    import onnxruntime  # onnxruntime: the engine and every compile import this module
 
     info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
                                      onnxruntime.OrtMemType.DEFAULT)
@@ -130,7 +131,7 @@ class OrtSegment:
 
     def __init__(self, model: bytes, initializers: dict[str, torch.Tensor], inputs: list[tuple[str, TensorType]],
                  outputs: list[tuple[str, TensorType]], threads: int, where: str, spin: bool = False):
-        import onnxruntime
+        import onnxruntime  # onnxruntime: the engine and every compile import this module
 
         options = session_options(threads, spin)
         self.initializers = initializers   # ORT reads their memory for the session's lifetime
@@ -205,9 +206,6 @@ def load_session(attrs: dict, inputs: list[tuple[str, TensorType]], outputs: lis
     """An OrtSegment over the ONNX file `attrs` names ({file, sha256, initializers}),
     with those inputs and outputs (`spin`: see session_options). `made` holds the initializers made
     for other sessions by (param, transform, dims): each is made once however many sessions read it."""
-    from llmc.codegen.ort.onnx_weights import initializer
-    from llmc.runtime.threads import current_threads
-
     model = data.get(attrs["file"])
     if model is None:
         raise ArtifactError(f"{where}: its ONNX file {attrs['file']} was not given; load the artifact with "

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from llmc.codegen.ort.onnx_weights import TRANSFORMS
 from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan, PlanStep
 from llmc.compiler.ir import DTYPE_BYTES, TensorType, eval_dim
 from llmc.compiler.ops import (
@@ -90,8 +91,6 @@ def _check_segment(index: int, step: PlanStep, plan: Plan) -> None:
     """An ONNX Runtime segment reads and gives exactly what the cpu steps it stands for read from
     and give to the rest of the plan, holds no attention, and makes its initializers from params
     those steps read by transforms this llmc has."""
-    from llmc.codegen.ort.onnx_weights import TRANSFORMS
-
     where, inner = step.where(index), step.inner_steps()
     defined = [o for s in inner for o in s.outputs]
     reads = list(dict.fromkeys(i for s in inner for i in s.inputs if i not in defined and i not in plan.params))

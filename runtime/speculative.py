@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from llmc.errors import RuntimeLlmcError
+from llmc.runtime.draft_proposer import DraftProposer
 from llmc.runtime.draft_tree import DraftTree, merge_candidates
 from llmc.runtime.metrics import SpeculativeMetrics
 from llmc.runtime.ngram_proposer import NgramProposer
@@ -65,7 +66,6 @@ class Speculator:
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
-            from llmc.runtime.draft_proposer import DraftProposer
             self.proposer = DraftProposer(config.model, engine)
         self.max_model_len = engine.max_model_len
         self.acceptance: dict[int, _Acceptance] = {}

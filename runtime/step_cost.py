@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from llmc.cache import busy_reason, cache_root, watch_load, write_json
+from llmc.runtime.paged_attention import StepMetadata
+from llmc.runtime.roofline import cpu_model
 
 CONTEXT = 32
 ROWS = (1, 2, 4, 8, 16)   # a decode step; verification of 1, 3 and 7 drafts; a batch past the native program's 8
@@ -60,8 +62,6 @@ def measured_step_cost(executor, backend, threads: int) -> tuple[StepCost, dict]
     """(StepCost, record) for `executor`'s plan on this machine, from the cache or measured now over the
     first blocks of `backend`'s paged cache (at load: no request holds them yet); None where the cache
     has too few blocks for it."""
-    from llmc.runtime.roofline import cpu_model
-
     blocks = -(-(CONTEXT + max(ROWS)) // backend.cache.block_size)
     if backend.cache.k_cache[0].shape[0] < blocks:
         return None
@@ -84,8 +84,6 @@ def measured_step_cost(executor, backend, threads: int) -> tuple[StepCost, dict]
 
 
 def _measure(executor, backend, table: list[int]) -> dict[int, float]:
-    from llmc.runtime.paged_attention import StepMetadata
-
     plan, block = executor.plan, backend.cache.block_size
     ids = torch.randint(0, _vocab(executor), (CONTEXT + max(ROWS),), generator=torch.Generator().manual_seed(0))
     feed = lambda **values: {k: t for k, t in values.items() if k in plan.inputs}

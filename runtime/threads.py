@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import torch
 
 from llmc.errors import RuntimeLlmcError
@@ -21,11 +22,7 @@ def logical_cpus() -> int:
 def default_threads() -> int:
     """Physical cores (hyperthreads share a core's memory port and FPU), at most the CPUs this
     process may run on."""
-    try:
-        import psutil
-        physical = psutil.cpu_count(logical=False)
-    except ImportError:
-        physical = None
+    physical = psutil.cpu_count(logical=False)
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical_cpus()
     return max(1, min(physical or logical_cpus(), allowed))
 

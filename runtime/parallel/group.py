@@ -12,6 +12,7 @@ import os
 import socket
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -97,8 +98,6 @@ def receive(stream) -> tuple[int, torch.Tensor | None]:
 def own_stats() -> torch.Tensor:
     """This rank's seconds in all_reduce and all_gather, and its resident memory in bytes (now: a
     follower's peak would count the memory of the process it was forked from)."""
-    import psutil
-
     rss = psutil.Process().memory_info().rss
     return torch.tensor([COLLECTIVE_SECONDS["all_reduce"], COLLECTIVE_SECONDS["all_gather"], float(rss),
                          P2P_SECONDS["send"] + P2P_SECONDS["recv"]], dtype=torch.float64)

@@ -201,7 +201,7 @@ def start_ranks(path, manifest: dict, executor, cache, threads: int,
     if "logits_indices" not in executor.plan.inputs:
         raise RuntimeLlmcError(f"artifact '{path}': its plan takes no logits_indices; recompile it")
     if manifest["parallel"].get("pp", 1) > 1:
-        from llmc.runtime.parallel.pipeline import PipelineModelRunner
+        from llmc.runtime.parallel.pipeline import PipelineModelRunner  # parallel.pipeline imports this module: a cycle
         return PipelineModelRunner(path, manifest, executor, cache, threads)
     return ShardedModelRunner(path, manifest, executor, cache, threads, threshold)
 

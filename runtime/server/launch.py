@@ -11,6 +11,7 @@ import socket
 
 import uvicorn
 
+import llmc
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.server.app import build_app, model_name
 from llmc.runtime.server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
@@ -44,8 +45,6 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Non
     `"semantic_cache": true` from the results of earlier ones close in meaning (cosine; off by default).
     `disaggregate`: 'prefill:P,decode:D' runs prefill and decode in engine processes of their own
     (disaggregate.py). `engine_options` are `llmc.load`'s (kv_memory, threads, max_num_seqs, device, ...)."""
-    import llmc
-
     _check_options(max_queue, ttft_slo_ms, shutdown_timeout)
     _check_limits(max_request_bytes, max_n, metrics_need_key, api_key)
     make_result_cache(result_cache, result_cache_ttl)   # its errors before the model loads
@@ -53,6 +52,7 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Non
     engines = None
     try:
         if disaggregate is not None:
+            # server.disaggregate imports this module: a cycle
             from llmc.runtime.server.disaggregate import start_engines
             engines = start_engines(path, disaggregate, served_model_name or model_name(path), max_queue,
                                     engine_options, {"--ttft-slo-ms": ttft_slo_ms,

@@ -16,6 +16,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from pydantic import TypeAdapter, ValidationError
+
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.server.protocol import ApiError, FunctionDef, NamedToolChoice, ToolDef
 
@@ -147,8 +149,6 @@ def tool_plan(tools: list[ToolDef] | None, tool_choice, template: str | None) ->
 def checked_tools(tools, template: str, where: str) -> list[dict]:
     """Python's tools (LLM.chat): OpenAI's function dicts, checked as the server checks them, for a
     template that reads `tools`; a RuntimeLlmcError naming the problem otherwise."""
-    from pydantic import TypeAdapter, ValidationError
-
     if not re.search(r"\btools\b", template):
         raise RuntimeLlmcError(f"tools: the chat template of {where} does not take tools (it never reads "
                                "`tools`); call chat() without them, or use a model whose template supports them")
