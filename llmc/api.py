@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import Iterator
 
+from llmc.compiler.tokenizer_files import render_chat_template
 from llmc.errors import RuntimeLlmcError
 
 
@@ -17,8 +19,8 @@ def compile(model: str, target: str = "cpu", output: str | Path | None = None, *
     Python names (compiler/options.py defines them once; `llmc compile --help` shows them all):
     e.g. quant="int4-awq", kv_cache="int8", prune="heads:0.25", passes="dce,fuse_qkv",
     pass_options={"quantize_int4": {"group_size": 64}}, force=True."""
-    from llmc.compiler.options import CompileOptions
-    from llmc.compiler.pipeline import compile_model
+    from llmc.compiler.options import CompileOptions  # torch (~1 s): llmc.api stays light
+    from llmc.compiler.pipeline import compile_model  # the compile stack: ~3 s with transformers
 
     options.setdefault("quiet", True)
     output = output or f"{Path(str(model)).name.removesuffix('.gguf')}.llmc"
@@ -32,8 +34,8 @@ def distill(student: str | Path, teacher: str | Path, text: str | Path, output: 
     write the result as the artifact `output` (as `llmc distill`; see compiler/driver/distill.py).
     `options` (compiler/driver/distill_options.py): steps, lr, seq_len, batch, temperature, seed,
     checkpoint, checkpoint_every, threads, force, quiet (default True)."""
-    from llmc.compiler.driver.distill import distill_artifact
-    from llmc.compiler.driver.distill_options import DistillOptions
+    from llmc.compiler.driver.distill import distill_artifact  # the training stack: only distill
+    from llmc.compiler.driver.distill_options import DistillOptions  # the same
 
     options.setdefault("quiet", True)
     output = output or f"{Path(str(student)).name.removesuffix('.llmc')}-distilled.llmc"
@@ -44,7 +46,7 @@ def evaluate(path: str | Path, text: str, ref: str | Path | None = None, max_tok
              progress: bool = False, device: str | None = None) -> dict:
     """Perplexity of the artifact at `path` on `text` (context 512, stride 256, first
     `max_tokens` tokens); with `ref`, also KL(ref || ours) and top-1 agreement against it."""
-    from llmc.tools.evaluate import evaluate_text
+    from llmc.tools.evaluate import evaluate_text  # torch and the executor: only evaluate
 
     return evaluate_text(path, text, ref=ref, max_tokens=max_tokens, progress=progress, device=device)
 
@@ -54,7 +56,7 @@ def export(path: str | Path, format: str = "onnx", output: str | Path | None = N
     """Export the artifact at `path` as a standalone model in `format` ("onnx": DIR/model.onnx that
     plain onnxruntime runs, with DIR/tokenizer/ and DIR/llmc_onnx.json) into the directory `output`;
     quiet=False prints a line on stderr for each stage that runs longer than a moment."""
-    from llmc.codegen.ort.onnx_export import ExportError, export_onnx
+    from llmc.codegen.ort.onnx_export import ExportError, export_onnx  # torch and codegen: only export
 
     if format != "onnx":
         raise ExportError(f"export format {format!r} is not supported; use format='onnx'")
@@ -75,6 +77,7 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, **options
     (default 8 MiB), max_n (default 16), metrics_need_key, result_cache (bytes, e.g. "256MiB"; off by
     default), result_cache_ttl (seconds), and `load`'s engine options.
     To mount the app yourself: `llmc.runtime.server.build_app(llmc.load(path))`."""
+    # fastapi, uvicorn: llmc.load imports none (tests/server/test_admission.py)
     from llmc.runtime.server.launch import serve as serve_artifact
 
     serve_artifact(path, host, port, **options)
@@ -84,8 +87,8 @@ def run_site_plan(art, plan, threads: int, asked: bool | None, invariant: bool):
     """Engine's choose_plan: (plan, data files) with the artifact's kernel choices re-checked on this
     machine where they were made on another (or asked: recheck_kernels=True, $LLMC_RECHECK_KERNELS=1); a
     line on stderr when so."""
-    from llmc.compiler.driver.tuning.run_site import recheck
-    from llmc.compiler.progress import echo_stderr
+    from llmc.compiler.driver.tuning.run_site import recheck  # the compile driver: only rechecked kernel choices
+    from llmc.compiler.progress import echo_stderr  # tqdm: the same
 
     return recheck(art, plan, threads, asked, invariant, echo=echo_stderr)
 
@@ -102,9 +105,7 @@ class LLM:
     $LLMC_RING_ATTENTION_THRESHOLD or 4096)."""
 
     def __init__(self, path: str | Path, **engine_options):
-        from dataclasses import fields
-
-        from llmc.runtime.engine import Engine, EngineConfig
+        from llmc.runtime.engine import Engine, EngineConfig  # torch (~1 s): llmc.api stays light
 
         unknown = sorted(set(engine_options) - {f.name for f in fields(EngineConfig)})
         if unknown:
@@ -236,7 +237,7 @@ class LLM:
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise RuntimeLlmcError(f"the model in {self.path} has no chat template; pass plain prompts")
-        from llmc.compiler.tokenizer_files import render_chat_template
+        # pydantic's protocol: only chats with tools
         from llmc.runtime.server.tools import checked_tools, template_message
         if tools is not None:
             tools = checked_tools(tools, template, f"the model in {self.path}")
@@ -246,8 +247,8 @@ class LLM:
 
     def _checked(self, prompt, params, priority, where: str) -> dict:
         """add_request's arguments for one prompt, every value checked (nothing is added yet)."""
-        from llmc.runtime import request_values
-        from llmc.runtime.sampling_params import SamplingParams
+        from llmc.runtime import request_values  # torch: llmc.api stays light
+        from llmc.runtime.sampling_params import SamplingParams  # torch: llmc.api stays light
 
         text, token_ids = prompt, None
         if isinstance(prompt, dict):
@@ -260,7 +261,7 @@ class LLM:
 
 
 def _as_list(values, name: str) -> list:
-    from llmc.runtime.request_values import shown
+    from llmc.runtime.request_values import shown  # torch: llmc.api stays light
 
     if isinstance(values, (bytes, int, float)) or not hasattr(values, "__iter__"):
         raise RuntimeLlmcError(f"{name} is {shown(values)}; pass a str, a "
@@ -281,7 +282,7 @@ def _per_prompt(value, count: int, name: str) -> list:
 def _as_conversations(messages) -> list[list[dict]]:
     """One conversation or a list of them, each checked to be a non-empty list of
     {"role": str, "content": str} dicts."""
-    from llmc.runtime.request_values import shown
+    from llmc.runtime.request_values import shown  # torch: llmc.api stays light
     if not isinstance(messages, (list, tuple)) or not messages:
         raise RuntimeLlmcError(f"messages is {shown(messages)}; pass a list of "
                                "{'role': str, 'content': str} dicts, or a list of such lists")
@@ -311,5 +312,5 @@ class _NoBar:
 def _progress(total: int, enabled: bool):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
+    from tqdm import tqdm  # tqdm: llmc.api stays light
     return tqdm(total=total, desc="requests", unit="req")

@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import psutil
+
+from llmc.errors import LlmcError
+
 # "1": choose and cache from every measurement whatever the load and spread (a machine known to
 # be dedicated; the test suite, whose timings of tiny models prove nothing either way)
 TRUST_ENV = "LLMC_TRUST_TIMINGS"
@@ -83,9 +87,8 @@ def now() -> str:
 def busy_cpu_seconds() -> float | None:
     """CPU seconds all processes have run on the machine since boot (None where it cannot be read)."""
     try:
-        import psutil
         t = psutil.cpu_times()
-    except (ImportError, OSError):
+    except OSError:
         return None
     return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
@@ -218,7 +221,6 @@ def clear_cache(names: Sequence[str] | None = None) -> list[Path]:
     removed = []
     for name in names:
         if name not in ENTRIES:
-            from llmc.errors import LlmcError
             raise LlmcError(f"the cache holds no {name!r}; name one of {', '.join(ENTRIES)}")
         path = cache_root() / name
         if path.is_dir():

@@ -12,6 +12,11 @@ from contextlib import contextmanager
 
 import click
 
+import llmc
+from llmc.api import compile as compile_api
+from llmc.api import export as export_api
+from llmc.api import run_site_plan
+from llmc.cache import ENTRIES, REMEASURE_ENV, cache_info, cache_root, clear_cache
 from llmc.cli_values import (
     NON_NEGATIVE,
     POSITIVE,
@@ -23,7 +28,15 @@ from llmc.cli_values import (
     read_prompts,
     stdin_prompts,
 )
+from llmc.compiler.options import option_fields
+from llmc.compiler.targets import TARGETS
 from llmc.errors import LlmcError
+from llmc.passes.registry import describe_passes, parse_pass_options
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.speculative_config import speculative_config
+from llmc.runtime.structured_output import StructuredOutputError, StructuredOutputsParams
+from llmc.runtime.threads import apply_threads, resolve_threads
+from llmc.tools.hf_baseline import baseline_name
 
 
 def _fail(message: str) -> None:
@@ -39,8 +52,6 @@ def cli():
 
 def compile_flags(f):
     """The compile options of compiler/options.py (their one definition) as click options."""
-    from llmc.compiler.options import option_fields
-
     for field in reversed(option_fields()):
         m = field.metadata
         decls = [m["cli"] or "--" + field.name.replace("_", "-")] + ([m["short"]] if m["short"] else [])
@@ -60,8 +71,6 @@ def compile_flags(f):
 
 
 def target_help() -> str:
-    from llmc.compiler.targets import TARGETS
-
     return (f"Target: {', '.join(TARGETS)}. Each applies its own weight recipe (the cpu targets keep a "
             f"GGUF's blocks); `llmc targets` lists their hardware and recipes.")
 
@@ -75,14 +84,11 @@ def compile(model, target, output, **options):
     """Compile MODEL into an artifact: an HF checkpoint dir, a .gguf or .onnx file, or a sample:
     smollm2-135m (SmolLM2-135M-Instruct, a Q4_1 GGUF fetched once) or tiny-llama (random weights,
     built in-process for tests: it prints gibberish)."""
-    from llmc.api import compile as compile_api
-    from llmc.passes.registry import parse_pass_options
-
     options["pass_options"] = parse_pass_options(options["pass_options"])
     with _sigterm_exits():
         path = compile_api(model, target=target, output=output, **options)
     if not options["quiet"]:
-        from llmc.compiler.inspect import summarize
+        from llmc.compiler.inspect import summarize  # compiler.inspect: ~0.1 s; not for `llmc --help`
         click.echo(summarize(path, brief=True))
 
 
@@ -130,8 +136,6 @@ def _in_finalizer(frame) -> bool:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable list.")
 def passes_command(as_json):
     """List every registered pass: stage, options, whether it is lossy, what it needs."""
-    from llmc.passes.registry import describe_passes
-
     passes = describe_passes()
     if as_json:
         click.echo(json.dumps(passes, indent=2, default=list))
@@ -158,6 +162,7 @@ def passes_command(as_json):
               help="The KV cache budget the memory figures assume (and --memory loads).")
 def inspect(artifact, as_json, ir, kernels, source, memory, kv_memory):
     """Show an artifact's graph summary, pass log, and memory figures."""
+    # ~0.1 s; not for `llmc --help`
     from llmc.compiler.inspect import kernel_source, kernels_summary, measured_memory, report, summarize
 
     if source is not None and not kernels:
@@ -179,8 +184,7 @@ def inspect(artifact, as_json, ir, kernels, source, memory, kv_memory):
 @click.option("--json", "as_json", is_flag=True)
 def targets(as_json):
     """List every target with its hardware facts and default pipeline."""
-    from llmc.compiler.pipeline import describe_target, full_pipeline
-    from llmc.compiler.targets import TARGETS
+    from llmc.compiler.pipeline import describe_target, full_pipeline  # the compile stack: ~3 s (transformers)
 
     if as_json:
         click.echo(json.dumps({n: t.to_dict() for n, t in TARGETS.items()}, indent=2, sort_keys=True))
@@ -221,8 +225,6 @@ def structured_options(f):
 def _structured_outputs(json_schema, regex, grammar):
     """The run's StructuredOutputsParams (None without a constraint); a file that is not what its
     option needs is the user's error, named before the model loads."""
-    from llmc.runtime.structured_output import StructuredOutputError, StructuredOutputsParams
-
     given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v]
     if len(given) > 1:
         raise LlmcError(f"{' and '.join(given)} both constrain the output; give one of them")
@@ -242,8 +244,6 @@ def _structured_outputs(json_schema, regex, grammar):
 
 def _compiled(model, structured):
     """`structured` once its grammar compiles for the model's tokenizer (before any output is printed)."""
-    from llmc.runtime.structured_output import StructuredOutputError
-
     if structured is not None:
         option = {"json": "--json-schema", "regex": "--regex", "grammar": "--grammar"}[structured.kind]
         try:
@@ -292,8 +292,6 @@ def _invariant(value) -> bool | None:
 @contextmanager
 def _remeasuring(on: bool):
     """$LLMC_REMEASURE=1 inside (cached timings are measured again and replaced) where `on`."""
-    from llmc.cache import REMEASURE_ENV
-
     before = os.environ.get(REMEASURE_ENV)
     if on:
         os.environ[REMEASURE_ENV] = "1"
@@ -334,7 +332,6 @@ def _speculative(method, num_tokens) -> dict | None:
         if num_tokens is not None:
             raise LlmcError("--num-speculative-tokens needs --speculative ngram or --speculative draft:PATH")
         return None
-    from llmc.runtime.speculative_config import speculative_config
     config = speculative_config(method)
     if num_tokens is not None:
         config.num_speculative_tokens = num_tokens
@@ -343,12 +340,10 @@ def _speculative(method, num_tokens) -> dict | None:
 
 def _threads(value) -> int:
     """The checked thread count, before anything loads."""
-    from llmc.runtime.threads import resolve_threads
     return resolve_threads(value)
 
 
 def _params(max_tokens, temperature, top_p, top_k, seed, stop):
-    from llmc.runtime.sampling_params import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=list(stop))
 
@@ -373,8 +368,6 @@ def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens
         ring_attention_threshold, batch_invariant):
     """Generate from one prompt (streamed) or many (batched together). With --json-schema, --regex or
     --grammar the output is constrained to it."""
-    import llmc
-
     threads = _threads(threads)
     structured = _structured_outputs(json_schema, regex, grammar)
     speculative = _speculative(speculative, num_speculative_tokens)
@@ -418,8 +411,6 @@ def _echo_stream(pieces) -> None:
 @threads_option
 def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv_memory, device, threads):
     """Interactive chat with the model's chat template, streaming replies. Ctrl-D ends."""
-    import llmc
-
     model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=_threads(threads))
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     messages = [{"role": "system", "content": system}] if system else []
@@ -498,12 +489,11 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
-    from llmc.api import run_site_plan
-    from llmc.runtime import memory_report
-    from llmc.runtime.engine import Engine, EngineConfig
-    from llmc.runtime.parallel.report import rank_report
-    from llmc.runtime.roofline import bench_roofline
-    from llmc.tools.bench import (
+    from llmc.runtime import memory_report  # bench's stack (the engine ~0.2 s): not for `llmc --help`
+    from llmc.runtime.engine import Engine, EngineConfig  # the same
+    from llmc.runtime.parallel.report import rank_report  # the same
+    from llmc.runtime.roofline import bench_roofline  # the same
+    from llmc.tools.bench import (  # the same
         Workload,
         hf_model_from_artifact,
         median_run,
@@ -524,7 +514,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                           Workload(num_requests, input_len, output_len, input_spread, output_spread, prefix_len,
                                    qps_value, seed, long_fraction=long_fraction, long_input_len=long_input_len))
     if plot:
-        from llmc.tools.bench_plot import check_plot_path
+        from llmc.tools.bench_plot import check_plot_path  # matplotlib: ~0.2 s; only --plot
         check_plot_path(plot)
     speculative = _speculative(speculative, num_speculative_tokens)
     if speculative is not None and repeat > 1:
@@ -555,7 +545,6 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
         warm_up(engine)
     base, base_name, base_runs, hf_model = None, baseline, [], None
     if baseline == "hf":   # built first, so that its runs alternate with the engine's
-        from llmc.tools.hf_baseline import baseline_name
         hf_model, base_name = hf_model_from_artifact(engine), baseline_name(engine.executor.plan)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
     hf_run = None if hf_model is None else lambda: base_runs.append(run_hf_baseline(
@@ -591,14 +580,14 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
     # the results first: a plot that fails to save must not lose the run
     click.echo(json.dumps(result, indent=2, sort_keys=True, default=str) if as_json else _bench_table(result))
     if plot:
-        from llmc.tools.bench_plot import plot_bench
+        from llmc.tools.bench_plot import plot_bench  # matplotlib: ~0.2 s; only --plot
         plot_bench(ours, plot, base, title=f"llmc bench: {artifact}",
                    baseline_name="HF" if base_name == "hf" else base_name)
 
 
 def _bench_url(url, artifact, api_key, workload_kind, as_json, qps, workload) -> None:
     """`llmc bench --url`: the workload against a running server; only the workload options apply."""
-    from llmc.tools.bench_http import format_http_bench, run_http, served_model
+    from llmc.tools.bench_http import format_http_bench, run_http, served_model  # httpx, asyncio: ~0.1 s; bench --url
 
     if url is None:
         raise LlmcError("bench needs ARTIFACT (run it here) or --url URL (drive a running `llmc serve`)")
@@ -614,7 +603,7 @@ def _bench_url(url, artifact, api_key, workload_kind, as_json, qps, workload) ->
 def _native_kernels(engine) -> str:
     """The native kernels' status, whether the GEMVs round activations to int16 codes, and how much of the
     weights the decode program streams sits on huge pages."""
-    from llmc.codegen.native import cpu_native
+    from llmc.codegen.native import cpu_native  # ~12 ms; only bench
     program = getattr(getattr(engine, "executor", None), "native_decode", None)
     parts = [cpu_native.status()]
     if cpu_native.int16_activations():
@@ -640,10 +629,10 @@ def _policy_line(sp: dict) -> str:
 
 
 def _bench_table(r: dict) -> str:
-    from llmc.runtime.memory_report import memory_line
-    from llmc.runtime.parallel.report import format_ranks
-    from llmc.runtime.roofline import format_roofline
-    from llmc.tools.bench_http import latency_lines, percentile_cells
+    from llmc.runtime.memory_report import memory_line  # bench's stack: not for `llmc --help`
+    from llmc.runtime.parallel.report import format_ranks  # the same
+    from llmc.runtime.roofline import format_roofline  # the same
+    from llmc.tools.bench_http import latency_lines, percentile_cells  # httpx and asyncio: ~0.1 s
 
     lines = [*latency_lines(r),
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
@@ -685,8 +674,6 @@ def _bench_table(r: dict) -> str:
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr; print only the result.")
 def export(artifact, format_, output, force, quiet):
     """Export ARTIFACT as a standalone model: ONNX that plain onnxruntime runs, with past/present KV."""
-    from llmc.api import export as export_api
-
     with _sigterm_exits():
         path = export_api(artifact, format=format_, output=output, force=force, quiet=quiet)
     click.echo(f"wrote {path}/model.onnx")
@@ -744,7 +731,7 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
     with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
     `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
     --shutdown-timeout seconds, the rest end with finish_reason "abort"."""
-    from llmc.runtime.server.launch import serve as serve_artifact
+    from llmc.runtime.server.launch import serve as serve_artifact  # fastapi, uvicorn: ~0.6 s; only serve
 
     serve_artifact(artifact, host, port, api_key=api_key, max_queue=max_queue, ttft_slo_ms=ttft_slo_ms,
                    served_model_name=served_model_name, shutdown_timeout=shutdown_timeout, kv_memory=kv_memory,
@@ -770,7 +757,7 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
 @threads_option
 def eval_command(artifact, text_file, ref, max_tokens, as_json, quiet, device, threads):
     """Perplexity of ARTIFACT on a text: windows of 512 tokens, stride 256, each token scored once."""
-    from llmc.runtime.threads import apply_threads
+    # the executor: ~0.2 s; only eval
     from llmc.tools.evaluate import DEFAULT_TEXT, evaluate_text, format_summary, read_eval_text
 
     apply_threads(_threads(threads))
@@ -801,8 +788,6 @@ def cache():
 @click.option("--json", "as_json", is_flag=True)
 def cache_info_command(as_json):
     """Where each part of the cache is, its size, and when and under what load its measurements were taken."""
-    from llmc.cache import cache_info, cache_root
-
     entries = cache_info()
     if as_json:
         click.echo(json.dumps({"root": str(cache_root()), "entries": entries}, indent=2, sort_keys=True))
@@ -830,8 +815,6 @@ def _measured_line(records: list[dict]) -> str:
 def cache_clear_command(what, everything):
     """Remove WHAT (names from `llmc cache info`; default: the measurements, kernel timings and
     bandwidth.json) from the cache; they are measured or built again when next needed."""
-    from llmc.cache import ENTRIES, clear_cache
-
     removed = clear_cache(list(ENTRIES) if everything else list(what) or None)
     click.echo("\n".join(f"removed {p}" for p in removed) or "nothing to remove")
 

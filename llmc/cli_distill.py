@@ -7,6 +7,7 @@ import json
 
 import click
 
+from llmc.api import distill
 from llmc.compiler.driver.distill_options import flag_name, option_fields
 
 
@@ -33,8 +34,7 @@ def distill_flags(f):
 def distill_command(student, teacher, text, output, **options):
     """Train STUDENT (an artifact with float weights: pruned, --kv-heads, --draft-of) to match
     TEACHER's next-token distribution on a text, on the CPU, and write the result as an artifact."""
-    from llmc.api import distill
-    from llmc.cli import _sigterm_exits
+    from llmc.cli import _sigterm_exits  # llmc.cli imports this module: a cycle
 
     with _sigterm_exits():
         path = distill(student, teacher, text, output, **options)

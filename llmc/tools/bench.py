@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.metrics import EngineMetrics, SpeculativeMetrics, percentiles
@@ -124,8 +125,6 @@ class BenchResult:
 
 def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResult:
     """Feed requests at their arrival times, step until all finish; time every token."""
-    from tqdm import tqdm
-
     pending = sorted(enumerate(requests), key=lambda r: r[1]["arrival"])
     token_times: dict[str, list[float]] = {}
     arrival: dict[str, float] = {}
@@ -307,7 +306,7 @@ def hf_model_from_artifact(engine) -> torch.nn.Module:
     """Rebuild the HF model from the artifact's own config and weights (same numbers, no
     download), so the baseline runs exactly what we compiled; quantised weights are dequantised
     to fp32 (llmc/tools/hf_baseline.py), so HF does the fp32 work the source model would."""
-    import transformers
+    import transformers  # transformers: ~0.5 s; only the HF baseline
 
     if "parallel" in engine.manifest:  # rank 0 holds its part of the weights only
         raise RuntimeLlmcError("--baseline hf rebuilds the model from the artifact's weights, and a tensor-parallel "
@@ -335,8 +334,6 @@ def run_hf_baseline(model, requests: list[dict], pad_id: int, eos_token_ids: lis
                     batch_size: int | None = None, progress: bool = True) -> BenchResult:
     """HF `generate`, left-padded batches of `batch_size` (all at once by default), greedy, after an
     untimed warm-up; requests that honour EOS stop at any of `eos_token_ids`, as the engine's do."""
-    from tqdm import tqdm
-
     batch_size = batch_size or len(requests)
     bar = tqdm(total=len(requests), desc="hf baseline", unit="req", disable=not progress)
     warm_up_hf(model, pad_id, eos_token_ids)

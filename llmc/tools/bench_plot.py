@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import matplotlib
 import numpy as np
+from matplotlib.backend_bases import FigureCanvasBase
 
 from llmc.errors import RuntimeLlmcError
 
 
 def check_plot_path(path: str) -> None:
     """Refuse, before the benchmark runs, a --plot path that could not be written after it."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
     file = Path(path)
     parent = file.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
@@ -29,9 +29,8 @@ def check_plot_path(path: str) -> None:
 
 
 def plot_bench(result, path: str, baseline=None, title: str = "llmc bench", baseline_name: str = "HF") -> None:
-    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend when it loads
 
     fig, (cdf, thr) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, values in (("TTFT", result.ttft_s), ("TPOT", result.tpot_s), ("ITL", result.itl_s)):
