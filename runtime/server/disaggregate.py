@@ -110,6 +110,9 @@ class _Routed:
     decode: int
     stage: str             # "prefill" | "transfer" | "decode"
     aborted: bool = False
+    abort_sent_to: int | None = None
+    handed_off: bool = False
+    early: list[dict] = field(default_factory=list)   # the decode engine's updates read before the handoff
     deltas: list[SampleDelta] = field(default_factory=list)   # handed out so far
     first_token_time: float | None = None
 
@@ -199,7 +202,7 @@ class Router:
             r = self._routed.get(request_id)
             if r is None or r.aborted:
                 return
-            r.aborted = True
+            r.aborted, r.abort_sent_to = True, r.holder
             self._send_later(r.holder, {"op": "abort", "rid": request_id})
 
     def drain(self, timeout: float, on_drained) -> None:
@@ -269,18 +272,22 @@ class Router:
     def _read(self, rank: int) -> None:
         while True:
             try:
-                message = self.channel.recv(rank)
+                messages = self.channel.recv(rank)   # what the engine said since it last sent, in order
             except RuntimeError as e:
                 if not self._stopped:
                     self._engine_gone(rank, _first_line(e))
                 return
-            getattr(self, f"_on_{message['op']}")(rank, message)
+            for message in messages:
+                getattr(self, f"_on_{message['op']}")(rank, message)
 
     def _on_update(self, rank: int, m: dict) -> None:
         now = time.monotonic()
         with self._cond:
             r = self._routed.get(m["rid"])
             if r is None:
+                return
+            if rank != r.prefill and r.prefill is not None and not r.handed_off:
+                r.early.append(m)   # the decode engine's, read before the handoff (and the first token)
                 return
             if m["output"] is not None or m["error"] is not None:
                 self._forget(r)
@@ -306,13 +313,15 @@ class Router:
             r = self._routed.get(m["rid"])
             if r is None:
                 return
-            r.stage = "transfer"
-            self._load[rank] -= 1
-            self._cond.notify_all()
+            self._leave_prefill(r, "transfer")   # unless the decode engine's "received" came first
+            r.handed_off, early, r.early = True, r.early, []
             if not self._alive[r.decode]:
                 self._fail([r], f"{self.roles.name(r.decode)} exited before this request's KV reached it")
-            elif r.aborted:
+            elif r.aborted and r.abort_sent_to != r.decode:
                 self._send_later(r.decode, {"op": "abort", "rid": r.job.request_id})
+                r.abort_sent_to = r.decode
+        for message in early:
+            self._on_update(r.decode, message)
 
     def _on_received(self, rank: int, m: dict) -> None:
         self.metrics.kv_transfer_bytes.inc(m["bytes"])
@@ -321,6 +330,7 @@ class Router:
         with self._cond:
             r = self._routed.get(m["rid"])
             if r is not None:
+                self._leave_prefill(r, "decode")
                 r.stage = "decode"
 
     def _on_aborted(self, rank: int, m: dict) -> None:
@@ -355,6 +365,12 @@ class Router:
             self._update_gauges()
 
     # -- bookkeeping (locked) --------------------------------------------------------------------
+    def _leave_prefill(self, r: _Routed, stage: str) -> None:
+        if r.stage == "prefill":
+            self._load[r.prefill] -= 1
+            r.stage = stage
+            self._cond.notify_all()
+
     def _forget(self, r: _Routed) -> None:
         if self._routed.pop(r.job.request_id, None) is None:
             return

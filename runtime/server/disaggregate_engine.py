@@ -114,6 +114,7 @@ class EngineWorker(AsyncEngine):
         self.roles, self.rank, self.role = roles, rank, roles.role(rank)
         self.channel, self.kv_group = channel, kv_group
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # from the reader threads
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # to the router, by its sender thread
         self._pending: list[Handoff] = []            # decode: KV here, no room yet; first come first
         self._pending_kv: dict[str, torch.Tensor] = {}
         self._tombstones: set[str] = set()        # decode: aborted before their KV came
@@ -123,7 +124,8 @@ class EngineWorker(AsyncEngine):
 
     def serve(self) -> None:
         """Run until the router says stop (or is gone: the process exits)."""
-        self._thread_for(self._read_router, "router")
+        self._thread_for(self._read_router, "from-router")
+        self._thread_for(self._send_router, "to-router")
         if self.role == "decode":
             for p in self.roles.prefill_ranks:
                 self._thread_for(lambda p=p: self._read_kv(p), f"kv-from-{p}")
@@ -183,7 +185,28 @@ class EngineWorker(AsyncEngine):
                     "error": error})
 
     def _tell(self, message: dict) -> None:
-        self.channel.send(ROUTER, message)
+        """To the router, in order, by the sender thread: a step never waits on the router's reading."""
+        self._outbox.put(message)
+
+    def _send_router(self) -> None:
+        """What the engine thread told the router, each batch of it in one message (a list). A handoff's
+        KV goes to its decode engine's sender only once the router has the request's first token and
+        the handoff notice: the decode engine's tokens never overtake them."""
+        while True:
+            batch, item = [], self._outbox.get()
+            while isinstance(item, dict):
+                batch.append(item)
+                try:
+                    item = self._outbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            try:
+                if batch:
+                    self.channel.send(ROUTER, batch)
+            except RuntimeError:   # the router is gone: nothing is left to serve
+                os._exit(1)
+            if item is not None:   # (decode rank, handoff, kv)
+                self._outboxes[item[0]].put(item[1:])
 
     def _take_commands(self) -> None:
         while True:
@@ -279,7 +302,7 @@ class EngineWorker(AsyncEngine):
         handoff, kv = export_request(self.engine, job.request_id)
         del self._jobs[job.request_id]
         self._tell({"op": "handoff", "rid": job.request_id})
-        self._outboxes[job.decode].put((handoff, kv))
+        self._outbox.put((job.decode, handoff, kv))   # to its sender once the router has the above
 
     def _finish(self, job: Job, out) -> None:
         super()._finish(job, out)
