@@ -76,6 +76,12 @@ def compiled(tmp_path_factory):
                         kernels="cpu")
 
 
+@pytest.fixture(scope="session")
+def artifact(compiled):
+    """The same tiny-llama artifact under the name the runtime and tools tests use; read-only."""
+    return compiled
+
+
 @pytest.fixture
 def art(compiled, tmp_path):
     """A fresh copy of the session's tiny-llama artifact, free to change."""

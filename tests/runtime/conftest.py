@@ -6,12 +6,6 @@ import llmc
 
 
 @pytest.fixture(scope="session")
-def artifact(compiled):
-    """tiny-llama compiled for cpu once per session (tests/conftest.py); read-only."""
-    return compiled
-
-
-@pytest.fixture(scope="session")
 def bf16_artifact(tmp_path_factory):
     """tiny-llama compiled for h100-bf16 (Triton kernels) once per session; read-only."""
     path = tmp_path_factory.getbasetemp() / "runtime-tiny-llama-h100-bf16.llmc"
