@@ -283,6 +283,18 @@ def test_only_norms_that_quantised_gemms_read_go_native(tmp_path, compiled):
     torch.testing.assert_close(native, unmarked.run_values(feed)["logits"], rtol=1e-3, atol=1e-3)
 
 
+def _random_q4(g: torch.Generator, n: int, k: int, group: int, zero_point: bool, half: bool):
+    """Random 4-bit codes [n, k] with scales and zero points (or offsets) per group, fp16-exact where `half`,
+    and their gemv_q4 weights."""
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.1 + 1e-3
+    second = torch.randint(0, 16, scales.shape, generator=g).float() if zero_point else \
+        torch.randn(scales.shape, generator=g) * 0.05
+    if half:
+        scales, second = scales.half().float(), second.half().float()
+    return codes, scales, second, cpu_native.q4_weights(pack_int4(codes), scales, second, zero_point)
+
+
 def _int16_rounded(x: torch.Tensor, largest: float = 32767.0) -> torch.Tensor:
     """x [rows, k] as gemv_int16.c rounds it, in float64: per block of 64, codes round(x * (largest / max|x|))
     (fp32 product, ties to even) times max|x| / largest; largest 32767 for int16 codes, 127 for int8"""
@@ -386,13 +398,7 @@ def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads, i
     from llmc.compiler.quant import dequantize_affine_codes, dequantize_int4_codes
 
     g = torch.Generator().manual_seed(n + group)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scales = torch.rand(n, k // group, generator=g) * 0.1 + 1e-3
-    second = torch.randint(0, 16, scales.shape, generator=g).float() if zero_point else \
-        torch.randn(scales.shape, generator=g) * 0.05
-    if half:
-        scales, second = scales.half().float(), second.half().float()
-    w = cpu_native.q4_weights(pack_int4(codes), scales, second, zero_point)
+    codes, scales, second, w = _random_q4(g, n, k, group, zero_point, half)
     assert w.params.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(rows, k + 5, generator=g)[:, 2:2 + k]
     y = _with_int16(int16, lambda: _on_threads(threads, lambda: cpu_native.gemv_q4(x, w)))
@@ -427,13 +433,7 @@ def test_gemv_q4_on_int8_activations_is_its_rounding_exactly(rows, n, k, group, 
     from llmc.compiler.quant import dequantize_affine_codes, dequantize_int4_codes
 
     g = torch.Generator().manual_seed(n + group + k)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scales = torch.rand(n, k // group, generator=g) * 0.1 + 1e-3
-    second = torch.randint(0, 16, scales.shape, generator=g).float() if zero_point else \
-        torch.randn(scales.shape, generator=g) * 0.05
-    if half:
-        scales, second = scales.half().float(), second.half().float()
-    w = cpu_native.q4_weights(pack_int4(codes), scales, second, zero_point)
+    codes, scales, second, w = _random_q4(g, n, k, group, zero_point, half)
     x = torch.randn(rows, k + 3, generator=g)[:, 1:1 + k]
     previous = cpu_native.set_int8_activations(True)
     try:
