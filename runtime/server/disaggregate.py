@@ -35,14 +35,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from llmc.compiler.artifact import TOKENIZER_DIR, read_manifest
 from llmc.compiler.tokenizer_files import load_tokenizer
 from llmc.errors import LlmcError, RuntimeLlmcError
+from llmc.runtime.device import resolve_device
 from llmc.runtime.engine import Engine
 from llmc.runtime.kv_transfer import Channel
+from llmc.runtime.launch import rendezvous_env
 from llmc.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmc.runtime.parallel.group import free_port
 from llmc.runtime.server.admission import FairQueue
 from llmc.runtime.server.disaggregate_engine import ROUTER, Roles, join_groups, parse_roles, run_engine
 from llmc.runtime.server.engine_loop import SHUTDOWN_REASON, Job, SampleDelta, Update
@@ -531,10 +535,6 @@ def start_engines(path, roles_text: str, served_name: str, max_queue: int, engin
 
 
 def _kv_backend(model: RoutedModel, options: dict, roles: Roles) -> str:
-    import torch
-
-    from llmc.runtime.device import resolve_device
-
     device = resolve_device(model.manifest, options.get("device"), model.path)
     if device.type != "cuda":
         return "gloo"
@@ -547,8 +547,6 @@ def _kv_backend(model: RoutedModel, options: dict, roles: Roles) -> str:
 
 def _start_processes(path, roles: Roles, options: dict) -> tuple[dict[int, subprocess.Popen], int]:
     """The engine processes, each loaded (or the error that stopped one), and their rendezvous port."""
-    from llmc.runtime.parallel.group import free_port
-
     port = free_port()
     procs = {}
     try:
@@ -607,8 +605,7 @@ def stop_processes(procs: dict[int, subprocess.Popen]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Every rank of a disaggregated server started by torchrun (see the module's first lines)."""
     import llmc.runtime.server.disaggregate as imported  # what launch.py reads: under -m this one is __main__
-    from llmc.runtime.launch import rendezvous_env
-    from llmc.runtime.server.launch import serve
+    from llmc.runtime.server.launch import serve  # here: launch.py imports this module when asked to disaggregate
 
     parser = argparse.ArgumentParser(prog="torchrun ... -m llmc.runtime.server.disaggregate",
                                      description="serve an llmc artifact with prefill and decode on torchrun's ranks")

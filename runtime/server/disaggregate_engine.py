@@ -26,8 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import llmc
+from llmc.compiler.artifact import read_manifest
 from llmc.errors import LlmcError, RuntimeLlmcError
+from llmc.runtime.device import resolve_device
 from llmc.runtime.kv_transfer import Channel, Handoff, can_hand_off, export_request, recv_kv, send_kv
+from llmc.runtime.parallel.group import process_group_backend, rank_device
 from llmc.runtime.server.engine_loop import AsyncEngine, Job, Update
 from llmc.runtime.server.metrics import ServerMetrics
 from llmc.runtime.server.protocol import ApiError
@@ -332,19 +336,12 @@ def _first_line(error: Exception) -> str:
 
 def engine_device(path: str, options: dict, local_index: int) -> torch.device:
     """Where this engine runs: the CPU, or its own GPU (this machine's `local_index`-th, made current)."""
-    from llmc.compiler.artifact import read_manifest
-    from llmc.runtime.device import resolve_device
-    from llmc.runtime.parallel.group import rank_device
-
     return rank_device(resolve_device(read_manifest(Path(path)), options.get("device"), path), local_index)
 
 
 def run_engine(path: str, roles: Roles, rank: int, options: dict, init_method: str, local_index: int,
                say=None) -> int:
     """An engine's life: load the artifact (telling `say(dict)` whether it did), join the groups, serve."""
-    import llmc
-    from llmc.runtime.parallel.group import process_group_backend
-
     say = say or (lambda message: _log(f"{roles.name(rank)}: {json.dumps(message)}"))
     try:
         device = engine_device(path, options, local_index)
