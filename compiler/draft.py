@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from llmc.compiler.artifact import TOKENIZER_DIR, read_manifest, sha256_file
 from llmc.compiler.recipes import parse_prune
+from llmc.compiler.tokenizer_files import vocab_difference
 from llmc.errors import ArtifactError, ModelLoadError, PassError
 
 DEFAULT_QUANT = "int4-rtn"
@@ -63,20 +64,14 @@ def check_same_tokenizer(loaded, target: DraftTarget) -> None:
     if ours != theirs:
         raise ModelLoadError(f"--draft-of: the tokenizer of draft source {loaded.source!r} differs from "
                              f"the one of target artifact '{target.path}' ({target.model['name']}): "
-                             f"{vocab_difference(ours, theirs)}; a draft must share its target's tokenizer, "
+                             f"{vocab_difference(ours, theirs, 'draft', 'target')}; a draft must share its "
+                             f"target's tokenizer, "
                              f"so compile it from the target's model or a sibling with the same vocabulary")
     rows = getattr(getattr(loaded.config, "text_config", loaded.config), "vocab_size", None)
     if rows != target.model["vocab_size"]:
         raise ModelLoadError(f"--draft-of: draft source {loaded.source!r} scores {rows} token ids but target "
                              f"artifact '{target.path}' ({target.model['name']}) scores {target.model['vocab_size']}; "
                              f"a draft's logits must cover the target's vocabulary")
-
-
-def vocab_difference(ours: dict[str, int], theirs: dict[str, int]) -> str:
-    if len(ours) != len(theirs):
-        return f"{len(ours)} tokens against {len(theirs)}"
-    token = min(t for t in ours if theirs.get(t) != ours[t])
-    return f"token {token!r} is id {ours[token]} in the draft and {theirs.get(token)} in the target"
 
 
 def draft_options(options, loaded, target: DraftTarget):

@@ -139,4 +139,12 @@ def _first_line(error: BaseException) -> str:
     return lines[0][:300] if lines else type(error).__name__
 
 
-__all__ = ["check_tokenizer_files", "load_tokenizer", "render_chat_template"]
+def vocab_difference(ours: dict[str, int], theirs: dict[str, int], we: str, they: str) -> str:
+    """The first way two vocabularies (token -> id) differ, for an error line naming both roles."""
+    if len(ours) != len(theirs):
+        return f"{len(ours)} tokens against {len(theirs)}"
+    token = min(t for t in ours if theirs.get(t) != ours[t])
+    return f"token {token!r} is id {ours[token]} in the {we} and {theirs.get(token)} in the {they}"
+
+
+__all__ = ["vocab_difference", "check_tokenizer_files", "load_tokenizer", "render_chat_template"]

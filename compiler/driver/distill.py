@@ -69,6 +69,7 @@ from llmc.compiler.driver.distill_student import StudentGraph
 from llmc.compiler.ir import Graph
 from llmc.compiler.progress import Stages, bar, echo_stderr, on_terminal
 from llmc.compiler.scoring import row_kl
+from llmc.compiler.tokenizer_files import vocab_difference
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.kernel_check import verified_plan
 from llmc.runtime.threads import apply_threads, resolve_threads
@@ -153,16 +154,10 @@ def check_same_tokenizer(student: Artifact, teacher: Artifact, student_tok, teac
     ours, theirs = student_tok.get_vocab(), teacher_tok.get_vocab()
     rows = (student.manifest["model"]["vocab_size"], teacher.manifest["model"]["vocab_size"])
     if ours != theirs or rows[0] != rows[1]:
-        why = vocab_difference(ours, theirs) if ours != theirs else f"{rows[0]} logits against {rows[1]}"
+        why = vocab_difference(ours, theirs, "student", "teacher") if ours != theirs \
+            else f"{rows[0]} logits against {rows[1]}"
         raise DistillError(f"student '{student.path}' and teacher '{teacher.path}' have different tokenizers "
                            f"({why}); a student must share its teacher's tokenizer and vocabulary")
-
-
-def vocab_difference(ours: dict[str, int], theirs: dict[str, int]) -> str:
-    if len(ours) != len(theirs):
-        return f"{len(ours)} tokens against {len(theirs)}"
-    token = min(t for t in ours if theirs.get(t) != ours[t])
-    return f"token {token!r} is id {ours[token]} in the student and {theirs.get(token)} in the teacher"
 
 
 def check_seq_len(art: Artifact, plan: Plan, seq_len: int, role: str) -> None:

@@ -10,9 +10,9 @@ import torch
 import llmc
 from llmc.cli import main
 from llmc.compiler.artifact import sha256_file
-from llmc.compiler.draft import vocab_difference
 from llmc.compiler.frontends import load_model
 from llmc.compiler.inspect import summarize
+from llmc.compiler.tokenizer_files import vocab_difference
 from llmc.errors import ArtifactError, ModelLoadError, PassError
 
 CALIB = dict(calib_samples=2, calib_seq_len=32)
@@ -99,7 +99,8 @@ def test_cli_tokenizer_mismatch_is_one_line_exit_2(target, other_tokenizer_dir, 
 
 def test_vocab_difference_names_the_first_token_that_moved():
     ours = {"a": 0, "b": 1, "c": 2}
-    assert vocab_difference(ours, {"a": 0, "b": 2, "c": 1}) == "token 'b' is id 1 in the draft and 2 in the target"
+    assert vocab_difference(ours, {"a": 0, "b": 2, "c": 1}, "draft", "target") == \
+        "token 'b' is id 1 in the draft and 2 in the target"
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
