@@ -23,6 +23,7 @@ from pydantic import (
 
 from llmc.compiler.ir import DTYPE_BYTES
 from llmc.compiler.ops import ATTENTION_OPS
+from llmc.compiler.schemes import KV_CACHE_FORMATS, kv_cache_head_bytes
 from llmc.errors import ArtifactError
 
 RECOMPILE = "the artifact was edited or damaged after compiling; recompile it"
@@ -53,10 +54,17 @@ class Record(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", protected_namespaces=())
 
 
+# the KV formats a manifest names in model.kv_cache.format (those whose scales live in the cache's rows)
+GROUPED_KV_FORMATS = tuple(name for name, f in KV_CACHE_FORMATS.items() if f.grouped)
+
+
 class KVCache(Record):
     dtype: DType
-    scales: Literal["static"] | None = None
+    scales: Literal["static", "dynamic"] | None = None
     scale_params: Annotated[StrictStr, AfterValidator(_layer_template)] | None = None
+    # a grouped format (int4): its codes and per-group scales share `dtype`'s bytes
+    format: Literal[GROUPED_KV_FORMATS] | None = None
+    group_size: PosInt | None = None
 
 
 class HFConfig(Record):
@@ -260,9 +268,9 @@ def check_model_agrees(manifest: dict, graph: Any, plan: Any, where: str) -> Non
         _agree(f"model.{field}", model[field], value, "plan.json's steps", where)
     kv = model["kv_cache"]["dtype"]
     _agree("model.kv_dtype", model["kv_dtype"], kv, "model.kv_cache.dtype", where)
-    per_token = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * DTYPE_BYTES[kv]
-    _agree("model.kv_bytes_per_token", model["kv_bytes_per_token"], per_token,
-           "2 x num_layers x num_kv_heads x head_dim x dtype bytes", where)
+    per_head = kv_cache_head_bytes(model["kv_cache"], model["head_dim"])
+    _agree("model.kv_bytes_per_token", model["kv_bytes_per_token"], 2 * model["num_layers"] * model["num_kv_heads"]
+           * per_head, "2 x num_layers x num_kv_heads x one head's bytes", where)
     _agree("report.kv_bytes_per_token", manifest["report"]["kv_bytes_per_token"], model["kv_bytes_per_token"],
            "model.kv_bytes_per_token", where)
     ids = model["eos_token_ids"] + ([model["bos_token_id"]] if model["bos_token_id"] is not None else [])

@@ -40,8 +40,15 @@ from llmc.compiler.op_attrs import (
     one_of,
     optional,
 )
-from llmc.compiler.quant import KV_QMAX, fake_quant_fp8, fake_quant_int8_per_token, fake_quant_kv
-from llmc.compiler.schemes import FP8_STATIC, INT8_PER_TOKEN, SCHEMES, dequantize_weight, schemes_where
+from llmc.compiler.quant import (
+    KV_QMAX,
+    fake_quant_fp8,
+    fake_quant_int8_per_token,
+    fake_quant_kv,
+    fake_quant_kv_int4,
+    kv_int4_group,
+)
+from llmc.compiler.schemes import FP8_STATIC, INT8_PER_TOKEN, SCHEMES, dequantize_weight, kv_format, schemes_where
 from llmc.errors import IRError
 
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -173,6 +180,9 @@ def _rope_type(ts, attrs):
 
 def _kv_scales_type(ts, attrs, op: str) -> list:
     ts, scales = split_kv_scales(ts, attrs)
+    if attrs.get("kv_cache") is not None and kv_format(attrs["kv_cache"]).grouped and attrs["head_dim"] % 2:
+        raise IRError(f"{op}: an {attrs['kv_cache']} KV cache packs two channels a byte, and head_dim "
+                      f"{attrs['head_dim']} is odd; compile with --kv-cache int8 or fp8")
     if scales is not None and (scales.shape != (2, attrs["num_kv_heads"]) or scales.dtype != "float32"):
         raise IRError(f"{op}: KV scales are {scales}, expected float32[2, {attrs['num_kv_heads']}] "
                       f"(keys, values per KV head)")
@@ -638,18 +648,22 @@ ATTENTION_ATTRS = AttrSpec({"layer": INDEX, "num_heads": COUNT, "num_kv_heads": 
 
 
 def split_kv_scales(inputs: list, attrs: dict) -> tuple[list, object]:
-    """(an attention op's other inputs, its KV scales input or None without a quantised cache)."""
-    if attrs.get("kv_cache") is None:
+    """(an attention op's other inputs, its KV scales input or None without a statically scaled cache)."""
+    if attrs.get("kv_cache") is None or not kv_format(attrs["kv_cache"]).static:
         return list(inputs), None
     return list(inputs[:-1]), inputs[-1]
 
 
 def through_kv_cache(k, v, kv_scales, attrs: dict):
-    """k and v as a quantised cache gives them back (unchanged without one)."""
-    if kv_scales is None:
+    """k and v as a quantised cache (`kv_cache` attr) gives them back (unchanged without one)."""
+    storage = attrs.get("kv_cache")
+    if storage is None:
         return k, v
     kv, hd = attrs["num_kv_heads"], attrs["head_dim"]
-    return tuple(fake_quant_kv(x.reshape(*x.shape[:-1], kv, hd), kv_scales[row].float(), attrs["kv_cache"])
+    if not kv_format(storage).static:
+        return tuple(fake_quant_kv_int4(x.reshape(*x.shape[:-1], kv, hd), kv_int4_group(hd)).reshape(x.shape)
+                     for x in (k, v))
+    return tuple(fake_quant_kv(x.reshape(*x.shape[:-1], kv, hd), kv_scales[row].float(), storage)
                  .reshape(x.shape) for row, x in enumerate((k, v)))
 
 

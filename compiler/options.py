@@ -48,8 +48,10 @@ class CompileOptions:
                                    "any target; none: float weights).",
                              choices=QUANT_CHOICES)
     group_size: int | None = flag(None, "int4 group size along K (default 128).", kind=int)
-    kv_cache: str | None = flag(None, "Quantise the KV cache (none: keep it unquantised where the target "
-                                      "would quantise it).", choices=KV_CACHE_CHOICES + ("none",))
+    kv_cache: str | None = flag(None, "Quantise the KV cache (int8, fp8: a calibrated scale per KV head; "
+                                      "int4: a scale per token and 32 channels, CPU targets; none: keep it "
+                                      "unquantised where the target would quantise it).",
+                                choices=KV_CACHE_CHOICES + ("none",))
     kv_heads: int | None = flag(None, "Mean-pool the KV heads down to N (dividing the model's KV heads; "
                                       "1 = MQA).", kind=int)
     kv_grouping: str | None = flag(None, "Which KV heads --kv-heads pools: by index, by similarity on "

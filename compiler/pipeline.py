@@ -29,9 +29,9 @@ from llmc.compiler.driver.tuning.ort_accuracy import CalibrationReference
 from llmc.compiler.driver.tuning.ort_plan_choice import whole_step_refusal
 from llmc.compiler.frontends import load_model
 from llmc.compiler.frontends.gguf import one_thread
-from llmc.compiler.ir import DTYPE_BYTES, Graph, Node
+from llmc.compiler.ir import Graph, Node
 from llmc.compiler.layer_stamp import traced_graph
-from llmc.compiler.ops import ATTENTION_OPS
+from llmc.compiler.ops import ATTENTION_OPS, DTYPE_NAMES
 from llmc.compiler.options import CompileOptions
 from llmc.compiler.parallel_build import (
     hf_config_dict,
@@ -50,6 +50,7 @@ from llmc.compiler.recipes import (
     quant_passes,
     shard_passes,
 )
+from llmc.compiler.schemes import kv_cache_head_bytes, kv_format
 from llmc.compiler.targets import Target, get_target
 from llmc.errors import PassError
 from llmc.passes.base import Pass, PassContext, PassManager, Stage, echo_stderr
@@ -70,7 +71,7 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
     eos = text.eos_token_id if getattr(text, "eos_token_id", None) is not None else []
     # the cache holds keys in the dtype attention reads them (bf16 on GPU targets, whose logits stay fp32)
     dtype = graph.type_of(attns[0].inputs[1] if attns else graph.outputs[0]).dtype
-    kv_cache = kv_cache_meta(attns) or {"dtype": dtype, "scales": None}
+    kv_cache = kv_cache_meta(attns, head_dim) or {"dtype": dtype, "scales": None}
     return {
         "architecture": (getattr(config, "architectures", None) or [type(module).__name__])[0],
         "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads,
@@ -79,20 +80,26 @@ def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
         "eos_token_ids": eos if isinstance(eos, list) else [eos],
         "bos_token_id": getattr(text, "bos_token_id", None),
         "kv_dtype": kv_cache["dtype"], "kv_cache": kv_cache,
-        # per-head scales are per layer, not per token: a quantised cache costs its codes alone
-        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * DTYPE_BYTES[kv_cache["dtype"]],
+        # static per-head scales are per layer, not per token: such a cache costs its codes alone (an
+        # int4 cache's per-token scales count)
+        "kv_bytes_per_token": 2 * layers * kv_heads * kv_cache_head_bytes(kv_cache, head_dim),
         # the whole HF config, so tools (the HF bench baseline) can rebuild the reference model
         "hf_config": hf_config_dict(config, kv_heads),
     }
 
 
-def kv_cache_meta(attns: list[Node]) -> dict | None:
+def kv_cache_meta(attns: list[Node], head_dim: int) -> dict | None:
     """The quantised KV cache the attention nodes read (quantize_kv_cache sets each node's
     `kv_cache` dtype and scales input), for the runtime to allocate; None when it is unquantised.
-    Every layer must agree, and its scales must be the param the runtime looks up by layer."""
+    Every layer must agree, and its scales must be the param the runtime looks up by layer. An int4
+    cache is uint8 rows of packed codes and their dynamic scales, in groups of `group_size` channels."""
     dtypes = {n.attrs.get("kv_cache") for n in attns}
     if dtypes == {None}:
         return None
+    if len(dtypes) == 1 and None not in dtypes and not kv_format(next(iter(dtypes))).static:
+        fmt = kv_format(dtypes.pop())
+        return {"dtype": DTYPE_NAMES[fmt.torch_dtype], "format": fmt.name, "scales": "dynamic",
+                "group_size": fmt.group_size(head_dim)}
     stray = [n.name for n in attns if n.inputs[-1] != SCALE_PARAMS.format(layer=n.attrs["layer"])]
     if len(dtypes) > 1 or stray:
         raise PassError(f"attention nodes disagree on the KV cache (dtypes {sorted(map(str, dtypes))}, "
@@ -175,7 +182,7 @@ def pass_configs(tgt: Target, opts: CompileOptions, source_quantised: bool = Fal
     added = (prune_passes(opts.prune, opts.sparsity, opts.sparsity_method)
              + kv_heads_passes(opts.kv_heads, opts.kv_grouping)
              + quant_passes(quant, opts.group_size) + shard_passes(opts.tp, opts.pp, opts.pp_split)
-             + kv_cache_passes(kv_cache)
+             + kv_cache_passes(kv_cache, tgt.device)
              + added_passes(opts.add))
     configs = schedule(lowering_configs() + base, added)
     return apply_options(drop_disabled(configs, opts.disable), opts.pass_options)

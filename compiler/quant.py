@@ -167,8 +167,12 @@ def fake_quant_int8_per_token(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- KV cache: static scale per head (formats: compiler/schemes.py) ----------------------------
-# KV-cache storage dtypes -> the largest magnitude each holds (a head's scale maps its absmax there)
-KV_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+# KV-cache storage dtypes -> the largest magnitude each holds (a head's scale maps its absmax there;
+# int4's per-group scale maps its group's absmax there)
+KV_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "int4": 7.0}
+# int4 KV: channels along head_dim that share one dynamic scale (llama.cpp's q4_0 block along head_dim)
+KV_INT4_GROUP = 32
+FP16_MAX = 65504.0
 
 
 def fake_quant_kv(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
@@ -181,8 +185,40 @@ def fake_quant_kv(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.T
     return (y * scale[:, None]).to(x.dtype)
 
 
+def kv_int4_group(head_dim: int) -> int:
+    """Channels per int4 KV scale: KV_INT4_GROUP, or the whole head where head_dim is no multiple of it."""
+    return KV_INT4_GROUP if head_dim % KV_INT4_GROUP == 0 else head_dim
+
+
+def kv_int4_scales(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., head_dim] -> the fp16 scale of each `group` channels [..., head_dim / group]: the group's
+    absmax / 7, kept inside fp16's range (a group beyond 7 * 65504 saturates)."""
+    groups = x.to(torch.float32).reshape(*x.shape[:-1], -1, group)
+    return (groups.abs().amax(dim=-1) / KV_QMAX["int4"]).clamp_(max=FP16_MAX).to(torch.float16)
+
+
+def kv_int4_codes(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] and kv_int4_scales' scales -> codes in -7..7 (float32, same shape): round to
+    nearest at the stored fp16 scale; an all-zero group (scale 0) gets codes 0."""
+    s = scales.to(torch.float32)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    groups = x.to(torch.float32).reshape(*scales.shape, -1)
+    return (groups / s[..., None]).round_().clamp_(-KV_QMAX["int4"], KV_QMAX["int4"]).reshape(x.shape)
+
+
+def fake_quant_kv_int4(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., head_dim] through an int4 KV cache and back, with the runtime's arithmetic
+    (runtime/kv_quant.py packs these codes): per token and head, each `group` channels share a dynamic
+    fp16 scale absmax / 7 and round to codes -7..7, so |x - back| <= scale / 2 = absmax / 14."""
+    scales = kv_int4_scales(x, group)
+    codes = kv_int4_codes(x, scales)
+    back = codes.reshape(*scales.shape, -1) * scales.to(torch.float32)[..., None]
+    return back.reshape(x.shape).to(x.dtype)
+
+
 __all__ = ["INT8_MAX", "INT4_MAX", "FP8_E4M3_MAX", "compute_dtype", "quantize_int8",
            "dequantize_int8", "int4_grid", "quantize_to_grid", "quantize_int4", "dequantize_int4",
            "dequantize_int4_codes", "pack_int4", "unpack_int4", "quantize_fp8", "dequantize_fp8",
            "fake_quant_fp8", "fake_quant_int8_per_token", "KV_QMAX", "fake_quant_kv",
+           "KV_INT4_GROUP", "kv_int4_group", "kv_int4_scales", "kv_int4_codes", "fake_quant_kv_int4",
            "AFFINE4_CENTRE", "dequantize_affine", "dequantize_affine_codes"]

@@ -161,12 +161,18 @@ def requantise_note(choice: WeightChoice, stored: dict, tgt) -> str | None:
             f"(--quant {SOURCE_QUANT} keeps the file's own)")
 
 
-def kv_cache_passes(kv_cache: str | None) -> list[PassConfig]:
-    """"none" keeps the cache in the activation dtype where a target would quantise it."""
+def kv_cache_passes(kv_cache: str | None, device: str = "cpu") -> list[PassConfig]:
+    """"none" keeps the cache in the activation dtype where a target would quantise it. A format the
+    attention kernels of the target's `device` do not read is refused here, before any pass runs."""
     if kv_cache is None or kv_cache == "none":
         return []
     if kv_cache not in KV_CACHE_CHOICES:
         raise PassError(f"--kv-cache {kv_cache!r} is unknown; choose one of {', '.join(KV_CACHE_CHOICES)}")
+    family = TRITON if device == "cuda" else TORCH
+    if family not in KV_CACHE_FORMATS[kv_cache].families:
+        served = ", ".join(n for n, f in KV_CACHE_FORMATS.items() if family in f.families)
+        raise PassError(f"--kv-cache {kv_cache} is not read by the {family} attention kernels this {device} target "
+                        f"runs; choose --kv-cache {served} or none, or compile for --target cpu")
     return configs("--kv-cache", [("quantize_kv_cache", {"dtype": kv_cache})])
 
 

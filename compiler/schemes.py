@@ -18,6 +18,7 @@ from llmc.compiler.quant import (
     dequantize_fp8,
     dequantize_int4,
     dequantize_int8,
+    kv_int4_group,
 )
 
 # zero points
@@ -118,12 +119,25 @@ def dequantize_weight(name: str, qweight: torch.Tensor, scales: torch.Tensor,
     return scheme(name).dequantize(qweight, scales, zeros, dtype)
 
 
-# -- KV-cache formats: a head's static scale maps its absmax to the storage's largest code ---------
-# (int8 rounds to nearest, fp8 casts; both saturate: compiler/quant.py's fake_quant_kv, runtime/kv_quant.py)
+# -- KV-cache formats -------------------------------------------------------------------------------
+# int8/fp8: a head's static scale (calibrated) maps its absmax to the storage's largest code; int8 rounds
+# to nearest, fp8 casts; both saturate (compiler/quant.py's fake_quant_kv, runtime/kv_quant.py).
+# int4: 4 bits leave too few levels for one static scale over every token and channel of a head (a
+# token's keys far below the head's calibrated absmax would round to a handful of codes), so each token,
+# KV head and group of kv_int4_group(head_dim) channels (32, as llama.cpp's q4_0 KV blocks along head_dim)
+# gets a dynamic fp16 scale, computed on write: no calibration, and an outlier channel costs only its
+# group (fake_quant_kv_int4). Per-channel key scales (KIVI) need statistics across tokens that a
+# streaming paged cache does not have at write time.
 @dataclass(frozen=True)
 class KvFormat:
     name: str                    # what --kv-cache names
-    storage: str                 # the cache's IR dtype
+    storage: str                 # the attention nodes' `kv_cache` attr: the codes' dtype name
+    # False: one static scale per layer and KV head; True: a dynamic fp16 scale per token, KV head and
+    # kv_int4_group(head_dim) channels, packed after the head's codes (two 4-bit codes per byte)
+    grouped: bool = False
+    # the kernel families whose attention reads this cache (the CPU's native decode attention reads only
+    # unquantised caches: with any of these the torch kernels run its decodes)
+    families: tuple[str, ...] = (TORCH, TRITON)
 
     @property
     def qmax(self) -> float:
@@ -131,14 +145,50 @@ class KvFormat:
         return KV_QMAX[self.storage]
 
     @property
+    def static(self) -> bool:
+        """Whether the attention op takes calibrated scales (param kv_scales.<layer>) as its last input."""
+        return not self.grouped
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.storage)
+        """The cache tensor's dtype: a grouped format's rows are bytes (codes, then fp16 scales)."""
+        return torch.uint8 if self.grouped else getattr(torch, self.storage)
+
+    def group_size(self, head_dim: int) -> int | None:
+        return kv_int4_group(head_dim) if self.grouped else None
+
+    def head_bytes(self, head_dim: int) -> int:
+        """Bytes one token's keys (or values) of one KV head take: codes, and a grouped format's scales."""
+        if not self.grouped:
+            return head_dim * self.torch_dtype.itemsize
+        return head_dim // 2 + 2 * (head_dim // kv_int4_group(head_dim))
 
 
 KV_CACHE_FORMATS: dict[str, KvFormat] = {f.name: f for f in (KvFormat("int8", "int8"),
-                                                             KvFormat("fp8", "float8_e4m3fn"))}
+                                                             KvFormat("fp8", "float8_e4m3fn"),
+                                                             KvFormat("int4", "int4", grouped=True,
+                                                                      families=(TORCH,)))}
 
+
+def kv_format(storage: str) -> KvFormat:
+    """The format whose attention nodes say kv_cache=`storage`."""
+    return next(f for f in KV_CACHE_FORMATS.values() if f.storage == storage)
+
+
+def kv_head_bytes(dtype: str, head_dim: int) -> int:
+    """Bytes one token's keys (or values) of one KV head take in a cache of `dtype`: a KV format's
+    storage name (an attention node's `kv_cache` attr) or an activation dtype name."""
+    if any(f.storage == dtype for f in KV_CACHE_FORMATS.values()):
+        return kv_format(dtype).head_bytes(head_dim)
+    return head_dim * getattr(torch, dtype).itemsize
+
+
+def kv_cache_head_bytes(kv_cache: dict, head_dim: int) -> int:
+    """kv_head_bytes for a manifest's model.kv_cache record (a grouped format names itself in `format`)."""
+    fmt = kv_cache.get("format")
+    return KV_CACHE_FORMATS[fmt].head_bytes(head_dim) if fmt else kv_head_bytes(kv_cache["dtype"], head_dim)
 
 __all__ = ["Scheme", "SCHEMES", "schemes_where", "scheme", "dequantize_weight", "KvFormat", "KV_CACHE_FORMATS",
+           "kv_format", "kv_head_bytes", "kv_cache_head_bytes",
            "NO_ZERO", "INT_ZERO", "FLOAT_OFFSET", "FLOAT_ACTS", "INT8_PER_TOKEN", "FP8_STATIC", "TORCH", "NATIVE",
            "ORT", "TRITON", "FAMILIES"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from llmc.compiler.artifact import view_key
 from llmc.compiler.ir import Graph, Node, TensorType, Value
 from llmc.compiler.ops import TORCH_DTYPES, infer_types
+from llmc.compiler.schemes import kv_format
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
 from llmc.passes.options import PassOptions, option
 
@@ -38,8 +39,8 @@ def fp32_slot(node: Node, index: int) -> bool:
     """Whether input `index` of `node` must be float32."""
     if node.op == "aten":
         return True
-    if node.attrs.get("kv_cache") and index == len(node.inputs) - 1:  # KV-cache scales
-        return True
+    if node.attrs.get("kv_cache") and kv_format(node.attrs["kv_cache"]).static and index == len(node.inputs) - 1:
+        return True   # a calibrated KV cache's scales
     if index in FP32_INPUTS.get(node.op, ()):
         return True
     start = FP32_INPUTS_FROM.get(node.op)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import networkx as nx
 import torch
 
-from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
+from llmc.compiler.ir import Graph, Node, TensorType
 from llmc.compiler.ops import OPS, infer_types
+from llmc.compiler.schemes import kv_head_bytes
 from llmc.errors import PassError
 from llmc.passes.quantize import param_bytes
 
@@ -262,7 +263,7 @@ def kv_bytes_per_token(graph: Graph) -> int:
     for node in graph.nodes:
         if node.op == "attention":
             dtype = node.attrs.get("kv_cache") or graph.type_of(node.inputs[1]).dtype
-            total += 2 * node.attrs["num_kv_heads"] * node.attrs["head_dim"] * DTYPE_BYTES[dtype]
+            total += 2 * node.attrs["num_kv_heads"] * kv_head_bytes(dtype, node.attrs["head_dim"])
     return total
 
 

@@ -2,7 +2,9 @@
 the absmax of each attention's keys and values (after rope) on the calibration sequences. Each
 attention node then reads its layer's scales (param `kv_scales.<layer>`, fp32 [2, kv_heads]:
 keys, values) as its last input and carries the cache dtype in its `kv_cache` attr, so the IR
-computes what the quantised cache gives back and no pass can drop the scales."""
+computes what the quantised cache gives back and no pass can drop the scales. An int4 cache scales
+each token's groups of channels as it writes them (compiler/schemes.py), so its nodes get the attr
+alone; the calibration text then only measures what it costs."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from llmc.compiler.interpreter import interpret_many
 from llmc.compiler.ir import DTYPE_BYTES, Graph, Node, TensorType
 from llmc.compiler.ops import ATTENTION_OPS, attention_prologue
-from llmc.compiler.schemes import KV_CACHE_FORMATS
+from llmc.compiler.schemes import KV_CACHE_FORMATS, kv_format
 from llmc.errors import PassError
 from llmc.passes.accuracy import check_budget, mean_kl, perplexity, significant, top1_agreement
 from llmc.passes.base import Pass, PassContext, PassResult, Stage, register_pass
@@ -21,6 +23,8 @@ from llmc.passes.options import PassOptions, option
 
 # --kv-cache name -> (storage dtype, largest magnitude it holds)
 KV_FORMATS = {f.name: (f.storage, f.qmax) for f in KV_CACHE_FORMATS.values()}
+# --kv-cache names whose scales are calibrated (the others' are dynamic)
+STATIC_KV_FORMATS = tuple(f.name for f in KV_CACHE_FORMATS.values() if f.static)
 SCALE_PARAMS = "kv_scales.{layer}"
 # A head that never left zero on calibration still needs a positive scale.
 MIN_ABSMAX = 1e-6
@@ -43,7 +47,7 @@ def attention_layers(graph: Graph) -> dict[int, Node]:
 def calibration_of(ctx: PassContext) -> list[torch.Tensor]:
     if ctx.calibration is None or len(ctx.calibration) == 0:
         raise PassError("quantize_kv_cache needs calibration text to set its scales, and the pipeline "
-                        "gave none; compile with `llmc compile --kv-cache int8|fp8` (which supplies it "
+                        "gave none; compile with `llmc compile --kv-cache int8|fp8|int4` (which supplies it "
                         "from --calib FILE or self-generated text)")
     return [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in ctx.calibration]
 
@@ -88,7 +92,8 @@ def accuracy_of(seqs, ref_logits, logits) -> dict:
 @register_pass
 class QuantizeKVCache(Pass):
     name = "quantize_kv_cache"
-    description = "int8/fp8 KV cache with static per-layer, per-KV-head scales from calibration"
+    description = ("int8/fp8 KV cache with static per-layer, per-KV-head scales from calibration; int4 with "
+                   "a dynamic scale per token, KV head and 32 channels")
     # Not metered by the PassManager (that would make every --kv-cache compile's reference the
     # graph before the first lossy pass); the pass measures its own cost against the graph it got.
     stage = Stage.KV_CACHE
@@ -107,11 +112,13 @@ class QuantizeKVCache(Pass):
         seqs = calibration_of(ctx)
         absmax, ref_logits = observe_absmax(graph, seqs, layers)
         for layer, node in sorted(layers.items()):
+            node.attrs["kv_cache"] = storage
+            if self.options.dtype not in STATIC_KV_FORMATS:
+                continue
             scales = absmax[layer].clamp(min=MIN_ABSMAX) / qmax
             name = SCALE_PARAMS.format(layer=layer)
             graph.add_param(name, TensorType((2, scales.shape[1]), "float32"), scales.contiguous())
             node.inputs.append(name)
-            node.attrs["kv_cache"] = storage
         accuracy = accuracy_of(seqs, ref_logits, run_logits(graph, seqs, None))
         check_budget(self.name, accuracy, ctx.options.get("max_ppl_increase"))
         return PassResult(len(layers), True, self._details(graph, layers, absmax, storage), accuracy=accuracy)
@@ -126,13 +133,14 @@ class QuantizeKVCache(Pass):
     @staticmethod
     def _details(graph: Graph, layers: dict[int, Node], absmax: dict, storage: str) -> dict:
         node = next(iter(layers.values()))
-        elems = 2 * len(layers) * node.attrs["num_kv_heads"] * node.attrs["head_dim"]
+        heads = 2 * len(layers) * node.attrs["num_kv_heads"]
+        head_dim = node.attrs["head_dim"]
         act = graph.type_of(node.inputs[1]).dtype
         return {"dtype": storage, "layers": len(layers),
-                "kv_bytes_per_token_before": elems * DTYPE_BYTES[act],
-                "kv_bytes_per_token_after": elems * DTYPE_BYTES[storage],
+                "kv_bytes_per_token_before": heads * head_dim * DTYPE_BYTES[act],
+                "kv_bytes_per_token_after": heads * kv_format(storage).head_bytes(head_dim),
                 "absmax_k_max": significant(max(float(a[0].max()) for a in absmax.values())),
                 "absmax_v_max": significant(max(float(a[1].max()) for a in absmax.values()))}
 
 
-__all__ = ["QuantizeKVCache", "KV_FORMATS", "SCALE_PARAMS"]
+__all__ = ["QuantizeKVCache", "KV_FORMATS", "STATIC_KV_FORMATS", "SCALE_PARAMS"]

@@ -24,7 +24,7 @@ from llmc.runtime.draft_tree import DraftTree
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.host_memory import keep_freed_memory
 from llmc.runtime.kernel_check import verified_plan
-from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
+from llmc.runtime.kv_quant import is_quantized_kv, kv_group_of, load_kv_scales
 from llmc.runtime.metrics import EngineMetrics
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -109,13 +109,14 @@ def _check_kv_fits(cache_bytes: int, device: torch.device, asked) -> None:
 def paged_kv_cache(model: dict, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int,
                    device: torch.device) -> PagedKVCache:
     """The paged cache in the artifact's KV dtype (`model`: its manifest's model section); an
-    int8/fp8 one with its static scales."""
+    int8/fp8 one with its static scales, an int4 one with its group size."""
     kv_cache = model.get("kv_cache") or {"dtype": model["kv_dtype"]}
     dtype = TORCH_DTYPES[kv_cache["dtype"]]
     scales = (load_kv_scales(weights, kv_cache, model["num_layers"], model["num_kv_heads"])
               if is_quantized_kv(dtype) else None)
     return PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"],
-                        model["head_dim"], dtype, device=device, kv_scales=scales)
+                        model["head_dim"], dtype, device=device, kv_scales=scales,
+                        kv_group=kv_group_of(kv_cache, model["head_dim"]))
 
 
 @dataclass

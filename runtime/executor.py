@@ -191,7 +191,8 @@ class PlanExecutor:
         if logits is None or logits.rank != 2 or logits.dtype not in FLOAT_DTYPES:
             raise ArtifactError(f"plan.json outputs {self.plan.outputs} hold no float logits [rows, vocab]; "
                                 f"{RECOMPILE}")
-        layout, shape = self.plan.kv_layout(), tuple(cache.k_cache[0].shape[2:]) if cache.k_cache else ()
+        # (the heads' shape, not the stored rows': an int4 cache packs each head into bytes)
+        layout, shape = self.plan.kv_layout(), (cache.num_kv_heads, cache.head_dim) if cache.k_cache else ()
         have = {"num_layers": len(cache.k_cache), "num_kv_heads": shape[0] if shape else 0,
                 "head_dim": shape[1] if shape else 0}
         if layout["num_layers"] and have != layout:

@@ -1,7 +1,8 @@
 """Paged KV cache and the attention backend that reads it: new keys/values are written
 through a slot mapping, and each sequence's context is read back through its block table.
 Prefill chunks attend per sequence; decode tokens attend in one batched call. A cache made
-with `kv_scales` stores int8/fp8 codes, quantised on write and dequantised on read."""
+with `kv_scales` stores int8/fp8 codes, one made with `kv_group` packed int4 codes with their
+per-group scales; both are quantised on write and dequantised on read."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from llmc.codegen.native import cpu_native
 from llmc.compiler.ops import scaled_dot_product
 from llmc.runtime.attention import AttentionBackend, attend
 from llmc.runtime.host_memory import zeroed
-from llmc.runtime.kv_quant import dequantize_kv, is_quantized_kv, quantize_kv
+from llmc.runtime.kv_quant import dequantize_kv, dequantize_kv_int4, is_quantized_kv, quantize_kv, quantize_kv_int4
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -28,16 +29,23 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 class PagedKVCache:
     """Per layer `k_cache`/`v_cache`: [num_blocks, block_size, kv_heads, head_dim] of `dtype`.
     With an int8/float8_e4m3fn `dtype`, `kv_scales[layer]` fp32 [2, kv_heads] (keys, values)
-    gives each head's scale."""
+    gives each head's scale. With `kv_group` (an int4 cache, `dtype` uint8) the last dim is each
+    token's head as runtime/kv_quant.quantize_kv_int4 packs it: head_dim / 2 code bytes, then an fp16
+    scale per kv_group channels, so copies, exports and block moves carry the scales with the codes."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
-                 kv_scales: list[torch.Tensor] | None = None):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.block_size = block_size
+                 kv_scales: list[torch.Tensor] | None = None, kv_group: int | None = None):
+        assert kv_group is None or (dtype == torch.uint8 and head_dim % kv_group == 0 and head_dim % 2 == 0), \
+            (dtype, head_dim, kv_group)
+        row = head_dim if kv_group is None else head_dim // 2 + 2 * (head_dim // kv_group)
+        shape = (num_blocks, block_size, num_kv_heads, row)
+        self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         self.dtype = dtype
-        self.quantized = is_quantized_kv(dtype)
-        assert self.quantized == (kv_scales is not None), f"{dtype} KV cache with kv_scales={kv_scales is not None}"
+        self.kv_group = kv_group
+        self.quantized = is_quantized_kv(dtype) or kv_group is not None
+        assert is_quantized_kv(dtype) == (kv_scales is not None), \
+            f"{dtype} KV cache with kv_scales={kv_scales is not None}"
         assert kv_scales is None or len(kv_scales) == num_layers, (len(kv_scales), num_layers)
         self.kv_scales = None if kv_scales is None else [s.to(device=device, dtype=torch.float32)
                                                          for s in kv_scales]
@@ -47,7 +55,7 @@ class PagedKVCache:
         self.k_cache, self.v_cache = list(self._k_layers.unbind(0)), list(self._v_layers.unbind(0))
         # each layer's cache as one row per slot, [slots, kv_heads * head_dim]: views made once, so a
         # decode step's write and span read cost no reshaping calls per layer
-        self._rows = [[c.view(-1, num_kv_heads * head_dim) for c in layers]
+        self._rows = [[c.view(-1, num_kv_heads * row) for c in layers]
                       for layers in (self.k_cache, self.v_cache)]
         self._scratch = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]   # see read
         # what the native decode attention writes and reads (codegen/native/cpu_native.py), per layer
@@ -64,7 +72,10 @@ class PagedKVCache:
         """Store k/v [tokens, kv_heads, head_dim] (or [tokens, kv_heads * head_dim]) at cache `slots`
         [tokens] of `layer`."""
         for rows, x, which in ((self._rows[0][layer], k, 0), (self._rows[1][layer], v, 1)):
-            if self.quantized:   # per-head scales: quantised as [tokens, kv_heads, head_dim]
+            if self.kv_group is not None:   # dynamic scales: each token's head groups quantised on their own
+                packed = quantize_kv_int4(x.reshape(x.shape[0], self.num_kv_heads, self.head_dim), self.kv_group)
+                rows.index_copy_(0, slots, packed.reshape(x.shape[0], -1))
+            elif self.quantized:   # per-head scales: quantised as [tokens, kv_heads, head_dim]
                 codes = quantize_kv(x.reshape(x.shape[0], *self.k_cache[layer].shape[2:]),
                                     self.kv_scales[layer][which], self.dtype)
                 # CPU torch has no index_copy_ for float8; both code dtypes are one byte
@@ -89,8 +100,15 @@ class PagedKVCache:
         flat, shape = blocks.reshape(-1), (*blocks.shape, *self.k_cache[layer].shape[1:])
         keys, values = (self._gather(c[layer].flatten(1), flat, which if scratch else None).view(shape)
                         for which, c in enumerate((self.k_cache, self.v_cache)))
+        return self._dequantize(layer, keys, values, dtype)
+
+    def _dequantize(self, layer: int, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
+        """Stored keys and values [..., kv_heads, stored row] as [..., kv_heads, head_dim] of `dtype`
+        (an unquantised cache's as they are)."""
         if not self.quantized:
             return keys, values
+        if self.kv_group is not None:
+            return tuple(dequantize_kv_int4(x, self.head_dim, self.kv_group, dtype) for x in (keys, values))
         scales = self.kv_scales[layer]
         return dequantize_kv(keys, scales[0], dtype), dequantize_kv(values, scales[1], dtype)
 
@@ -106,10 +124,7 @@ class PagedKVCache:
         """As `read` for the consecutive blocks first .. first + count - 1: views, no gather (a
         quantised cache still dequantises them)."""
         keys, values = self.k_cache[layer][first:first + count], self.v_cache[layer][first:first + count]
-        if not self.quantized:
-            return keys, values
-        scales = self.kv_scales[layer]
-        return dequantize_kv(keys, scales[0], dtype), dequantize_kv(values, scales[1], dtype)
+        return self._dequantize(layer, keys, values, dtype)
 
     def heads_span(self, layer: int, first_slot: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the `count` consecutive slots from `first_slot` of an unquantised cache,

@@ -401,7 +401,7 @@ def attention(q, k, v, kv_scales=None, *, backend, layer, num_heads, num_kv_head
     after unit leading dims); the backend decides which cached keys the queries also see. With a
     quantised KV cache (`kv_cache`, scales input), keys and values go through it: a paged cache
     stores the codes itself; a backend that keeps nothing reads them through the same arithmetic."""
-    if kv_scales is not None and not getattr(backend, "quantizes_kv", False):
+    if kv_cache is not None and not getattr(backend, "quantizes_kv", False):
         k, v = through_kv_cache(k, v, kv_scales, {"num_kv_heads": num_kv_heads, "head_dim": head_dim,
                                                   "kv_cache": kv_cache})
     lead = q.shape[:-2]
@@ -421,7 +421,7 @@ def flash_attention(*inputs, backend, head_dim, rope=None, rope_cache: RopeCache
     inputs, kv_scales = split_kv_scales(inputs, attrs)
     q, k, v = inputs[:3]
     native = getattr(backend, "decode_native", None)
-    if native is not None and kv_scales is None and q.dim() == 2:   # a decode step: one native call
+    if native is not None and attrs.get("kv_cache") is None and q.dim() == 2:   # a decode step: one native call
         rotary = None if rope is None else (rope_cache or RopeCache()).cos_sin(inputs[3], inputs[4], rope["scaling"],
                                                                                q.dtype)
         out = native(q, k, v, rotary, head_dim=head_dim, **attrs)

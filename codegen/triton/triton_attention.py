@@ -18,11 +18,13 @@ import torch
 
 from llmc.codegen.triton.triton_configs import AttentionConfig, attention_config
 from llmc.codegen.triton.triton_render import RenderedKernel, load_kernel, render_kernel
-from llmc.compiler.schemes import KV_CACHE_FORMATS
+from llmc.compiler.schemes import KV_CACHE_FORMATS, TRITON
 
 ACTIVATION_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-CACHE_DTYPES = {**ACTIVATION_DTYPES, **{f.torch_dtype: f.storage for f in KV_CACHE_FORMATS.values()}}
-QUANTIZED_CACHE_DTYPES = tuple(f.storage for f in KV_CACHE_FORMATS.values())
+# the KV formats these kernels read (int4 is refused for GPU targets at compile: compiler/recipes.py)
+TRITON_KV_FORMATS = [f for f in KV_CACHE_FORMATS.values() if TRITON in f.families]
+CACHE_DTYPES = {**ACTIVATION_DTYPES, **{f.torch_dtype: f.storage for f in TRITON_KV_FORMATS}}
+QUANTIZED_CACHE_DTYPES = tuple(f.storage for f in TRITON_KV_FORMATS)
 WRITE_NUM_WARPS = 4   # one program stores one token's kv_heads * head_dim values: no tiling to tune
 
 
