@@ -33,7 +33,8 @@ from llmc.cache import cache_root
 from llmc.codegen.native_cache import CacheRefused, digest_path, private_directory, record, verified_open, warn
 from llmc.errors import LlmcError
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_kernels.c", "gemv_int16.c", "decode_program.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("decode_kernels.c", "gemv_int16.c", "decode_program.c", "decode_int4.c"))
 HEADERS = (Path(__file__).with_name("half_params.h"),)   # included by the sources: in the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
@@ -45,6 +46,7 @@ SIGNATURES = {
     "llmc_decode_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I,
                               _I, _I, _I, _I, _F, _P, _P, _I, _I],
     "llmc_decode_attention_bf16": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
+    "llmc_decode_attention_int4": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
     "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
     "llmc_gemv_q4": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _I],
@@ -55,6 +57,7 @@ SIGNATURES = {
     "llmc_gemv_int16": [_I],
     "llmc_gemv_int16_built": [],
     "llmc_gemv_int8": [_I],
+    "llmc_gemv_int8_built": [],
     "llmc_q4_halves": [_P, _P, _I, _I],
 }
 OPENMP = ("-fopenmp",)   # for the GEMV's threads; without it (a compiler lacking OpenMP) that GEMV stays off
@@ -149,6 +152,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.openmp = bool(lib.llmc_openmp())
     lib.llmc_gemv_int16(os.environ.get("LLMC_INT16_ACTIVATIONS", "1") != "0")
     lib.llmc_gemv_int8(_int8_setting())
+    if _int8_setting():
+        _warn_no_int8(lib)
     threads = "OpenMP" if lib.openmp else "no OpenMP: the int8 GEMV runs on one thread only"
     return lib, f"on ({Path(compiler).name}, {' '.join(FLAGS[:2])}, {threads})"
 
@@ -162,7 +167,7 @@ def _bind(lib: ctypes.CDLL, target: Path) -> None:
             raise LlmcError(f"native kernel library '{target}' has no symbol {name} (built from other sources?); "
                             f"delete it to rebuild, or set LLMC_NATIVE=0 to run the torch kernels") from None
         fn.argtypes, fn.restype = argtypes, None
-    for name in ("llmc_openmp", "llmc_gemv_int16", "llmc_gemv_int16_built", "llmc_gemv_int8"):
+    for name in ("llmc_openmp", "llmc_gemv_int16", "llmc_gemv_int16_built", "llmc_gemv_int8", "llmc_gemv_int8_built"):
         getattr(lib, name).restype = ctypes.c_int64
 
 
@@ -201,7 +206,32 @@ def set_int8_activations(on: bool) -> bool:
     AVX-512 VNNI and K is a multiple of 128, for ~1.35x the int16 path's rate over weights in DRAM;
     off by default (LLMC_INT8_ACTIVATIONS=1 turns it on). Returns the previous setting."""
     lib = _load()[0]
-    return bool(lib.llmc_gemv_int8(int(on))) if lib is not None else False
+    if lib is None:
+        return False
+    if on:
+        _warn_no_int8(lib)
+    return bool(lib.llmc_gemv_int8(int(on)))
+
+
+def _warn_no_int8(lib) -> None:
+    """Int8 activations asked for where this build cannot take them: said once, not silently dropped."""
+    if not lib.llmc_gemv_int8_built():
+        _warn_once(f"{INT8_ENV}=1: this CPU (or its compiler) has no AVX-512 VNNI, so the 4-bit GEMVs stay on "
+                   f"int16 activations (the default rounding); unset it to silence this")
+
+
+def _int8_shape_refusal(k: int, group: int) -> str | None:
+    """Why the int8-activation GEMV (llmc_gemv_q4_int8) does not take weights of K `k` in groups of `group`."""
+    if k % 128:
+        return f"K {k} is not a multiple of 128"
+    if group not in (32, 64) and group % 128:
+        return f"groups of {group} codes are not 32, 64 or a multiple of 128"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warn(message)
 
 
 def int16_activations() -> bool:
@@ -287,6 +317,29 @@ def decode_attention_bf16(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.T
         q.data_ptr(), q.stride(0), k_rows.data_ptr(), v_rows.data_ptr(), step.tables, step.width, step.lens,
         step.block, window or 0, b, num_heads, num_kv_heads, head_dim, scale, out.data_ptr(), scratch.data_ptr(),
         torch.get_num_threads() if lib.openmp else 1)
+    return out
+
+
+def decode_attention_int4(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, step: DecodeStep,
+                          window: int | None, num_heads: int, num_kv_heads: int, head_dim: int, group: int,
+                          scale: float) -> torch.Tensor | None:
+    """Decode attention for q [b, heads * hd] (fp32) over one layer's int4 cache rows [slots, kv_heads * head
+    bytes] (runtime/kv_quant.quantize_kv_int4's packing, `group` channels a scale) that hold the step's keys and
+    values already, through `step` (read_step). Out [b, heads * hd] fp32; None where the kernel does not apply."""
+    b, row = step.rows, num_kv_heads * (head_dim // 2 + 2 * (head_dim // group))
+    if (q.dtype is not F32 or k_rows.dtype is not torch.uint8 or v_rows.dtype is not torch.uint8 or q.dim() != 2
+            or q.stride(1) != 1 or q.shape != (b, num_heads * head_dim) or not k_rows.is_contiguous()
+            or not v_rows.is_contiguous() or k_rows.shape != v_rows.shape or k_rows.dim() != 2
+            or k_rows.shape[1] != row or num_heads % num_kv_heads or head_dim % group or group % 2
+            or not q.is_cpu or not k_rows.is_cpu):
+        return None
+    lib = _load()[0]
+    out = torch.empty(b, num_heads * head_dim, dtype=F32)
+    scratch = torch.empty(b * num_kv_heads * 2 * head_dim, dtype=F32)
+    lib.llmc_decode_attention_int4(
+        q.data_ptr(), q.stride(0), k_rows.data_ptr(), v_rows.data_ptr(), step.tables, step.width, step.lens,
+        step.block, window or 0, b, num_heads, num_kv_heads, head_dim, group, scale, out.data_ptr(),
+        scratch.data_ptr(), torch.get_num_threads() if lib.openmp else 1)
     return out
 
 
@@ -425,6 +478,11 @@ def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor
         return None
     s = scales.reshape(n, groups)
     other = second.reshape(n, groups) if isinstance(second, torch.Tensor) else torch.full((n, groups), float(second))
+    lib = _load()[0]
+    why = _int8_shape_refusal(k, k // groups)
+    if why and lib is not None and lib.llmc_gemv_int8(-1) and lib.llmc_gemv_int8_built():
+        _warn_once(f"{INT8_ENV}=1: 4-bit weights of K {k}, groups of {k // groups}, stay on int16 activations: "
+                   f"{why}")
     return Q4Weights(_halves(qweight), _q4_params(s, other), zero_point, k // groups)
 
 

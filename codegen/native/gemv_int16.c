@@ -45,6 +45,15 @@ int64_t llmc_gemv_int16_built(void) {
 #endif
 }
 
+/* whether this build has the 4-bit GEMV on int8 activations (AVX-512 BW and VNNI) */
+int64_t llmc_gemv_int8_built(void) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 

@@ -452,6 +452,29 @@ def test_gemv_q4_on_int8_activations_is_its_rounding_exactly(rows, n, k, group, 
     assert ((y16.double() - rounded16).abs().max() / exact.abs().max()) < 1e-6
 
 
+
+def test_int8_activations_say_once_where_they_cannot_apply(capsys, monkeypatch):
+    """LLMC_INT8_ACTIVATIONS' switch on weights the int8 GEMV cannot take (K not a multiple of 128), or on a
+    build without AVX-512 VNNI, is said in one warning line naming why, not dropped silently."""
+    if not cpu_native.available():
+        pytest.skip("no native kernels")
+    cpu_native._warn_once.cache_clear()
+    previous = cpu_native.set_int8_activations(True)
+    try:
+        for _ in range(2):
+            _random_q4(torch.Generator().manual_seed(1), 8, 192, 64, True, True)
+        _random_q4(torch.Generator().manual_seed(1), 8, 256, 64, True, True)
+        err = capsys.readouterr().err
+        if _vnni():
+            assert err.count("llmc: warning:") == 1 and "K 192 is not a multiple of 128" in err
+        lib = cpu_native._load()[0]
+        monkeypatch.setattr(lib, "llmc_gemv_int8_built", lambda: 0)
+        cpu_native.set_int8_activations(True)
+        assert "has no AVX-512 VNNI" in capsys.readouterr().err
+    finally:
+        cpu_native.set_int8_activations(previous)
+        cpu_native._warn_once.cache_clear()
+
 def test_gemv_int16_activations_keep_non_finite_values():
     """an inf or nan activation makes the outputs nan, as fp32 ones would make them inf or nan; tiny ones
     keep their codes"""
