@@ -1,5 +1,6 @@
 """The import contracts of pyproject.toml ([tool.importlinter]) hold on the tree, and an upward import
-added to a scratch copy breaks them: codegen importing the runtime, a pass importing codegen.
+added to a scratch copy breaks them: codegen importing the runtime, a pass importing codegen, the IR's
+floor or lowering importing a pass.
 lint-imports reads the packages as installed (llmc/compiler, …), so the copy is laid out that way."""
 
 import os
@@ -42,6 +43,10 @@ def test_the_contracts_hold_on_the_tree(tmp_path):
     ("codegen/ort/ort_lowering.py", "llmc.compiler.driver.tuning.ort_timing",
      "codegen imports neither runtime nor driver"),
     ("passes/cast_dtype.py", "llmc.codegen.plan", "each layer imports only the layers below"),
+    # the floor (the scheme table here) and lowering import no pass; the driver's tuning no pipeline piece
+    ("compiler/schemes.py", "llmc.passes.registry", "each layer imports only the layers below"),
+    ("compiler/lower_moe.py", "llmc.passes.base", "each layer imports only the layers below"),
+    ("compiler/driver/tuning/run_site.py", "llmc.compiler.recipes", "each layer imports only the layers below"),
     ("runtime/engine.py", "llmc.passes.registry", "runtime imports no pass, frontend, pipeline"),
 ])
 def test_an_upward_import_breaks_a_contract(tmp_path, importer, upward, contract):
