@@ -12,6 +12,7 @@ import json
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.metrics import percentiles
@@ -44,9 +45,10 @@ def run_http(url: str, model: str, requests: list[dict], api_key: str | None = N
               "output_tokens_per_s": tokens / total, "total_seconds": total, "output_tokens": tokens,
               **latencies(timings)}
     moved = {k: v - transfers.get(k, 0.0) for k, v in kv_transfers(url, api_key).items()}
-    if moved.get("count"):
-        report["kv_transfer"] = {"requests": int(moved["count"]), "bytes_per_request": moved["bytes"] / moved["count"],
-                                 "ms_per_request": moved["seconds"] / moved["count"] * 1e3}
+    if moved.get(("seconds", "count")):
+        report["kv_transfer"] = {"requests": int(moved["seconds", "count"]),
+                                 "bytes": histogram_percentiles(moved, "bytes"),
+                                 "ms": histogram_percentiles(moved, "seconds", 1e3)}
     classes = sorted({r["class"] for r in requests if "class" in r})
     if classes:   # a mixed workload: each class's latencies apart (long prompts stall short requests' decode)
         report["classes"] = {c: {"requests": sum(r.get("class") == c for r in requests),
@@ -56,20 +58,42 @@ def run_http(url: str, model: str, requests: list[dict], api_key: str | None = N
 
 
 def kv_transfers(url: str, api_key: str | None) -> dict:
-    """The server's KV transfer totals so far (count, bytes, seconds); {} from a server without them."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """The server's KV transfer histograms so far, {("seconds" | "bytes", bucket bound | "sum" | "count"):
+    value}; {} from a server without them."""
     try:
         text = httpx.get(f"{url}/metrics", headers=_headers(api_key), timeout=30).text
     except httpx.HTTPError:
         return {}
-    names = {"llmc:kv_transfer_seconds_count": "count", "llmc:kv_transfer_seconds_sum": "seconds",
-             "llmc:kv_transfer_request_bytes_sum": "bytes"}
+    found = {}
     try:
-        return {names[s.name]: s.value for family in text_string_to_metric_families(text) for s in family.samples
-                if s.name in names}
+        for family in text_string_to_metric_families(text):
+            name = _KV_HISTOGRAMS.get(family.name)
+            for s in family.samples if name else ():
+                part = s.name.rpartition("_")[2]
+                found[name, float(s.labels["le"]) if part == "bucket" else part] = s.value
     except ValueError:   # not Prometheus' text: another server's /metrics
         return {}
+    return found
+
+
+_KV_HISTOGRAMS = {"llmc:kv_transfer_seconds": "seconds", "llmc:kv_transfer_request_bytes": "bytes"}
+
+
+def histogram_percentiles(moved: dict, name: str, scale: float = 1.0) -> dict[str, float]:
+    """P50, P95 and P99 of histogram `name`'s observations in `moved` (kv_transfers' differences), each
+    interpolated within its bucket as Prometheus' histogram_quantile does, and their exact mean."""
+    count = moved[name, "count"]
+    buckets = sorted((le, n) for (h, le), n in moved.items() if h == name and isinstance(le, float))
+    result = {}
+    for q in (50, 95, 99):
+        rank, lower, below = q / 100 * count, 0.0, 0.0
+        for le, cumulative in buckets:
+            if cumulative >= rank:
+                inside = (rank - below) / (cumulative - below) if cumulative > below else 1.0
+                result[f"p{q}"] = (lower if le == float("inf") else lower + (le - lower) * inside) * scale
+                break
+            lower, below = le, cumulative
+    return result | {"mean": moved[name, "sum"] / count * scale}
 
 
 def latencies(timings: list[tuple[float, list[float], int]]) -> dict:
@@ -112,9 +136,9 @@ def _headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def percentile_cells(d: dict) -> str:
+def percentile_cells(d: dict, form: str = "8.1f") -> str:
     """p50, p95 and p99 of a percentiles() dict, as the bench tables show them."""
-    return "  ".join(f"{k} {d[k]:8.1f}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
+    return "  ".join(f"{k} {d[k]:{form}}" if d.get(k) is not None else f"{k}      n/a" for k in ("p50", "p95", "p99"))
 
 
 def latency_lines(r: dict) -> list[str]:
@@ -130,8 +154,11 @@ def format_http_bench(r: dict) -> str:
     lines = [f"server            {r['url']} ({r['model']})", *latency_lines(r)]
     if r.get("kv_transfer"):
         t = r["kv_transfer"]
-        lines.append(f"KV transfer       {t['requests']} requests, {t['bytes_per_request'] / 2**20:.2f} MiB and "
-                     f"{t['ms_per_request']:.1f} ms per request (mean: packed, sent, received)")
+        mib = {k: v / 2**20 for k, v in t["bytes"].items()}
+        lines += [f"KV transfer       {t['requests']} requests (packed, sent, received; percentiles within the "
+                  f"server's histogram buckets)",
+                  f"  MiB             {percentile_cells(mib, '8.2f')}  mean {mib['mean']:.2f}",
+                  f"  ms              {percentile_cells(t['ms'])}  mean {t['ms']['mean']:.1f}"]
     for name, c in r.get("classes", {}).items():
         lines += [f"{name} ({c['requests']} requests)",
                   f"  TTFT ms         {percentile_cells(c['ttft_ms'])}",

@@ -8,8 +8,13 @@ between requests for as long as the engine does, a write to a hung follower does
 
 from __future__ import annotations
 
+import json
 import os
+import selectors
 import socket
+import subprocess
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import psutil
@@ -22,6 +27,7 @@ from llmc.errors import RuntimeLlmcError
 
 TIMEOUT_ENV = "LLMC_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
+LOAD_TIMEOUT_S = 600.0   # a rank reads and hashes its weights before it says it loaded
 # rank 0's messages to the followers
 STOP, STEP, REPORT = 0, 1, 2
 
@@ -43,6 +49,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_loaded(procs: dict[int, subprocess.Popen], name: Callable[[int], str],
+                timeout_s: float = LOAD_TIMEOUT_S) -> None:
+    """Every started rank's one status line on its stdout (`{"loaded": true}`, or `{"error": ...}`):
+    returns once each loaded, else raises naming (`name(rank)`) the first that failed or those still
+    loading after `timeout_s`."""
+    waiting = {p.stdout: rank for rank, p in procs.items()}
+    selector = selectors.DefaultSelector()
+    for stream in waiting:
+        selector.register(stream, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        ready = selector.select(timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = ", ".join(name(r) for r in sorted(waiting.values()))
+            raise RuntimeLlmcError(f"{late} did not load within {timeout_s:.0f} s; the run stopped")
+        for key, _ in ready:
+            rank = waiting.pop(key.fileobj)
+            selector.unregister(key.fileobj)
+            _check_loaded(procs[rank], name(rank), key.fileobj.readline())
+
+
+def _check_loaded(proc: subprocess.Popen, name: str, line: bytes) -> None:
+    try:
+        status = json.loads(line)
+    except ValueError:
+        status = {}
+    if not isinstance(status, dict) or status.get("loaded") is not True:
+        why = status.get("error") if isinstance(status, dict) else None
+        raise RuntimeLlmcError(f"{name} failed to load: {why or f'it exited with code {proc.wait()} before loading'}")
 
 
 def process_group_backend(device: torch.device) -> str:

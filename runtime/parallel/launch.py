@@ -7,8 +7,6 @@ process ends."""
 
 from __future__ import annotations
 
-import json
-import selectors
 import subprocess
 import sys
 import time
@@ -27,13 +25,13 @@ from llmc.runtime.parallel.group import (
     process_group_backend,
     rank_device,
     send,
+    wait_loaded,
 )
 from llmc.runtime.parallel.lead import LeadRunner
 from llmc.runtime.parallel.ring_attention import ring_backend, ring_threshold
 from llmc.runtime.parallel.steps import lead_step
 from llmc.runtime.threads import apply_threads
 
-LOAD_TIMEOUT_S = 600.0   # a follower reads and hashes its weights before it says it loaded
 # set by llmc.runtime.launch under torchrun, where every rank already runs: (manifest, executor, cache) -> runner
 joined_runner = None
 
@@ -99,7 +97,7 @@ class ShardedModelRunner(LeadRunner):
         self._ranks = _Ranks([self._start(path, r, port, threads) for r in range(1, tp)])
         self._finalizer = weakref.finalize(self, self._ranks.stop)
         try:
-            self._wait_loaded()
+            wait_loaded(dict(enumerate(self._ranks.procs, 1)), self._rank_name)
             join_group(0, tp, port, self.timeout, process_group_backend(executor.device))
             self._ranks.joined = True
         except BaseException:
@@ -116,34 +114,6 @@ class ShardedModelRunner(LeadRunner):
     def _worker_args(self) -> dict:
         # the followers run rank 0's invariance mode (the load's batch_invariant, not only the artifact's)
         return {"ring-threshold": self.ring_threshold, "batch-invariant": int(self.executor.batch_invariant)}
-
-    def _wait_loaded(self) -> None:
-        """Every follower's one status line: loaded, or the error that stopped it."""
-        waiting = {p.stdout: rank for rank, p in enumerate(self._ranks.procs, 1)}
-        selector = selectors.DefaultSelector()
-        for stream in waiting:
-            selector.register(stream, selectors.EVENT_READ)
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
-        while waiting:
-            ready = selector.select(timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                late = ", ".join(self._rank_name(r) for r in sorted(waiting.values()))
-                raise RuntimeLlmcError(f"{late} did not load within {LOAD_TIMEOUT_S:.0f} s; the run stopped")
-            for key, _ in ready:
-                rank = waiting.pop(key.fileobj)
-                selector.unregister(key.fileobj)
-                self._check_loaded(rank, key.fileobj.readline())
-
-    def _check_loaded(self, rank: int, line: bytes) -> None:
-        try:
-            status = json.loads(line)
-        except ValueError:
-            status = {}
-        if not isinstance(status, dict) or status.get("loaded") is not True:
-            why = status.get("error") if isinstance(status, dict) else None
-            code = self._ranks.procs[rank - 1].wait()
-            raise RuntimeLlmcError(f"{self._rank_name(rank)} failed to load: "
-                                   f"{why or f'it exited with code {code} before loading'}")
 
     def tell(self, kind: int, payload: torch.Tensor | None = None) -> None:
         send(self._ranks.streams(), kind, payload)

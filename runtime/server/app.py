@@ -79,7 +79,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     kept `result_cache_ttl` seconds (None: until evicted); `semantic_cache_threshold`: the cosine
     similarity over which a request sent with `"semantic_cache": true` gets the result of an earlier
     one close in meaning (semantic_cache.py; at most `semantic_cache_entries` kept). `core`: what runs the
-    requests in place of an AsyncEngine around `engine` (disaggregate.py's Router, its metrics its own)."""
+    requests in place of an AsyncEngine around `engine` (disaggregate/router.py's Router, its metrics its own)."""
     path, engine = getattr(engine, "path", None), getattr(engine, "engine", engine)
     name = served_model_name or (model_name(path) if path is not None else None)
     if not name:

@@ -14,6 +14,7 @@ import uvicorn
 import llmc
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.server.app import build_app, model_name
+from llmc.runtime.server.disaggregate import start_engines
 from llmc.runtime.server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from llmc.runtime.server.result_cache import make_result_cache
 
@@ -44,7 +45,7 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Non
     `result_cache_ttl` seconds (None: until evicted). `semantic_cache_threshold`: answer requests sent with
     `"semantic_cache": true` from the results of earlier ones close in meaning (cosine; off by default).
     `disaggregate`: 'prefill:P,decode:D' runs prefill and decode in engine processes of their own
-    (disaggregate.py). `engine_options` are `llmc.load`'s (kv_memory, threads, max_num_seqs, device, ...)."""
+    (server/disaggregate/). `engine_options` are `llmc.load`'s (kv_memory, threads, max_num_seqs, device, ...)."""
     _check_options(max_queue, ttft_slo_ms, shutdown_timeout)
     _check_limits(max_request_bytes, max_n, metrics_need_key, api_key)
     make_result_cache(result_cache, result_cache_ttl)   # its errors before the model loads
@@ -52,11 +53,9 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Non
     engines = None
     try:
         if disaggregate is not None:
-            # server.disaggregate imports this module: a cycle
-            from llmc.runtime.server.disaggregate import start_engines
             engines = start_engines(path, disaggregate, served_model_name or model_name(path), max_queue,
-                                    engine_options, {"--ttft-slo-ms": ttft_slo_ms,
-                                                     "--semantic-cache-threshold": semantic_cache_threshold})
+                                    engine_options, {"--semantic-cache-threshold": semantic_cache_threshold},
+                                    ttft_slo_ms=ttft_slo_ms)
         app = build_app(engines.model if engines else llmc.load(path, **engine_options), served_model_name,
                         api_key, max_queue, ttft_slo_ms, core=engines and engines.core,
                         max_request_bytes=max_request_bytes, max_n=max_n, metrics_need_key=metrics_need_key,

@@ -1,9 +1,10 @@
 """`llmc serve --disaggregate prefill:P,decode:D`: a router and engine processes joined over gloo, queried
 with the openai client. Outputs equal one engine's (greedy, seeded, streamed, under preemption on the
-decode engine), each handoff reports its KV bytes, the prefill engine's prefix cache serves repeated
-prompts, aborted requests leave no KV block held on either engine, and an engine that exits ends its
-requests with an error rather than a hang."""
+decode engine, with speculation there), each handoff reports its KV bytes, the prefill engine's prefix
+cache serves repeated prompts, aborted requests leave no KV block held on either engine, and an engine
+that exits or hangs ends its requests with an error within a bounded time rather than a hang."""
 
+import json
 import os
 import re
 import signal
@@ -14,12 +15,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import psutil
 import pytest
 from conftest import API_KEY, Served, free_port, start_serve, stop_serve, wait_healthy
 from llmc_cli import error_line, llmc_in_process
 
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.server.disaggregate.group import Roles
+from llmc.runtime.server.disaggregate.metrics import DisaggregateMetrics
+from llmc.runtime.server.disaggregate.router import Router
+from llmc.runtime.server.engine_loop import Job
+from llmc.runtime.server.protocol import ApiError
 from llmc.runtime.structured_output import StructuredOutputsParams
+from llmc.tools.bench_http import format_http_bench
 
 BLOCK_BYTES = 16 * 512   # tiny-llama: 512 KV bytes a token, 16 tokens a block
 KV = "256KiB"            # 32 blocks an engine: a few long decodes at once preempt on the decode engine
@@ -105,6 +113,18 @@ def test_each_handoff_reports_its_kv_bytes_and_transfer_time(split):
     assert 0 < grew("llmc:kv_transfer_seconds_sum") < 5
 
 
+def test_bench_url_reports_kv_transfer_percentiles_per_request(split, capfd):
+    code, out, _ = llmc_in_process(capfd, "bench", "--url", split.url, "--api-key", API_KEY, "-n", 3,
+                                   "--input-len", 40, "--output-len", 3, "--json")
+    assert code == 0
+    t = json.loads(out)["kv_transfer"]
+    assert t["requests"] == 3 and t["bytes"]["mean"] == 3 * BLOCK_BYTES   # each 40 tokens: 3 blocks
+    # interpolated within the bucket that holds 24 KiB (2^14.5 .. 2^15 bytes)
+    assert 2 ** 14.5 <= t["bytes"]["p50"] <= t["bytes"]["p95"] <= t["bytes"]["p99"] <= 2 ** 15
+    assert 0 < t["ms"]["p50"] <= t["ms"]["p99"] < 5e3
+    assert "KV transfer       3 requests" in format_http_bench(json.loads(out))
+
+
 def test_a_repeated_prompt_hits_the_prefill_engines_prefix_cache(split):
     prompt = prompt_ids(100, 77)
     first = split.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
@@ -151,8 +171,73 @@ def test_bad_disaggregate_values_are_one_line_errors(compiled, capfd):
         code, _, err = llmc_in_process(capfd, "serve", compiled, "--port", free_port(), "--disaggregate", value)
         assert code == 2 and says in error_line(err), err
     code, _, err = llmc_in_process(capfd, "serve", compiled, "--port", free_port(), "--disaggregate",
-                                   "prefill:1,decode:1", "--speculative", "ngram")
-    assert code == 2 and "--speculative does not combine with --disaggregate" in error_line(err)
+                                   "prefill:1,decode:1", "--semantic-cache-threshold", "0.9")
+    assert code == 2 and error_line(err).startswith("--semantic-cache-threshold does not combine with "
+                                                    "--disaggregate: its embeddings are the served model's")
+
+
+def test_ttft_slo_refuses_what_the_least_loaded_prefill_engine_would_start_late():
+    roles = Roles(2, 1)
+    router = Router(roles, None, DisaggregateMetrics("tiny", roles), max_queue=8, max_num_seqs=4, ttft_slo_ms=100)
+
+    def job(tokens: int) -> Job:
+        return Job(f"r{tokens}", "u", 0, None, list(range(tokens)), SamplingParams(max_tokens=1), 2048, loop=None)
+    router.submit(job(50))   # nothing measured yet: taken
+    for rank in roles.prefill_ranks:   # 1 ms a prompt token, 10 ms a step
+        router._on_stats(rank, {"free_blocks": 8, "blocks": 8, "running": 0, "waiting": 0,
+                                "seconds_per_token": 1e-3, "step_seconds": 0.01})
+    router.submit(job(60))   # half the 50 queued, then its own 60: 85 ms + 10 ms
+    with pytest.raises(ApiError) as late:
+        router.submit(job(40))   # half the 110 queued, then 40: 105 ms
+    assert late.value.status == 429 and "105 ms, is over --ttft-slo-ms 100" in late.value.message
+    assert late.value.headers == {"Retry-After": "1"}
+
+
+HUNG_S = 3   # LLMC_COLLECTIVE_TIMEOUT in the tests below: an engine silent this long is taken for hung
+
+
+def engine_process(served: Served, rank: int) -> psutil.Process:
+    return next(p for p in psutil.Process(served.proc.pid).children() if f"--rank={rank}" in p.cmdline())
+
+
+def test_speculating_decode_engine_and_a_hung_one_ends_its_requests_within_the_deadline(compiled, offline,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("LLMC_COLLECTIVE_TIMEOUT", str(HUNG_S))
+    served = start_serve(compiled, "--disaggregate", "prefill:1,decode:1", "--kv-memory", KV,
+                         "--speculative", "ngram")
+    try:
+        # tiny-llama's 200 greedy tokens after PROMPT repeat themselves enough for n-gram drafts
+        reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        expected = offline.generate(PROMPT, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        assert reply.choices[0].text == expected[0].outputs[0].text
+        wait_for(lambda: served.metric("llmc:spec_decode_num_drafts_total") > 0, "the decode engine's drafts")
+
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(served.client.completions.create, model="tiny", prompt=prompt_ids(30, 5),
+                                max_tokens=400, extra_body={"ignore_eos": True})
+            stream = iter(served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, stream=True,
+                                                           extra_body={"ignore_eos": True}))
+            next(stream)
+            decode = engine_process(served, 2)
+            decode.suspend()   # alive, answering nothing
+            started = time.monotonic()
+            with pytest.raises(openai.APIError, match=f"decode-0 \\(rank 2\\) sent nothing for {HUNG_S} s"):
+                for _ in stream:
+                    pass
+            with pytest.raises(openai.InternalServerError, match="sent nothing"):
+                whole.result()
+        assert time.monotonic() - started < HUNG_S + 5
+        decode.wait(timeout=10)   # the router killed it
+        assert served.metric("llmc:engine_up", engine="decode-0") == 0
+        assert httpx.get(f"{served.url}/health").status_code == 503
+        with pytest.raises(openai.APIStatusError) as refused:
+            served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
+        assert refused.value.status_code == 503 and "no decode engine" in refused.value.message
+        wait_for(lambda: served.metric("llmc:engine_kv_free_blocks", engine="prefill-0")
+                 == served.metric("llmc:engine_kv_blocks", engine="prefill-0") > 0, "the prefill engine's blocks free")
+    finally:
+        stop_serve(served)
 
 
 def start_ranks(artifact, roles: str, world: int) -> tuple[Served, list[subprocess.Popen]]:
@@ -162,8 +247,9 @@ def start_ranks(artifact, roles: str, world: int) -> tuple[Served, list[subproce
     procs = [subprocess.Popen([sys.executable, "-m", "llmc.runtime.server.disaggregate", str(artifact),
                                "--disaggregate", roles, "--port", str(port), "--kv-memory", KV,
                                "--served-model-name", "tiny", "--api-key", API_KEY],
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous)},
+                              env={**os.environ, "LLMC_COLLECTIVE_TIMEOUT": str(HUNG_S), "RANK": str(r),
+                                   "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(rendezvous)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                               text=True)
              for r in range(world)]
@@ -181,7 +267,7 @@ def stop_ranks(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def test_torchrun_ranks_serve_and_an_engine_that_exits_ends_its_requests_with_an_error(compiled, offline):
+def test_torchrun_ranks_serve_and_an_engine_that_hangs_or_exits_ends_its_requests_with_an_error(compiled, offline):
     served, procs = start_ranks(compiled, "prefill:1,decode:2", 4)
     try:
         reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
@@ -191,14 +277,15 @@ def test_torchrun_ranks_serve_and_an_engine_that_exits_ends_its_requests_with_an
         stream = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=480, stream=True,
                                                   extra_body={"ignore_eos": True})
         next(iter(stream))
-        procs[2].send_signal(signal.SIGKILL)   # with both idle, the router picked the first decode engine
+        procs[2].send_signal(signal.SIGSTOP)   # with both idle, the router picked the first decode engine
         started = time.monotonic()
-        with pytest.raises(openai.APIError, match="exited"):
+        with pytest.raises(openai.APIError, match=f"sent nothing for {HUNG_S} s"):
             for _ in stream:
                 pass
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < HUNG_S + 5
         assert served.metric("llmc:engine_up", engine="decode-0") == 0
-        reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)   # on the other one
+        reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5,   # on the other one
+                                                 extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 5 and httpx.get(f"{served.url}/health").status_code == 200
 
         procs[1].send_signal(signal.SIGKILL)

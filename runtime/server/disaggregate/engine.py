@@ -1,12 +1,18 @@
-"""One engine process of a disaggregated server (`llmc serve --disaggregate prefill:P,decode:D`;
-disaggregate.py starts it, or torchrun on another machine): the server's AsyncEngine loop with the
-router (rank 0) in place of HTTP clients. A prefill engine runs each request's prompt, samples its
-first token, streams it to the router and hands the request to the decode engine the router named
-(kv_transfer.py: the prompt's KV blocks packed, sent, freed here, the full ones kept in this prefix
-cache); a decode engine takes those requests in, decodes them, and runs whole the requests the router
-sends it directly (n > 1, prompt logprobs). A decode engine preempts by recompute, as any engine:
-the preempted request is prefilled again here, not sent back. Each engine reports its KV blocks and
-counters to the router twice a second, and exits when the router is gone."""
+"""One engine process of a disaggregated server (start.py starts it with `python -m
+llmc.runtime.server.disaggregate.engine`, or torchrun on another machine): the server's AsyncEngine
+loop with the router (rank 0) in place of HTTP clients. A prefill engine runs each request's prompt,
+samples its first token, streams it to the router and hands the request to the decode engine the
+router named (kv_transfer.py: the prompt's KV blocks packed, sent, freed here, the full ones kept in
+this prefix cache); a decode engine takes those requests in, decodes them, and runs whole the requests
+the router sends it directly (n > 1, prompt logprobs). A decode engine preempts by recompute, as any
+engine: the preempted request is prefilled again here, not sent back.
+
+What an engine tells the router (each batch of messages one list, in order): "update" (a request's new
+tokens, its output or error), "handoff" (prefill: a request left for its decode engine), "received"
+(decode: a handoff's KV arrived, its bytes and seconds), "aborted" (dropped on the router's word),
+"source_gone" (decode: a prefill engine's connection failed), "stats" (its blocks and counters, twice
+a second while it steps) and "alive" (a heartbeat when it has said nothing for HEARTBEAT_S, from its
+sender thread, so a long step is not taken for a hang). It exits when the router is gone."""
 
 from __future__ import annotations
 
@@ -20,11 +26,9 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import llmc
 from llmc.compiler.artifact import read_manifest
@@ -32,72 +36,14 @@ from llmc.errors import LlmcError, RuntimeLlmcError
 from llmc.runtime.device import resolve_device
 from llmc.runtime.kv_transfer import Channel, Handoff, can_hand_off, export_request, recv_kv, send_kv
 from llmc.runtime.parallel.group import process_group_backend, rank_device
+from llmc.runtime.server.disaggregate.group import ROUTER, Roles, first_line, join_groups, log, parse_roles
 from llmc.runtime.server.engine_loop import AsyncEngine, Job, Update
 from llmc.runtime.server.metrics import ServerMetrics
 from llmc.runtime.server.protocol import ApiError
 
-ROUTER = 0                   # the router's rank; prefill engines are ranks 1 .. P, decode engines the next D
 STATS_EVERY_S = 0.5
+HEARTBEAT_S = 0.5            # "alive" after this long without a message to the router
 RECENT_IDS = 4096            # a decode engine remembers this many finished requests (a late abort is for none)
-# Idle engines wait for work as long as the server runs: a dead peer closes its connections, which fails
-# the waits at once; a hung one is not detected.
-WAIT = timedelta(days=365)
-
-
-@dataclass(frozen=True)
-class Roles:
-    prefill: int
-    decode: int
-
-    @property
-    def world(self) -> int:
-        return 1 + self.prefill + self.decode
-
-    @property
-    def prefill_ranks(self) -> list[int]:
-        return list(range(1, 1 + self.prefill))
-
-    @property
-    def decode_ranks(self) -> list[int]:
-        return list(range(1 + self.prefill, self.world))
-
-    def role(self, rank: int) -> str:
-        return "prefill" if rank in self.prefill_ranks else "decode"
-
-    def name(self, rank: int) -> str:
-        """The engine's name in metrics and messages: prefill-0, decode-1, ..."""
-        role = self.role(rank)
-        return f"{role}-{rank - (1 if role == 'prefill' else 1 + self.prefill)}"
-
-    def __str__(self) -> str:
-        return f"prefill:{self.prefill},decode:{self.decode}"
-
-
-def parse_roles(text: str) -> Roles:
-    """'prefill:P,decode:D' (both, each at least 1, in either order)."""
-    counts: dict[str, int] = {}
-    for part in str(text).split(","):
-        role, _, count = part.strip().partition(":")
-        if role not in ("prefill", "decode"):
-            raise RuntimeLlmcError(f"--disaggregate {text!r}: unknown role {role!r}; give prefill:N,decode:M "
-                                   f"(e.g. prefill:1,decode:1)")
-        if role in counts:
-            raise RuntimeLlmcError(f"--disaggregate {text!r}: {role} is given twice; give each role once")
-        if not count.strip().isdigit() or int(count) < 1:
-            raise RuntimeLlmcError(f"--disaggregate {text!r}: {role} needs a whole number of engines >= 1, "
-                                   f"not {count!r}")
-        counts[role] = int(count)
-    missing = [r for r in ("prefill", "decode") if r not in counts]
-    if missing:
-        raise RuntimeLlmcError(f"--disaggregate {text!r}: no {missing[0]} engines; give prefill:N,decode:M")
-    return Roles(counts["prefill"], counts["decode"])
-
-
-def join_groups(rank: int, world: int, init_method: str, kv_backend: str):
-    """Join the server's process group (gloo: the messages) and its engines' KV group (gloo, or NCCL
-    between GPUs); every rank, the router too, calls this. Returns the KV group."""
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=WAIT)
-    return dist.new_group(list(range(1, world)), backend=kv_backend, timeout=WAIT)
 
 
 @dataclass
@@ -162,7 +108,7 @@ class EngineWorker(AsyncEngine):
                 self._inbox.put({"op": "kv", "handoff": handoff, "kv": kv, "seconds": time.perf_counter() - started})
                 self._wake.set()
         except RuntimeError as e:   # that engine is gone: what it had not sent in full will not come
-            _log(f"{self.roles.name(self.rank)}: {self.roles.name(src)} is gone ({_first_line(e)})")
+            log(f"{self.roles.name(self.rank)}: {self.roles.name(src)} is gone ({first_line(e)})")
             self._inbox.put({"op": "source_gone", "source": src})
             self._wake.set()
 
@@ -178,7 +124,7 @@ class EngineWorker(AsyncEngine):
                 send_kv(dst, kv, self.kv_group)
             except RuntimeError as e:
                 gone = True
-                _log(f"{self.roles.name(self.rank)}: {self.roles.name(dst)} is gone ({_first_line(e)})")
+                log(f"{self.roles.name(self.rank)}: {self.roles.name(dst)} is gone ({first_line(e)})")
 
     # -- the engine thread -------------------------------------------------------------------
     def send_update(self, request_id: str, update: Update) -> None:
@@ -197,7 +143,10 @@ class EngineWorker(AsyncEngine):
         KV goes to its decode engine's sender only once the router has the request's first token and
         the handoff notice: the decode engine's tokens never overtake them."""
         while True:
-            batch, item = [], self._outbox.get()
+            try:
+                batch, item = [], self._outbox.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                batch, item = [{"op": "alive"}], None
             while isinstance(item, dict):
                 batch.append(item)
                 try:
@@ -319,19 +268,16 @@ class EngineWorker(AsyncEngine):
         if now - self._last_stats < STATS_EVERY_S:
             return
         self._last_stats = now
-        s, bm = self.engine.scheduler, self.engine.block_manager
-        self._tell({"op": "stats", "free_blocks": bm.num_free_blocks, "blocks": bm.num_blocks,
-                    "running": s.num_running, "waiting": s.num_waiting + len(self.queue) + len(self._pending),
-                    "prefix_queries": s.num_admitted_tokens, "prefix_hits": s.num_prefix_hit_tokens,
-                    "preemptions": s.num_preemptions})
-
-
-def _log(line: str) -> None:
-    print(f"llmc serve: {line}", file=sys.stderr, flush=True)
-
-
-def _first_line(error: Exception) -> str:
-    return ((str(error).strip().splitlines() or [type(error).__name__])[0])[:160]
+        s, bm, spec = self.engine.scheduler, self.engine.block_manager, self.engine.metrics.speculative
+        stats = {"op": "stats", "free_blocks": bm.num_free_blocks, "blocks": bm.num_blocks,
+                 "running": s.num_running, "waiting": s.num_waiting + len(self.queue) + len(self._pending),
+                 "prefix_queries": s.num_admitted_tokens, "prefix_hits": s.num_prefix_hit_tokens,
+                 "preemptions": s.num_preemptions, "seconds_per_token": self.predictor.seconds_per_token,
+                 "step_seconds": self.predictor.step_seconds}
+        if spec is not None:
+            stats |= {"spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
+                      "spec_accepted": spec.num_accepted_tokens}
+        self._tell(stats)
 
 
 def engine_device(path: str, options: dict, local_index: int) -> torch.device:
@@ -342,7 +288,7 @@ def engine_device(path: str, options: dict, local_index: int) -> torch.device:
 def run_engine(path: str, roles: Roles, rank: int, options: dict, init_method: str, local_index: int,
                say=None) -> int:
     """An engine's life: load the artifact (telling `say(dict)` whether it did), join the groups, serve."""
-    say = say or (lambda message: _log(f"{roles.name(rank)}: {json.dumps(message)}"))
+    say = say or (lambda message: log(f"{roles.name(rank)}: {json.dumps(message)}"))
     try:
         device = engine_device(path, options, local_index)
         engine = llmc.load(path, **options).engine
@@ -369,7 +315,7 @@ def _follow_router() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmc.runtime.server.disaggregate_engine")
+    parser = argparse.ArgumentParser(prog="python -m llmc.runtime.server.disaggregate.engine")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--roles", required=True)
