@@ -204,7 +204,7 @@ def test_speculating_decode_engine_and_a_hung_one_ends_its_requests_within_the_d
                                                                                         monkeypatch):
     monkeypatch.setenv("LLMC_COLLECTIVE_TIMEOUT", str(HUNG_S))
     served = start_serve(compiled, "--disaggregate", "prefill:1,decode:1", "--kv-memory", KV,
-                         "--speculative", "ngram")
+                         "--speculative", "ngram", "--ttft-slo-ms", 60_000)   # an SLO no request here misses
     try:
         # tiny-llama's 200 greedy tokens after PROMPT repeat themselves enough for n-gram drafts
         reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, temperature=0,

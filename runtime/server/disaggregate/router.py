@@ -68,8 +68,8 @@ class Router:
         self.roles, self.channel, self.metrics = roles, channel, metrics
         self.max_queue, self.max_num_seqs = max_queue, max_num_seqs
         # --ttft-slo-ms: each prefill engine's speed, as it last reported it
-        slo = None if ttft_slo_ms is None else ttft_slo_ms / 1e3
-        self._speed = {r: TtftPredictor(slo) for r in roles.prefill_ranks}
+        self.slo_seconds = None if ttft_slo_ms is None else ttft_slo_ms / 1e3
+        self._speed = {r: TtftPredictor(self.slo_seconds) for r in roles.prefill_ranks}
         self.queue = FairQueue()
         self.watch = EngineWatch(roles.engine_ranks, processes or {}, self._engine_gone)
         self._cond = threading.Condition()    # guards everything below
@@ -165,20 +165,20 @@ class Router:
     def _check_slo(self, job: Job) -> None:
         """--ttft-slo-ms (locked): refuse the job (429) if its first token is predicted late on the prefill
         engine with the fewest prompt tokens ahead (the router's queue shared among the live ones)."""
-        live = [r for r in self.roles.prefill_ranks if self._alive[r]]
-        if self._speed[live[0]].slo_seconds is None:
+        if self.slo_seconds is None:
             return
-        ahead = {r: 0 for r in live}
+        live = [r for r in self.roles.prefill_ranks if self._alive[r]]   # one at least: submit checked
+        ahead = dict.fromkeys(live, 0)
         for routed in self._routed.values():
             if routed.stage == "prefill" and routed.prefill in ahead:
                 ahead[routed.prefill] += routed.job.prompt_tokens
         rank = min(live, key=ahead.get)
         tokens = ahead[rank] + self.queue.prompt_tokens // len(live) + job.prompt_tokens
-        predicted, speed = self._speed[rank].misses_slo(tokens), self._speed[rank]
+        predicted = self._speed[rank].misses_slo(tokens)
         if predicted is not None:
             raise ApiError(429, f"the predicted time to first token, {predicted * 1e3:.0f} ms, is over --ttft-slo-ms "
-                           f"{speed.slo_seconds * 1e3:g}; retry later", kind="rate_limit_exceeded",
-                           headers={"Retry-After": str(speed.retry_after(tokens))})
+                           f"{self.slo_seconds * 1e3:g}; retry later", kind="rate_limit_exceeded",
+                           headers={"Retry-After": str(self._speed[rank].retry_after(tokens))})
 
     # -- routing: the router thread ----------------------------------------------------------------
     def _dispatch(self) -> None:
