@@ -78,7 +78,9 @@ def describe(executor) -> str:
         left.append(f"{fp32_nbits_count} ONNX Runtime MatMulNBits on fp32 activations (accuracy_level 1)")
     kv = executor.kv_dtype()
     if kv not in (None, torch.float32):
-        left.append(f"attention over the {str(kv).removeprefix('torch.')} KV cache"
+        # an int4 cache is uint8 rows: name its format
+        name = (executor.plan.meta.get("kv_cache") or {}).get("format") or str(kv).removeprefix("torch.")
+        left.append(f"attention over the {name} KV cache"
                     + (" and the bf16 kernels" if kv is torch.bfloat16 else ""))
     if any(s.attrs.get("softcap") is not None for s in plan.attention_steps()):
         left.append("soft-capped attention")

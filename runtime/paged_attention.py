@@ -435,6 +435,15 @@ class PagedAttention(AttentionBackend):
 
     def _decode(self, layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap):
         b = q.shape[0]
+        if self.cache.kv_group is not None and softcap is None and not meta.prefills:
+            # the packed int4 rows read where they lie (codegen/native/decode_int4.c); None where the native
+            # kernels are not built or q is not fp32. (A step with prefills sizes its read step by them.)
+            step = meta.native_read_step(self.cache.block_size)
+            out = None if step is None else cpu_native.decode_attention_int4(
+                q, *self.cache.layer_rows(layer), step, window, num_heads, num_kv_heads, head_dim,
+                self.cache.kv_group, scale)
+            if out is not None:
+                return out
         if meta.decode_span is not None:   # one sequence, consecutive blocks: its keys as they lie
             return self._decode_span(layer, q, meta, num_heads, num_kv_heads, head_dim, scale, window, softcap)
         if q.dtype == self.cache.dtype == torch.bfloat16 and softcap is None:

@@ -13,8 +13,10 @@ from llmc_cli import error_line, llmc_in_process
 from test_kv_quant import greedy_tokens, make_engine
 
 import llmc
+from llmc.codegen.native import cpu_native
 from llmc.compiler.quant import fake_quant_kv_int4, kv_int4_group
 from llmc.compiler.schemes import KV_CACHE_FORMATS
+from llmc.runtime.batch_invariance import describe
 from llmc.runtime.kv_quant import dequantize_kv_int4, quantize_kv_int4
 from llmc.runtime.paged_attention import PagedAttention, PagedKVCache, StepMetadata
 from llmc.runtime.sampling_params import SamplingParams
@@ -140,7 +142,9 @@ def test_tiny_llama_with_an_int4_cache_generates_like_fp32_from_a_fifth_of_the_b
     assert manifest["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 10
     record = manifest["pipeline"][-1]
     assert record["name"] == "quantize_kv_cache" and record["accuracy"]["kl"] > 0
-    assert not any(name.startswith("kv_scales") for name in llmc.load(artifacts["int4"]).engine.executor.plan.params)
+    executor = make_engine(artifacts["int4"]).executor
+    assert not any(name.startswith("kv_scales") for name in executor.plan.params)
+    assert "attention over the int4 KV cache" in describe(executor)   # not batch-invariant, as int8/fp8
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in (9, 23, 40)]
     ours = greedy_tokens(make_engine(artifacts["int4"]), prompts, 12)
@@ -169,3 +173,25 @@ def test_cli_refuses_int4_for_a_gpu_target_in_one_line(tmp_path, capsys):
                                    "-o", tmp_path / "gpu.llmc")
     assert code == 2 and "--kv-cache int4 is not read by the triton attention kernels" in error_line(err)
     assert not (tmp_path / "gpu.llmc").exists()
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_native_decode_attention_reads_the_packed_cache(window):
+    if not cpu_native.available():
+        pytest.skip(f"native kernels: {cpu_native.status()}")
+    gen = torch.Generator().manual_seed(8)
+    cache = PagedKVCache(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, torch.uint8, kv_group=GROUP)
+    tables, lens = [[3, 17, 5, 9, 1, 30], [12, 2, 25, 7]], [23, 13]
+    ctx = [(torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) * 3, torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen))
+           for n in lens]
+    for table, (k, v) in zip(tables, ctx):
+        cache.write(0, torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(k.shape[0])]), k, v)
+    q = torch.randn(2, HEADS * HEAD_DIM, generator=gen)
+    meta = StepMetadata.build([(t, n - 1, 1) for t, n in zip(tables, lens)], BLOCK)
+    out = cpu_native.decode_attention_int4(q, *cache.layer_rows(0), meta.native_read_step(BLOCK), window, HEADS,
+                                           KV_HEADS, HEAD_DIM, GROUP, HEAD_DIM ** -0.5)
+    for i, (k, v) in enumerate(ctx):
+        first = 0 if window is None else max(0, k.shape[0] - window)
+        keys, values = (round_trip(x)[first:] for x in (k, v))
+        want = exact_attention(q[i:i + 1], keys, values, keys.shape[0] - 1)
+        torch.testing.assert_close(out[i:i + 1].double(), want, rtol=1e-5, atol=1e-5)
