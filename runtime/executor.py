@@ -19,12 +19,13 @@ from llmc.compiler.ops import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from llmc.compiler.progress import Stages, bar, echo_stderr
 from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime import batch_invariance, native_decode
-from llmc.runtime.attention import AttentionBackend, NoCacheAttention
+from llmc.runtime.attention import AttentionBackend
+from llmc.runtime.attention_backends import attention_kind
 from llmc.runtime.host_memory import file_mappings, release_file_pages
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.ort_decode import load_decode_graph
 from llmc.runtime.ort_segment import load_segment
-from llmc.runtime.paged_attention import PagedAttention, PagedKVCache
+from llmc.runtime.paged_attention import PagedKVCache
 from llmc.runtime.plan_check import check_plan
 
 SERVING_INPUTS = ("input_ids", "positions", "logits_indices")
@@ -49,12 +50,13 @@ class PlanExecutor:
                  check_kernels: bool = False, data: dict[str, bytes] | None = None, batch_invariant: bool = False):
         self.plan = plan
         # every row's results the same bits whatever else is in the step (runtime/batch_invariance.py)
-        self.batch_invariant = batch_invariant and self.device_is_cpu(device) and kernel_family(plan) == "cpu"
+        self.family = kernel_family(plan)
+        self.attention = attention_kind(self.family, plan.target)   # runtime/attention_backends.py
+        self.batch_invariant = batch_invariant and self.device_is_cpu(device) and self.attention.batch_invariant
         self._data = data or {}   # the artifact's data files by path (ONNX segments)
         self.device = torch.device(device)
-        self.family = kernel_family(plan)
         # Triton kernels on the CPU run through the interpreter: progress is shown (_walk_shown)
-        self._interpreted, self._announced = self.family == "triton" and self.device.type == "cpu", False
+        self._interpreted, self._announced = self.attention.triton and self.device.type == "cpu", False
         self.check_kernels = check_kernels
         missing = [p for p in plan.params if p not in weights]
         if missing:
@@ -62,9 +64,9 @@ class PlanExecutor:
                                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; load the "
                                 f"artifact's weights file in full")
         check_plan(plan, weights)  # a plan is untrusted data: nothing of it runs before this passes
-        self._kv_scales = self._plan_kv_scales(weights) if self.family == "triton" else None
+        self._kv_scales = self._plan_kv_scales(weights) if self.attention.triton else None
         # the configs the plan's Triton kernels were rendered with; kernels launch with exactly these
-        self.launch_configs = plan_launch_configs(plan) if self.family == "triton" else {}
+        self.launch_configs = plan_launch_configs(plan) if self.attention.triton else {}
         self._registers = {p: i for i, p in enumerate(plan.params)}
         self._ort_initializers: dict = {}   # shared by the ORT sessions (ort_segment.load_session)
         self._params = [_held(weights[p], self.device) for p in plan.params]
@@ -164,19 +166,12 @@ class PlanExecutor:
 
     def no_cache_backend(self) -> AttentionBackend:
         """Attention for one sequence whose every token is in the forward, for this kernel family."""
-        if self.family == "cpu":
-            return NoCacheAttention()
-        from llmc.runtime.triton_attention_backend import TritonNoCacheAttention  # jinja2: only Triton plans
-        return TritonNoCacheAttention(self.plan.target, self.kv_dtype(), self._kv_scales,
-                                      config=self.launch_configs["attention"])
+        return self.attention.no_cache(self)
 
     def paged_backend(self, cache: PagedKVCache) -> AttentionBackend:
         """Attention over a paged KV cache (metadata set per step), for this kernel family."""
         self._check_serving(cache)
-        if self.family == "cpu":
-            return PagedAttention(cache, invariant=self.batch_invariant)
-        from llmc.runtime.triton_attention_backend import TritonPagedAttention  # jinja2: only Triton plans
-        return TritonPagedAttention(cache, self.plan.target, self.launch_configs["attention"])
+        return self.attention.paged(self, cache)
 
     def _check_serving(self, cache: PagedKVCache) -> None:
         """Serving feeds input_ids, positions (and logits_indices) and reads logits, with a KV cache
@@ -198,9 +193,8 @@ class PlanExecutor:
         if layout["num_layers"] and have != layout:
             raise ArtifactError(f"the KV cache the manifest sizes ({have}) does not fit the plan's attention "
                                 f"layers ({layout}); {RECOMPILE}")
-        # the CPU backend copies keys into the cache as they are (Triton's cache write converts)
         k_types = {self.plan.type_of(s.inputs[1]).dtype for s in self.plan.attention_steps()}
-        if self.family == "cpu" and not cache.quantized and k_types - {DTYPE_NAMES[cache.dtype]}:
+        if self.attention.stores_as_computed and not cache.quantized and k_types - {DTYPE_NAMES[cache.dtype]}:
             raise ArtifactError(f"the manifest's {DTYPE_NAMES[cache.dtype]} KV cache cannot hold the plan's "
                                 f"{sorted(k_types)} keys and values; {RECOMPILE}")
 
