@@ -127,6 +127,16 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.seqs[seq.seq_id] = seq
 
+    def hold_cached_prefix(self, seq: Sequence) -> int:
+        """Hold the cached blocks `allocate(seq)` would reuse, so nothing evicts them before it does
+        (disaggregated decode: the prompt KV that need not be sent); `free(seq)` lets them go. How many."""
+        assert seq.seq_id not in self.seqs, f"seq {seq.seq_id} already holds blocks"
+        seq.block_table = self._cached_prefix(seq)
+        for block_id in seq.block_table:
+            self._take(block_id)
+        self.seqs[seq.seq_id] = seq
+        return len(seq.block_table)
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the prompt's leading full blocks. At most num_tokens - 1
         tokens may hit: the last one is always recomputed to produce logits."""

@@ -221,11 +221,12 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def add_prefilled(self, handoff: Handoff, kv: torch.Tensor) -> bool:
+    def add_prefilled(self, handoff: Handoff, kv: torch.Tensor, skipped: int = 0) -> bool:
         """Disaggregated decode: take in a request another engine prefilled (runtime/kv_transfer.py's
         `handoff`: its prompt, the first token sampled there with its logprobs and generator state) with
-        its prompt's KV blocks `kv` (PagedKVCache.export_blocks' bytes); False while the batch or the
-        cache has no room for it (Scheduler.admit_prefilled), a RuntimeLlmcError if it can never fit."""
+        its prompt's KV blocks `kv` (PagedKVCache.export_blocks' bytes) but the first `skipped`, which
+        this cache holds (BlockManager.hold_cached_prefix); False while the batch or the cache has no
+        room for it (Scheduler.admit_prefilled), a RuntimeLlmcError if it can never fit."""
         h, where, now = handoff, f"request {handoff.request_id}", time.monotonic()
         if h.request_id in self.requests:
             raise RuntimeLlmcError(f"request id {h.request_id!r} is already in use; pick another")
@@ -239,7 +240,8 @@ class Engine:
         if not self.scheduler.admit_prefilled(seq):
             return False
         first = seq.num_cached_tokens // self.config.block_size   # blocks before it: this cache's prefix hits
-        self.cache.import_blocks(seq.block_table[first:kv.shape[2]], kv[:, :, first:])
+        assert first >= skipped, "the blocks held for a handoff are prefix hits when it is taken in"
+        self.cache.import_blocks(seq.block_table[first:skipped + kv.shape[2]], kv[:, :, first - skipped:])
         self.block_manager.mark_full_blocks(seq)
         seq.num_cached_tokens = h.num_cached_tokens
         req.samples.append(s)

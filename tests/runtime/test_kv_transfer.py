@@ -1,7 +1,8 @@
 """The engine's side of a disaggregated handoff, in one process: a request prefilled on one engine,
 exported after its first token (its blocks freed there, the full ones kept in its prefix cache) and
 taken in by another, decodes to what one engine alone makes (greedy and seeded, stop strings
-included); the packed KV round-trips any block order; a request that can never fit is refused."""
+included), also when the blocks the taking engine's prefix cache holds are left out of the KV; the
+packed KV round-trips any block order; a request that can never fit is refused."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.kv_transfer import can_hand_off, export_request
 from llmc.runtime.paged_attention import PagedKVCache
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sequence import Sequence
 
 
 def run_to_end(engine: Engine) -> dict:
@@ -59,6 +61,24 @@ def test_a_handed_over_request_decodes_as_on_one_engine(artifact, params):
     bm = prefill.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks > 0   # freed, the full ones cached
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_blocks_the_decode_cache_holds_need_not_travel(artifact):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ids = torch.randint(3, 512, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    prefill, decode = Engine(artifact, EngineConfig(kv_memory="4MiB")), Engine(artifact, EngineConfig(kv_memory="4MiB"))
+    first = hand_over(prefill, decode, [ids], params)["0"]
+    prefill.add_request("again", prompt_token_ids=ids, params=params)
+    prefill.step()
+    handoff, kv = export_request(prefill, "again")
+    bm = decode.block_manager
+    held = Sequence(ids + [handoff.first_token])
+    assert bm.hold_cached_prefix(held) == 4   # 70 prompt tokens: the first request's 4 full blocks
+    bm.check_invariants()
+    assert decode.add_prefilled(handoff, kv[:, :, 4:], skipped=4)
+    bm.free(held)
+    bm.check_invariants()
+    assert run_to_end(decode)["again"].outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_packed_blocks_round_trip_into_other_block_ids():

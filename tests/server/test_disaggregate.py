@@ -125,14 +125,18 @@ def test_bench_url_reports_kv_transfer_percentiles_per_request(split, capfd):
     assert "KV transfer       3 requests" in format_http_bench(json.loads(out))
 
 
-def test_a_repeated_prompt_hits_the_prefill_engines_prefix_cache(split):
-    prompt = prompt_ids(100, 77)
+def test_a_repeated_prompt_hits_both_prefix_caches_and_sends_only_the_blocks_decode_lacks(split):
+    prompt = prompt_ids(100, 77)   # 6 full blocks and one of 4 tokens
+    sent = split.metric("llmc:kv_transfer_bytes_total")
     first = split.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert split.metric("llmc:kv_transfer_bytes_total") == sent + 7 * BLOCK_BYTES
     wait_for(lambda: split.metric("llmc:engine_requests", engine="prefill-0") == 0, "the prefill engine's report")
     hits = split.metric("llmc:prefix_cache_hits_total")
     again = split.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
     assert again.choices[0].text == first.choices[0].text
     wait_for(lambda: split.metric("llmc:prefix_cache_hits_total") >= hits + 96, "96 prefix-cache hits (6 blocks)")
+    # the decode engine kept the first one's 6 full blocks cached: only the partial one travels
+    assert split.metric("llmc:kv_transfer_bytes_total") == sent + 8 * BLOCK_BYTES
 
 
 def test_aborted_requests_free_every_kv_block_on_both_engines(split):

@@ -36,6 +36,7 @@ from llmc.errors import LlmcError, RuntimeLlmcError
 from llmc.runtime.device import resolve_device
 from llmc.runtime.kv_transfer import Channel, Handoff, can_hand_off, export_request, recv_kv, send_kv
 from llmc.runtime.parallel.group import process_group_backend, rank_device
+from llmc.runtime.sequence import Sequence
 from llmc.runtime.server.disaggregate.group import ROUTER, Roles, first_line, join_groups, log, parse_roles
 from llmc.runtime.server.engine_loop import AsyncEngine, Job, Update
 from llmc.runtime.server.metrics import ServerMetrics
@@ -68,6 +69,8 @@ class EngineWorker(AsyncEngine):
         self._pending: list[Handoff] = []            # decode: KV here, no room yet; first come first
         self._pending_kv: dict[str, torch.Tensor] = {}
         self._tombstones: set[str] = set()        # decode: aborted before their KV came
+        self._held: dict[str, Sequence] = {}      # decode: a handoff's blocks found in this prefix cache
+        self._skipped: dict[str, int] = {}        # decode: how many of them its KV left out
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._outboxes = {d: queue.SimpleQueue() for d in roles.decode_ranks} if self.role == "prefill" else {}
         self._last_stats = 0.0
@@ -99,17 +102,28 @@ class EngineWorker(AsyncEngine):
             self._wake.set()
 
     def _read_kv(self, src: int) -> None:
-        """Decode: each handoff from prefill engine `src` and its KV, received while this engine steps."""
+        """Decode: each handoff from prefill engine `src` and its KV, received while this engine steps:
+        the engine thread holds the prompt's blocks this prefix cache has, and only the others come."""
+        handoff = None
         try:
             while True:
                 handoff = self.channel.recv(src)
                 started = time.perf_counter()
-                kv = recv_kv(src, handoff.kv_shape, self.engine.device, self.kv_group)
-                self._inbox.put({"op": "kv", "handoff": handoff, "kv": kv, "seconds": time.perf_counter() - started})
+                held = queue.SimpleQueue()
+                self._inbox.put({"op": "hold", "handoff": handoff, "held": held})
                 self._wake.set()
+                skipped = held.get()
+                self.channel.send(src, skipped)
+                shape = (*handoff.kv_shape[:2], handoff.kv_shape[2] - skipped, *handoff.kv_shape[3:])
+                kv = recv_kv(src, shape, self.engine.device, self.kv_group)
+                self._inbox.put({"op": "kv", "handoff": handoff, "kv": kv, "skipped": skipped,
+                                 "seconds": time.perf_counter() - started})
+                self._wake.set()
+                handoff = None
         except RuntimeError as e:   # that engine is gone: what it had not sent in full will not come
             log(f"{self.roles.name(self.rank)}: {self.roles.name(src)} is gone ({first_line(e)})")
-            self._inbox.put({"op": "source_gone", "source": src})
+            self._inbox.put({"op": "source_gone", "source": src,
+                             "unsent": None if handoff is None else handoff.request_id})
             self._wake.set()
 
     def _send_kv(self, dst: int, outbox: queue.SimpleQueue) -> None:
@@ -121,7 +135,8 @@ class EngineWorker(AsyncEngine):
                 continue   # the router ends these requests: it saw that engine go too
             try:
                 self.channel.send(dst, handoff)
-                send_kv(dst, kv, self.kv_group)
+                skipped = self.channel.recv(dst)   # leading blocks its prefix cache holds
+                send_kv(dst, kv[:, :, skipped:], self.kv_group)
             except RuntimeError as e:
                 gone = True
                 log(f"{self.roles.name(self.rank)}: {self.roles.name(dst)} is gone ({first_line(e)})")
@@ -203,7 +218,26 @@ class EngineWorker(AsyncEngine):
 
     def _drop_pending(self, rid: str) -> bool:
         self._pending = [h for h in self._pending if h.request_id != rid]
+        self._release(rid)
+        self._skipped.pop(rid, None)
         return self._pending_kv.pop(rid, None) is not None
+
+    def _on_hold(self, m: dict) -> None:
+        """Decode: a handoff's notice came; hold the blocks of its prompt this prefix cache has (they need
+        not travel) and tell the reader how many."""
+        h, bm = m["handoff"], self.engine.block_manager
+        if h.request_id in self._tombstones:
+            m["held"].put(0)
+            return
+        held = Sequence(h.prompt_token_ids + [h.first_token], request_id=h.request_id)
+        held.uses_prefix_cache = bm.window is None   # as Scheduler.admit_prefilled
+        m["held"].put(bm.hold_cached_prefix(held))
+        self._held[h.request_id] = held
+
+    def _release(self, rid: str) -> None:
+        held = self._held.pop(rid, None)
+        if held is not None:
+            self.engine.block_manager.free(held)
 
     def _on_kv(self, m: dict) -> None:
         """Decode: a handoff and its KV arrived (the transfer's bytes and time go to the router); it is
@@ -211,14 +245,17 @@ class EngineWorker(AsyncEngine):
         h = m["handoff"]
         if h.request_id in self._tombstones:
             self._tombstones.discard(h.request_id)
+            self._release(h.request_id)
             self._tell({"op": "aborted", "rid": h.request_id})
             return
-        self._tell({"op": "received", "rid": h.request_id, "bytes": h.kv_bytes,
+        self._tell({"op": "received", "rid": h.request_id, "bytes": m["kv"].numel(),
                     "seconds": h.pack_seconds + m["seconds"]})
         self._pending.append(h)
-        self._pending_kv[h.request_id] = m["kv"]
+        self._pending_kv[h.request_id], self._skipped[h.request_id] = m["kv"], m["skipped"]
 
     def _on_source_gone(self, m: dict) -> None:
+        if m["unsent"] is not None:
+            self._release(m["unsent"])
         self._tell(m)   # after every handoff that came from there: the router ends the ones still on their way
 
     def _adopt_pending(self) -> None:
@@ -226,11 +263,11 @@ class EngineWorker(AsyncEngine):
         while self._pending:
             h = self._pending[0]
             try:
-                if not self.engine.add_prefilled(h, self._pending_kv[h.request_id]):
+                if not self.engine.add_prefilled(h, self._pending_kv[h.request_id], self._skipped[h.request_id]):
                     return
             except RuntimeLlmcError as e:   # it can never fit this engine's cache
                 self.send_update(h.request_id, Update([], error=ApiError(400, str(e))))
-            self._drop_pending(h.request_id)
+            self._drop_pending(h.request_id)   # the held blocks go: the request holds them now
             if h.request_id in self.engine.requests:
                 self._adopted(h)
 
