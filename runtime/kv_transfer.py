@@ -25,7 +25,8 @@ from llmc.runtime.sampling_params import SamplingParams
 @dataclass
 class Handoff:
     """A prefilled request as the decode engine needs it; its KV follows as a tensor of `kv_shape`
-    (uint8: PagedKVCache.export_blocks' [2, layers, blocks, block bytes])."""
+    (uint8: PagedKVCache.export_blocks' [2, layers, blocks, block bytes]) less the leading blocks the
+    decode engine said its prefix cache holds."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -127,7 +127,8 @@ class EngineWorker(AsyncEngine):
             self._wake.set()
 
     def _send_kv(self, dst: int, outbox: queue.SimpleQueue) -> None:
-        """Prefill: the handoffs for decode engine `dst`, one after another."""
+        """Prefill: the handoffs for decode engine `dst`, one after another: the notice, its answer (how
+        many leading blocks it holds), the KV of the other blocks."""
         gone = False
         while True:
             handoff, kv = outbox.get()
