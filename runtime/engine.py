@@ -240,7 +240,9 @@ class Engine:
         if not self.scheduler.admit_prefilled(seq):
             return False
         first = seq.num_cached_tokens // self.config.block_size   # blocks before it: this cache's prefix hits
-        assert first >= skipped, "the blocks held for a handoff are prefix hits when it is taken in"
+        if first < skipped:   # held by hold_cached_prefix, so prefix hits when taken in: else a bug, said
+            raise RuntimeLlmcError(f"{where}: {skipped} KV blocks were held for its handoff but only {first} "
+                                   f"are prefix hits now; the request cannot be taken in")
         self.cache.import_blocks(seq.block_table[first:skipped + kv.shape[2]], kv[:, :, first - skipped:])
         self.block_manager.mark_full_blocks(seq)
         seq.num_cached_tokens = h.num_cached_tokens
