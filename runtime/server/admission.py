@@ -11,6 +11,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from llmc.runtime.server.protocol import ApiError
+
 
 @dataclass(order=True)
 class _Entry:
@@ -72,3 +74,19 @@ class FairQueue:
         self.prompt_tokens -= job.prompt_tokens
         if not self._entries:   # idle: users' past tags no longer matter
             self._finish.clear()
+
+
+# -- the refusals a server's admission answers (one engine's loop and the disaggregation router alike) ----
+def draining_refusal() -> ApiError:
+    return ApiError(503, "the server is shutting down and takes no new requests; send it to another replica",
+                    kind="service_unavailable")
+
+
+def queue_full_refusal(waiting: int, max_queue: int, headers: dict | None = None) -> ApiError:
+    return ApiError(429, f"the server's queue is full ({waiting} requests waiting, --max-queue {max_queue}); "
+                    f"retry later", kind="rate_limit_exceeded", headers=headers)
+
+
+def slo_refusal(predicted: float, slo_seconds: float, headers: dict | None = None) -> ApiError:
+    return ApiError(429, f"the predicted time to first token, {predicted * 1e3:.0f} ms, is over --ttft-slo-ms "
+                    f"{slo_seconds * 1e3:g}; retry later", kind="rate_limit_exceeded", headers=headers)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.server.admission import FairQueue
+from llmc.runtime.server.admission import FairQueue, draining_refusal, queue_full_refusal, slo_refusal
 from llmc.runtime.server.metrics import ServerMetrics
 from llmc.runtime.server.protocol import ApiError
 from llmc.runtime.server.slo import TtftPredictor
@@ -122,19 +122,14 @@ class AsyncEngine:
         request is predicted to miss the TTFT SLO."""
         with self._lock:
             if self.draining:
-                raise ApiError(503, "the server is shutting down and takes no new requests; send it to "
-                               "another replica", kind="service_unavailable")
+                raise draining_refusal()
             ahead = self.queue.prompt_tokens + self._pending_tokens + job.prompt_tokens
             retry = {"Retry-After": str(self.predictor.retry_after(ahead))}
             if len(self.queue) >= self.max_queue:
-                raise ApiError(429, f"the server's queue is full ({len(self.queue)} requests waiting, "
-                               f"--max-queue {self.max_queue}); retry later", kind="rate_limit_exceeded",
-                               headers=retry)
+                raise queue_full_refusal(len(self.queue), self.max_queue, retry)
             predicted = self.predictor.misses_slo(ahead)
             if predicted is not None:
-                raise ApiError(429, f"the predicted time to first token, {predicted * 1e3:.0f} ms, is over "
-                               f"--ttft-slo-ms {self.predictor.slo_seconds * 1e3:g}; retry later",
-                               kind="rate_limit_exceeded", headers=retry)
+                raise slo_refusal(predicted, self.predictor.slo_seconds, retry)
             self.queue.push(job)
             self._queued[job.request_id] = job
         self._wake.set()

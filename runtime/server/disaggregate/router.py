@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from llmc.runtime.kv_transfer import Channel
 from llmc.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmc.runtime.server.admission import FairQueue
+from llmc.runtime.server.admission import FairQueue, draining_refusal, queue_full_refusal, slo_refusal
 from llmc.runtime.server.disaggregate.group import Roles, first_line, log
 from llmc.runtime.server.disaggregate.liveness import EngineWatch
 from llmc.runtime.server.disaggregate.metrics import DisaggregateMetrics
@@ -123,15 +123,13 @@ class Router:
     def submit(self, job: Job) -> None:
         with self._cond:
             if self.draining:
-                raise ApiError(503, "the server is shutting down and takes no new requests; send it to another "
-                               "replica", kind="service_unavailable")
+                raise draining_refusal()
             missing = self._missing_role()
             if missing is not None:
                 raise ApiError(503, f"no {missing} engine is running (they exited or stopped answering); the "
                                f"server cannot serve, restart it", kind="service_unavailable")
             if len(self.queue) >= self.max_queue:
-                raise ApiError(429, f"the server's queue is full ({len(self.queue)} requests waiting, --max-queue "
-                               f"{self.max_queue}); retry later", kind="rate_limit_exceeded")
+                raise queue_full_refusal(len(self.queue), self.max_queue)
             self._check_slo(job)
             self.queue.push(job)
             self._queued[job.request_id] = job
@@ -176,9 +174,7 @@ class Router:
         tokens = ahead[rank] + self.queue.prompt_tokens // len(live) + job.prompt_tokens
         predicted = self._speed[rank].misses_slo(tokens)
         if predicted is not None:
-            raise ApiError(429, f"the predicted time to first token, {predicted * 1e3:.0f} ms, is over --ttft-slo-ms "
-                           f"{self.slo_seconds * 1e3:g}; retry later", kind="rate_limit_exceeded",
-                           headers={"Retry-After": str(self._speed[rank].retry_after(tokens))})
+            raise slo_refusal(predicted, self.slo_seconds, {"Retry-After": str(self._speed[rank].retry_after(tokens))})
 
     # -- routing: the router thread ----------------------------------------------------------------
     def _dispatch(self) -> None:
