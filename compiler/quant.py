@@ -190,6 +190,11 @@ def kv_int4_group(head_dim: int) -> int:
     return KV_INT4_GROUP if head_dim % KV_INT4_GROUP == 0 else head_dim
 
 
+def kv_int4_row_bytes(head_dim: int, group: int) -> int:
+    """Bytes of one token's head in an int4 KV cache: its codes two a byte, then an fp16 scale a group."""
+    return head_dim // 2 + 2 * (head_dim // group)
+
+
 def kv_int4_scales(x: torch.Tensor, group: int) -> torch.Tensor:
     """x [..., head_dim] -> the fp16 scale of each `group` channels [..., head_dim / group]: the group's
     absmax / 7, kept inside fp16's range (a group beyond 7 * 65504 saturates)."""
@@ -220,5 +225,6 @@ __all__ = ["INT8_MAX", "INT4_MAX", "FP8_E4M3_MAX", "compute_dtype", "quantize_in
            "dequantize_int8", "int4_grid", "quantize_to_grid", "quantize_int4", "dequantize_int4",
            "dequantize_int4_codes", "pack_int4", "unpack_int4", "quantize_fp8", "dequantize_fp8",
            "fake_quant_fp8", "fake_quant_int8_per_token", "KV_QMAX", "fake_quant_kv",
-           "KV_INT4_GROUP", "kv_int4_group", "kv_int4_scales", "kv_int4_codes", "fake_quant_kv_int4",
+           "KV_INT4_GROUP", "kv_int4_group", "kv_int4_row_bytes", "kv_int4_scales", "kv_int4_codes",
+           "fake_quant_kv_int4",
            "AFFINE4_CENTRE", "dequantize_affine", "dequantize_affine_codes"]

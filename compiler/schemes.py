@@ -19,6 +19,7 @@ from llmc.compiler.quant import (
     dequantize_int4,
     dequantize_int8,
     kv_int4_group,
+    kv_int4_row_bytes,
 )
 
 # zero points
@@ -161,7 +162,7 @@ class KvFormat:
         """Bytes one token's keys (or values) of one KV head take: codes, and a grouped format's scales."""
         if not self.grouped:
             return head_dim * self.torch_dtype.itemsize
-        return head_dim // 2 + 2 * (head_dim // kv_int4_group(head_dim))
+        return kv_int4_row_bytes(head_dim, kv_int4_group(head_dim))
 
 
 KV_CACHE_FORMATS: dict[str, KvFormat] = {f.name: f for f in (KvFormat("int8", "int8"),

@@ -13,6 +13,7 @@ import torch
 
 from llmc.codegen.native import cpu_native
 from llmc.compiler.ops import scaled_dot_product
+from llmc.compiler.quant import kv_int4_row_bytes
 from llmc.runtime.attention import AttentionBackend, attend
 from llmc.runtime.host_memory import zeroed
 from llmc.runtime.kv_quant import dequantize_kv, dequantize_kv_int4, is_quantized_kv, quantize_kv, quantize_kv_int4
@@ -38,7 +39,7 @@ class PagedKVCache:
                  kv_scales: list[torch.Tensor] | None = None, kv_group: int | None = None):
         assert kv_group is None or (dtype == torch.uint8 and head_dim % kv_group == 0 and head_dim % 2 == 0), \
             (dtype, head_dim, kv_group)
-        row = head_dim if kv_group is None else head_dim // 2 + 2 * (head_dim // kv_group)
+        row = head_dim if kv_group is None else kv_int4_row_bytes(head_dim, kv_group)
         shape = (num_blocks, block_size, num_kv_heads, row)
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         self.dtype = dtype

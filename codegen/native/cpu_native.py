@@ -31,6 +31,7 @@ import torch
 
 from llmc.cache import cache_root
 from llmc.codegen.native_cache import CacheRefused, digest_path, private_directory, record, verified_open, warn
+from llmc.compiler.quant import kv_int4_row_bytes
 from llmc.errors import LlmcError
 
 SOURCES = tuple(Path(__file__).with_name(name)
@@ -326,7 +327,7 @@ def decode_attention_int4(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.T
     """Decode attention for q [b, heads * hd] (fp32) over one layer's int4 cache rows [slots, kv_heads * head
     bytes] (runtime/kv_quant.quantize_kv_int4's packing, `group` channels a scale) that hold the step's keys and
     values already, through `step` (read_step). Out [b, heads * hd] fp32; None where the kernel does not apply."""
-    b, row = step.rows, num_kv_heads * (head_dim // 2 + 2 * (head_dim // group))
+    b, row = step.rows, num_kv_heads * kv_int4_row_bytes(head_dim, group)
     if (q.dtype is not F32 or k_rows.dtype is not torch.uint8 or v_rows.dtype is not torch.uint8 or q.dim() != 2
             or q.stride(1) != 1 or q.shape != (b, num_heads * head_dim) or not k_rows.is_contiguous()
             or not v_rows.is_contiguous() or k_rows.shape != v_rows.shape or k_rows.dim() != 2
@@ -334,6 +335,8 @@ def decode_attention_int4(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.T
             or not q.is_cpu or not k_rows.is_cpu):
         return None
     lib = _load()[0]
+    if lib is None:   # the native kernels are not built here: the torch path reads the cache
+        return None
     out = torch.empty(b, num_heads * head_dim, dtype=F32)
     scratch = torch.empty(b * num_kv_heads * 2 * head_dim, dtype=F32)
     lib.llmc_decode_attention_int4(
