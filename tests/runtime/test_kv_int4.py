@@ -195,3 +195,17 @@ def test_native_decode_attention_reads_the_packed_cache(window):
         keys, values = (round_trip(x)[first:] for x in (k, v))
         want = exact_attention(q[i:i + 1], keys, values, keys.shape[0] - 1)
         torch.testing.assert_close(out[i:i + 1].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_over_an_int4_cache_read_through_torch_where_the_native_kernels_are_not_built(monkeypatch):
+    """Without the native library the int4 decode attention says it does not apply (None) and the paged
+    backend reads the packed cache through torch, still SDPA over the dequantised context."""
+    monkeypatch.setattr(cpu_native, "_load", lambda: (None, "off (a test)"))
+    gen = torch.Generator().manual_seed(5)
+    cache = PagedKVCache(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, torch.uint8, kv_group=GROUP)
+    attn = PagedAttention(cache)
+    ctx = {"tables": {"a": [3, 17, 5, 9], "b": [12, 2, 25]}}
+    for s, n in (("a", 15), ("b", 10)):
+        ctx[s] = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen))
+    run_step(attn, ctx, [("a", 0, 14), ("b", 0, 9)], gen)
+    run_step(attn, ctx, [("a", 14, 1), ("b", 9, 1)], gen)               # a batched decode, no native kernel
