@@ -8,14 +8,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half_params.h"
+
 /* one KV head's packed row -> hd floats: exactly code * scale, as dequantize_kv_int4 (small integer times an
  * fp16 value is exact in fp32) */
 static void unpack_head(const uint8_t *packed, int64_t hd, int64_t group, float *x) {
     const uint8_t *scale_bytes = packed + hd / 2;
     for (int64_t g = 0; g < hd / group; g++) {
-        _Float16 half;
-        memcpy(&half, scale_bytes + 2 * g, sizeof half);
-        float s = (float)half;
+        uint16_t bits;
+        memcpy(&bits, scale_bytes + 2 * g, sizeof bits);
+        float s = half_bits_to_float(bits);   /* not _Float16: compilers before GCC 12 lack it */
         for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
             uint8_t two = packed[c / 2];
             x[c] = (float)((int)(two & 15) - 8) * s;

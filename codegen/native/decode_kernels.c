@@ -470,21 +470,6 @@ typedef uint8_t vbyte __attribute__((vector_size(VL), aligned(1)));
 typedef int32_t vint32 __attribute__((vector_size(VL * 4)));
 #ifdef __FLT16_MAX__   /* the compiler has _Float16 (GCC 12+ on x86): F16C converts VL at a time */
 typedef _Float16 vhalf __attribute__((vector_size(VL * 2), aligned(2)));
-#else
-static float half_bits_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);   /* inf, nan */
-    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (!man) bits = sign;
-    else {   /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400)) man <<= 1, exp--;
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 #endif
 /* VL int8 codes to floats, exactly. With AVX-512 or AVX2 one sign-extending widen (vpmovsxbd) and a
  * convert; elsewhere read unsigned with the sign bit flipped (q + 128), widened, converted, the 128
