@@ -88,19 +88,20 @@ class BlockManager:
         tails: dict[int, list[int]] = {}  # block_id -> [tail holders seen, most tokens in it]
         bs = self.block_size
         for seq in self.seqs.values():
-            for i in range(seq.num_tokens // bs, len(seq.block_table)):
+            for i in range(seq.num_kv_tokens // bs, len(seq.block_table)):
                 seen = tails.setdefault(seq.block_table[i], [0, 0])
                 seen[0] += 1
-                seen[1] = max(seen[1], seq.num_tokens - i * bs)
+                seen[1] = max(seen[1], seq.num_kv_tokens - i * bs)
         empty = sum(bs - max(0, filled) for block_id, (holders, filled) in tails.items()
                     if holders == self.blocks[block_id].ref_count)
         allocated = (self.num_blocks - self.num_free_blocks) * bs
         return 0.0 if allocated == 0 else empty / allocated
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Cache slot (block_id * block_size + offset) of each token position in [start, end)."""
-        bs = self.block_size
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        """Cache slot (block_id * block_size + offset) of each token position in [start, end) (past a KV
+        policy's evicted entries)."""
+        bs, e = self.block_size, seq.num_evicted_tokens
+        return [seq.block_table[(p - e) // bs] * bs + (p - e) % bs for p in range(start, end)]
 
     # --- admission --------------------------------------------------------------------
 
@@ -166,7 +167,7 @@ class BlockManager:
         self._tick += 1
         copy = None
         if self._write_block_is_shared(seq):
-            i = seq.num_computed_tokens // self.block_size
+            i = seq.kv_len // self.block_size
             src, dst = seq.block_table[i], self._allocate_block()
             self._release(src)
             seq.block_table[i] = dst
@@ -185,7 +186,7 @@ class BlockManager:
             self._release(block_id)
 
     def _num_blocks_with(self, seq: Sequence, lookahead: int) -> int:
-        return -(-(seq.num_tokens + lookahead) // self.block_size)
+        return -(-(seq.num_kv_tokens + lookahead) // self.block_size)
 
     def _blocks_to_append(self, seq: Sequence, lookahead: int = 0) -> int:
         missing = self._num_blocks_with(seq, lookahead) - len(seq.block_table)
@@ -194,7 +195,7 @@ class BlockManager:
     def _write_block_is_shared(self, seq: Sequence) -> bool:
         # Only the block holding the first uncomputed position can be shared: blocks
         # behind it are full (prefix hits, forks) and blocks after it are this seq's own.
-        i = seq.num_computed_tokens // self.block_size
+        i = seq.kv_len // self.block_size
         if i >= len(seq.block_table) or seq.num_computed_tokens == seq.num_tokens:
             return False
         return self.blocks[seq.block_table[i]].ref_count > 1
@@ -240,6 +241,28 @@ class BlockManager:
         self.num_dropped_blocks += keep_from - seq.num_dropped_blocks
         self.total_dropped_blocks += keep_from - seq.num_dropped_blocks
         seq.num_dropped_blocks = keep_from
+
+    # --- KV policies (runtime/kv_policy.py) ----------------------------------------------
+
+    def evict(self, seq: Sequence, count: int) -> list[int]:
+        """`count` of a policy sequence's cached entries go (the model runner compacts each head's kept
+        entries into the first kv_len - count slots): the blocks past them return to the pools, and a kept
+        block another holder shares (a fork) is replaced by a fresh one, as the compaction rewrites every kept
+        slot. Returns the table before, which the runner reads the kept entries from."""
+        assert seq.kv_cap is not None and not seq.uses_prefix_cache, f"seq {seq.seq_id} has no KV policy"
+        assert 0 < count <= seq.kv_len, (count, seq)
+        self._tick += 1
+        old = list(seq.block_table)
+        seq.num_evicted_tokens += count
+        keep = -(-seq.kv_len // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        for i, block_id in enumerate(seq.block_table):
+            if self.blocks[block_id].ref_count > 1:
+                self._release(block_id)
+                seq.block_table[i] = self._allocate_block()
+        return old
 
     # --- sharing and release ----------------------------------------------------------
 
@@ -323,7 +346,7 @@ class BlockManager:
             _require(len(set(seq.live_blocks)) == len(seq.live_blocks),
                      f"seq {seq.seq_id} holds a block twice: {seq.block_table}")
             self._check_dropped(seq)
-            _require(len(seq.block_table) * self.block_size >= seq.num_computed_tokens,
+            _require(len(seq.block_table) * self.block_size >= seq.kv_len,
                      f"seq {seq.seq_id} computed tokens beyond its blocks")
         for block in self.blocks:
             self._check_block(block, holders[block.block_id], block.block_id in free,

@@ -24,6 +24,7 @@ from llmc.runtime.draft_tree import DraftTree
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.host_memory import keep_freed_memory
 from llmc.runtime.kernel_check import verified_plan
+from llmc.runtime.kv_policy import KVPolicy, kv_policy
 from llmc.runtime.kv_quant import is_quantized_kv, kv_group_of, load_kv_scales
 from llmc.runtime.metrics import EngineMetrics
 from llmc.runtime.model_runner import ModelRunner
@@ -72,6 +73,12 @@ class EngineConfig:
     # Engine(choose_plan=...)): True always, False never; None: $LLMC_RECHECK_KERNELS, else where this is
     # not the machine (CPU, threads) that chose them or its timings were taken busy
     recheck_kernels: bool | None = None
+    # a KV policy holding each sequence to kv_budget cached tokens (runtime/kv_policy.py): "h2o" | "streaming" |
+    # a KVPolicy; "none": the full cache; None: as the artifact was compiled (--kv-policy)
+    kv_policy: KVPolicy | dict | str | None = None
+    kv_budget: int | None = None
+    kv_recent: int | None = None
+    kv_sinks: int | None = None
 
     def __post_init__(self):
         for name, rule in (("block_size", "an integer >= 1"), ("max_num_seqs", "an integer >= 1"),
@@ -91,6 +98,10 @@ class EngineConfig:
                 raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True or False")
         self.threads = resolve_threads(self.threads)
         self.speculative = speculative_config(self.speculative)
+        if self.kv_policy is None or self.kv_policy == "none":
+            kv_policy(None, self.kv_budget, self.kv_recent, self.kv_sinks)   # refuses a budget without a policy
+        else:
+            self.kv_policy = kv_policy(self.kv_policy, self.kv_budget, self.kv_recent, self.kv_sinks)
 
 
 def _check_kv_fits(cache_bytes: int, device: torch.device, asked) -> None:
@@ -179,10 +190,12 @@ class Engine:
         max_tokens = min(config.max_num_batched_tokens or plan.max_tokens, plan.max_tokens)
         self.scheduler = Scheduler(SchedulerConfig(max_tokens, config.max_num_seqs, config.block_size,
                                                    config.enable_chunked_prefill), self.block_manager)
+        self.kv_policy = self._kv_policy(plan)
         self.runner = ModelRunner(self.executor, self.cache)
         if "parallel" in self.manifest:  # tensor parallel: this process is rank 0, the others follow its steps
             self.runner = start_ranks(artifact, self.manifest, self.executor, self.cache, config.threads,
                                       config.ring_attention_threshold)
+        self.runner.kv_policy = self.kv_policy
         self.eos_token_ids = self.model["eos_token_ids"] or [self.tokenizer.eos_token_id]
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model["vocab_size"], self.eos_token_ids)
@@ -194,6 +207,26 @@ class Engine:
         if config.speculative is not None:
             self.speculator = Speculator(config.speculative, self)
             self.metrics.speculative = self.speculator.metrics
+
+    def _kv_policy(self, plan) -> KVPolicy | None:
+        """The load's KV policy, else the artifact's; refused in one line where its scores or its compaction
+        would not be kept (never ignored)."""
+        asked = self.config.kv_policy
+        policy = None if asked == "none" else asked or kv_policy(plan.meta.get("kv_policy"))
+        if policy is None:
+            return None
+        steps = plan.attention_steps()
+        refusal = ("the Triton attention kernels of GPU targets keep no attention scores; use a cpu-target "
+                   "artifact on the CPU" if self.executor.attention.triton or self.device.type != "cpu" else
+                   "speculative decoding would roll back evicted entries" if self.config.speculative else
+                   "tensor- and pipeline-parallel ranks keep their own caches" if "parallel" in self.manifest else
+                   "a sliding-window layer masks by position" if any(s.attrs.get("window") for s in steps) else
+                   "soft-capped attention" if any(s.attrs.get("softcap") is not None for s in steps) else None)
+        if refusal is not None:
+            raise RuntimeLlmcError(f"--kv-policy {policy.kind}: not served here ({refusal}); "
+                                   "load with kv_policy='none' (--kv-policy none) for the full cache")
+        policy.check_block_size(self.config.block_size)
+        return policy
 
     def _make_cache(self, weights: dict[str, torch.Tensor], num_blocks: int) -> PagedKVCache:
         return paged_kv_cache(self.model, weights, num_blocks, self.config.block_size, self.device)
@@ -213,6 +246,8 @@ class Engine:
         now = time.monotonic() if arrival_time is None else arrival_time
         req = _Request(request_id, prompt, ids, params, RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)))
         seq = Sequence(ids, request_id=request_id, params=params, priority=priority, arrival_time=now)
+        if self.kv_policy is not None:   # runtime/kv_policy.py: why a policy sequence skips the prefix cache
+            seq.kv_cap, seq.uses_prefix_cache = self.kv_policy.budget, False
         req.samples.append(self._sample(seq, req, 0))
         if params.prompt_logprobs is not None:
             req.samples[0].prompt_logprobs = [None]
@@ -228,6 +263,9 @@ class Engine:
         this cache holds (BlockManager.hold_cached_prefix); False while the batch or the cache has no
         room for it (Scheduler.admit_prefilled), a RuntimeLlmcError if it can never fit."""
         h, where, now = handoff, f"request {handoff.request_id}", time.monotonic()
+        if self.kv_policy is not None:
+            raise RuntimeLlmcError(f"{where}: a prefilled handoff cannot enter an engine with --kv-policy "
+                                   f"{self.kv_policy.kind} (its prompt's attention scores were not kept)")
         if h.request_id in self.requests:
             raise RuntimeLlmcError(f"request id {h.request_id!r} is already in use; pick another")
         params = request_values.sampling_params(h.params, where)
@@ -308,6 +346,7 @@ class Engine:
             t0 = time.perf_counter()
             asked = prompt_rows(out.scheduled, lambda seq: self._find(seq).prompt_logprobs)
             logits = self.runner.execute(out.scheduled, out.sampled, out.blocks_to_copy, drafts=out.drafts,
+                                         **({"evictions": out.evictions} if out.evictions else {}),
                                          borrow=True,   # sampled and verified before the next step
                                          **({"prompt_rows": asked} if asked else {}))
             end = len(logits) - sum(asked.values())

@@ -258,8 +258,8 @@ class NativeDecode:
         most MAX_ROWS rows over a native cache, each reading a causal prefix (decode rows, and short
         prefill chunks such as a speculative verification's, each row as a decode row)."""
         metadata, cache = getattr(backend, "metadata", None), getattr(backend, "cache", None)
-        if metadata is None or cache is None:
-            return False
+        if metadata is None or cache is None or getattr(backend, "scored", None):
+            return False   # (scored: an H2O policy reads each layer's queries, runtime/kv_policy.py)
         step = metadata.native_step(cache.block_size)
         if step is None and metadata.slot_mapping.shape[0] <= cpu_native.MAX_ROWS:
             # a few rows of prefill chunks (speculative verification): each row as a decode row (a long

@@ -16,6 +16,7 @@ from llmc.compiler.ops import scaled_dot_product
 from llmc.compiler.quant import kv_int4_row_bytes
 from llmc.runtime.attention import AttentionBackend, attend
 from llmc.runtime.host_memory import zeroed
+from llmc.runtime.kv_policy import accumulate_scores
 from llmc.runtime.kv_quant import dequantize_kv, dequantize_kv_int4, is_quantized_kv, quantize_kv, quantize_kv_int4
 
 
@@ -158,6 +159,27 @@ class PagedKVCache:
         index = torch.tensor(blocks, device=self._k_layers.device)
         for cache, part in zip((self._k_layers, self._v_layers), data):
             cache.view(torch.uint8).flatten(2).index_copy_(1, index, part)
+
+    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A KV policy's compaction (runtime/kv_policy.py): in layer l and KV head h, slot dst[i] gets what slot
+        src[l, h, i] holds, keys and values. All kept entries are read before any is written, so a destination
+        may be a source or a block the step gave back."""
+        layers, heads, n = src.shape
+        li = torch.arange(layers)[:, None, None]
+        hi = torch.arange(heads)[None, :, None]
+        for cache in (self._k_layers, self._v_layers):
+            flat = cache.view(torch.uint8).view(layers, -1, heads, cache.shape[-1] * cache.element_size())
+            moved = flat[li, src, hi]                      # [layers, heads, n, row bytes]
+            flat[li, dst[None, None, :], hi] = moved
+
+    def keys(self, layer: int, blocks: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `count` cached keys of the sequence whose table is `blocks`: [count, kv_heads, head_dim]."""
+        keys = self.k_cache[layer].index_select(0, blocks)
+        if self.kv_group is not None:
+            keys = dequantize_kv_int4(keys, self.head_dim, self.kv_group, dtype)
+        elif self.quantized:
+            keys = dequantize_kv(keys, self.kv_scales[layer][0], dtype)
+        return keys.reshape(-1, self.num_kv_heads, self.head_dim)[:count].to(dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets src's keys and values in every layer."""
@@ -341,13 +363,26 @@ class PagedAttention(AttentionBackend):
         self.cache = cache
         self.metadata: StepMetadata | None = None
         self.invariant = invariant   # every query row through the native kernel (runtime/batch_invariance.py)
+        # an H2O policy's sequences this step, set by the model runner: (state, first query row, first slot,
+        # rows, block table); each layer's attention adds to their scores (runtime/kv_policy.py)
+        self.scored: list[tuple] | None = None
+
+    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None, softcap=None):
+        out = self._attention(layer, q, k, v, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              scale=scale, causal=causal, window=window, softcap=softcap)
+        for state, row, first, n, blocks in self.scored or ():
+            keys = self.cache.keys(layer, blocks, first + n, torch.float64)
+            accumulate_scores(state.scores[layer], q[row:row + n].reshape(n, num_heads, head_dim), keys, first,
+                              scale)
+        return out
 
     @property
     def quantizes_kv(self) -> bool:
         """A quantised cache stores codes: keys and values are read back through it."""
         return self.cache.quantized
 
-    def forward(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None, softcap=None):
+    def _attention(self, layer, q, k, v, *, num_heads, num_kv_heads, head_dim, scale, causal, window=None,
+                   softcap=None):
         meta, cache = self.metadata, self.cache
         if self.invariant and softcap is None and causal:
             out = self._invariant_rows(layer, q, k, v, None, num_heads, num_kv_heads, head_dim, scale, window)
@@ -388,7 +423,7 @@ class PagedAttention(AttentionBackend):
         k folded in, as one native call (codegen/native/cpu_native.py); None where it does not apply: the
         caller rotates and runs `forward`. Nothing is written to the cache unless it applies. Takes the
         attention op's attrs as they are; those it does not read (`attrs`) do not change decoding."""
-        if softcap is not None or not causal:
+        if softcap is not None or not causal or self.scored:   # scores read the rotated queries: forward's
             return None
         if self.invariant:
             return self._invariant_rows(layer, q, k, v, rotary, num_heads, num_kv_heads, head_dim, scale, window)

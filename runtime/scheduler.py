@@ -44,6 +44,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     sampled: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the step
+    # KV policies: (seq, entries evicted, its block table before) to compact before the step, before the copies
+    evictions: list[tuple[Sequence, int, list[int]]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)  # finished with seq.error set
     # speculative decoding: seq_id -> the draft tokens scored after its last token this step;
@@ -213,6 +215,10 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if n <= 0:
                 continue
+            if seq.kv_cap is not None:
+                if not self._make_room(seq, out):
+                    continue
+                n = min(n, seq.kv_cap - seq.kv_len)
             fitting = self._fitting_drafts(seq, drafts.get(seq.seq_id, []), budget - n)
             if self._reserve_slots(seq, out, len(fitting)):
                 out.add(seq, n, fitting)
@@ -240,12 +246,30 @@ class Scheduler:
             out.blocks_to_copy.append(copy)
         return True
 
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """A KV policy sequence whose cache is full gives up a block's worth of entries before it writes more
+        (runtime/kv_policy.py), preempting the newest running sequences if its shared kept blocks need fresh
+        ones; False if `seq` itself had to go."""
+        bm = self.block_manager
+        if seq.kv_len < seq.kv_cap:
+            return True
+        keep = -(-(seq.kv_len - bm.block_size) // bm.block_size)
+        while bm.num_free_blocks < sum(bm.blocks[b].ref_count > 1 for b in seq.block_table[:keep]):
+            victim = min(self.running, key=_victim_key)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        out.evictions.append((seq, bm.block_size, bm.evict(seq, bm.block_size)))
+        return True
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute mode: drop the KV; every known token (prompt and output) becomes the
         prefill when it is admitted again."""
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_evicted_tokens = 0
+        seq.kv_state = None
+        out.evictions = [e for e in out.evictions if e[0] is not seq]
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
@@ -271,7 +295,7 @@ class Scheduler:
             self.running.append(seq)
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             self.num_admitted_tokens += seq.num_tokens
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, seq.num_kv_tokens)
             out.add(seq, n)
             budget -= n
 

@@ -45,6 +45,11 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, served by the prefix cache at admission
         self.uses_prefix_cache = True  # False: computes every prompt token (its prompt logprobs need them)
+        # a KV policy (runtime/kv_policy.py): at most kv_cap entries cached per KV head, num_evicted_tokens given
+        # up so far; the first kv_len = num_computed_tokens - num_evicted_tokens slots hold the kept ones
+        self.kv_cap: int | None = None
+        self.num_evicted_tokens = 0
+        self.kv_state = None  # the policy's PolicyState, made by the model runner
         self.num_preemptions = 0
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.error: str | None = None  # why the runtime refused it, when it did
@@ -90,9 +95,20 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def kv_len(self) -> int:
+        """Cache slots holding computed entries: the computed tokens less those a KV policy evicted."""
+        return self.num_computed_tokens - self.num_evicted_tokens
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Cache slots every known token needs: all of them, or with a KV policy at most its cap."""
+        n = len(self.token_ids) - self.num_evicted_tokens
+        return n if self.kv_cap is None else min(n, self.kv_cap)
+
     def num_blocks(self, block_size: int) -> int:
-        """KV blocks needed to hold every known token."""
-        return -(-len(self.token_ids) // block_size)
+        """KV blocks needed to hold every known token (with a KV policy, at most its cap's worth)."""
+        return -(-self.num_kv_tokens // block_size)
 
     def block_token_ids(self, i: int, block_size: int) -> list[int]:
         """Token ids held by block i of the table (the last one may be partial)."""
@@ -114,4 +130,5 @@ class Sequence:
         child.seq_id = new_id
         child.token_ids = self.token_ids[:num_tokens]
         child.block_table = list(self.block_table)
+        child.kv_state = None if self.kv_state is None else self.kv_state.clone()
         return child
