@@ -197,6 +197,74 @@ def test_ttft_slo_refuses_what_the_least_loaded_prefill_engine_would_start_late(
     assert late.value.headers == {"Retry-After": "1"}
 
 
+class Unheard(Job):
+    def deliver(self, update) -> None:
+        pass   # no client
+
+
+def routed_to(router: Router, tokens: list[int], rid: str) -> tuple[int, int]:
+    """Submit a greedy request for `tokens` and route it (as the router thread would); its engines."""
+    router.submit(Unheard(rid, "u", 0, None, tokens, SamplingParams(max_tokens=1), 2048, loop=None))
+    with router._cond:
+        router._route_queued()
+    r = router._routed[rid]
+    return r.prefill, r.decode
+
+
+def test_prefix_affinity_routes_a_shared_prefix_to_its_holder_unless_that_one_is_overloaded():
+    roles = Roles(2, 2)   # prefill ranks 1, 2; decode ranks 3, 4
+    router = Router(roles, None, DisaggregateMetrics("tiny", roles), max_queue=64, max_num_seqs=16)
+    shared = prompt_ids(100, 1)   # 6 full blocks
+    assert routed_to(router, shared, "a") == (1, 3)      # all idle: the first of each role
+    assert routed_to(router, prompt_ids(20, 2), "x") == (2, 4)   # the least loaded
+    # the same 6 blocks and a new tail: to their holders, though both roles' loads tie or favour the others
+    router._load[4] -= 1
+    assert routed_to(router, shared + prompt_ids(30, 3), "b") == (1, 3)
+
+    def hits(role):
+        return router.metrics.registry.get_sample_value("llmc:prefix_affinity_hits_total",
+                                                        {"model_name": "tiny", "role": role})
+    assert hits("prefill") == hits("decode") == 1
+    # decode-0 now runs more than max_num_seqs / 8 = 2 requests beyond decode-1; prefill-0 has 230 prompt
+    # tokens in prefill against prefill-1's 20: more than the 96 its cache saves
+    router._load[3] += 3
+    assert routed_to(router, shared, "c") == (2, 4)
+    assert router.metrics.registry.get_sample_value("llmc:prefix_affinity_overloaded_total",
+                                                    {"model_name": "tiny", "role": "prefill"}) == 1
+    # now both decode engines hold it: the less loaded of them, a hit
+    assert routed_to(router, shared, "d")[1] == 4 and hits("decode") == 2
+    # a gone engine holds nothing
+    router._engine_gone(4, "exited")
+    assert routed_to(router, shared, "e")[1] == 3
+
+
+def test_a_repeated_long_prefix_lands_on_the_engines_that_hold_it_and_moves_one_block(compiled):
+    served = start_serve(compiled, "--disaggregate", "prefill:2,decode:2", "--kv-memory", "1MiB")
+    try:
+        def stream(salt: int):
+            chunks = served.client.completions.create(model="tiny", prompt=prompt_ids(5, salt), max_tokens=400,
+                                                      stream=True, extra_body={"ignore_eos": True})
+            next(iter(chunks))
+            return chunks
+        shared = prompt_ids(100, 77)   # 6 full blocks and one of 4 tokens
+        sent = served.metric("llmc:kv_transfer_bytes_total")
+        x = stream(1)   # decoding on decode-0 while the rest runs (its 400 tokens take longer)
+        first = served.client.completions.create(model="tiny", prompt=shared, max_tokens=8, temperature=0)
+        y = stream(2)   # on decode-1, which took `first` as the idler: least-loaded alone would now pick decode-0
+        again = served.client.completions.create(model="tiny", prompt=shared, max_tokens=8, temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+        # x and y 1 block each, `first` 7; `again` went to decode-1, which holds the 6 full blocks: 1 (not 7)
+        wait_for(lambda: served.metric("llmc:kv_transfer_bytes_total") >= sent + 10 * BLOCK_BYTES, "4 transfers")
+        assert served.metric("llmc:kv_transfer_bytes_total") == sent + 10 * BLOCK_BYTES
+        assert served.metric("llmc:prefix_affinity_hits_total", role="decode") == 1
+        assert served.metric("llmc:prefix_affinity_hits_total", role="prefill") == 1
+        x.close()
+        y.close()
+        wait_for(lambda: all_blocks_free(served), "every engine's blocks free after the streams left")
+    finally:
+        stop_serve(served)
+
+
 HUNG_S = 3   # LLMC_COLLECTIVE_TIMEOUT in the tests below: an engine silent this long is taken for hung
 
 

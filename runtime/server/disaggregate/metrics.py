@@ -36,6 +36,14 @@ class DisaggregateMetrics(ServerMetrics):
         self.engine_blocks = engine_gauge("engine_kv_blocks", "The engine's KV blocks.")
         self.engine_requests = engine_gauge("engine_requests", "Requests the engine holds: running, waiting, and "
                                             "(decode) handed over but not yet taken in.")
+        def role_counter(name, doc):
+            count = Counter(f"llmc:{name}", doc, ["model_name", "role"], registry=self.registry)
+            return {role: count.labels(role=role, **self.labels) for role in ("prefill", "decode")}
+        self.affinity_hits = role_counter("prefix_affinity_hits", "Requests routed to the engine of this role that "
+                                          "holds the longest cached prefix of their prompt (prefix affinity).")
+        self.affinity_overloaded = role_counter("prefix_affinity_overloaded", "Requests whose prompt's cached "
+                                                "prefix is on an engine of this role too busy to take them (sent to "
+                                                "the least loaded instead).")
         for up in self.engine_up.values():
             up.set(1)
 

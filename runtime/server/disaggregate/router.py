@@ -1,7 +1,8 @@
 """The router: the server's core (what app.py and launch.py drive: submit, abort, drain, start, stop)
 when prefill and decode run in engine processes of their own. It queues requests fairly, sends each to
-the prefill engine with the least work, naming the decode engine with the fewest requests, and follows
-each request through its stages from the engines' messages (engine.py says what each sends):
+the prefill and decode engines that hold the longest cached prefix of its prompt (affinity.py) unless
+they are too busy (_overloaded says the bound), else to those with the least work, and follows each
+request through its stages from the engines' messages (engine.py says what each sends):
 
   "prefill"   the prefill engine holds it (requests with n > 1 or prompt logprobs skip this stage and
               run whole on a decode engine);
@@ -24,9 +25,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from llmc.runtime.engine import EngineConfig
 from llmc.runtime.kv_transfer import Channel
 from llmc.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmc.runtime.server.admission import FairQueue, draining_refusal, queue_full_refusal, slo_refusal
+from llmc.runtime.server.disaggregate.affinity import PrefixAffinity, prompt_block_hashes
 from llmc.runtime.server.disaggregate.group import Roles, first_line, log
 from llmc.runtime.server.disaggregate.liveness import EngineWatch
 from llmc.runtime.server.disaggregate.metrics import DisaggregateMetrics
@@ -64,9 +67,14 @@ class Router:
 
     def __init__(self, roles: Roles, channel: Channel, metrics: DisaggregateMetrics, max_queue: int,
                  max_num_seqs: int, processes: dict[int, subprocess.Popen] | None = None,
-                 ttft_slo_ms: float | None = None):
+                 ttft_slo_ms: float | None = None, block_size: int = EngineConfig.block_size,
+                 prefix_caching: bool = True):
         self.roles, self.channel, self.metrics = roles, channel, metrics
         self.max_queue, self.max_num_seqs = max_queue, max_num_seqs
+        # where prompts' blocks were sent, by role (none when the engines cache no prefixes)
+        self.block_size = block_size
+        self._affinity = {role: PrefixAffinity() for role in ("prefill", "decode")} if prefix_caching else None
+        self.decode_slack = max(2, max_num_seqs // 8)   # see _overloaded
         # --ttft-slo-ms: each prefill engine's speed, as it last reported it
         self.slo_seconds = None if ttft_slo_ms is None else ttft_slo_ms / 1e3
         self._speed = {r: TtftPredictor(self.slo_seconds) for r in roles.prefill_ranks}
@@ -166,10 +174,7 @@ class Router:
         if self.slo_seconds is None:
             return
         live = [r for r in self.roles.prefill_ranks if self._alive[r]]   # one at least: submit checked
-        ahead = dict.fromkeys(live, 0)
-        for routed in self._routed.values():
-            if routed.stage == "prefill" and routed.prefill in ahead:
-                ahead[routed.prefill] += routed.job.prompt_tokens
+        ahead = self._prefill_tokens()
         rank = min(live, key=ahead.get)
         tokens = ahead[rank] + self.queue.prompt_tokens // len(live) + job.prompt_tokens
         predicted = self._speed[rank].misses_slo(tokens)
@@ -194,22 +199,67 @@ class Router:
         return bool(len(self.queue) and self._free(self.roles.prefill_ranks) and self._free(self.roles.decode_ranks))
 
     def _route_queued(self) -> None:
-        """Queued jobs to the engines with the least load, while both roles have room (locked)."""
+        """Queued jobs to the engines that hold their prompts' prefixes or have the least load, while both
+        roles have room (locked)."""
         while self._can_route():
             job = self.queue.pop()
             del self._queued[job.request_id]
-            d = min(self._free(self.roles.decode_ranks), key=lambda r: self._load[r])
+            hashes = prompt_block_hashes(job.prompt_token_ids, self.block_size) if self._affinity else []
+            d = self._choose("decode", hashes)
             whole = job.params.n > 1 or job.params.prompt_logprobs is not None
-            p = None if whole else min(self._free(self.roles.prefill_ranks), key=lambda r: self._load[r])
+            p = None if whole else self._choose("prefill", hashes)
             self._routed[job.request_id] = _Routed(job, p, d, "decode" if whole else "prefill")
             for r in (p, d):
                 if r is not None:
                     self._load[r] += 1
+                    if self._affinity:
+                        self._affinity[self.roles.role(r)].record(hashes, r)
             job.scheduled, job.scheduled_at = True, time.monotonic()
             self.metrics.queue_time.observe(max(job.scheduled_at - job.arrival, 0.0))
             self._send_later(d if whole else p, {
                 "op": "add", "rid": job.request_id, "user": job.user, "priority": job.priority, "prompt": job.prompt,
                 "prompt_token_ids": job.prompt_token_ids, "params": job.params, "decode": None if whole else d})
+
+    def _choose(self, role: str, hashes: list[int]) -> int:
+        """The engine of `role` for a prompt with these block hashes (locked): the live one holding the
+        longest cached prefix of it (the least loaded of those that tie), unless it is overloaded; else
+        the least loaded with room."""
+        ranks = self.roles.prefill_ranks if role == "prefill" else self.roles.decode_ranks
+        least = min(self._free(ranks), key=lambda r: self._load[r])
+        depth = self._affinity[role].matched(hashes) if hashes else {}
+        held = [r for r in ranks if self._alive[r] and depth.get(r)]
+        if not held:
+            return least
+        best = max(held, key=lambda r: (depth[r], -self._load[r]))
+        if self._overloaded(role, best, least, depth[best]):
+            self.metrics.affinity_overloaded[role].inc()
+            return least
+        self.metrics.affinity_hits[role].inc()
+        return best
+
+    def _overloaded(self, role: str, holder: int, least: int, blocks: int) -> bool:
+        """Whether `holder`, whose prefix cache has the prompt's first `blocks`, is too busy to take it
+        (locked). A full engine is. A prefill engine is when the prompt tokens queued on it beyond those on
+        the least loaded one outnumber the tokens its cache saves: prefill time grows with the tokens
+        computed, so past that the prompt's first token comes later there than where it is computed whole.
+        A decode engine is when it runs more than `decode_slack` requests (max_num_seqs / 8, at least 2)
+        beyond the least loaded: a decode step reads the weights once for the whole batch, so a few more
+        rows cost each little, while a hit saves moving the blocks and storing them twice; the slack keeps
+        the engines' batches, and so their requests' TPOT, within that many rows of each other."""
+        if holder not in self._free([holder]):
+            return True
+        if role == "prefill":
+            ahead = self._prefill_tokens()
+            return ahead[holder] - ahead[least] > blocks * self.block_size
+        return self._load[holder] - self._load[least] > self.decode_slack
+
+    def _prefill_tokens(self) -> dict[int, int]:
+        """Each prefill engine's prompt tokens in prefill (locked)."""
+        ahead = dict.fromkeys(self.roles.prefill_ranks, 0)
+        for routed in self._routed.values():
+            if routed.stage == "prefill" and routed.prefill is not None:
+                ahead[routed.prefill] += routed.job.prompt_tokens
+        return ahead
 
     # -- sending: one thread per engine ------------------------------------------------------------
     def _send_later(self, rank: int, message: dict) -> None:
@@ -387,6 +437,8 @@ class Router:
                 return
             self._alive[rank] = False
             self.metrics.engine_up[rank].set(0)
+            if self._affinity:
+                self._affinity[self.roles.role(rank)].forget(rank)
             gone = f"{self.roles.name(rank)} (rank {rank}) {what}"
             lost = [r for r in self._routed.values() if r.held_by(rank)]
             self._fail(lost, f"{gone} while it held this request")

@@ -13,6 +13,7 @@ import torch
 
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.device import resolve_device
+from llmc.runtime.engine import EngineConfig
 from llmc.runtime.kv_transfer import Channel
 from llmc.runtime.parallel.group import free_port, wait_loaded
 from llmc.runtime.server.disaggregate.front import RoutedModel
@@ -73,7 +74,8 @@ def start_engines(path, roles_text: str, served_name: str, max_queue: int, optio
         stop_processes(processes)
         raise
     metrics = DisaggregateMetrics(served_name, roles)
-    router = Router(roles, Channel(), metrics, max_queue, options.get("max_num_seqs", 64), processes, ttft_slo_ms)
+    router = Router(roles, Channel(), metrics, max_queue, options.get("max_num_seqs", 64), processes, ttft_slo_ms,
+                    options.get("block_size", EngineConfig.block_size), options.get("enable_prefix_caching", True))
     return Engines(model, router, processes)
 
 
