@@ -55,12 +55,49 @@ def write_weights_file(path: Path, tensors: dict[str, Entry],
     after each."""
     order = file_order(tensors)
     with open(path, "wb") as f:
-        f.write(header_bytes(tensors, order))
+        out = AlignedWriter(f)
+        out.write(header_bytes(tensors, order))
         for name in order:
             values = values_of(tensors[name]).detach().to("cpu").contiguous()
-            f.write(memoryview(values.reshape(-1).view(torch.uint8).numpy()) if values.numel() else b"")
+            if values.numel():
+                out.write(memoryview(values.reshape(-1).view(torch.uint8).numpy()))
             if progress is not None:
                 progress(values.numel() * values.element_size())
+        out.close()
+
+
+# Writes of whole, aligned 2 MiB spans leave the file in the page cache as 2 MiB folios (ext4 from Linux
+# 6.16, XFS), which a mapping of it then maps with huge pages: the kernels read the weights in place at
+# the TLB cost of anonymous huge pages (2 threads streaming a 3B model's weights on 4 KiB pages ran ~15%
+# slower), and a load copies nothing. A tensor at a time, unaligned, left 40% of a 1.9 GB file so.
+WRITE_SPAN = 2 << 20
+
+
+class AlignedWriter:
+    """A file written in whole WRITE_SPAN-aligned spans (the last one short): bytes before the next
+    boundary wait in a buffer; the aligned bulk of a large write goes straight from its memory."""
+
+    def __init__(self, f):
+        self.f, self.pending = f, bytearray()
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        if self.pending or len(data) < WRITE_SPAN:
+            room = WRITE_SPAN - len(self.pending)
+            self.pending += data[:room]
+            data = data[room:]
+            if len(self.pending) < WRITE_SPAN:
+                return
+            self.f.write(self.pending)
+            self.pending = bytearray()
+        bulk = len(data) - len(data) % WRITE_SPAN
+        if bulk:
+            self.f.write(data[:bulk])
+        self.pending += data[bulk:]
+
+    def close(self) -> None:
+        self.f.write(self.pending)
+        self.pending = bytearray()
 
 
 def map_weights_file(path: Path) -> dict[str, torch.Tensor]:
@@ -75,6 +112,8 @@ def map_weights_file(path: Path) -> dict[str, torch.Tensor]:
         if not isinstance(header, dict):
             raise ValueError("its header is no JSON object")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if f.seek(0, 2) else None
+    if mapped is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapped.madvise(mmap.MADV_HUGEPAGE)   # pages read from disk come in as huge folios (see WRITE_SPAN)
     base = 8 + size
     header.pop("__metadata__", None)
     return {name: mapped_tensor(mapped, base, name, entry) for name, entry in header.items()}

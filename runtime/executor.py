@@ -21,7 +21,7 @@ from llmc.errors import ArtifactError, RuntimeLlmcError
 from llmc.runtime import batch_invariance, native_decode
 from llmc.runtime.attention import AttentionBackend
 from llmc.runtime.attention_backends import attention_kind
-from llmc.runtime.host_memory import file_mappings, release_file_pages
+from llmc.runtime.host_memory import cpu_tensors, file_mappings, release_file_pages
 from llmc.runtime.kv_quant import is_quantized_kv, load_kv_scales
 from llmc.runtime.ort_decode import load_decode_graph
 from llmc.runtime.ort_segment import load_segment
@@ -212,17 +212,19 @@ class PlanExecutor:
         launch = Launch(fn, args, tuple(self._register(o, where) for o in step.outputs),
                         self._prepared_attrs(fn, args, attrs),
                         getattr(fn, "context", ()), self._dying(index, step), recorded, where)
-        self._release_read(step.inputs)
+        self._release_read(step.inputs, kept=launch.attrs)
         return launch
 
-    def _release_read(self, names) -> None:
+    def _release_read(self, names, kept=()) -> None:
         """Unmap the pages of the params among `names`, read by a launch's preparation just now
         (host_memory.release_file_pages): stored weights repacked at load leave the RSS, and the load's
-        peak holds one launch's of them rather than all; a kernel reading them as stored faults them back."""
+        peak holds one launch's of them rather than all; a kernel reading them as stored faults them back.
+        Params the prepared attrs `kept` use in place (the native 4-bit GEMV's) keep their pages."""
         if self._file_maps:
+            in_place = {t.data_ptr() for t in cpu_tensors(kept)}
             registers = (self._registers.get(n) for n in names)
-            release_file_pages([self._params[r] for r in registers if r is not None and r < len(self._params)],
-                               self._file_maps)
+            release_file_pages([self._params[r] for r in registers if r is not None and r < len(self._params)
+                                and self._params[r].data_ptr() not in in_place], self._file_maps)
 
     def _mark_norms_feeding_qlinears(self) -> None:
         """Tell each torch norm whose result only quantised GEMMs read that it may round as the native
@@ -484,3 +486,4 @@ def resolve_kernel(name: str):
 
 
 __all__ = ["PlanExecutor", "Launch", "kernel_family", "plan_launch_configs", "resolve_kernel"]
+

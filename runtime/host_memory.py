@@ -159,6 +159,19 @@ def release_file_pages(tensors, mappings: list[tuple[int, int]] | None = None) -
     return released
 
 
+def cpu_tensors(value):
+    """The CPU tensors in `value` (tensors, and tuples, lists and dicts of them, named tuples among them)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.numel():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from cpu_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from cpu_tensors(v)
+
+
 def _inside(address: int, size: int, mappings: list[tuple[int, int]]) -> bool:
     return any(start <= address and address + size <= end for start, end in mappings)
 
@@ -175,4 +188,4 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 __all__ = ["keep_freed_memory", "huge_pages", "zeroed", "resident_bytes", "anonymous_rss", "file_mappings",
-           "release_file_pages"]
+           "release_file_pages", "cpu_tensors"]

@@ -17,9 +17,9 @@ import torch
 from llmc.codegen.torch_cpu.cpu_qlinear_dense import scratch_bytes
 from llmc.compiler.schemes import NATIVE, SCHEMES
 from llmc.runtime.block_manager import num_blocks_for_budget, parse_bytes
-from llmc.runtime.host_memory import file_mappings, resident_bytes
+from llmc.runtime.host_memory import cpu_tensors, file_mappings, resident_bytes
 
-# qlinear schemes the CPU kernels hold repacked (cpu_qlinear_native.py): the native family's packed ones
+# qlinear schemes the native GEMV reads (cpu_qlinear_native.py): the native family's packed ones
 NATIVE_4BIT = tuple(s.name for s in SCHEMES.values() if NATIVE in s.families and s.packed)
 
 
@@ -66,29 +66,16 @@ def measure(engine) -> MemorySplit:
     mapped, copies = {}, {}
     for executor, _ in runners:
         params = [executor.weight(name) for name in executor.plan.params]
-        for t in _tensors(params + executor.held()):
+        for t in cpu_tensors(params + executor.held()):
             if t.layout is not torch.strided:   # oneDNN's blocked copies (speculation's fp32 linears): opaque
                 copies[id(t)] = t.numel() * t.element_size()
             else:
                 (mapped if _mapping_of(t, mappings) else copies)[t.untyped_storage().data_ptr()] = _storage_bytes(t)
-    kv = list(_tensors([[cache.k_cache, cache.v_cache, cache.kv_scales] for _, cache in runners]))
+    kv = list(cpu_tensors([[cache.k_cache, cache.v_cache, cache.kv_scales] for _, cache in runners]))
     arenas = sum(ex.native_decode.arena.nbytes for ex, _ in runners if ex.native_decode is not None)
     return MemorySplit(psutil.Process().memory_info().rss, _resident(mapped, mappings), sum(mapped.values()),
                        sum(copies.values()), sum(ex.ort_packed_bytes() for ex, _ in runners),
                        sum(map(resident_bytes, kv)), sum(t.nbytes for t in kv), arenas + scratch_bytes())
-
-
-def _tensors(value):
-    """The CPU tensors in `value` (tensors, and tuples, lists and dicts of them, named tuples among them)."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu" and value.numel():
-            yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -120,15 +107,16 @@ def _resident(storages: dict[int, int], mappings: list[tuple[int, int]]) -> int:
 
 def expected(plan: dict, model: dict, kv_memory: str | int = "1GiB", block_size: int = 16) -> dict:
     """What a load of a CPU artifact will hold, from its plan.json and its manifest's model section: the
-    weights the plan reads (bytes in the file), of them the 4-bit qlinear weights the native kernels hold
-    repacked instead (their stored pages then leave the RSS; where the kernels are built), the KV cache
+    weights the plan reads (bytes in the file), of them the 4-bit qlinears' zero points the native kernels
+    hold converted (integer ones; codes, scales and offsets they read in place), the KV cache
     a `kv_memory` budget allocates, the activations the memory plan peaks at (held by the heap once a
     step reaches them), and the ONNX Runtime sessions, each of which packs its own copy of the weights
     its MatMulNBits read."""
     types = plan["types"]
     nbytes = {p: _type_bytes(types[p]) for p in plan["params"] if p in types}
+    # the native GEMV reads 4-bit codes in place, and fp16 or fp32 scales and zero points or offsets
     repacked = {p for s in plan["steps"] if s["kernel"] == "cpu.qlinear" and s["attrs"].get("scheme") in NATIVE_4BIT
-                for p in s["inputs"][1:4] if p in nbytes}
+                for p in s["inputs"][2:4] if p in nbytes and types[p]["dtype"] not in ("float16", "float32")}
     per_token = model["kv_bytes_per_token"]
     blocks = num_blocks_for_budget(parse_bytes(kv_memory), per_token, block_size)
     sessions = sum(s["kernel"] == "ort.segment" for s in plan["steps"])

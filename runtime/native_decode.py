@@ -186,9 +186,10 @@ def _qlinear(enc: _Encoder, step, attrs: dict) -> list:
     x = enc.activation(step.inputs[0], k)
     y = enc.output(step.outputs[0], n)
     if type(w) is cpu_native.Q4Weights and w.packed.shape == (n, k // 2):
-        enc.weights += [w.packed, w.params]
-        return [OP_GEMV_Q4, At(x.offset), x.stride, w.packed.data_ptr(), w.params.data_ptr(),
-                int(w.params.dtype is torch.float16), n, k, w.group, y, bias, int(w.zero_point)]
+        enc.weights += [w.packed, w.scales, w.other]
+        return [OP_GEMV_Q4, At(x.offset), x.stride, w.packed.data_ptr(), w.scales.data_ptr(),
+                int(w.scales.dtype is torch.float16), n, k, w.group, y, bias, int(w.zero_point), w.other.data_ptr(),
+                cpu_native.q4_other_row(w)]
     if type(w) is cpu_native.Q8Weights and w.codes.shape == (n, k):
         enc.weights += [w.codes, w.scales]
         return [OP_GEMV_Q8, At(x.offset), x.stride, w.codes.data_ptr(), w.scales.data_ptr(),

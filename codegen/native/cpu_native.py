@@ -50,7 +50,7 @@ SIGNATURES = {
     "llmc_decode_attention_int4": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
     "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
-    "llmc_gemv_q4": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _I],
+    "llmc_gemv_q4": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I],
     "llmc_gemv_f32": [_P, _I, _I, _P, _P, _I, _I, _P, _I],
     "llmc_swiglu": [_P, _I, _I, _I, _P],
     "llmc_decode_program": [_P, _I, _P],
@@ -59,7 +59,6 @@ SIGNATURES = {
     "llmc_gemv_int16_built": [],
     "llmc_gemv_int8": [_I],
     "llmc_gemv_int8_built": [],
-    "llmc_q4_halves": [_P, _P, _I, _I],
 }
 OPENMP = ("-fopenmp",)   # for the GEMV's threads; without it (a compiler lacking OpenMP) that GEMV stays off
 
@@ -460,9 +459,12 @@ def gemv_q8(x: torch.Tensor, w: Q8Weights, out: torch.Tensor | None = None) -> t
 
 
 class Q4Weights(NamedTuple):
-    """A 4-bit GEMV's weights: per group of `group` codes along K, w = (q - z) * s (zero_point) or q * s + m."""
-    packed: torch.Tensor   # uint8 [N, K / 2]: per 32 codes, byte b holds code b (low nibble) and 16 + b (high)
-    params: torch.Tensor   # float16 or float32 [N, K / group, 2]: each group's scale, then zero point or offset
+    """A 4-bit GEMV's weights: per group of `group` codes along K, w = (q - z) * s (zero_point) or q * s + m.
+    All three arrays are the artifact's own where it stores them so (a GGUF's Q4_0 and Q4_1 blocks: fp16
+    scales and minimums), read in place from its mapped file: nothing is copied or reordered at load."""
+    packed: torch.Tensor   # uint8 [N, K / 2] as stored: byte j holds code 2j (low nibble) and 2j + 1 (high)
+    scales: torch.Tensor   # float16 or float32 [N, K / group]
+    other: torch.Tensor    # zero points or offsets, scales' dtype: [N, K / group], or [1, K / group] for all rows
     zero_point: bool
     group: int
 
@@ -470,63 +472,36 @@ class Q4Weights(NamedTuple):
 def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor | float,
                zero_point: bool) -> Q4Weights | None:
     """4-bit codes as stored (uint8 [N, K / 2], two a byte, the even k in the low nibble) with scales and zero
-    points or offsets [N, K / group] (or a number: the same zero point everywhere) in gemv_q4's form, fp16
-    where every value is exactly one (a GGUF's Q4_0 / Q4_1 blocks), else fp32; None where it cannot run them
-    (groups not a multiple of 32 codes)."""
+    points or offsets [N, K / group] (or a number: the same zero point everywhere) in gemv_q4's form: as they
+    are where both are fp16, else fp16 copies where every value is exactly one, else fp32 ones; None where it
+    cannot run them (groups not a multiple of 32 codes)."""
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or scales.numel() == 0 or scales.numel() % qweight.shape[0]:
         return None
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     groups = scales.numel() // n
     if k % groups or (k // groups) % 32:
         return None
-    s = scales.reshape(n, groups)
-    other = second.reshape(n, groups) if isinstance(second, torch.Tensor) else torch.full((n, groups), float(second))
     lib = _load()[0]
     why = _int8_shape_refusal(k, k // groups)
     if why and lib is not None and lib.llmc_gemv_int8(-1) and lib.llmc_gemv_int8_built():
         _warn_once(f"{INT8_ENV}=1: 4-bit weights of K {k}, groups of {k // groups}, stay on int16 activations: "
                    f"{why}")
-    return Q4Weights(_halves(qweight), _q4_params(s, other), zero_point, k // groups)
+    s = scales.reshape(n, groups)
+    other = (second.reshape(n, groups) if isinstance(second, torch.Tensor)
+             else torch.full((1, groups), float(second), dtype=s.dtype if s.is_floating_point() else F32))
+    s, other = _q4_params(s, other)
+    return Q4Weights(qweight.contiguous(), s, other, zero_point, k // groups)
 
 
-NIBBLES_LOW = 0x0F0F0F0F0F0F0F0F   # the low nibble of each byte of an int64 word
-NIBBLES_HIGH = ~NIBBLES_LOW
-
-
-def _halves(qweight: torch.Tensor) -> torch.Tensor:
-    """Stored nibble pairs (byte j: codes 2j and 2j + 1) reordered into gemv_q4's halves (per 32 codes,
-    byte b: codes b and 16 + b). A block's 16 bytes are two int64 words: a (bytes 0-7, codes 0-15) and
-    b (bytes 8-15, codes 16-31); output byte 2i takes the low nibbles of a's and b's byte i, byte 2i + 1
-    their high nibbles. Whole-word arithmetic: 1.7x faster than per byte on strided views."""
-    n, width = qweight.shape
-    stored = qweight.contiguous()
-    lib = _load()[0]
-    if lib is not None and width % 16 == 0:
-        out = torch.empty_like(stored)
-        lib.llmc_q4_halves(stored.data_ptr(), out.data_ptr(), stored.numel(), torch.get_num_threads())
-        return out
-    return _halves_torch(stored)
-
-
-def _halves_torch(stored: torch.Tensor) -> torch.Tensor:
-    """_halves without the native library."""
-    n, width = stored.shape
-    words = (stored if stored.storage_offset() % 8 == 0 else stored.clone()).view(torch.int64).view(n, width // 16, 2)
-    a, b = words[..., 0], words[..., 1]
-    even = (a & NIBBLES_LOW) | ((b & NIBBLES_LOW) << 4)        # codes 2i and 16 + 2i
-    odd = ((a >> 4) & NIBBLES_LOW) | (b & NIBBLES_HIGH)        # codes 2i + 1 and 17 + 2i
-    bytes_of = (lambda w: w.view(torch.uint8).view(n, width // 16, 8))
-    return torch.stack([bytes_of(even), bytes_of(odd)], dim=-1).reshape(n, width)
-
-
-def _q4_params(scales: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """[N, groups, 2] of each group's scale and zero point or offset: fp16 where both are exactly fp16."""
+def _q4_params(scales: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zero points or offsets in one dtype the GEMV reads: fp16 where both are exactly fp16 (as
+    they are, contiguous, where they are stored so), else fp32."""
     if scales.dtype == other.dtype == torch.float16:
-        return torch.stack([scales, other], dim=-1)
-    params = torch.stack([scales.float(), other.float()], dim=-1)
-    half = params.half()
-    exact = bool(torch.isfinite(half).all()) and torch.equal(half.float(), params)
-    return half if exact else params
+        return scales.contiguous(), other.contiguous()
+    s, o = scales.float(), other.float()
+    hs, ho = s.half(), o.half()
+    exact = all(bool(torch.isfinite(h).all()) and torch.equal(h.float(), f) for h, f in ((hs, s), (ho, o)))
+    return (hs, ho) if exact else (s.contiguous(), o.contiguous())
 
 
 def gemv_q4(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -538,9 +513,15 @@ def gemv_q4(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) -> t
         return None
     (rows, k), n = x.shape, w.packed.shape[0]
     y = torch.empty(rows, n, dtype=F32) if out is None else out
-    lib.llmc_gemv_q4(x.data_ptr(), x.stride(0), rows, w.packed.data_ptr(), w.params.data_ptr(),
-                     w.params.dtype is torch.float16, w.zero_point, n, k, w.group, y.data_ptr(), threads)
+    lib.llmc_gemv_q4(x.data_ptr(), x.stride(0), rows, w.packed.data_ptr(), w.scales.data_ptr(), w.other.data_ptr(),
+                     q4_other_row(w), w.scales.dtype is torch.float16, w.zero_point, n, k, w.group, y.data_ptr(),
+                     threads)
     return y
+
+
+def q4_other_row(w: Q4Weights) -> int:
+    """Values between two weight rows' zero points or offsets: 0 where one row serves all."""
+    return 0 if w.other.shape[0] == 1 else w.other.stride(0)
 
 
 def gemv(x: torch.Tensor, w: Q8Weights | Q4Weights, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -603,5 +584,6 @@ def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
            "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations", "set_int8_activations",
            "gemv_runs", "gemm",
-           "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "gemv", "decode_step", "cache_pointers",
+           "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "q4_other_row", "gemv", "decode_step",
+           "cache_pointers",
            "decode_attention", "DecodeStep", "MAX_ROWS", "gemv_f32", "swiglu"]

@@ -16,6 +16,7 @@
 #endif
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "half_params.h"
@@ -23,11 +24,13 @@
 /* gemv_int16.c: the same GEMVs on int16 activations, where the CPU and the shapes allow (1 where done) */
 int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *scales,
                            int64_t f16, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
-int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz,
-                           int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
+int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
+                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
+                           float *y, int64_t threads);
 /* and the 4-bit one on int8 activations, where turned on (llmc_gemv_int8) */
-int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz,
-                          int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
+int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
+                          const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
+                          float *y, int64_t threads);
 
 /* rotate-half rotary of one head: y = x * cos + [-x2, x1] * sin */
 static void rotate_head(const float *x, const float *cos, const float *sin, float *y, int64_t hd) {
@@ -594,8 +597,9 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
 
 /* ---- 4-bit weight-only GEMV on fp32 activations (int4 with zero points, GGUF's Q4_0 / Q4_1) ---- */
 
-/* Codes lie in chunks of 32 (16 bytes): byte b of a chunk holds code b in its low nibble and code 16 + b
- * in its high one, so one widen of VL bytes gives VL consecutive codes of each half. Each group's 16
+/* Codes lie as stored: byte j of a row holds code 2j in its low nibble and 2j + 1 in its high one, so one
+ * widen of VL bytes gives VL even and VL odd codes; the activations are laid out to match, per 32 codes
+ * their 16 even ones then their 16 odd ones (deinterleave, once a call). Each group's 16
  * possible weights are made once, exactly as the reference dequantises them: (q - z) * s with a zero
  * point, q * s + m (one rounding: q * s is exact for GGUF's scales) with an offset. With AVX-512 they
  * are a register that vpermps indexes by each lane's low 4 bits, so a code costs no convert. */
@@ -682,19 +686,39 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *q, const
 
 #define Q4_PREFETCH_ROWS 32
 
+/* x's m rows (`x_stride` floats apart) into out [m, k], each 32 floats' 16 even ones, then their 16 odd ones */
+static void deinterleave(const float *x, int64_t x_stride, int64_t m, int64_t k, float *out) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < k; c += 32)
+            for (int64_t i = 0; i < 16; i++) {
+                out[r * k + c + i] = x[r * x_stride + c + 2 * i];
+                out[r * k + c + 16 + i] = x[r * x_stride + c + 2 * i + 1];
+            }
+}
+
 /* y[r, j] = sum_i w[j, i] x[r, i] for the m <= MAX_ROWS rows of x (`x_stride` floats apart), w from 4-bit
- * codes q [n, k / 2] in the chunk order above and per group of `group` codes (a multiple of 32 dividing
- * k) a scale and a zero point (zp: w = (q - z) * s) or offset (w = q * s + m), interleaved [n, k / group, 2]
- * (fp16 when f16, else fp32); y [m, n] contiguous. Weight rows split over `threads` as llmc_gemv_q8's. */
-void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz_, int64_t f16,
-                  int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
-    if (llmc_gemv_q4_int8(x, x_stride, m, q, sz_, f16, zp, n, k, group, y, threads)) return;
-    if (llmc_gemv_q4_int16(x, x_stride, m, q, sz_, f16, zp, n, k, group, y, threads)) return;
+ * codes q [n, k / 2] as stored (two a byte, the even one low) and per group of `group` codes (a multiple
+ * of 32 dividing k) a scale s [n, k / group] and a zero point (zp: w = (q - z) * s) or offset (w = q * s +
+ * m) o, `o_row` values a row apart (0: one row for all), both fp16 when f16, else fp32; y [m, n]
+ * contiguous. Weight rows split over `threads` as llmc_gemv_q8's. */
+void llmc_gemv_q4(const float *x_, int64_t x_stride, int64_t m, const uint8_t *q, const void *s, const void *o,
+                  int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y,
+                  int64_t threads) {
+    if (llmc_gemv_q4_int8(x_, x_stride, m, q, s, o, o_row, f16, zp, n, k, group, y, threads)) return;
+    if (llmc_gemv_q4_int16(x_, x_stride, m, q, s, o, o_row, f16, zp, n, k, group, y, threads)) return;
+    float *x = malloc(m * k * sizeof(float));
+    if (!x) {   /* out of memory for a few rows of activations: nan outputs, never stale ones */
+        for (int64_t i = 0; i < m * n; i++) y[i] = NAN;
+        return;
+    }
+    deinterleave(x_, x_stride, m, k, x);
+    x_stride = k;
     int64_t groups = k / group;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < n; j++) {
-        float buf[2 * groups + VL];
-        const float *sz = row_params(sz_, f16, 2 * j * groups, 2 * groups, buf);
+        float buf[2 * groups + 32];
+        q4_row_pairs(s, o, o_row, f16, j, groups, buf);
+        const float *sz = buf;
         if (j + Q4_PREFETCH_ROWS < n)
             for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(q + (j + Q4_PREFETCH_ROWS) * (k / 2) + c, 0, 2);
         const uint8_t *row = q + j * (k / 2);
@@ -712,7 +736,7 @@ void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q,
 #undef ROWS
 #undef FEW
 #undef DOT
-    }
+    }    free(x);
 }
 
 /* ---- fp32 GEMV and SwiGLU, for the native decode program (decode_program.c) ---- */
@@ -769,19 +793,4 @@ int64_t llmc_openmp(void) {
 #else
     return 0;
 #endif
-}
-
-/* 4-bit codes as stored (byte j of each 16: codes 2j and 2j + 1, the even one low) into the GEMVs' halves
- * order (byte b: codes b and 16 + b), `bytes` of them (a multiple of 16), over `threads` threads: one pass
- * at memory speed, where torch's word arithmetic makes eight over temporaries (a load's longest part) */
-void llmc_q4_halves(const uint8_t *src, uint8_t *dst, int64_t bytes, int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < bytes / 16; c++) {
-        const uint8_t *s = src + 16 * c;
-        uint8_t *d = dst + 16 * c;
-        for (int b = 0; b < 16; b++) {
-            int lo = (s[b >> 1] >> (4 * (b & 1))) & 15, hi = (s[8 + (b >> 1)] >> (4 * (b & 1))) & 15;
-            d[b] = (uint8_t)(lo | hi << 4);
-        }
-    }
 }

@@ -75,9 +75,22 @@ int64_t llmc_gemv_int8_built(void) {
  * they line up with the weights' interleaved (scale, zero point or offset) pairs. */
 struct act16 { int16_t *codes; float *scale; float *sums; };
 
-/* Where a block's 64 codes go: in order for the int8 GEMV; for the 4-bit one in the order one widen of
- * two 32-code chunks unpacks them (low nibbles: codes 0-15 of each chunk, high: 16-31). */
-static const int CHUNK_AT[2][4] = {{0, 16, 32, 48}, {0, 32, 16, 48}};
+/* The even and the odd lanes of two vectors of 16 (a, b): lanes 0-7 from a, 8-15 from b. The 4-bit codes
+ * lie as stored (byte j: codes 2j low, 2j + 1 high), so one widen of weight bytes unpacks the even codes
+ * (low nibbles) and the odd ones (high): the activations they multiply are laid out evens, then odds. */
+static inline __m512 evens(__m512 a, __m512 b) {
+    return _mm512_permutex2var_ps(a, _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), b);
+}
+static inline __m512 odds(__m512 a, __m512 b) {
+    return _mm512_permutex2var_ps(a, _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1), b);
+}
+
+/* a block's 64 activations in the order its weights unpack: in order for the int8 GEMV; for the 4-bit
+ * one its 32 even codes, then its 32 odd ones (the low and high nibbles of the block's 32 weight bytes) */
+static inline void nibble_order(__m512 v[4]) {
+    __m512 e0 = evens(v[0], v[1]), e1 = evens(v[2], v[3]), o0 = odds(v[0], v[1]), o1 = odds(v[2], v[3]);
+    v[0] = e0, v[1] = e1, v[2] = o0, v[3] = o1;
+}
 
 /* a block of 64 activations loaded into v, its largest magnitude returned; *bad flags inf or nan lanes */
 static inline float block_top(const float *x, __m512 v[4], __mmask16 *bad) {
@@ -102,9 +115,10 @@ static void quantise_row(const float *x, int64_t k, int64_t group, int nibbles, 
         scale[b] = bad ? NAN : amax / 32767.f;   /* a non-finite activation makes every output nan */
         __m512 inv = _mm512_set1_ps(bad || amax == 0.f ? 0.f : 32767.f / amax);
         int tiny = !bad && amax > 0.f && amax < 1e-30f;   /* near where 32767 / amax overflows: divide */
+        if (nibbles) nibble_order(v);
         for (int u = 0; u < 4; u++) {
             __m512 c = tiny ? _mm512_div_ps(v[u], _mm512_set1_ps(scale[b])) : _mm512_mul_ps(v[u], inv);
-            _mm256_storeu_si256((__m256i *)(codes + b * BLOCK + CHUNK_AT[nibbles][u]),
+            _mm256_storeu_si256((__m256i *)(codes + b * BLOCK + 16 * u),
                                 _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(c)));
         }
     }
@@ -146,9 +160,10 @@ static inline __m512 block_scale(const struct act16 *a, int64_t r, int64_t block
     return _mm512_mul_ps(s, _mm512_set1_ps(a->scale[r * blocks + b]));
 }
 
-/* one block of 64 4-bit codes (two chunks) against M rows' codes: acc[r] += its scaled dot. The groups'
- * scales come from sz (interleaved with zero points or offsets): for groups of 32 the block's lanes 0-7
- * are its first chunk's and 8-15 its second's, so each half takes its own. */
+/* one block of 64 4-bit codes (32 bytes) against M rows' codes: acc[r] += its scaled dot. Lane l sums
+ * bytes 2l and 2l + 1, codes 4l..4l + 3. The groups' scales come from sz (interleaved with zero points or
+ * offsets): for groups of 32 the block's lanes 0-7 are its first group's and 8-15 its second's, so each
+ * half takes its own. */
 static inline __attribute__((always_inline)) void block_q4(const uint8_t *q, const struct act16 *a, int64_t k,
                                                            const int64_t M, const float *sz, const int64_t G,
                                                            int64_t b, __m512 *acc) {
@@ -241,15 +256,15 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
     for (int64_t r = 0; r < M; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(f[r], h[r]));
 }
 
-/* The weight rows j < n split over the threads: each row's PER_ROW parameters as fp32 into p, its codes
- * (ROW_BYTES a row) at `row`, the rows AHEAD on fetched into L2, then DISPATCH. A macro, not a function
- * taking the GEMV's kind, so that each GEMV's loop is compiled with its own constants: one loop for both,
- * branching per row, measured 5% slower per code in cache. */
-#define WEIGHT_ROWS(PER_ROW, ROW_BYTES, AHEAD, DISPATCH) \
+/* The weight rows j < n split over the threads: each row's PER_ROW parameters as fp32 into p (PARAMS),
+ * its codes (ROW_BYTES a row) at `row`, the rows AHEAD on fetched into L2, then DISPATCH. A macro, not a
+ * function taking the GEMV's kind, so that each GEMV's loop is compiled with its own constants: one loop
+ * for both, branching per row, measured 5% slower per code in cache. */
+#define WEIGHT_ROWS(PER_ROW, PARAMS, ROW_BYTES, AHEAD, DISPATCH) \
     _Pragma("omp parallel for schedule(static) num_threads(threads)") \
     for (int64_t j = 0; j < n; j++) { \
-        float buf[(PER_ROW) + 16]; \
-        const float *p = params_f32(params, f16, j * (PER_ROW), PER_ROW, buf); \
+        float buf[(PER_ROW) + 32]; \
+        const float *p = PARAMS; \
         if ((AHEAD) && j + (AHEAD) < n) \
             for (int64_t c = 0; c < (ROW_BYTES); c += 64) __builtin_prefetch(q + (j + (AHEAD)) * (ROW_BYTES) + c, 0, 2); \
         const void *row = q + j * (ROW_BYTES); \
@@ -261,8 +276,9 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
 
 /* llmc_gemv_q4's and llmc_gemv_q8's work on int16 activations: 1 where done, 0 where the shapes do not fit
  * (K not a multiple of 64, groups neither 32 codes nor a multiple of 64) or it is turned off */
-int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *params,
-                           int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
+                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
+                           float *y, int64_t threads) {
     struct act16 a;
     if (!fits(m, k, group) || !quantise(x, x_stride, m, k, group, 1, &a))
         return 0;
@@ -270,7 +286,8 @@ int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const ui
 #define Q4_CASE(M) case M: switch (group) { \
             case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
             default: Q4(M, group); } break;
-    WEIGHT_ROWS(2 * (k / group), k / 2, Q4_PREFETCH_ROWS, BY_ROWS(Q4_CASE))
+    WEIGHT_ROWS(2 * (k / group), (q4_row_pairs(s, o, o_row, f16, j, k / group, buf), buf), k / 2, Q4_PREFETCH_ROWS,
+                BY_ROWS(Q4_CASE))
 #undef Q4_CASE
 #undef Q4
     free(a.scale);
@@ -285,7 +302,8 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
 #define Q8(M, G) row_q8(row, &a, k, M, p, G, y + j, n)
 #define Q8_CASE(M) case M: switch (group) { \
             case 32: Q8(M, 32); break; case 64: Q8(M, 64); break; default: Q8(M, group); } break;
-    WEIGHT_ROWS(k / group, k, Q8_PREFETCH_ROWS, BY_ROWS(Q8_CASE))
+    WEIGHT_ROWS(k / group, params_f32(params, f16, j * (k / group), k / group, buf), k, Q8_PREFETCH_ROWS,
+                BY_ROWS(Q8_CASE))
 #undef Q8_CASE
 #undef Q8
     free(a.scale);
@@ -305,8 +323,8 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
  * buffers (16.6 GB/s with them). */
 
 /* a call's activations: row r's int8 codes at codes + r * k, in the order a 64-byte load of weights
- * unpacks them (per 128 codes: 64 low-nibble partners, then 64 high-nibble ones); block scales at
- * scale + r * (k / 64); group sums as struct act16's */
+ * unpacks them (per 128 codes: the 64 even ones, partners of the low nibbles, then the 64 odd ones);
+ * block scales at scale + r * (k / 64); group sums as struct act16's */
 struct act8 { int8_t *codes; float *scale; float *sums; };
 
 static void quantise_row8(const float *x, int64_t k, int64_t group, int8_t *codes, float *scale, float *sums) {
@@ -317,11 +335,12 @@ static void quantise_row8(const float *x, int64_t k, int64_t group, int8_t *code
         scale[b] = bad ? NAN : amax / 127.f;
         __m512 inv = _mm512_set1_ps(bad || amax == 0.f ? 0.f : 127.f / amax);
         int tiny = !bad && amax > 0.f && amax < 1e-30f;
-        /* block b's 16-code piece u (codes 16u..16u+15) = chunk u / 2's low (u even) or high nibbles */
+        /* block b's 32 even codes go to its pair's evens (the first or second 32 of them), its odd to the odds */
         int8_t *pair = codes + (b / 2) * 128 + (b % 2) * 32;
+        nibble_order(v);
         for (int u = 0; u < 4; u++) {
             __m512 c = tiny ? _mm512_div_ps(v[u], _mm512_set1_ps(scale[b])) : _mm512_mul_ps(v[u], inv);
-            _mm_storeu_si128((__m128i *)(pair + (u % 2) * 64 + (u / 2) * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
+            _mm_storeu_si128((__m128i *)(pair + (u / 2) * 64 + (u % 2) * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
         }
     }
     for (int64_t g = 0; g < k / group; g++) {
@@ -343,8 +362,8 @@ static int quantise8(const float *x, int64_t xs, int64_t m, int64_t k, int64_t g
     return 1;
 }
 
-/* 128 codes (64 bytes: blocks 2p and 2p + 1) against M rows: dpbusd lane l sums bytes 4l..4l+3, which are
- * block 2p + l / 8's chunk (l % 8) / 4; so groups of 32 scale lanes in fours, of 64 in eights */
+/* 128 codes (64 bytes: blocks 2p and 2p + 1) against M rows: dpbusd lane l sums bytes 4l..4l+3, codes
+ * 8l..8l + 7 of block 2p + l / 8; so groups of 32 scale lanes in fours, of 64 in eights */
 static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, const struct act8 *a, int64_t k,
                                                           const int64_t M, const float *sz, const int64_t G,
                                                           int64_t p, __m512 *acc) {
@@ -387,8 +406,9 @@ static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, con
 
 /* llmc_gemv_q4's work on int8 activations where turned on (llmc_gemv_int8) and the shapes fit (K a
  * multiple of 128; groups of 32, 64 or a multiple of 128): 1 where done, else 0 */
-int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *params,
-                          int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
+                          const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
+                          float *y, int64_t threads) {
     struct act8 a;
     if (!int8_q4 || !fits(m, k, group) || k % 128 || !(group == 32 || group == 64 || group % 128 == 0) ||
         !quantise8(x, x_stride, m, k, group, &a))
@@ -397,28 +417,32 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
 #define Q4_CASE(M) case M: switch (group) { \
             case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
             default: Q4(M, group); } break;
-    WEIGHT_ROWS(2 * (k / group), k / 2, 0, BY_ROWS(Q4_CASE))
+    WEIGHT_ROWS(2 * (k / group), (q4_row_pairs(s, o, o_row, f16, j, k / group, buf), buf), k / 2, 0,
+                BY_ROWS(Q4_CASE))
 #undef Q4_CASE
 #undef Q4
     free(a.scale);
     return 1;
 }
 #else
-int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *params,
-                          int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
+                          const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
+                          float *y, int64_t threads) {
     return 0;
 }
 #endif
 
 #else   /* no AVX-512 BW: the fp32-activation loops do all the work */
 
-int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz_,
-                          int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
+                          const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
+                          float *y, int64_t threads) {
     return 0;
 }
 
-int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *sz_,
-                           int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
+                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
+                           float *y, int64_t threads) {
     return 0;
 }
 

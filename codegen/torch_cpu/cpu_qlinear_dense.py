@@ -49,7 +49,6 @@ class DenseSource(NamedTuple):
     act_scale: torch.Tensor | None  # fp8: the static activation scale
     out_features: int
     in_features: int
-    halves: bool = False            # nibbles in the native GEMV's order (cpu_native.Q4Weights), not as stored
 
     def rows(self, start: int, end: int) -> DenseSource:
         """Output rows start..end of the weight (views)."""
@@ -81,13 +80,14 @@ def _widenable(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t.float()
 
 
-def halves_source(scheme: str, w) -> DenseSource:
-    """The dense source of a 4-bit weight held in the native GEMV's form only (cpu_native.Q4Weights):
-    its zero points or offsets are the params' second column, its codes the reordered nibbles."""
+def q4_source(scheme: str, w) -> DenseSource:
+    """The dense source of a 4-bit weight held in the native GEMV's form only (cpu_native.Q4Weights): its
+    codes as stored, its zero points or offsets its `other` (one row of them broadcast where all rows share
+    it)."""
     n, k = w.packed.shape[0], 2 * w.packed.shape[1]
-    scales, second = w.params[..., 0], w.params[..., 1]
+    second = w.other.expand(n, -1)
     zeros, mins = (second, None) if w.zero_point else (None, second)
-    return DenseSource("int4" if w.zero_point else scheme, w.packed, scales, zeros, mins, None, n, k, True)
+    return DenseSource("int4" if w.zero_point else scheme, w.packed, w.scales, zeros, mins, None, n, k)
 
 
 _scratch = threading.local()
@@ -118,12 +118,7 @@ def dequantize_into(src: DenseSource, out: torch.Tensor) -> torch.Tensor:
     """The weight src stands for, written into `out` [N, K]; the same fp32 operations, in the same
     order, as compiler.quant.dequantize_weight, so bit-identical to it."""
     n, k = src.out_features, src.in_features
-    if src.halves:
-        halves = out.view(n, k // 32, 2, 16)
-        blocks = src.codes.view(n, k // 32, 16)
-        halves[:, :, 0].copy_(blocks & 0x0F)
-        halves[:, :, 1].copy_(blocks >> 4)
-    elif SCHEMES[src.scheme].packed:
+    if SCHEMES[src.scheme].packed:
         pairs = out.view(n, k // 2, 2)
         pairs[..., 0].copy_(src.codes & 0x0F)
         pairs[..., 1].copy_(src.codes >> 4)
@@ -279,6 +274,6 @@ def measure_shape(packed_run, src: DenseSource, repeats: int = 5, rows: tuple[in
             "dense_from": dense_from}
 
 
-__all__ = ["DenseSource", "DispatchedWeights", "dense_source", "halves_source", "scratch_bytes", "dequantize_into",
+__all__ = ["DenseSource", "DispatchedWeights", "dense_source", "q4_source", "scratch_bytes", "dequantize_into",
            "run_dense", "run_dense_rows", "rows_of", "shape_key", "choose_dense_from", "recorded", "measure_shape",
            "MEASURED", "DENSE_FROM_ENV", "DISPATCH_META", "PROBE_ROWS", "NEVER_DENSE"]

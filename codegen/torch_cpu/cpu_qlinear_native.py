@@ -1,11 +1,12 @@
 """qlinear held in the native GEMV's form alone (codegen/native/cpu_native.py) wherever that form exists and the
-GEMVs run: a 4-bit weight is reordered once at load into the GEMV's nibble order and that one copy serves
-every row count (decode rows, then MAX_ROWS rows a call below the dense switch, then the dense GEMM
-dequantising from it); GGUF's 5- to 8-bit blocks without minimums (affine8) are read as stored. Before,
-a 4-bit weight was held three times (stored, the GEMV's, torch's int4 pack) and affine8 dequantised whole
-to fp32 (4x its bytes). torch's int4 pack was no faster from 8 to 128 rows on Llama-1B's projections
-(2048x2048 and 16384x2048, 2 threads, AVX-512): 0.47/0.79/3.1/6.5 ms against the chunked GEMV's
-0.42/0.73/3.1/6.1 at 8/16/64/128 rows."""
+GEMVs run: a 4-bit weight's codes, scales and zero points or offsets are read where they lie (mapped from
+the artifact, as stored), and that one form serves every row count (decode rows, then MAX_ROWS rows a call
+below the dense switch, then the dense GEMM dequantising from it); GGUF's 5- to 8-bit blocks without
+minimums (affine8) are read as stored. Before, a 4-bit weight was held three times (stored, the GEMV's,
+torch's int4 pack) and affine8 dequantised whole to fp32 (4x its bytes); until 2026-12-07 the GEMV's copy
+was a nibble reorder made at load, whose fresh pages cost most of a 3B model's load. torch's int4 pack was
+no faster from 8 to 128 rows on Llama-1B's projections (2048x2048 and 16384x2048, 2 threads, AVX-512):
+0.47/0.79/3.1/6.5 ms against the chunked GEMV's 0.42/0.73/3.1/6.1 at 8/16/64/128 rows."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from llmc.codegen.native import cpu_native
-from llmc.codegen.torch_cpu.cpu_qlinear_dense import DenseSource, dense_source, halves_source, run_dense
+from llmc.codegen.torch_cpu.cpu_qlinear_dense import DenseSource, dense_source, q4_source, run_dense
 from llmc.compiler.quant import AFFINE4_CENTRE
 
 
@@ -49,7 +50,7 @@ def native_gemm(scheme: str, qweight, scales, zeros, native) -> NativeGemm | Non
     if native is None or not cpu_native.gemv_runs():
         return None
     if type(native) is cpu_native.Q4Weights:
-        return NativeGemm(native, halves_source(scheme, native))
+        return NativeGemm(native, q4_source(scheme, native))
     return NativeGemm(native, dense_source(scheme, qweight, scales, zeros, None)) if scheme == "affine8" else None
 
 

@@ -399,7 +399,7 @@ def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads, i
 
     g = torch.Generator().manual_seed(n + group)
     codes, scales, second, w = _random_q4(g, n, k, group, zero_point, half)
-    assert w.params.dtype == (torch.float16 if half else torch.float32)
+    assert w.scales.dtype == w.other.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(rows, k + 5, generator=g)[:, 2:2 + k]
     y = _with_int16(int16, lambda: _on_threads(threads, lambda: cpu_native.gemv_q4(x, w)))
     dense = (dequantize_int4_codes if zero_point else dequantize_affine_codes)(codes, scales, second).double()
@@ -508,18 +508,23 @@ def test_gemv_q4_refuses_what_it_cannot_run():
     assert cpu_native.gemv_q4(torch.randn(2, 64, dtype=torch.float64), w) is None
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_the_native_halves_repack_equals_the_word_arithmetic(threads):
-    """Stored nibble pairs into the GEMVs' halves order: the C pass and torch's word arithmetic agree on
-    every byte, and both put codes b and 16 + b of each 32 into byte b."""
-    codes = torch.randint(0, 16, (96, 256), dtype=torch.uint8)
-    stored = pack_int4(codes)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        native = cpu_native._halves(stored)
-    finally:
-        torch.set_num_threads(old)
-    assert torch.equal(native, cpu_native._halves_torch(stored))
-    blocks = codes.reshape(96, -1, 32)
-    assert torch.equal(native.reshape(96, -1, 16), blocks[..., :16] | (blocks[..., 16:] << 4))
+def test_q4_weights_read_gguf_blocks_in_place_and_share_a_constant_zero_point():
+    """A GGUF's Q4_1 blocks (codes, fp16 scales and minimums) become the GEMV's weights without a copy: the
+    same memory; a Q4_0 weight's one zero point is one row all rows read (row stride 0), and its GEMV
+    equals the reference over the stored codes."""
+    from llmc.compiler.quant import dequantize_int4_codes
+
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 16, (40, 256), dtype=torch.uint8, generator=g)
+    stored, scales = pack_int4(codes), (torch.rand(40, 8, generator=g) / 8).half()
+    mins = (-torch.rand(40, 8, generator=g)).half()
+    w = cpu_native.q4_weights(stored, scales, mins, zero_point=False)
+    assert (w.packed.data_ptr(), w.scales.data_ptr(), w.other.data_ptr()) == (
+        stored.data_ptr(), scales.data_ptr(), mins.data_ptr())
+    q4_0 = cpu_native.q4_weights(stored, scales, 8, zero_point=True)
+    assert q4_0.other.shape == (1, 8) and cpu_native.q4_other_row(q4_0) == 0
+    x = torch.randn(3, 256, generator=g)
+    want = x.double() @ dequantize_int4_codes(codes, scales.float(), torch.full((40, 8), 8.0)).double().T
+    for int16 in (True, False):
+        y = _with_int16(int16, lambda: cpu_native.gemv_q4(x, q4_0))   # int16 codes err by 2^-16 of a block's top
+        assert ((y.double() - want).abs().max() / want.abs().max()) < 1e-4

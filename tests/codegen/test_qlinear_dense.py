@@ -12,8 +12,8 @@ from llmc.codegen.torch_cpu.cpu_kernels import prepare_qlinear, qlinear
 from llmc.codegen.torch_cpu.cpu_qlinear_dense import (
     DispatchedWeights,
     dense_source,
-    halves_source,
     measure_shape,
+    q4_source,
     run_dense,
 )
 from llmc.compiler.ops import qlinear_ref
@@ -75,14 +75,15 @@ def test_a_weight_over_the_block_budget_is_multiplied_a_block_of_rows_at_a_time(
 
 @pytest.mark.parametrize("scheme", ["int4", "affine4", "affine4-q4_0"])
 def test_dense_path_from_the_native_form_is_the_reference_bit_for_bit(scheme):
-    """A 4-bit weight held only in the native GEMV's nibble order dequantises to the reference's weight."""
+    """A 4-bit weight held only in the native GEMV's form (a shared zero point as one row) dequantises to
+    the reference's weight."""
     params, attrs = stored(scheme, 48, 128, seed=len(scheme) + 7)
     qweight, scales, zeros, _ = params
     second, zero_point = (zeros, True) if scheme == "int4" else (8, True) if zeros is None else (zeros, False)
     native = cpu_native.q4_weights(qweight, scales, second, zero_point)
     x = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(2))
     want = qlinear_ref(*inputs_of(params, attrs, x), **attrs)[0]
-    assert torch.equal(run_dense(x, halves_source(attrs["scheme"], native)), want)
+    assert torch.equal(run_dense(x, q4_source(attrs["scheme"], native)), want)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "affine4", "w8a8"])

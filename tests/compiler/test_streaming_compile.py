@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import llmc
-from llmc.compiler import pipeline
+from llmc.compiler import pipeline, weights_file
 from llmc.compiler.frontends import load_model
 from llmc.compiler.weight_store import LazyTensor, WeightStore
 from llmc.compiler.weights_file import map_weights_file, write_weights_file
@@ -53,6 +53,28 @@ def test_weights_file_is_safetensors_with_aligned_data_and_maps_back(tmp_path):
     assert set(mapped) == set(loaded)
     for name, tensor in loaded.items():
         assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
+
+
+def test_the_weights_file_is_written_in_whole_aligned_spans(tmp_path, monkeypatch):
+    """Every write but the last covers whole WRITE_SPAN-aligned spans (so the page cache holds the file as
+    huge folios), and the bytes are those written."""
+    monkeypatch.setattr(weights_file, "WRITE_SPAN", 64)
+    writes, out = [], bytearray()
+
+    class Recorder:
+        def write(self, data):
+            writes.append((len(out), len(data)))
+            out.extend(bytes(data))
+
+    g = torch.Generator().manual_seed(3)
+    pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+              for n in (5, 64, 1, 200, 63, 0, 129, 700, 2)]
+    writer = weights_file.AlignedWriter(Recorder())
+    for piece in pieces:
+        writer.write(piece)
+    writer.close()
+    assert bytes(out) == b"".join(pieces)
+    assert all(at % 64 == 0 for at, _ in writes) and all(n % 64 == 0 for _, n in writes[:-1]), writes
 
 
 def test_a_lazy_weight_is_made_on_each_read_and_checked_against_its_declared_type():
