@@ -49,6 +49,8 @@ def run_http(url: str, model: str, requests: list[dict], api_key: str | None = N
         report["kv_transfer"] = {"requests": int(moved["seconds", "count"]),
                                  "bytes": histogram_percentiles(moved, "bytes"),
                                  "ms": histogram_percentiles(moved, "seconds", 1e3)}
+        if moved.get(("hold_seconds", "count")):
+            report["kv_transfer"]["hold_ms"] = histogram_percentiles(moved, "hold_seconds", 1e3)
     classes = sorted({r["class"] for r in requests if "class" in r})
     if classes:   # a mixed workload: each class's latencies apart (long prompts stall short requests' decode)
         report["classes"] = {c: {"requests": sum(r.get("class") == c for r in requests),
@@ -76,7 +78,8 @@ def kv_transfers(url: str, api_key: str | None) -> dict:
     return found
 
 
-_KV_HISTOGRAMS = {"llmc:kv_transfer_seconds": "seconds", "llmc:kv_transfer_request_bytes": "bytes"}
+_KV_HISTOGRAMS = {"llmc:kv_transfer_seconds": "seconds", "llmc:kv_transfer_request_bytes": "bytes",
+                  "llmc:kv_transfer_hold_seconds": "hold_seconds"}
 
 
 def histogram_percentiles(moved: dict, name: str, scale: float = 1.0) -> dict[str, float]:
@@ -159,6 +162,9 @@ def format_http_bench(r: dict) -> str:
                   f"server's histogram buckets)",
                   f"  MiB             {percentile_cells(mib, '8.2f')}  mean {mib['mean']:.2f}",
                   f"  ms              {percentile_cells(t['ms'])}  mean {t['ms']['mean']:.1f}"]
+        if "hold_ms" in t:
+            lines.append(f"  of which hold   {percentile_cells(t['hold_ms'])}  mean {t['hold_ms']['mean']:.1f}  "
+                         f"(ms waiting for the decode engine's prefix-cache answer)")
     for name, c in r.get("classes", {}).items():
         lines += [f"{name} ({c['requests']} requests)",
                   f"  TTFT ms         {percentile_cells(c['ttft_ms'])}",

@@ -340,22 +340,34 @@ def stop_ranks(procs: list[subprocess.Popen]) -> None:
 
 
 def test_torchrun_ranks_serve_and_an_engine_that_hangs_or_exits_ends_its_requests_with_an_error(compiled, offline):
+    """Under torchrun the router cannot kill a hung engine: the prefill engine drops the KV it holds for it."""
     served, procs = start_ranks(compiled, "prefill:1,decode:2", 4)
     try:
-        reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-        expected = offline.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
-        assert reply.choices[0].text == expected
+        shared = prompt_ids(100, 3)
+        reply = served.client.completions.create(model="tiny", prompt=shared, max_tokens=12, temperature=0)
+        expected = offline.generate({"prompt_token_ids": shared}, SamplingParams(max_tokens=12, temperature=0))
+        assert reply.choices[0].text == expected[0].outputs[0].text   # decode-0 (both idle) holds its prefix now
 
         stream = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=480, stream=True,
                                                   extra_body={"ignore_eos": True})
         next(iter(stream))
         procs[2].send_signal(signal.SIGSTOP)   # with both idle, the router picked the first decode engine
         started = time.monotonic()
-        with pytest.raises(openai.APIError, match=f"sent nothing for {HUNG_S} s"):
-            for _ in stream:
-                pass
+        with ThreadPoolExecutor(2) as pool:   # by prefix affinity to decode-0 too: their KV waits for it
+            stuck = [pool.submit(served.client.completions.create, model="tiny", prompt=shared, max_tokens=5)
+                     for _ in range(2)]
+            with pytest.raises(openai.APIError, match=f"sent nothing for {HUNG_S} s"):
+                for _ in stream:
+                    pass
+            for job in stuck:
+                with pytest.raises(openai.InternalServerError, match="decode-0 \\(rank 2\\) sent nothing"):
+                    job.result()
         assert time.monotonic() - started < HUNG_S + 5
         assert served.metric("llmc:engine_up", engine="decode-0") == 0
+        wait_for(lambda: served.metric("llmc:kv_transfer_dropped_total") >= 1, "the prefill engine's drop")
+        assert served.metric("llmc:engine_kv_unsent_bytes", engine="prefill-0") == 0
+        assert served.metric("llmc:engine_kv_free_blocks", engine="prefill-0") == served.metric(
+            "llmc:engine_kv_blocks", engine="prefill-0") > 0
         reply = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5,   # on the other one
                                                  extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 5 and httpx.get(f"{served.url}/health").status_code == 200

@@ -12,7 +12,14 @@ tokens, its output or error), "handoff" (prefill: a request left for its decode 
 (decode: a handoff's KV arrived, its bytes and seconds), "aborted" (dropped on the router's word),
 "source_gone" (decode: a prefill engine's connection failed), "stats" (its blocks and counters, twice
 a second while it steps) and "alive" (a heartbeat when it has said nothing for HEARTBEAT_S, from its
-sender thread, so a long step is not taken for a hang). It exits when the router is gone."""
+sender thread, so a long step is not taken for a hang). It exits when the router is gone.
+
+An engine the router declares gone ("engine_gone": it exited, or hung; under torchrun the router cannot
+kill a hung one, so its connections stay open and a wait on it never ends) is done with: a prefill
+engine drops the packed KV it still holds for it (queued, or waiting for its answer), a decode engine
+releases the prefix blocks it held for handoffs from it whose KV had not come; the router has ended
+those requests already. A handoff whose KV is being written to a hung engine stays referenced by that
+send until the process ends (torch.distributed cannot cancel it)."""
 
 from __future__ import annotations
 
@@ -72,7 +79,13 @@ class EngineWorker(AsyncEngine):
         self._held: dict[str, Sequence] = {}      # decode: a handoff's blocks found in this prefix cache
         self._skipped: dict[str, int] = {}        # decode: how many of them its KV left out
         self._recent: OrderedDict[str, None] = OrderedDict()
+        self._held_from: dict[str, int] = {}      # decode: the prefill engine each held handoff comes from
         self._outboxes = {d: queue.SimpleQueue() for d in roles.decode_ranks} if self.role == "prefill" else {}
+        # prefill: each handed-off request's decode engine and its packed KV ([kv] until sent or dropped)
+        self._unsent: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self._unsent_lock = threading.Lock()
+        self._gone: set[int] = set()              # engines the router declared gone
+        self._dropped = 0                         # prefill: handoffs dropped for them
         self._last_stats = 0.0
 
     def serve(self) -> None:
@@ -110,14 +123,15 @@ class EngineWorker(AsyncEngine):
                 handoff = self.channel.recv(src)
                 started = time.perf_counter()
                 held = queue.SimpleQueue()
-                self._inbox.put({"op": "hold", "handoff": handoff, "held": held})
+                self._inbox.put({"op": "hold", "handoff": handoff, "held": held, "source": src})
                 self._wake.set()
                 skipped = held.get()
+                hold_seconds = time.perf_counter() - started   # the engine thread's answer: up to a step
                 self.channel.send(src, skipped)
                 shape = (*handoff.kv_shape[:2], handoff.kv_shape[2] - skipped, *handoff.kv_shape[3:])
                 kv = recv_kv(src, shape, self.engine.device, self.kv_group)
-                self._inbox.put({"op": "kv", "handoff": handoff, "kv": kv, "skipped": skipped,
-                                 "seconds": time.perf_counter() - started})
+                self._inbox.put({"op": "kv", "handoff": handoff, "kv": kv, "skipped": skipped, "source": src,
+                                 "seconds": time.perf_counter() - started, "hold_seconds": hold_seconds})
                 self._wake.set()
                 handoff = None
         except RuntimeError as e:   # that engine is gone: what it had not sent in full will not come
@@ -128,19 +142,28 @@ class EngineWorker(AsyncEngine):
 
     def _send_kv(self, dst: int, outbox: queue.SimpleQueue) -> None:
         """Prefill: the handoffs for decode engine `dst`, one after another: the notice, its answer (how
-        many leading blocks it holds), the KV of the other blocks."""
+        many leading blocks it holds), the KV of the other blocks. The KV stays in its box (not in this
+        frame) until the answer comes, so that _on_engine_gone can drop it while this thread waits."""
         gone = False
         while True:
-            handoff, kv = outbox.get()
-            if gone:
-                continue   # the router ends these requests: it saw that engine go too
+            handoff, box = outbox.get()
             try:
+                if gone or dst in self._gone:
+                    continue   # the router ends these requests: it saw that engine go too
                 self.channel.send(dst, handoff)
                 skipped = self.channel.recv(dst)   # leading blocks its prefix cache holds
-                send_kv(dst, kv[:, :, skipped:], self.kv_group)
+                with self._unsent_lock:
+                    kv = box.pop() if box else None
+                if kv is not None:   # else dropped while waiting: the router declared `dst` gone
+                    send_kv(dst, kv[:, :, skipped:], self.kv_group)
+                    del kv
             except RuntimeError as e:
                 gone = True
                 log(f"{self.roles.name(self.rank)}: {self.roles.name(dst)} is gone ({first_line(e)})")
+            finally:
+                with self._unsent_lock:
+                    self._unsent.pop(handoff.request_id, None)
+                    box.clear()   # dropped: nothing refers to its KV while this thread waits for the next
 
     # -- the engine thread -------------------------------------------------------------------
     def send_update(self, request_id: str, update: Update) -> None:
@@ -174,7 +197,7 @@ class EngineWorker(AsyncEngine):
                     self.channel.send(ROUTER, batch)
             except RuntimeError:   # the router is gone: nothing is left to serve
                 os._exit(1)
-            if item is not None:   # (decode rank, handoff, kv)
+            if item is not None:   # (decode rank, handoff, [kv])
                 self._outboxes[item[0]].put(item[1:])
 
     def _take_commands(self) -> None:
@@ -227,15 +250,16 @@ class EngineWorker(AsyncEngine):
         """Decode: a handoff's notice came; hold the blocks of its prompt this prefix cache has (they need
         not travel) and tell the reader how many."""
         h, bm = m["handoff"], self.engine.block_manager
-        if h.request_id in self._tombstones:
+        if h.request_id in self._tombstones or m["source"] in self._gone:
             m["held"].put(0)
             return
         held = Sequence(h.prompt_token_ids + [h.first_token], request_id=h.request_id)
         held.uses_prefix_cache = bm.window is None   # as Scheduler.admit_prefilled
         m["held"].put(bm.hold_cached_prefix(held))
-        self._held[h.request_id] = held
+        self._held[h.request_id], self._held_from[h.request_id] = held, m["source"]
 
     def _release(self, rid: str) -> None:
+        self._held_from.pop(rid, None)
         held = self._held.pop(rid, None)
         if held is not None:
             self.engine.block_manager.free(held)
@@ -244,15 +268,41 @@ class EngineWorker(AsyncEngine):
         """Decode: a handoff and its KV arrived (the transfer's bytes and time go to the router); it is
         taken in once the batch and the blocks have room."""
         h = m["handoff"]
+        if m["source"] in self._gone:   # the router ended it when it declared that engine gone
+            self._release(h.request_id)
+            return
         if h.request_id in self._tombstones:
             self._tombstones.discard(h.request_id)
             self._release(h.request_id)
             self._tell({"op": "aborted", "rid": h.request_id})
             return
         self._tell({"op": "received", "rid": h.request_id, "bytes": m["kv"].numel(),
-                    "seconds": h.pack_seconds + m["seconds"]})
+                    "seconds": h.pack_seconds + m["seconds"], "hold_seconds": m["hold_seconds"]})
         self._pending.append(h)
         self._pending_kv[h.request_id], self._skipped[h.request_id] = m["kv"], m["skipped"]
+
+    def _on_engine_gone(self, m: dict) -> None:
+        """The router declared engine `m["rank"]` gone (and ended the requests it held): drop the KV
+        queued for it (prefill), release the blocks held for its handoffs (decode)."""
+        rank = m["rank"]
+        self._gone.add(rank)
+        with self._unsent_lock:
+            lost = [rid for rid, (d, _) in self._unsent.items() if d == rank]
+            for rid in lost:
+                self._unsent.pop(rid)[1].clear()
+        self._dropped += len(lost)
+        outbox = self._outboxes.get(rank)
+        while outbox is not None and not outbox.empty():
+            try:
+                outbox.get_nowait()   # the notices: their sender thread may wait on `rank` for ever
+            except queue.Empty:
+                break
+        for rid in [rid for rid, src in self._held_from.items() if src == rank]:
+            self._release(rid)
+            self._skipped.pop(rid, None)
+        if lost:
+            log(f"{self.roles.name(self.rank)}: dropped the KV of {len(lost)} handoffs for {self.roles.name(rank)}")
+        self._last_stats = 0.0   # report at once
 
     def _on_source_gone(self, m: dict) -> None:
         if m["unsent"] is not None:
@@ -293,7 +343,13 @@ class EngineWorker(AsyncEngine):
         handoff, kv = export_request(self.engine, job.request_id)
         del self._jobs[job.request_id]
         self._tell({"op": "handoff", "rid": job.request_id})
-        self._outbox.put((job.decode, handoff, kv))   # to its sender once the router has the above
+        if job.decode in self._gone:
+            self._dropped += 1
+            return
+        box = [kv]
+        with self._unsent_lock:
+            self._unsent[job.request_id] = (job.decode, box)
+        self._outbox.put((job.decode, handoff, box))   # to its sender once the router has the above
 
     def _finish(self, job: Job, out) -> None:
         super()._finish(job, out)
@@ -311,7 +367,9 @@ class EngineWorker(AsyncEngine):
                  "running": s.num_running, "waiting": s.num_waiting + len(self.queue) + len(self._pending),
                  "prefix_queries": s.num_admitted_tokens, "prefix_hits": s.num_prefix_hit_tokens,
                  "preemptions": s.num_preemptions, "seconds_per_token": self.predictor.seconds_per_token,
-                 "step_seconds": self.predictor.step_seconds}
+                 "step_seconds": self.predictor.step_seconds, "kv_dropped": self._dropped}
+        with self._unsent_lock:
+            stats["kv_unsent_bytes"] = sum(box[0].numel() for _, box in self._unsent.values() if box)
         if spec is not None:
             stats |= {"spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
                       "spec_accepted": spec.num_accepted_tokens}

@@ -23,6 +23,10 @@ class DisaggregateMetrics(ServerMetrics):
         self.kv_transfer_seconds = histogram(
             "kv_transfer_seconds", "Per request: its KV blocks packed on the prefill engine and received on the "
             "decode engine.", buckets=_SECONDS_BUCKETS)
+        self.kv_transfer_hold_seconds = histogram(
+            "kv_transfer_hold_seconds", "Per request, within kv_transfer_seconds: from the handoff's notice reaching "
+            "the decode engine to its answer of how many prompt blocks its prefix cache holds (its engine thread "
+            "answers between steps).", buckets=_SECONDS_BUCKETS)
         self.kv_transfer_request_bytes = histogram("kv_transfer_request_bytes", "Per request: the KV bytes moved.",
                                                    buckets=_BYTES_BUCKETS)
 
@@ -34,6 +38,11 @@ class DisaggregateMetrics(ServerMetrics):
         self.engine_free_blocks = engine_gauge("engine_kv_free_blocks", "The engine's free KV blocks (prefix-cached "
                                                "ones included), as it last reported.")
         self.engine_blocks = engine_gauge("engine_kv_blocks", "The engine's KV blocks.")
+        self.engine_kv_unsent_bytes = engine_gauge("engine_kv_unsent_bytes", "Prefill: the packed KV bytes of "
+                                                   "handoffs not yet sent to their decode engines, as it last "
+                                                   "reported.")
+        self.kv_transfer_dropped = counter("kv_transfer_dropped", "Handoffs whose KV a prefill engine dropped unsent "
+                                           "because the router declared their decode engine gone.")
         self.engine_requests = engine_gauge("engine_requests", "Requests the engine holds: running, waiting, and "
                                             "(decode) handed over but not yet taken in.")
         def role_counter(name, doc):
@@ -51,5 +60,6 @@ class DisaggregateMetrics(ServerMetrics):
         """The server's counters that add up the engines' running totals, by their names in an engine's
         stats (the speculative ones: decode engines that speculate)."""
         return {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
-                "preemptions": self.preemptions, "spec_drafts": self.spec_drafts,
-                "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted}
+                "preemptions": self.preemptions, "kv_dropped": self.kv_transfer_dropped,
+                "spec_drafts": self.spec_drafts, "spec_draft_tokens": self.spec_draft_tokens,
+                "spec_accepted": self.spec_accepted}

@@ -319,6 +319,7 @@ class Router:
         output = m["output"]
         if output is not None:
             output.metrics = self._finished(r, output.outputs[0].finish_reason or "abort", now, output)
+            self._record_generated(r)
         r.job.deliver(Update(m["deltas"], output=output))
 
     def _on_handoff(self, rank: int, m: dict) -> None:
@@ -340,6 +341,7 @@ class Router:
         self.metrics.kv_transfer_bytes.inc(m["bytes"])
         self.metrics.kv_transfer_request_bytes.observe(m["bytes"])
         self.metrics.kv_transfer_seconds.observe(m["seconds"])
+        self.metrics.kv_transfer_hold_seconds.observe(m["hold_seconds"])
         with self._cond:
             r = self._routed.get(m["rid"])
             if r is not None:
@@ -367,6 +369,7 @@ class Router:
         mx.engine_free_blocks[rank].set(m["free_blocks"])
         mx.engine_blocks[rank].set(m["blocks"])
         mx.engine_requests[rank].set(m["running"] + m["waiting"])
+        mx.engine_kv_unsent_bytes[rank].set(m.get("kv_unsent_bytes", 0))
         for name, counter in mx.engine_counters().items():
             if name in m:
                 counter.inc(max(m[name] - self._totals.get((rank, name), 0), 0))
@@ -379,6 +382,15 @@ class Router:
             if rank in self._engine_used:
                 self._engine_used[rank] = (m["blocks"] - m["free_blocks"], m["blocks"])
             self._update_gauges()
+
+    def _record_generated(self, r: _Routed) -> None:
+        """The decode engine's prefix cache also holds the blocks of what it generated, which the next
+        turn of a chat repeats in its prompt: remember them too."""
+        if self._affinity and r.job.params.n == 1:
+            tokens = r.job.prompt_token_ids + [t for d in r.deltas for t in d.token_ids]
+            hashes = prompt_block_hashes(tokens, self.block_size)
+            with self._cond:
+                self._affinity["decode"].record(hashes, r.decode)
 
     # -- bookkeeping (locked) ----------------------------------------------------------------------
     def _leave_prefill(self, r: _Routed, stage: str) -> None:
@@ -439,6 +451,9 @@ class Router:
             self.metrics.engine_up[rank].set(0)
             if self._affinity:
                 self._affinity[self.roles.role(rank)].forget(rank)
+            for other in self.roles.engine_ranks:   # they drop what they hold for it (engine.py)
+                if self._alive[other]:
+                    self._send_later(other, {"op": "engine_gone", "rank": rank})
             gone = f"{self.roles.name(rank)} (rank {rank}) {what}"
             lost = [r for r in self._routed.values() if r.held_by(rank)]
             self._fail(lost, f"{gone} while it held this request")
