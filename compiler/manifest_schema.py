@@ -144,6 +144,14 @@ class Report(Record):
     max_num_batched_tokens: PosInt
 
 
+class KVPolicyEntry(Record):
+    """The compile's --kv-policy (runtime/kv_policy.py), also in plan.json's meta, which the runtime reads."""
+    kind: StrictStr
+    budget: PosInt
+    recent: Count
+    sinks: Count
+
+
 class DraftOf(Record):
     model: StrictStr
     manifest_sha256: Sha256
@@ -193,6 +201,7 @@ class Manifest(Record):
     report: Report
     draft_of: DraftOf | None = None
     parallel: Parallel | None = None
+    kv_policy: KVPolicyEntry | None = None
 
 
 class KernelEntry(Record):

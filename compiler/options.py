@@ -14,6 +14,7 @@ from llmc.codegen.ort.ort_lowering import KERNEL_MODES
 from llmc.compiler.bounded_input import file_kind
 from llmc.compiler.recipes import KV_CACHE_CHOICES, KV_GROUPING_CHOICES, QUANT_CHOICES, SPARSITY_METHODS
 from llmc.errors import PassError
+from llmc.runtime.kv_policy import kv_policy
 
 
 def flag(default: Any, help: str, *, cli: str | None = None, short: str | None = None,
@@ -57,6 +58,15 @@ class CompileOptions:
     kv_grouping: str | None = flag(None, "Which KV heads --kv-heads pools: by index, by similarity on "
                                          "calibration text, or auto (both scored, the better kept; default).",
                                    choices=KV_GROUPING_CHOICES)
+    kv_policy: str | None = flag(None, "Hold each sequence's KV cache to --kv-budget tokens per KV head (cpu targets): "
+                                       "h2o keeps the sinks, the recent tokens and those with the most accumulated "
+                                       "attention; streaming keeps the sinks and the newest; none: the full cache. "
+                                       "Recorded in the plan; `llmc.load(..., kv_policy=...)` overrides it.",
+                                 choices=("h2o", "streaming", "none"))
+    kv_budget: int | None = flag(None, "KV entries a sequence keeps per layer and KV head under --kv-policy.", kind=int)
+    kv_recent: int | None = flag(None, "h2o: the newest tokens never evicted (default: half of what the sinks "
+                                       "leave of the budget).", kind=int)
+    kv_sinks: int | None = flag(None, "--kv-policy: the first tokens never evicted (default 4).", kind=int)
     draft_of: str | None = flag(None, "Make a speculative-decoding draft of this target artifact (same "
                                       "tokenizer): layers pruned, int4 weights.", path="any")
     draft_layers: int | None = flag(None, "Layers the draft keeps (default: half).", kind=int)
@@ -109,6 +119,7 @@ class CompileOptions:
                 raise PassError(f"{cli_name(name)} {value!r} is not a whole number")
         if self.calib is not None:
             check_calib_path(self.calib)
+        kv_policy(self.kv_policy, self.kv_budget, self.kv_recent, self.kv_sinks)   # refuses bad values by flag
         if self.max_ppl_increase is not None and not (isinstance(self.max_ppl_increase, (int, float))
                                                       and math.isfinite(self.max_ppl_increase)
                                                       and self.max_ppl_increase >= 0):

@@ -57,6 +57,7 @@ from llmc.passes.base import Pass, PassContext, PassManager, Stage, echo_stderr
 from llmc.passes.lowering import LOWERING
 from llmc.passes.quantize_kv import SCALE_PARAMS
 from llmc.passes.registry import PassConfig, apply_options, drop_disabled, parse_pass_list, schedule
+from llmc.runtime.kv_policy import kv_policy
 
 
 def model_meta(config, graph: Graph, module: torch.nn.Module) -> dict:
@@ -146,6 +147,9 @@ def rank_plan(graph: Graph, tgt: Target, opts: CompileOptions, echo):
     if tuning is not None:
         plan.meta["autotune"] = tuning
     plan.meta["batch_invariant"] = opts.batch_invariant == "on"   # the runtime's default mode (--batch-invariant)
+    policy = kv_policy(opts.kv_policy, opts.kv_budget, opts.kv_recent, opts.kv_sinks)
+    if policy is not None:   # the runtime's default KV policy (runtime/kv_policy.py); llmc.load may override it
+        plan.meta["kv_policy"] = policy.as_meta()
     return plan
 
 
@@ -339,6 +343,9 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     tgt = get_target(target)
     tgt.check_ready()
     check_kernels_option(opts.kernels, tgt.name, tgt.device)
+    if opts.kv_policy not in (None, "none") and tgt.device != "cpu":
+        raise PassError(f"--kv-policy {opts.kv_policy}: the {tgt.name} target's Triton attention kernels keep no "
+                        "attention scores; compile for --target cpu or drop --kv-policy")
     draft_target = read_draft_target(opts.draft_of, opts.draft_layers)  # checked before the slow load
     configs = pass_configs(tgt, opts)
     recipes.check_quant_kernels(tgt, opts.quant)
@@ -412,6 +419,8 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     }
     if draft_target is not None:
         manifest["draft_of"] = draft_target.record()
+    if "kv_policy" in plan.meta:
+        manifest["kv_policy"] = plan.meta["kv_policy"]
     if len(graphs) > 1:
         manifest["parallel"] = parallel_section(graphs, plans)
     say(f"writing the artifact ({sum(manifest['report']['weight_bytes'].values()) / 2**20:.0f} MiB of weights)")

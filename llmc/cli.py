@@ -285,6 +285,28 @@ def batch_invariant_option(f):
                              "count. Default: as the artifact was compiled (on unless --batch-invariant off).")(f)
 
 
+def kv_policy_options(f):
+    """--kv-policy and its budget, as the compile flags of the same names (runtime/kv_policy.py)."""
+    for flag, kwargs in reversed((
+            ("--kv-policy", dict(type=click.Choice(["h2o", "streaming", "none"]), default=None,
+                                 help="Hold each sequence's KV cache to --kv-budget tokens per KV head: h2o keeps "
+                                      "the sinks, the recent tokens and the most attended ones, streaming the sinks "
+                                      "and the newest; none: the full cache. Default: as the artifact was compiled.")),
+            ("--kv-budget", dict(type=POSITIVE, default=None, metavar="TOKENS",
+                                 help="KV entries a sequence keeps per layer and KV head under --kv-policy.")),
+            ("--kv-recent", dict(type=NON_NEGATIVE, default=None, metavar="TOKENS",
+                                 help="h2o: the newest tokens never evicted (default: half the budget less sinks).")),
+            ("--kv-sinks", dict(type=NON_NEGATIVE, default=None, metavar="TOKENS",
+                                help="The first tokens never evicted (default 4).")))):
+        f = click.option(flag, **kwargs)(f)
+    return f
+
+
+def _kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks) -> dict:
+    """The engine options of the --kv-policy flags (none given: the artifact's policy)."""
+    return {"kv_policy": kv_policy, "kv_budget": kv_budget, "kv_recent": kv_recent, "kv_sinks": kv_sinks}
+
+
 def _invariant(value) -> bool | None:
     return None if value is None else value == "on"
 
@@ -363,9 +385,10 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @speculative_options
 @ring_attention_option
 @batch_invariant_option
+@kv_policy_options
 def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
         kv_memory, json_schema, regex, grammar, device, threads, speculative, num_speculative_tokens,
-        ring_attention_threshold, batch_invariant):
+        ring_attention_threshold, batch_invariant, kv_policy, kv_budget, kv_recent, kv_sinks):
     """Generate from one prompt (streamed) or many (batched together). With --json-schema, --regex or
     --grammar the output is constrained to it."""
     threads = _threads(threads)
@@ -381,7 +404,8 @@ def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens
     if not prompts:
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
     model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative,
-                      ring_attention_threshold=ring_attention_threshold, batch_invariant=_invariant(batch_invariant))
+                      ring_attention_threshold=ring_attention_threshold, batch_invariant=_invariant(batch_invariant),
+                      **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks))
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     params.structured_outputs = _compiled(model, structured)
     if chat:
@@ -481,11 +505,12 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @speculative_options
 @ring_attention_option
 @batch_invariant_option
+@kv_policy_options
 def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
           seed, workload_kind, ignore_eos, long_fraction, long_input_len, kv_memory, max_num_seqs,
           max_num_batched_tokens, no_prefix_caching, baseline, baseline_batch_size, as_json, plot, bandwidth,
           gemm_peak, remeasure, repeat, device, threads, speculative, num_speculative_tokens,
-          ring_attention_threshold, batch_invariant):
+          ring_attention_threshold, batch_invariant, kv_policy, kv_budget, kv_recent, kv_sinks):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
@@ -528,7 +553,8 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                                                enable_prefix_caching=not no_prefix_caching, device=device,
                                                threads=threads, ring_attention_threshold=ring_attention_threshold,
                                                batch_invariant=_invariant(batch_invariant),
-                                               recheck_kernels=True if remeasure else None),
+                                               recheck_kernels=True if remeasure else None,
+                                               **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks)),
                         choose_plan=run_site_plan)
     requests = workload.build(engine.model["vocab_size"], engine.tokenizer)
     plain = None
@@ -540,7 +566,8 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                                                enable_prefix_caching=not no_prefix_caching, device=device,
                                                threads=threads, speculative=speculative,
                                                ring_attention_threshold=ring_attention_threshold,
-                                               batch_invariant=_invariant(batch_invariant)),
+                                               batch_invariant=_invariant(batch_invariant),
+                                               **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks)),
                         choose_plan=run_site_plan)
         warm_up(engine)
     base, base_name, base_runs, hf_model = None, baseline, [], None
@@ -620,6 +647,13 @@ def _window_lines(w: dict | None) -> list[str]:
             f"{w['peak_blocks_dropped']} at once ({w['peak_bytes_saved'] / 2**20:.2f} MiB)"]
 
 
+def _kv_held_lines(k: dict | None) -> list[str]:
+    if not k:
+        return []
+    return [f"KV per sequence   {k['mean_bytes'] / 2**20:.2f} MiB mean, {k['max_bytes'] / 2**20:.2f} MiB max at "
+            f"its most (the full cache: {k['full_cache_mean_bytes'] / 2**20:.2f} MiB mean); KV policy {k['policy']}"]
+
+
 def _policy_line(sp: dict) -> str:
     """The speculation policy's decisions: steps that verified drafts, and why sequences decoded plainly."""
     steps = sp.get("steps_speculated", 0) + sp.get("steps_plain", 0)
@@ -638,6 +672,7 @@ def _bench_table(r: dict) -> str:
              f"peak KV usage     {r['peak_kv_usage']:.1%}   KV waste {r['kv_waste']:.2%}",
              f"prefix hit rate   {r['prefix_hit_rate']:.1%}   preemptions {r['preemptions']}",
              *_window_lines(r.get("kv_window")),
+             *_kv_held_lines(r.get("kv_per_seq")),
              f"threads           {r['threads']}",
              *([f"memory            {memory_line(r['memory'])}"] if r.get("memory") else []),
              *([f"native kernels    {r['native_kernels']}"] if r.get("native_kernels") else []),
@@ -723,10 +758,11 @@ def export(artifact, format_, output, force, quiet):
 @device_option
 @threads_option
 @speculative_options
+@kv_policy_options
 def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_ms, max_num_seqs, shutdown_timeout,
           kv_memory, max_request_bytes, max_n, metrics_need_key, result_cache, result_cache_ttl,
           semantic_cache_threshold, semantic_cache_entries, disaggregate, device, threads, speculative,
-          num_speculative_tokens):
+          num_speculative_tokens, kv_policy, kv_budget, kv_recent, kv_sinks):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions),
     with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
     `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
@@ -740,7 +776,8 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
                    semantic_cache_threshold=semantic_cache_threshold, semantic_cache_entries=semantic_cache_entries,
                    disaggregate=disaggregate, device=device,
                    threads=_threads(threads), max_num_seqs=max_num_seqs,
-                   speculative=_speculative(speculative, num_speculative_tokens))
+                   speculative=_speculative(speculative, num_speculative_tokens),
+                   **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks))
 
 
 @cli.command("eval")
@@ -751,18 +788,29 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
               help="Reference artifact: also report KL(ref || ours) and top-1 agreement.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
               help="Score the text's first N tokens.")
+@click.option("--context", type=POSITIVE, default=512, show_default=True, help="Tokens per window.")
+@click.option("--stride", type=POSITIVE, default=256, show_default=True,
+              help="Tokens between window starts; each later window scores its last STRIDE.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only the result.")
 @device_option
 @threads_option
-def eval_command(artifact, text_file, ref, max_tokens, as_json, quiet, device, threads):
-    """Perplexity of ARTIFACT on a text: windows of 512 tokens, stride 256, each token scored once."""
+@kv_policy_options
+def eval_command(artifact, text_file, ref, max_tokens, context, stride, as_json, quiet, device, threads, kv_policy,
+                 kv_budget, kv_recent, kv_sinks):
+    """Perplexity of ARTIFACT on a text: windows of 512 tokens, stride 256, each token scored once. With
+    --kv-policy, ARTIFACT runs through the engine with that KV policy, each window prefilled chunk by chunk
+    with the policy's evictions between chunks (the --ref keeps the full cache)."""
     # the executor: ~0.2 s; only eval
     from llmc.tools.evaluate import DEFAULT_TEXT, evaluate_text, format_summary, read_eval_text
 
     apply_threads(_threads(threads))
     text = read_eval_text(text_file)
-    result = evaluate_text(artifact, text, ref=ref, max_tokens=max_tokens, progress=not quiet, device=device)
+    policy = None if kv_policy is None else _kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks)
+    if policy is None and (kv_budget, kv_recent, kv_sinks) != (None, None, None):
+        raise LlmcError("--kv-budget, --kv-recent and --kv-sinks need --kv-policy h2o or streaming")
+    result = evaluate_text(artifact, text, ref=ref, max_tokens=max_tokens, progress=not quiet, device=device,
+                           context=context, stride=stride, kv_policy=policy)
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
     else:

@@ -116,10 +116,11 @@ class BenchResult:
     decode_tpot_s: float | None = None   # see decode_time_per_token
     token_ids: dict[str, list[int]] = field(default_factory=dict)   # each request's output (llmc runs)
     metrics: EngineMetrics | None = None   # the engine's over this run (llmc runs)
+    kv_per_seq: dict | None = None   # KV bytes each sequence held at its most (kv_held_report)
 
     def to_dict(self) -> dict:
         keys = ("requests_per_s", "output_tokens_per_s", "output_tokens", "total_seconds", "ttft_ms", "tpot_ms",
-                "itl_ms", "kv_waste", "prefix_hit_rate", "preemptions", "peak_kv_usage", "kv_window")
+                "itl_ms", "kv_waste", "prefix_hit_rate", "preemptions", "peak_kv_usage", "kv_window", "kv_per_seq")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -134,6 +135,7 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
     total_tokens, totals, finished = 0, StepTotals(), []
     bm = engine.block_manager
     dropped_before, peak_dropped = bm.total_dropped_blocks, 0
+    held: dict[int, list[int]] = {}   # seq_id -> [most blocks held, tokens at the end]
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and pending[0][1]["arrival"] <= now:
@@ -162,6 +164,9 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
         timeline.append((t, step_tokens))
         totals.add(engine.metrics, steps_before, step_tokens, seconds)
         peak_dropped = max(peak_dropped, bm.num_dropped_blocks)
+        for seq in engine.scheduler.running:
+            most = held.setdefault(seq.seq_id, [0, 0])
+            most[0], most[1] = max(most[0], len(seq.live_blocks)), seq.num_tokens
     total = time.perf_counter() - start
     bar.close()
     token_ids = {out.request_id: list(out.outputs[0].token_ids) for out in finished}
@@ -174,7 +179,21 @@ def run_engine(engine, requests: list[dict], progress: bool = True) -> BenchResu
                        m.preemptions, m.peak_kv_usage,
                        window_report(engine, bm.total_dropped_blocks - dropped_before, peak_dropped),
                        timeline, ttft, itl, tpot, totals, total_tokens, decode_time_per_token(token_times.values()),
-                       token_ids, m)
+                       token_ids, m, kv_per_seq=kv_held_report(engine, held))
+
+
+def kv_held_report(engine, held: dict[int, list[int]]) -> dict | None:
+    """KV bytes a sequence held at its most (whole blocks, mean and max over the run's sequences), beside
+    what the full cache holds for its tokens, and the KV policy that held it there (runtime/kv_policy.py)."""
+    if not held:
+        return None
+    bs = engine.block_manager.block_size
+    block = bs * engine.model["kv_bytes_per_token"]
+    peaks = [most * block for most, _ in held.values()]
+    full = [-(-tokens // bs) * block for _, tokens in held.values()]
+    policy = getattr(engine, "kv_policy", None)
+    return {"mean_bytes": sum(peaks) / len(peaks), "max_bytes": max(peaks),
+            "full_cache_mean_bytes": sum(full) / len(full), "policy": policy.describe() if policy else "none"}
 
 
 def median_run(runs: list[BenchResult]) -> BenchResult:

@@ -5,7 +5,12 @@ Protocol: tokenise the text without special tokens and keep the first `max_token
 windows of CONTEXT tokens by STRIDE (positions restart at 0 in each window); the first window
 scores all its tokens, each later window only its last STRIDE, so every token after the first is
 scored exactly once and, past the first window, with at least CONTEXT - STRIDE tokens of context
-(as in Hugging Face's "Perplexity of fixed-length models" guide). Perplexity = exp(mean NLL)."""
+(as in Hugging Face's "Perplexity of fixed-length models" guide). Perplexity = exp(mean NLL).
+
+With a KV policy (`kv_policy`, runtime/kv_policy.py) the artifact is scored through the engine instead: each
+window is one prompt, prefilled chunk by chunk with the policy's evictions at the positions a decode of it
+token by token would make them, and the logits of every row read out (PolicyScorer); the reference, if any,
+keeps the full cache."""
 
 from __future__ import annotations
 
@@ -22,8 +27,10 @@ from llmc.compiler.bounded_input import read_input
 from llmc.compiler.scoring import row_agreement, row_kl, token_nll
 from llmc.errors import RuntimeLlmcError
 from llmc.runtime.device import resolve_device
+from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.executor import PlanExecutor
 from llmc.runtime.kernel_check import verified_plan
+from llmc.runtime.sequence import Sequence
 
 CONTEXT = 512
 STRIDE = 256
@@ -85,6 +92,39 @@ class ArtifactScorer:
         return self.executor.run_values(inputs)["logits"].float().cpu()
 
 
+class PolicyScorer:
+    """An artifact run by the engine with a KV policy (`policy`: the engine's kv_policy options): logits of
+    chosen rows of a window fed as one prompt, each chunk ending where the policy must evict."""
+
+    def __init__(self, path: str | Path, device: str | None, policy: dict, kv_memory: str = "512MiB"):
+        self.path = Path(path)
+        self.engine = Engine(self.path, EngineConfig(kv_memory=kv_memory, device=device, max_num_seqs=1, **policy))
+        assert self.engine.kv_policy is not None, "scorer() makes a PolicyScorer only where a policy applies"
+        self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+
+    def check_context(self, context: int) -> None:
+        if self.model.get("max_position_embeddings", context) < context:
+            raise RuntimeLlmcError(f"artifact '{self.path}' holds {self.model['max_position_embeddings']} positions, "
+                                   f"fewer than the {context}-token windows; give a smaller --context")
+
+    def logits(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """ids [t] at positions 0..t-1 -> float32 logits [len(rows), vocab] on the CPU."""
+        engine = self.engine
+        scheduler = engine.scheduler
+        seq = Sequence(ids.tolist())
+        seq.kv_cap, seq.uses_prefix_cache = engine.kv_policy.budget, False   # as Engine.add_request makes it
+        scheduler.add(seq)
+        parts = []
+        while seq.num_computed_tokens < len(ids):
+            out = scheduler.schedule()
+            n = sum(count for s, count in out.scheduled if s is seq)
+            parts.append(engine.runner.execute(out.scheduled, [], out.blocks_to_copy, prompt_rows={seq.seq_id: n},
+                                               evictions=out.evictions).float().cpu())
+            scheduler.update_computed(out.scheduled)
+        scheduler.finish(seq, "stop")
+        return torch.cat(parts)[rows]
+
+
 @dataclass
 class Totals:
     """Sums over scored tokens, float64."""
@@ -96,17 +136,21 @@ class Totals:
 
 
 def evaluate_text(path: str | Path, text: str, ref: str | Path | None = None, max_tokens: int = 4096,
-                  progress: bool = False, device: str | None = None) -> dict:
+                  progress: bool = False, device: str | None = None, context: int = CONTEXT,
+                  stride: int = STRIDE, kv_policy: dict | None = None) -> dict:
     """{"perplexity", "tokens" (scored), "windows", "context", "stride"}; with `ref` also
-    "ref_perplexity", "kl" (mean KL(ref || ours)) and "top1_agreement". `device` applies to both."""
-    model = ArtifactScorer(path, device)
+    "ref_perplexity", "kl" (mean KL(ref || ours)) and "top1_agreement". `device` applies to both; `kv_policy`
+    (the engine's kv_policy options) to the artifact only."""
+    if not 1 <= stride < context:   # a later window's first scored token is predicted by the row before it
+        raise RuntimeLlmcError(f"--stride {stride} must be at least 1 and below --context {context}")
+    model = make_scorer(path, device, kv_policy)
     reference = ArtifactScorer(ref, device) if ref is not None else None
     ids = text_tokens(model.tokenizer, text, max_tokens)
-    windows = eval_windows(len(ids))
-    context = max(w.end - w.begin for w in windows)
-    for scorer in (model, reference):
-        if scorer is not None:
-            scorer.check_context(context)
+    windows = eval_windows(len(ids), context, stride)
+    longest = max(w.end - w.begin for w in windows)
+    for one in (model, reference):
+        if one is not None:
+            one.check_context(longest)
     if reference is not None:
         check_same_vocab(model, reference)
     totals = Totals()
@@ -114,7 +158,22 @@ def evaluate_text(path: str | Path, text: str, ref: str | Path | None = None, ma
                disable=not progress or not sys.stderr.isatty())
     for window in bar:
         score_window(model, reference, ids, window, totals)
-    return summary(totals, len(windows), reference is not None)
+    result = summary(totals, len(windows), reference is not None)
+    result.update(context=context, stride=stride)
+    if isinstance(model, PolicyScorer):
+        result["kv_policy"] = model.engine.kv_policy.as_meta()
+    return result
+
+
+def make_scorer(path: str | Path, device: str | None, kv_policy: dict | None) -> ArtifactScorer | PolicyScorer:
+    """The artifact's scorer: through the engine where a KV policy applies (asked, or else the artifact's own,
+    never ignored), else its plan on whole windows. kv_policy "none" asks for the full cache."""
+    if kv_policy is not None and kv_policy.get("kv_policy") != "none":
+        return PolicyScorer(path, device, kv_policy)
+    plain = ArtifactScorer(path, device)
+    if kv_policy is None and "kv_policy" in plain.plan.meta:
+        return PolicyScorer(path, device, {})
+    return plain
 
 
 def text_tokens(tokenizer, text: str, max_tokens: int) -> torch.Tensor:
@@ -177,6 +236,9 @@ def read_eval_text(path: str | Path | None) -> str:
 def format_summary(result: dict, artifact: str, text_name: str, ref: str | None) -> str:
     lines = [f"{artifact}: perplexity {result['perplexity']:.4f} over {result['tokens']} tokens of "
              f"{text_name} ({result['windows']} windows of {result['context']}, stride {result['stride']})"]
+    if result.get("kv_policy"):
+        p = result["kv_policy"]
+        lines.append(f"KV policy {p['kind']}: budget {p['budget']}, sinks {p['sinks']}, recent {p['recent']}")
     if ref is not None:
         lines.append(f"reference {ref}: perplexity {result['ref_perplexity']:.4f}; "
                      f"KL(ref || ours) {result['kl']:.5f}; top-1 agreement {result['top1_agreement']:.2%}")
