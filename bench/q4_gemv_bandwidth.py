@@ -40,7 +40,7 @@ def main() -> None:
                for _ in range(COUNT)]
     if weights[0] is None or not cpu_native.available():
         raise SystemExit(f"the native GEMV does not run here: {cpu_native.status()}")
-    each = weights[0].packed.numel() + weights[0].params.numel() * weights[0].params.element_size()
+    each = sum(t.numel() * t.element_size() for t in (weights[0].packed, weights[0].scales, weights[0].other))
     x = torch.randn(1, K)
     dram = best_seconds(lambda: [cpu_native.gemv_q4(x, w) for w in weights], 4)
     cached = best_seconds(lambda: [cpu_native.gemv_q4(x, weights[0]) for _ in range(10)], 4) / 10

@@ -664,23 +664,23 @@ static inline __attribute__((always_inline)) void group_pair_q4(const uint8_t *q
  * to 4 rows two groups in one loop (one row, in cache, on an AVX-512 Xeon: 8.7 -> 6.6 cycles per 32 codes
  * with GGUF's groups of 32, 5.75 -> 5.4 with groups of 64) */
 static inline __attribute__((always_inline)) void dot_q4(const uint8_t *q, const float *x, int64_t xs, const int64_t M,
-                                                         const float *sz, int64_t zp, int64_t groups, int64_t group,
-                                                         float *y, int64_t n) {
+                                                         const float *sc, const float *zo, int64_t zp, int64_t groups,
+                                                         int64_t group, float *y, int64_t n) {
     vec a[MAX_ROWS], b[MAX_ROWS], c[MAX_ROWS], d[MAX_ROWS];
     for (int64_t r = 0; r < M; r++) a[r] = b[r] = c[r] = d[r] = (vec){0};
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
         if (M <= 4) {
-            group_pair_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp),
-                          Q4TABLE(sz[2 * g + 2], sz[2 * g + 3], zp), a, b, c, d);
+            group_pair_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sc[g], zo[g], zp),
+                          Q4TABLE(sc[g + 1], zo[g + 1], zp), a, b, c, d);
         } else {
-            group_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp), a, b);
-            group_q4(q + (g + 1) * group / 2, x + (g + 1) * group, xs, M, group,
-                     Q4TABLE(sz[2 * g + 2], sz[2 * g + 3], zp), c, d);
+            group_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sc[g], zo[g], zp), a, b);
+            group_q4(q + (g + 1) * group / 2, x + (g + 1) * group, xs, M, group, Q4TABLE(sc[g + 1], zo[g + 1], zp),
+                     c, d);
         }
     }
     if (g < groups)
-        group_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sz[2 * g], sz[2 * g + 1], zp), a, b);
+        group_q4(q + g * group / 2, x + g * group, xs, M, group, Q4TABLE(sc[g], zo[g], zp), a, b);
     for (int64_t r = 0; r < M; r++) y[r * n] = hsum((a[r] + b[r]) + (c[r] + d[r]));
 }
 
@@ -716,16 +716,16 @@ void llmc_gemv_q4(const float *x_, int64_t x_stride, int64_t m, const uint8_t *q
     int64_t groups = k / group;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < n; j++) {
-        float buf[2 * groups + 32];
-        q4_row_pairs(s, o, o_row, f16, j, groups, buf);
-        const float *sz = buf;
+        float buf[2 * groups + 2 * VL];
+        const float *sc = row_params(s, f16, j * groups, groups, buf);
+        const float *zo = row_params(o, f16, j * o_row, groups, buf + groups + VL);
         if (j + Q4_PREFETCH_ROWS < n)
             for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(q + (j + Q4_PREFETCH_ROWS) * (k / 2) + c, 0, 2);
         const uint8_t *row = q + j * (k / 2);
         /* A constant row count keeps each row's sums in registers; for one or two rows a constant group
          * size also unrolls each group's chunks (one row in cache on an AVX-512 Xeon, cycles per 32 codes:
          * groups of 64 5.35 -> 4.95, of 32 6.2 -> 5.8) */
-#define DOT(M, G) dot_q4(row, x, x_stride, M, sz, zp, groups, G, y + j, n)
+#define DOT(M, G) dot_q4(row, x, x_stride, M, sc, zo, zp, groups, G, y + j, n)
 #define FEW(M) case M: switch (group) { \
             case 32: DOT(M, 32); break; case 64: DOT(M, 64); break; case 128: DOT(M, 128); break; \
             default: DOT(M, group); } break;

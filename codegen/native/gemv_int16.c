@@ -71,8 +71,7 @@ int64_t llmc_gemv_int8_built(void) {
 #endif
 
 /* A call's activations: row r's int16 codes at codes + r * k, its block scales at scale + r * (k / 64),
- * and (for the 4-bit GEMV) its group sums at sums[r * 2 * groups + 2 * g + 1], zeros between them, so that
- * they line up with the weights' interleaved (scale, zero point or offset) pairs. */
+ * and (for the 4-bit GEMV) its group sums at sums[r * groups + g]. */
 struct act16 { int16_t *codes; float *scale; float *sums; };
 
 /* The even and the odd lanes of two vectors of 16 (a, b): lanes 0-7 from a, 8-15 from b. The 4-bit codes
@@ -126,21 +125,21 @@ static void quantise_row(const float *x, int64_t k, int64_t group, int nibbles, 
     for (int64_t g = 0; g < k / group; g++) {
         float s = 0;
         for (int64_t i = 0; i < group; i++) s += x[g * group + i];
-        sums[2 * g] = 0, sums[2 * g + 1] = s;
+        sums[g] = s;
     }
 }
 
 /* quantises m rows of x (`xs` floats apart) into one allocation; 0 where it cannot allocate */
 static int quantise(const float *x, int64_t xs, int64_t m, int64_t k, int64_t group, int nibbles, struct act16 *a) {
-    int64_t blocks = k / BLOCK, pairs = nibbles ? 2 * (k / group) : 0;
-    char *mem = malloc(m * (k * sizeof(int16_t) + (blocks + pairs) * sizeof(float)));
+    int64_t blocks = k / BLOCK, groups = nibbles ? k / group : 0;
+    char *mem = malloc(m * (k * sizeof(int16_t) + (blocks + groups) * sizeof(float)));
     if (!mem) return 0;
     a->scale = (float *)mem;
     a->sums = nibbles ? a->scale + m * blocks : 0;
-    a->codes = (int16_t *)(a->scale + m * (blocks + pairs));
+    a->codes = (int16_t *)(a->scale + m * (blocks + groups));
     for (int64_t r = 0; r < m; r++)
         quantise_row(x + r * xs, k, group, nibbles, a->codes + r * k, a->scale + r * blocks,
-                     nibbles ? a->sums + r * pairs : 0);
+                     nibbles ? a->sums + r * groups : 0);
     return 1;
 }
 
@@ -161,17 +160,16 @@ static inline __m512 block_scale(const struct act16 *a, int64_t r, int64_t block
 }
 
 /* one block of 64 4-bit codes (32 bytes) against M rows' codes: acc[r] += its scaled dot. Lane l sums
- * bytes 2l and 2l + 1, codes 4l..4l + 3. The groups' scales come from sz (interleaved with zero points or
- * offsets): for groups of 32 the block's lanes 0-7 are its first group's and 8-15 its second's, so each
- * half takes its own. */
+ * bytes 2l and 2l + 1, codes 4l..4l + 3. The groups' scales come from sc: for groups of 32 the block's
+ * lanes 0-7 are its first group's and 8-15 its second's, so each half takes its own. */
 static inline __attribute__((always_inline)) void block_q4(const uint8_t *q, const struct act16 *a, int64_t k,
-                                                           const int64_t M, const float *sz, const int64_t G,
+                                                           const int64_t M, const float *sc, const int64_t G,
                                                            int64_t b, __m512 *acc) {
-    const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * b)));
     __m512i lo = _mm512_and_si512(w, _mm512_set1_epi16(15)), hi = _mm512_srli_epi16(w, 4);
-    __m512 s = G == 32 ? _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_loadu_ps(sz + 4 * b)))
-                       : _mm512_set1_ps(sz[2 * (b * BLOCK / G)]);
+    __m512 s = G == 32 ? _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 2 * b)))))
+                       : _mm512_set1_ps(sc[b * BLOCK / G]);
     for (int64_t r = 0; r < M; r++) {
         const int16_t *x = a->codes + r * k + BLOCK * b;
         __m512i d = DPWSSD(_mm512_madd_epi16(lo, _mm512_loadu_si512(x)), hi, _mm512_loadu_si512(x + 32));
@@ -180,25 +178,27 @@ static inline __attribute__((always_inline)) void block_q4(const uint8_t *q, con
 }
 
 /* lanes summing to row r's sum_g o_g * sum_{i in g} x_i (o_g = s_g * z_g where zp, else the offset m_g),
- * from the weights' interleaved (scale, zero or offset) pairs and the activations' interleaved group sums */
-static inline __m512 offsets(const float *sz, const float *sums, int64_t r, int64_t k, int64_t G, int64_t zp) {
-    int64_t pairs = 2 * (k / G);
+ * from the weights' scales sc and zero points or offsets zo and the activations' group sums */
+static inline __m512 offsets(const float *sc, const float *zo, const float *sums, int64_t r, int64_t k, int64_t G,
+                             int64_t zp) {
+    int64_t groups = k / G;
     __m512 t = _mm512_setzero_ps();
-    for (int64_t i = 0; i < pairs; i += 16) {
-        __mmask16 live = pairs - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (pairs - i)) - 1);
-        __m512 p = _mm512_maskz_loadu_ps(live, sz + i);
-        if (zp) p = _mm512_mul_ps(p, _mm512_permute_ps(p, 0xb1));   /* s * z in both lanes of a pair */
-        t = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(live, sums + r * pairs + i), t);
+    for (int64_t i = 0; i < groups; i += 16) {
+        __mmask16 live = groups - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - i)) - 1);
+        __m512 p = _mm512_maskz_loadu_ps(live, zo + i);
+        if (zp) p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(live, sc + i));   /* s * z */
+        t = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(live, sums + r * groups + i), t);
     }
     return t;
 }
 
 /* y[r * n] = row r's two chains of block sums, plus (offsets) or minus (zero points) its offsets term */
 static inline __attribute__((always_inline)) void finish_q4(const __m512 *f, const __m512 *h, const int64_t M,
-                                                            const float *sz, const float *sums, int64_t k,
-                                                            const int64_t G, int64_t zp, float *y, int64_t n) {
+                                                            const float *sc, const float *zo, const float *sums,
+                                                            int64_t k, const int64_t G, int64_t zp, float *y,
+                                                            int64_t n) {
     for (int64_t r = 0; r < M; r++) {
-        __m512 total = _mm512_add_ps(f[r], h[r]), t = offsets(sz, sums, r, k, G, zp);
+        __m512 total = _mm512_add_ps(f[r], h[r]), t = offsets(sc, zo, sums, r, k, G, zp);
         y[r * n] = _mm512_reduce_add_ps(zp ? _mm512_sub_ps(total, t) : _mm512_add_ps(total, t));
     }
 }
@@ -206,17 +206,17 @@ static inline __attribute__((always_inline)) void finish_q4(const __m512 *f, con
 /* y[r * n] = one weight row's dot with M rows: blocks alternate between two chains (one waits on the FMA
  * latency), then each row adds sum_g o_g * sum_{i in g} x_i, o_g = -s_g * z_g or the offset m_g */
 static inline __attribute__((always_inline)) void row_q4(const uint8_t *q, const struct act16 *a, int64_t k,
-                                                         const int64_t M, const float *sz, int64_t zp,
-                                                         const int64_t G, float *y, int64_t n) {
+                                                         const int64_t M, const float *sc, const float *zo,
+                                                         int64_t zp, const int64_t G, float *y, int64_t n) {
     __m512 f[MAX_ROWS], h[MAX_ROWS];
     for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm512_setzero_ps();
     int64_t blocks = k / BLOCK, b = 0;
     for (; b + 2 <= blocks; b += 2) {
-        block_q4(q, a, k, M, sz, G, b, f);
-        block_q4(q, a, k, M, sz, G, b + 1, h);
+        block_q4(q, a, k, M, sc, G, b, f);
+        block_q4(q, a, k, M, sc, G, b + 1, h);
     }
-    if (b < blocks) block_q4(q, a, k, M, sz, G, b, f);
-    finish_q4(f, h, M, sz, a->sums, k, G, zp, y, n);
+    if (b < blocks) block_q4(q, a, k, M, sc, G, b, f);
+    finish_q4(f, h, M, sc, zo, a->sums, k, G, zp, y, n);
 }
 
 /* one block of 64 int8 codes against M rows' codes: for groups of 32 each half scaled by its own group's
@@ -256,20 +256,36 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
     for (int64_t r = 0; r < M; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(f[r], h[r]));
 }
 
-/* The weight rows j < n split over the threads: each row's PER_ROW parameters as fp32 into p (PARAMS),
- * its codes (ROW_BYTES a row) at `row`, the rows AHEAD on fetched into L2, then DISPATCH. A macro, not a
- * function taking the GEMV's kind, so that each GEMV's loop is compiled with its own constants: one loop
- * for both, branching per row, measured 5% slower per code in cache. */
+/* The weight rows j < n split over the threads: each row's parameters as fp32 (PARAMS: scales into p,
+ * zero points or offsets into po, through buf [PER_ROW]), its codes (ROW_BYTES a row) at `row`, the rows
+ * AHEAD on fetched into L2, then DISPATCH. A macro, not a function taking the GEMV's kind, so that each
+ * GEMV's loop is compiled with its own constants: one loop for both, branching per row, measured 5% slower
+ * per code in cache. */
 #define WEIGHT_ROWS(PER_ROW, PARAMS, ROW_BYTES, AHEAD, DISPATCH) \
     _Pragma("omp parallel for schedule(static) num_threads(threads)") \
     for (int64_t j = 0; j < n; j++) { \
-        float buf[(PER_ROW) + 32]; \
-        const float *p = PARAMS; \
+        float buf[PER_ROW]; \
+        const float *p, *po; \
+        PARAMS; \
+        (void)po; \
         if ((AHEAD) && j + (AHEAD) < n) \
             for (int64_t c = 0; c < (ROW_BYTES); c += 64) __builtin_prefetch(q + (j + (AHEAD)) * (ROW_BYTES) + c, 0, 2); \
         const void *row = q + j * (ROW_BYTES); \
         DISPATCH \
     }
+
+/* a 4-bit weight row j's scales (p) and zero points or offsets (po) as fp32, converted where fp16; both
+ * arrays the artifact's own, two streams beside the codes', fetched AHEAD rows ahead with them */
+#define Q4_PARAMS(AHEAD) \
+    do { \
+        int64_t groups_ = k / group, size_ = f16 ? 2 : 4; \
+        for (int64_t c = 0; (AHEAD) && c < groups_ * size_; c += 64) { \
+            __builtin_prefetch((const char *)s + (j + (AHEAD)) * groups_ * size_ + c, 0, 2); \
+            __builtin_prefetch((const char *)o + (j + (AHEAD)) * o_row * size_ + c, 0, 2); \
+        } \
+        p = params_f32(s, f16, j * groups_, groups_, buf); \
+        po = params_f32(o, f16, j * o_row, groups_, buf + groups_ + 16); \
+    } while (0)
 
 /* constant row counts keep each row's sums in registers, constant group sizes index scales by shifts */
 #define BY_ROWS(CASE) switch (m) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
@@ -282,12 +298,11 @@ int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const ui
     struct act16 a;
     if (!fits(m, k, group) || !quantise(x, x_stride, m, k, group, 1, &a))
         return 0;
-#define Q4(M, G) row_q4(row, &a, k, M, p, zp, G, y + j, n)
+#define Q4(M, G) row_q4(row, &a, k, M, p, po, zp, G, y + j, n)
 #define Q4_CASE(M) case M: switch (group) { \
             case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
             default: Q4(M, group); } break;
-    WEIGHT_ROWS(2 * (k / group), (q4_row_pairs(s, o, o_row, f16, j, k / group, buf), buf), k / 2, Q4_PREFETCH_ROWS,
-                BY_ROWS(Q4_CASE))
+    WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(Q4_PREFETCH_ROWS), k / 2, Q4_PREFETCH_ROWS, BY_ROWS(Q4_CASE))
 #undef Q4_CASE
 #undef Q4
     free(a.scale);
@@ -302,8 +317,8 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
 #define Q8(M, G) row_q8(row, &a, k, M, p, G, y + j, n)
 #define Q8_CASE(M) case M: switch (group) { \
             case 32: Q8(M, 32); break; case 64: Q8(M, 64); break; default: Q8(M, group); } break;
-    WEIGHT_ROWS(k / group, params_f32(params, f16, j * (k / group), k / group, buf), k, Q8_PREFETCH_ROWS,
-                BY_ROWS(Q8_CASE))
+    WEIGHT_ROWS(k / group + 16, (p = params_f32(params, f16, j * (k / group), k / group, buf), po = 0), k,
+                Q8_PREFETCH_ROWS, BY_ROWS(Q8_CASE))
 #undef Q8_CASE
 #undef Q8
     free(a.scale);
@@ -346,39 +361,39 @@ static void quantise_row8(const float *x, int64_t k, int64_t group, int8_t *code
     for (int64_t g = 0; g < k / group; g++) {
         float s = 0;
         for (int64_t i = 0; i < group; i++) s += x[g * group + i];
-        sums[2 * g] = 0, sums[2 * g + 1] = s;
+        sums[g] = s;
     }
 }
 
 static int quantise8(const float *x, int64_t xs, int64_t m, int64_t k, int64_t group, struct act8 *a) {
-    int64_t blocks = k / BLOCK, pairs = 2 * (k / group);
-    char *mem = malloc(m * (k + (blocks + pairs) * sizeof(float)));
+    int64_t blocks = k / BLOCK, groups = k / group;
+    char *mem = malloc(m * (k + (blocks + groups) * sizeof(float)));
     if (!mem) return 0;
     a->scale = (float *)mem;
     a->sums = a->scale + m * blocks;
-    a->codes = (int8_t *)(a->sums + m * pairs);
+    a->codes = (int8_t *)(a->sums + m * groups);
     for (int64_t r = 0; r < m; r++)
-        quantise_row8(x + r * xs, k, group, a->codes + r * k, a->scale + r * blocks, a->sums + r * pairs);
+        quantise_row8(x + r * xs, k, group, a->codes + r * k, a->scale + r * blocks, a->sums + r * groups);
     return 1;
 }
 
 /* 128 codes (64 bytes: blocks 2p and 2p + 1) against M rows: dpbusd lane l sums bytes 4l..4l+3, codes
  * 8l..8l + 7 of block 2p + l / 8; so groups of 32 scale lanes in fours, of 64 in eights */
 static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, const struct act8 *a, int64_t k,
-                                                          const int64_t M, const float *sz, const int64_t G,
+                                                          const int64_t M, const float *sc, const int64_t G,
                                                           int64_t p, __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(15);
     __m512i w = _mm512_loadu_si512(q + 64 * p);
     __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
     __m512 s;
     if (G == 32)
-        s = _mm512_permutexvar_ps(_mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0),
-                                  _mm512_castps256_ps512(_mm256_loadu_ps(sz + 8 * p)));
+        s = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                  _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * p)));
     else if (G == 64)
-        s = _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
-                                  _mm512_castps128_ps512(_mm_loadu_ps(sz + 4 * p)));
+        s = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                  _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 2 * p)))));
     else
-        s = _mm512_set1_ps(sz[2 * (p * 128 / G)]);
+        s = _mm512_set1_ps(sc[p * 128 / G]);
     const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t r = 0; r < M; r++) {
         const int8_t *x = a->codes + r * k + 128 * p;
@@ -391,17 +406,17 @@ static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, cons
 }
 
 static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, const struct act8 *a, int64_t k,
-                                                           const int64_t M, const float *sz, int64_t zp,
-                                                           const int64_t G, float *y, int64_t n) {
+                                                           const int64_t M, const float *sc, const float *zo,
+                                                           int64_t zp, const int64_t G, float *y, int64_t n) {
     __m512 f[MAX_ROWS], h[MAX_ROWS];
     for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm512_setzero_ps();
     int64_t pairs = k / 128, p = 0;
     for (; p + 2 <= pairs; p += 2) {
-        pair_q4(q, a, k, M, sz, G, p, f);
-        pair_q4(q, a, k, M, sz, G, p + 1, h);
+        pair_q4(q, a, k, M, sc, G, p, f);
+        pair_q4(q, a, k, M, sc, G, p + 1, h);
     }
-    if (p < pairs) pair_q4(q, a, k, M, sz, G, p, f);
-    finish_q4(f, h, M, sz, a->sums, k, G, zp, y, n);
+    if (p < pairs) pair_q4(q, a, k, M, sc, G, p, f);
+    finish_q4(f, h, M, sc, zo, a->sums, k, G, zp, y, n);
 }
 
 /* llmc_gemv_q4's work on int8 activations where turned on (llmc_gemv_int8) and the shapes fit (K a
@@ -413,12 +428,11 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
     if (!int8_q4 || !fits(m, k, group) || k % 128 || !(group == 32 || group == 64 || group % 128 == 0) ||
         !quantise8(x, x_stride, m, k, group, &a))
         return 0;
-#define Q4(M, G) row_q4_8(row, &a, k, M, p, zp, G, y + j, n)
+#define Q4(M, G) row_q4_8(row, &a, k, M, p, po, zp, G, y + j, n)
 #define Q4_CASE(M) case M: switch (group) { \
             case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
             default: Q4(M, group); } break;
-    WEIGHT_ROWS(2 * (k / group), (q4_row_pairs(s, o, o_row, f16, j, k / group, buf), buf), k / 2, 0,
-                BY_ROWS(Q4_CASE))
+    WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(0), k / 2, 0, BY_ROWS(Q4_CASE))
 #undef Q4_CASE
 #undef Q4
     free(a.scale);
