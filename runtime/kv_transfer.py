@@ -26,7 +26,8 @@ from llmc.runtime.sampling_params import SamplingParams
 class Handoff:
     """A prefilled request as the decode engine needs it; its KV follows as a tensor of `kv_shape`
     (uint8: PagedKVCache.export_blocks' [2, layers, blocks, block bytes]) less the leading blocks the
-    decode engine said its prefix cache holds."""
+    decode engine's prefix cache holds: the blocks after `expect_held` at once, then, once the decode
+    engine has said how many it holds, those of the first `expect_held` it lacks."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -39,6 +40,9 @@ class Handoff:
     num_cached_tokens: int                 # prompt tokens the prefill engine's prefix cache served
     kv_shape: tuple[int, ...]
     pack_seconds: float                    # gathering the blocks on the prefill engine
+    # the leading blocks the router expects the decode engine to hold: the blocks after these are sent
+    # at once, without waiting for its answer (Channel users: the disaggregated engine's _send_kv)
+    expect_held: int = 0
 
     @property
     def kv_bytes(self) -> int:

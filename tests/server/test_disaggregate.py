@@ -139,6 +139,22 @@ def test_a_repeated_prompt_hits_both_prefix_caches_and_sends_only_the_blocks_dec
     assert split.metric("llmc:kv_transfer_bytes_total") == sent + 8 * BLOCK_BYTES
 
 
+def test_a_prefix_the_decode_engine_evicted_is_sent_after_its_answer(split):
+    """The router expects the decode engine to hold a prompt's prefix it was sent before and the prefill
+    engine sends only the blocks after it at once; the decode engine evicted them meanwhile, says so,
+    and they follow."""
+    prompt = prompt_ids(100, 55)   # 6 full blocks and one of 4 tokens
+    first = split.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    for salt in range(4):   # 4 x 10 blocks through the decode engine's 32: the 6 cached ones are evicted
+        split.client.completions.create(model="tiny", prompt=prompt_ids(150, 60 + salt), max_tokens=2)
+    wait_for(lambda: split.metric("llmc:engine_requests", engine="decode-0") == 0, "the decode engine's report")
+    sent = split.metric("llmc:kv_transfer_bytes_total")
+    again = split.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    wait_for(lambda: split.metric("llmc:kv_transfer_bytes_total") > sent, "the transfer's report")
+    assert split.metric("llmc:kv_transfer_bytes_total") == sent + 7 * BLOCK_BYTES
+
+
 def test_aborted_requests_free_every_kv_block_on_both_engines(split):
     wait_for(lambda: all_blocks_free(split), "both engines' blocks free before")
     aborted = split.metric("llmc:request_success_total", finished_reason="abort")

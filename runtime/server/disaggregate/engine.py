@@ -59,6 +59,7 @@ class RemoteJob(Job):
     """A request the router sent: its updates go back to the router."""
     worker: EngineWorker | None = None
     decode: int | None = None    # a prefill engine's: the decode engine to hand it to
+    expect_held: int = 0         # ... and how many of its prompt's blocks the router expects it to hold
 
     def deliver(self, update: Update) -> None:
         self.worker.send_update(self.request_id, update)
@@ -116,7 +117,9 @@ class EngineWorker(AsyncEngine):
 
     def _read_kv(self, src: int) -> None:
         """Decode: each handoff from prefill engine `src` and its KV, received while this engine steps:
-        the engine thread holds the prompt's blocks this prefix cache has, and only the others come."""
+        the engine thread holds the prompt's blocks this prefix cache has, and only the others come (those
+        after the router's expected hits at once, while the engine thread answers; the expected ones this
+        cache lacks after the answer)."""
         handoff = None
         try:
             while True:
@@ -125,13 +128,21 @@ class EngineWorker(AsyncEngine):
                 held = queue.SimpleQueue()
                 self._inbox.put({"op": "hold", "handoff": handoff, "held": held, "source": src})
                 self._wake.set()
-                skipped = held.get()
-                hold_seconds = time.perf_counter() - started   # the engine thread's answer: up to a step
+                expected = handoff.expect_held
+                tail = recv_kv(src, self._blocks_shape(handoff, handoff.kv_shape[2] - expected), self.engine.device,
+                               self.kv_group)   # sent without waiting for the answer: it overlaps the hold
+                skipped, answered = held.get()
+                hold_seconds = answered - started   # the engine thread's answer: up to a step
                 self.channel.send(src, skipped)
-                shape = (*handoff.kv_shape[:2], handoff.kv_shape[2] - skipped, *handoff.kv_shape[3:])
-                kv = recv_kv(src, shape, self.engine.device, self.kv_group)
+                if skipped < expected:   # the blocks between come after the answer
+                    middle = recv_kv(src, self._blocks_shape(handoff, expected - skipped), self.engine.device,
+                                     self.kv_group)
+                    kv, moved = torch.cat([middle, tail], dim=2), middle.numel() + tail.numel()
+                else:   # held more than expected: those came for nothing
+                    kv, moved = tail[:, :, skipped - expected:].contiguous(), tail.numel()
                 self._inbox.put({"op": "kv", "handoff": handoff, "kv": kv, "skipped": skipped, "source": src,
-                                 "seconds": time.perf_counter() - started, "hold_seconds": hold_seconds})
+                                 "moved": moved, "seconds": time.perf_counter() - started,
+                                 "hold_seconds": hold_seconds})
                 self._wake.set()
                 handoff = None
         except RuntimeError as e:   # that engine is gone: what it had not sent in full will not come
@@ -140,23 +151,36 @@ class EngineWorker(AsyncEngine):
                              "unsent": None if handoff is None else handoff.request_id})
             self._wake.set()
 
+    @staticmethod
+    def _blocks_shape(handoff: Handoff, blocks: int) -> tuple[int, ...]:
+        return (*handoff.kv_shape[:2], blocks, *handoff.kv_shape[3:])
+
     def _send_kv(self, dst: int, outbox: queue.SimpleQueue) -> None:
-        """Prefill: the handoffs for decode engine `dst`, one after another: the notice, its answer (how
-        many leading blocks it holds), the KV of the other blocks. The KV stays in its box (not in this
-        frame) until the answer comes, so that _on_engine_gone can drop it while this thread waits."""
+        """Prefill: the handoffs for decode engine `dst`, one after another: the notice, the KV of the
+        blocks after those the router expects it to hold (at once: it overlaps the decode engine's wait
+        for its engine thread), its answer (how many leading blocks it holds), the expected blocks it
+        lacks. The KV stays in its box (not in this frame), so that _on_engine_gone can drop it while
+        this thread waits (a tensor given to a send stays referenced by that send)."""
         gone = False
         while True:
             handoff, box = outbox.get()
             try:
                 if gone or dst in self._gone:
                     continue   # the router ends these requests: it saw that engine go too
+                with self._unsent_lock:
+                    kv = box[0] if box else None
+                if kv is None:
+                    continue   # dropped: the router declared `dst` gone
+                expected = handoff.expect_held
                 self.channel.send(dst, handoff)
+                send_kv(dst, kv[:, :, expected:], self.kv_group)
+                kv = None
                 skipped = self.channel.recv(dst)   # leading blocks its prefix cache holds
                 with self._unsent_lock:
                     kv = box.pop() if box else None
-                if kv is not None:   # else dropped while waiting: the router declared `dst` gone
-                    send_kv(dst, kv[:, :, skipped:], self.kv_group)
-                    del kv
+                if kv is not None and skipped < expected:   # else dropped while waiting, or all sent
+                    send_kv(dst, kv[:, :, skipped:expected], self.kv_group)
+                kv = None
             except RuntimeError as e:
                 gone = True
                 log(f"{self.roles.name(self.rank)}: {self.roles.name(dst)} is gone ({first_line(e)})")
@@ -217,7 +241,8 @@ class EngineWorker(AsyncEngine):
 
     def _on_add(self, m: dict) -> None:
         job = RemoteJob(m["rid"], m["user"], m["priority"], m["prompt"], m["prompt_token_ids"], m["params"],
-                        self.engine.max_model_len, loop=None, worker=self, decode=m["decode"])
+                        self.engine.max_model_len, loop=None, worker=self, decode=m["decode"],
+                        expect_held=m.get("expect_held", 0))
         try:
             self.submit(job)
         except ApiError as e:
@@ -251,11 +276,11 @@ class EngineWorker(AsyncEngine):
         not travel) and tell the reader how many."""
         h, bm = m["handoff"], self.engine.block_manager
         if h.request_id in self._tombstones or m["source"] in self._gone:
-            m["held"].put(0)
+            m["held"].put((0, time.perf_counter()))
             return
         held = Sequence(h.prompt_token_ids + [h.first_token], request_id=h.request_id)
         held.uses_prefix_cache = bm.window is None   # as Scheduler.admit_prefilled
-        m["held"].put(bm.hold_cached_prefix(held))
+        m["held"].put((bm.hold_cached_prefix(held), time.perf_counter()))
         self._held[h.request_id], self._held_from[h.request_id] = held, m["source"]
 
     def _release(self, rid: str) -> None:
@@ -276,7 +301,7 @@ class EngineWorker(AsyncEngine):
             self._release(h.request_id)
             self._tell({"op": "aborted", "rid": h.request_id})
             return
-        self._tell({"op": "received", "rid": h.request_id, "bytes": m["kv"].numel(),
+        self._tell({"op": "received", "rid": h.request_id, "bytes": m["moved"],
                     "seconds": h.pack_seconds + m["seconds"], "hold_seconds": m["hold_seconds"]})
         self._pending.append(h)
         self._pending_kv[h.request_id], self._skipped[h.request_id] = m["kv"], m["skipped"]
@@ -341,6 +366,7 @@ class EngineWorker(AsyncEngine):
         """Prefill: the request's first token went out with the step's updates; its KV goes to the decode
         engine now, and it leaves this engine (its blocks freed)."""
         handoff, kv = export_request(self.engine, job.request_id)
+        handoff.expect_held = min(job.expect_held, handoff.kv_shape[2] - 1)   # the last block always goes
         del self._jobs[job.request_id]
         self._tell({"op": "handoff", "rid": job.request_id})
         if job.decode in self._gone:

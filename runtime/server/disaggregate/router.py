@@ -205,9 +205,9 @@ class Router:
             job = self.queue.pop()
             del self._queued[job.request_id]
             hashes = prompt_block_hashes(job.prompt_token_ids, self.block_size) if self._affinity else []
-            d = self._choose("decode", hashes)
+            d, held = self._choose("decode", hashes)
             whole = job.params.n > 1 or job.params.prompt_logprobs is not None
-            p = None if whole else self._choose("prefill", hashes)
+            p = None if whole else self._choose("prefill", hashes)[0]
             self._routed[job.request_id] = _Routed(job, p, d, "decode" if whole else "prefill")
             for r in (p, d):
                 if r is not None:
@@ -218,24 +218,25 @@ class Router:
             self.metrics.queue_time.observe(max(job.scheduled_at - job.arrival, 0.0))
             self._send_later(d if whole else p, {
                 "op": "add", "rid": job.request_id, "user": job.user, "priority": job.priority, "prompt": job.prompt,
-                "prompt_token_ids": job.prompt_token_ids, "params": job.params, "decode": None if whole else d})
+                "prompt_token_ids": job.prompt_token_ids, "params": job.params, "decode": None if whole else d,
+                "expect_held": held})
 
-    def _choose(self, role: str, hashes: list[int]) -> int:
+    def _choose(self, role: str, hashes: list[int]) -> tuple[int, int]:
         """The engine of `role` for a prompt with these block hashes (locked): the live one holding the
         longest cached prefix of it (the least loaded of those that tie), unless it is overloaded; else
-        the least loaded with room."""
+        the least loaded with room. And how many of the prompt's blocks the chosen one is thought to hold."""
         ranks = self.roles.prefill_ranks if role == "prefill" else self.roles.decode_ranks
         least = min(self._free(ranks), key=lambda r: self._load[r])
         depth = self._affinity[role].matched(hashes) if hashes else {}
         held = [r for r in ranks if self._alive[r] and depth.get(r)]
         if not held:
-            return least
+            return least, depth.get(least, 0)
         best = max(held, key=lambda r: (depth[r], -self._load[r]))
         if self._overloaded(role, best, least, depth[best]):
             self.metrics.affinity_overloaded[role].inc()
-            return least
+            return least, depth.get(least, 0)
         self.metrics.affinity_hits[role].inc()
-        return best
+        return best, depth[best]
 
     def _overloaded(self, role: str, holder: int, least: int, blocks: int) -> bool:
         """Whether `holder`, whose prefix cache has the prompt's first `blocks`, is too busy to take it
