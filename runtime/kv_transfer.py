@@ -4,7 +4,22 @@ sampled into one tensor and frees them (full ones stay in its prefix cache); the
 the request in with blocks of its own (Engine.add_prefilled) and unpacks the tensor into them.
 Messages between the processes (pickled objects: they come only from the processes this server
 started) and the packed blocks go over torch.distributed point to point: gloo between CPUs, NCCL
-between GPUs."""
+between GPUs.
+
+Not done: sending the KV while the prefill runs (Mooncake's layer-wise transfer). What it would take:
+  - a point where a layer's KV of the step is final: the executor runs a step's layers in one call, so
+    it needs a per-layer hook (runtime/executor.py) or, more simply, the step boundary of a chunked
+    prefill: after each chunk the prompt's completed full blocks are final and could go while the next
+    chunk computes (no executor change; only the last chunk's blocks then wait for the first token);
+  - a handoff in parts: "begin" (request, decode engine, block count) before the prefill ends, KV
+    slices (layers or blocks) as they are final, then "first token" with the sampling state; the
+    decode engine assembles the parts in host memory and takes the request in on the last one;
+  - the router's stages overlapping (a request in prefill and in transfer at once): an abort or a
+    dead engine must then end both parts, and the decode engine drop a half-received request;
+  - the prefix-cache answer before the first part (the decode engine's held blocks are not sent).
+On this CPU build (gloo, two cores shared by the engines) a send competes with the prefill for the same
+cores, so the overlap would save little; it pays with NCCL between GPUs, where copies run beside
+compute."""
 
 from __future__ import annotations
 
