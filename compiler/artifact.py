@@ -112,6 +112,8 @@ def staged_output(path: Path, force: bool, kind: OutputKind | None = None) -> It
         yield staging
         set_modes(staging)
         move_into_place(staging, path, force, kind)
+        if kind is ARTIFACT:
+            remember_hashes(path)
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty(made)
@@ -120,6 +122,23 @@ def staged_output(path: Path, force: bool, kind: OutputKind | None = None) -> It
                                 f"{Path(e.filename).name if e.filename else 'it'}; nothing was left behind; free "
                                 f"space or choose another -o") from None
         raise
+
+
+def remember_hashes(path: Path) -> None:
+    """Record the sha256 the manifest just took of each large file of the artifact at `path`
+    (compiler/verified_files.py), so that its first load need not hash its weights again (1.9 GB: ~1.5 s):
+    this process wrote them into a staging directory only it could write (mkdtemp's 0700) and nothing
+    has changed them since."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for name, digest in files.items():
+        try:
+            info = os.stat(path / name)
+        except OSError:
+            continue
+        remember(path / name, digest, info)
 
 
 def check_output(path: Path, force: bool, kind: OutputKind | None = None) -> None:

@@ -221,7 +221,8 @@ class PlanExecutor:
         peak holds one launch's of them rather than all; a kernel reading them as stored faults them back.
         Params the prepared attrs `kept` use in place (the native 4-bit GEMV's) keep their pages."""
         if self._file_maps:
-            in_place = {t.data_ptr() for t in cpu_tensors(kept)}
+            # (strided ones: oneDNN's blocked copies are opaque, and never views of the file)
+            in_place = {t.data_ptr() for t in cpu_tensors(kept) if t.layout is torch.strided}
             registers = (self._registers.get(n) for n in names)
             release_file_pages([self._params[r] for r in registers if r is not None and r < len(self._params)
                                 and self._params[r].data_ptr() not in in_place], self._file_maps)
