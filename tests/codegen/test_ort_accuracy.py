@@ -126,3 +126,27 @@ def test_a_candidate_saving_too_little_is_not_checked():
     head["us"]["ort-int8"] = {"decode": 1, "prefill": 10}
     layer["us"] = us(1, 2, 3)
     assert ort_accuracy.int8_gain(kinds, [0]) > ort_accuracy.MIN_GAIN
+
+
+def test_no_check_runs_where_the_unlowered_plan_beats_even_int8_activations(tmp_path):
+    """The check is skipped (never scored) where a whole decode step of the unlowered plan beats the lowered
+    plan with every candidate on int8 activations, its fastest form: no subset the check could accept would
+    change the choice. One whole-step timing; each candidate says why it was not checked."""
+    from llmc.compiler.driver.tuning import kernel_choice, ort_decode_timing
+
+    timed = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLMC_CACHE", str(tmp_path / "cache"))
+        patch.setattr(ort_timing, "measure", _measure)
+        patch.setattr(ort_decode_timing, "measure_plans", lambda graph, candidates: timed.append(sorted(candidates))
+                      or {n: {"cpu": 1.0, "graph": 2.0, "walk": 3.0, "launches": 4.0}[n] for n in candidates})
+        patch.setattr(ort_accuracy, "score", lambda *a: pytest.fail("the calibration check ran"))
+        path = llmc.compile("tiny-llama", output=tmp_path / "a.llmc", quiet=True, batch_invariant="off", **INT4)
+    meta = _choice(path)
+    choice = meta["kernel_choice"]
+    assert timed == [["cpu", "graph", "launches", "walk"]] and choice["whole_plan"]["chosen"] == "cpu"
+    assert "int8_activations" not in choice and not read_artifact(path).data
+    assert not any(s["kernel"] == "ort.segment" for s in json.loads((path / "plan.json").read_text())["steps"])
+    for kind in choice["measured"]["kinds"]:
+        if "qlinear" in kind["ops"]:
+            assert kind["excluded"]["ort-int8"] == kernel_choice.NOT_CHECKED

@@ -30,9 +30,14 @@ from llmc.codegen.plan import Plan
 from llmc.codegen.torch_cpu.cpu_qlinear_dense import DISPATCH_META
 from llmc.compiler.driver.tuning import ort_timing_cache
 from llmc.compiler.driver.tuning.decode_graph_choice import graph_step_verdict, plan_decode_graph
-from llmc.compiler.driver.tuning.ort_accuracy import gate_int8_activations
-from llmc.compiler.driver.tuning.ort_plan_choice import choose_whole_plan, whole_plan_question, whole_step_refusal
-from llmc.compiler.driver.tuning.ort_timing import choose_segments
+from llmc.compiler.driver.tuning.ort_accuracy import MIN_GAIN, gate_int8_activations, int8_gain
+from llmc.compiler.driver.tuning.ort_plan_choice import (
+    BUSY,
+    choose_whole_plan,
+    whole_plan_question,
+    whole_step_refusal,
+)
+from llmc.compiler.driver.tuning.ort_timing import INT8_ACTIVATIONS, choose_segments
 from llmc.compiler.driver.tuning.qlinear_dispatch import dispatch_record
 from llmc.compiler.driver.tuning.run_site import machine_record
 from llmc.compiler.ir import Graph
@@ -88,9 +93,16 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
         _require_segment_ops(built)
         chosen = [True] * len(segments)
     else:
-        kinds, choice["measured"] = choose_segments(graph, segments, built, echo)
-        trial_meta = functools.cache(lambda: {**plan.meta, "kernel_choice": {DISPATCH_META: dispatch_record(
-            [(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, choice["measured"]["threads"])}})
+        # the torch qlinears' dense switch, measured once over every step (the unlowered plan runs it, the
+        # kinds' torch kernels are timed with it, and a lowered plan keeps it for the qlinears left in torch)
+        dispatch = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights,
+                                   resolve_threads())
+        trial_meta = functools.cache(lambda: {**plan.meta, "kernel_choice": {DISPATCH_META: dispatch}})
+        kinds, choice["measured"] = choose_segments(graph, segments, built, echo, dispatch)
+        unlowered = _unlowered_beats_int8(graph, plan, segments, built, kinds, choice, reference, trial_meta(),
+                                          batch_invariant)
+        if unlowered is not None:
+            return unlowered, {}
         int8, gate = gate_int8_activations(
             graph, plan, segments, built, kinds, reference,
             lambda models, keep: trial_plan(plan, trial_meta(), segments, models, keep))
@@ -124,6 +136,45 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
 
 INVARIANT_NO_GRAPH = ("batch-invariant (--batch-invariant on): its attention rounds otherwise than the native "
                       "kernel prefills run")
+
+
+NOT_CHECKED = ("not checked on the calibration text: the unlowered plan measured faster than the lowered one even "
+               "with int8 activations wherever they were a candidate")
+
+
+def _unlowered_beats_int8(graph: Graph, plan: Plan, segments: list, built, kinds: list[dict], choice: dict,
+                          reference, trial_meta: dict, batch_invariant: bool) -> Plan | None:
+    """The unlowered plan, recorded as _whole_plan records it, where a whole decode step shows it cheaper than
+    the lowered plan with every int8-activation candidate on int8 activations; else None. Those candidates
+    measured faster than the kernels the lowered plan runs otherwise, so a lowered plan losing with all of
+    them loses with any subset the calibration check (ort_accuracy.py, two runs of the whole model over the
+    calibration text: ~8 s of SmolLM2's compile) could accept, and the check is skipped. Tried only where
+    the check would run and whole decode steps decide the plan."""
+    candidates = [i for i, kind in enumerate(kinds) if kind.get("int8_candidate")]
+    if reference is None or not candidates or int8_gain(kinds, candidates) < MIN_GAIN:
+        return None
+    hopeful = {id(k): {**k, "chosen": INT8_ACTIVATIONS} if k.get("int8_candidate") else k for k in kinds}
+    trial_choice = {**choice, "measured": {**choice["measured"], "kinds": list(hopeful.values())}}
+    models = built.overlay({i: SegmentModels(graph, segments, INT8_COMPUTE)[i] for i in candidates})
+    chosen = [hopeful[id(kind)]["chosen"] != "cpu" for kind in kinds]
+    if batch_invariant:
+        chosen = _invariant_segments(models, chosen, set(candidates), {})
+    steps, files = lowered_steps(plan, segments, models, chosen)
+    lowered, cpu_plan = restep(plan, steps), restep(plan, plan.steps)
+    lowered.meta, cpu_plan.meta = {**plan.meta, "kernel_choice": trial_choice}, trial_meta
+    if whole_plan_question(cpu_plan, lowered) is not None or whole_step_refusal(graph) is not None:
+        return None
+    levels = {node.name: INT8_COMPUTE for i in candidates for node in segments[i].nodes}
+    lowered.meta["decode_graph"] = {"chosen": False, "why": INVARIANT_NO_GRAPH} if batch_invariant else \
+        plan_decode_graph(graph, lowered, files, "auto", FP32_COMPUTE, levels, measure_step=False)
+    verdict = choose_whole_plan(graph, cpu_plan, lowered, files, trial_choice)
+    if verdict["chosen"] != "cpu" or verdict.get("why", "").startswith(BUSY):
+        return None
+    for i in candidates:
+        kinds[i].setdefault("excluded", {})[INT8_ACTIVATIONS] = NOT_CHECKED
+    choice["whole_plan"] = {**verdict, "lowered": "int8 activations wherever a candidate (unchecked)"}
+    cpu_plan.meta = {**cpu_plan.meta, "kernel_choice": {**choice, **cpu_plan.meta["kernel_choice"]}}
+    return cpu_plan
 
 
 def _invariant_segments(built, chosen: list[bool], int8: set[int], choice: dict) -> list[bool]:

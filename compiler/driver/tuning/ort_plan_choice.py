@@ -24,6 +24,7 @@ from llmc.runtime.native_decode import COVERED
 # to this many bytes of weights; above it each candidate would hold the model again, and the per-launch
 # overhead a whole step shows beyond the segments' own timings is small against streaming the weights
 WHOLE_STEP_LIMIT = 512 * 2**20
+BUSY = "measured on a busy machine"   # how a choice made on busy timings begins its why
 
 
 def whole_step_refusal(graph: Graph) -> str | None:
@@ -63,7 +64,7 @@ def choose_whole_plan(graph: Graph, cpu_plan, lowered, files: dict[str, bytes], 
     chosen, why = pick(ranges, DEFAULTS)
     busy = getattr(timings, "measured", {}).get("busy")
     if busy:
-        chosen, why = "cpu", f"measured on a busy machine ({busy}): the unlowered plan, the default, stays"
+        chosen, why = "cpu", f"{BUSY} ({busy}): the unlowered plan, the default, stays"
     return {"chosen": chosen, "step_us": dict(timings), "prefill_extra_us": round(prefill_us, 1),
             "cost": f"prefill + {PREFILL_TOKENS} x decode", **({"why": why} if why else {})}
 
@@ -84,5 +85,5 @@ def request_ranges(timings, names, prefill_us: float) -> dict[str, tuple[float, 
             for name, (low, high) in step_ranges(timings, names).items()}
 
 
-__all__ = ["prefill_extra_us", "request_ranges", "choose_whole_plan", "whole_plan_question", "whole_step_refusal",
-           "WHOLE_STEP_LIMIT"]
+__all__ = ["BUSY", "prefill_extra_us", "request_ranges", "choose_whole_plan", "whole_plan_question",
+           "whole_step_refusal", "WHOLE_STEP_LIMIT"]

@@ -85,15 +85,16 @@ def sample_inputs(graph: Graph, names: list[str], tokens: int) -> list[torch.Ten
 
 class TorchSegment:
     """The segment's nodes run as the cpu plan runs them (kernels with their load-time packing, the
-    quantised linears' switch to dense GEMMs, probed at the two token counts timed here: the whole
-    probe is measured for the plan only for the qlinears that stay in torch)."""
+    quantised linears' switch to dense GEMMs: as `dispatch`, the plan's record of it, says, or probed
+    at the two token counts timed here where none is given)."""
 
-    def __init__(self, graph: Graph, seg, threads: int):
+    def __init__(self, graph: Graph, seg, threads: int, dispatch: dict | None = None):
         self.seg = seg
         self.launches = []
         steps = [(f"cpu.{n.op}", n.inputs, n.attrs) for n in seg.nodes]
         weights = segment_weights(graph, seg)
-        record = dispatch_record(steps, weights, threads, rows=(1, PREFILL_TOKENS))
+        record = dispatch if dispatch is not None else dispatch_record(steps, weights, threads,
+                                                                       rows=(1, PREFILL_TOKENS))
         meta = {"kernel_choice": {DISPATCH_META: record}}
         for node in seg.nodes:
             fn = resolve_kernel(f"cpu.{node.op}")
@@ -211,17 +212,20 @@ def request_cost(us: dict[str, float]) -> float:
     return us["prefill"] + PREFILL_TOKENS * us["decode"]
 
 
-def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tuple[list[dict], dict]:
+def choose_segments(graph: Graph, segments: list, built: list, echo=None,
+                    dispatch: dict | None = None) -> tuple[list[dict], dict]:
     """Each segment's kind (one dict shared by the segments of a kind: what was measured, the family
     `chosen` for it, `int8_candidate` where ORT on int8 activations would be faster still), and
-    the record of what was measured (plan.meta)."""
+    the record of what was measured (plan.meta). `dispatch`, the plan's qlinear dispatch record
+    (qlinear_dispatch.py), is how the torch kernels are timed switching to dense GEMMs; without it
+    each kind probes its own shapes at the two token counts timed."""
     threads = resolve_threads()
     kinds: dict[str, dict] = {}
     chosen = []
     for i, seg in enumerate(segments):
         key = signature(graph, seg)
         if key not in kinds:
-            kinds[key] = _kind(graph, seg, *built[i], threads, key)
+            kinds[key] = _kind(graph, seg, *built[i], threads, key, dispatch)
         kinds[key]["segments"] += 1
         chosen.append(kinds[key])
     record = {"threads": threads, "tokens": {"decode": 1, "prefill": PREFILL_TOKENS},
@@ -229,7 +233,7 @@ def choose_segments(graph: Graph, segments: list, built: list, echo=None) -> tup
     return chosen, record
 
 
-def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> dict:
+def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str, dispatch: dict | None = None) -> dict:
     """One kind's record: what was measured (from the machine's cache when it was measured before)
     and the choice."""
     entry = {"first": seg.span, "ops": _op_counts(seg), "segments": 0}
@@ -243,8 +247,9 @@ def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> d
                                                  f"at once; the torch kernels, the default, run it"}
     measured, how = recall_measured({"what": "ort segment", "signature": key, "onnx": hashlib.sha256(model).hexdigest(),
                                      "threads": threads, "tokens": PREFILL_TOKENS, "repeats": REPEATS,
-                                     "clear_cuts": CLEAR_CUTS, "native": native_key()},
-                                    lambda: _measure_kind(graph, seg, model, builder, threads),
+                                     "clear_cuts": CLEAR_CUTS, "native": native_key(),
+                                     "dispatch": None if dispatch is None else _dispatch_key(dispatch)},
+                                    lambda: _measure_kind(graph, seg, model, builder, threads, dispatch),
                                     lambda value: _verdict(value).get("close"))
     verdict = _verdict(measured)
     if how.get("busy") and verdict["chosen"] != "cpu":
@@ -253,13 +258,18 @@ def _kind(graph: Graph, seg, model: bytes, builder, threads: int, key: str) -> d
     return {**entry, **measured, **verdict}
 
 
-def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int) -> dict:
+def _dispatch_key(dispatch: dict) -> dict:
+    """What of a dispatch record the torch kernels' timings depend on: each shape's switch."""
+    return {shape: entry.get("dense_from") for shape, entry in sorted(dispatch.get("shapes", {}).items())}
+
+
+def _measure_kind(graph: Graph, seg, model: bytes, builder, threads: int, dispatch: dict | None = None) -> dict:
     io = lambda names: [(n, graph.type_of(n)) for n in names]
     session = lambda m, b: OrtSegment(m, b.values, io(seg.inputs), io(seg.outputs), threads, f"segment {seg.span}")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        runners = {"cpu": TorchSegment(graph, seg, threads), "ort": session(model, builder)}
+        runners = {"cpu": TorchSegment(graph, seg, threads, dispatch), "ort": session(model, builder)}
         if (MS_DOMAIN, "MatMulNBits") in segment_ops(model):
             runners[INT8_ACTIVATIONS] = session(*ort_lowering.build_segment(graph, seg, INT8_COMPUTE))
         outputs: dict = {}
