@@ -168,7 +168,8 @@ static inline __attribute__((always_inline)) void block_q4(const uint8_t *q, con
     const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * b)));
     __m512i lo = _mm512_and_si512(w, _mm512_set1_epi16(15)), hi = _mm512_srli_epi16(w, 4);
-    __m512 s = G == 32 ? _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 2 * b)))))
+    __m512 s = G == 32 ? _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(
+                             _mm_castpd_ps(_mm_load_sd((const double *)(sc + 2 * b)))))
                        : _mm512_set1_ps(sc[b * BLOCK / G]);
     for (int64_t r = 0; r < M; r++) {
         const int16_t *x = a->codes + r * k + BLOCK * b;
