@@ -36,20 +36,22 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [cpu_native.q4_weights(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8),
                                      (torch.rand(N, K // GROUP) * 0.01).half(),
-                                     (torch.randn(N, K // GROUP) * 0.01).half(), zero_point=False)
+                                     (torch.randn(N, K // GROUP) * 0.01).half(), False, "int8")
                for _ in range(COUNT)]
     if weights[0] is None or not cpu_native.available():
         raise SystemExit(f"the native GEMV does not run here: {cpu_native.status()}")
     each = sum(t.numel() * t.element_size() for t in (weights[0].packed, weights[0].scales, weights[0].other))
     x = torch.randn(1, K)
-    dram = best_seconds(lambda: [cpu_native.gemv_q4(x, w) for w in weights], 4)
-    cached = best_seconds(lambda: [cpu_native.gemv_q4(x, weights[0]) for _ in range(10)], 4) / 10
+    for name in cpu_native.Q4_ACTIVATIONS:   # the same weights on each activation rounding
+        ws = [w._replace(int8=name == "int8") for w in weights]
+        dram = best_seconds(lambda: [cpu_native.gemv_q4(x, w) for w in ws], 4)
+        cached = best_seconds(lambda: [cpu_native.gemv_q4(x, ws[0]) for _ in range(10)], 4) / 10
+        print(f"threads {args.threads}, {name} activations: Q4 GEMV in DRAM {COUNT * each / dram / 1e9:.1f} GB/s, "
+              f"in cache {each / cached / 1e9:.1f} GB/s")
     big = torch.empty((2048 << 20) // (4 * K), K).fill_(1.0)
     ones = torch.ones(K)
     mv = best_seconds(lambda: torch.mv(big, ones), 3)
-    print(f"threads {args.threads}: Q4 GEMV in DRAM {COUNT * each / dram / 1e9:.1f} GB/s, "
-          f"in cache {each / cached / 1e9:.1f} GB/s; torch.mv fp32 over 2 GiB {big.numel() * 4 / mv / 1e9:.1f} GB/s "
-          f"({cpu_native.status()})")
+    print(f"torch.mv fp32 over 2 GiB {big.numel() * 4 / mv / 1e9:.1f} GB/s ({cpu_native.status()})")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,8 @@ def rank_plan(graph: Graph, tgt: Target, opts: CompileOptions, echo):
     if tuning is not None:
         plan.meta["autotune"] = tuning
     plan.meta["batch_invariant"] = opts.batch_invariant == "on"   # the runtime's default mode (--batch-invariant)
+    if tgt.device == "cpu":   # how the native 4-bit GEMVs round activations (llmc.load may override it)
+        plan.meta["q4_activations"] = opts.q4_activations
     policy = kv_policy(opts.kv_policy, opts.kv_budget, opts.kv_recent, opts.kv_sinks)
     if policy is not None:   # the runtime's default KV policy (runtime/kv_policy.py); llmc.load may override it
         plan.meta["kv_policy"] = policy.as_meta()

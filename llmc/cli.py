@@ -285,6 +285,13 @@ def batch_invariant_option(f):
                              "count. Default: as the artifact was compiled (on unless --batch-invariant off).")(f)
 
 
+def q4_activations_option(f):
+    return click.option("--q4-activations", type=click.Choice(["int8", "int16"]), default=None,
+                        help="How the native 4-bit GEMVs round activations: int8 codes per block of 32 (llama.cpp's "
+                             "Q8 rounding, the faster) or int16 per 64. Default: as the artifact was compiled "
+                             "(int8 unless --q4-activations int16).")(f)
+
+
 def kv_policy_options(f):
     """--kv-policy and its budget, as the compile flags of the same names (runtime/kv_policy.py)."""
     for flag, kwargs in reversed((
@@ -385,10 +392,11 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @speculative_options
 @ring_attention_option
 @batch_invariant_option
+@q4_activations_option
 @kv_policy_options
 def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens, temperature, top_p, top_k, seed, stop,
         kv_memory, json_schema, regex, grammar, device, threads, speculative, num_speculative_tokens,
-        ring_attention_threshold, batch_invariant, kv_policy, kv_budget, kv_recent, kv_sinks):
+        ring_attention_threshold, batch_invariant, q4_activations, kv_policy, kv_budget, kv_recent, kv_sinks):
     """Generate from one prompt (streamed) or many (batched together). With --json-schema, --regex or
     --grammar the output is constrained to it."""
     threads = _threads(threads)
@@ -405,7 +413,7 @@ def run(artifact, prompt, prompts_file, prompt_file, chat, no_stream, max_tokens
         raise LlmcError("no prompt given; pass --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin")
     model = llmc.load(artifact, kv_memory=kv_memory, device=device, threads=threads, speculative=speculative,
                       ring_attention_threshold=ring_attention_threshold, batch_invariant=_invariant(batch_invariant),
-                      **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks))
+                      q4_activations=q4_activations, **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks))
     params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
     params.structured_outputs = _compiled(model, structured)
     if chat:
@@ -505,12 +513,13 @@ def chat(artifact, system, max_tokens, temperature, top_p, top_k, seed, stop, kv
 @speculative_options
 @ring_attention_option
 @batch_invariant_option
+@q4_activations_option
 @kv_policy_options
 def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spread, output_spread, prefix_len, qps,
           seed, workload_kind, ignore_eos, long_fraction, long_input_len, kv_memory, max_num_seqs,
           max_num_batched_tokens, no_prefix_caching, baseline, baseline_batch_size, as_json, plot, bandwidth,
           gemm_peak, remeasure, repeat, device, threads, speculative, num_speculative_tokens,
-          ring_attention_threshold, batch_invariant, kv_policy, kv_budget, kv_recent, kv_sinks):
+          ring_attention_threshold, batch_invariant, q4_activations, kv_policy, kv_budget, kv_recent, kv_sinks):
     """Benchmark ARTIFACT on a synthetic workload; optionally against HF transformers. With
     --speculative, the same workload runs first without it, and the JSON's "speculative" holds the
     acceptance figures and the speedup."""
@@ -553,6 +562,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                                                enable_prefix_caching=not no_prefix_caching, device=device,
                                                threads=threads, ring_attention_threshold=ring_attention_threshold,
                                                batch_invariant=_invariant(batch_invariant),
+                                               q4_activations=q4_activations,
                                                recheck_kernels=True if remeasure else None,
                                                **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks)),
                         choose_plan=run_site_plan)
@@ -567,6 +577,7 @@ def bench(artifact, url, api_key, num_requests, input_len, output_len, input_spr
                                                threads=threads, speculative=speculative,
                                                ring_attention_threshold=ring_attention_threshold,
                                                batch_invariant=_invariant(batch_invariant),
+                                               q4_activations=q4_activations,
                                                **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks)),
                         choose_plan=run_site_plan)
         warm_up(engine)
@@ -628,13 +639,17 @@ def _bench_url(url, artifact, api_key, workload_kind, as_json, qps, workload) ->
 
 
 def _native_kernels(engine) -> str:
-    """The native kernels' status, whether the GEMVs round activations to int16 codes, and how much of the
-    weights the decode program streams sits on huge pages."""
+    """The native kernels' status, how the GEMVs round activations (int8 codes for the 4-bit ones where the
+    artifact or load asks, else int16), and how much of the weights the decode program streams sits on huge
+    pages."""
     from llmc.codegen.native import cpu_native  # ~12 ms; only bench
-    program = getattr(getattr(engine, "executor", None), "native_decode", None)
+    executor = getattr(engine, "executor", None)
+    program = getattr(executor, "native_decode", None)
     parts = [cpu_native.status()]
     if cpu_native.int16_activations():
-        parts.append("int8/4-bit GEMVs on int16 activations")
+        q4 = getattr(executor, "q4_activations", "int16")
+        parts.append("int8 GEMVs on int16 activations, 4-bit ones on " +
+                     ("int8 activations (llama.cpp's Q8 rounding)" if q4 == "int8" else "int16 activations"))
     if program is not None and program.huge_page_bytes:
         parts.append(f"{program.huge_page_bytes / 2**20:.0f} MiB of weights on huge pages")
     return ", ".join(parts)
@@ -758,11 +773,12 @@ def export(artifact, format_, output, force, quiet):
 @device_option
 @threads_option
 @speculative_options
+@q4_activations_option
 @kv_policy_options
 def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_ms, max_num_seqs, shutdown_timeout,
           kv_memory, max_request_bytes, max_n, metrics_need_key, result_cache, result_cache_ttl,
           semantic_cache_threshold, semantic_cache_entries, disaggregate, device, threads, speculative,
-          num_speculative_tokens, kv_policy, kv_budget, kv_recent, kv_sinks):
+          num_speculative_tokens, q4_activations, kv_policy, kv_budget, kv_recent, kv_sinks):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions),
     with /health and Prometheus /metrics. Requests leave the queue by priority, then fairly between
     `user`s (weighted fair queueing on tokens). SIGTERM drains: admission stops, running requests get
@@ -776,7 +792,7 @@ def serve(artifact, host, port, api_key, served_model_name, max_queue, ttft_slo_
                    semantic_cache_threshold=semantic_cache_threshold, semantic_cache_entries=semantic_cache_entries,
                    disaggregate=disaggregate, device=device,
                    threads=_threads(threads), max_num_seqs=max_num_seqs,
-                   speculative=_speculative(speculative, num_speculative_tokens),
+                   speculative=_speculative(speculative, num_speculative_tokens), q4_activations=q4_activations,
                    **_kv_policy(kv_policy, kv_budget, kv_recent, kv_sinks))
 
 

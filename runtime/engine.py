@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
+from llmc.codegen.native.cpu_native import Q4_ACTIVATIONS
 from llmc.compiler.artifact import load_tokenizer, read_artifact
 from llmc.compiler.ops import TORCH_DTYPES
 from llmc.errors import RuntimeLlmcError
@@ -69,6 +70,9 @@ class EngineConfig:
     # a sequence's logits the same bits whatever else is in the step (runtime/batch_invariance.py);
     # None: as the artifact was compiled (--batch-invariant, default on); False allows the faster kernels
     batch_invariant: bool | None = None
+    # how the native 4-bit GEMVs round activations (cpu_native.Q4_ACTIVATIONS: "int8" per block of 32, llama.cpp's
+    # Q8 rounding, or "int16" per 64); None: as the artifact was compiled (--q4-activations)
+    q4_activations: str | None = None
     # re-check the artifact's kernel choices on this machine at load (the driver's run_site.py, given as
     # Engine(choose_plan=...)): True always, False never; None: $LLMC_RECHECK_KERNELS, else where this is
     # not the machine (CPU, threads) that chose them or its timings were taken busy
@@ -93,6 +97,9 @@ class EngineConfig:
         for name in ("batch_invariant", "recheck_kernels"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True, False or None")
+        if self.q4_activations not in (None, *Q4_ACTIVATIONS):
+            raise RuntimeLlmcError(f"engine option q4_activations={self.q4_activations!r} must be one of "
+                                   f"{', '.join(Q4_ACTIVATIONS)} or None")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "check_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise RuntimeLlmcError(f"engine option {name}={getattr(self, name)!r} must be True or False")
@@ -177,7 +184,7 @@ class Engine:
         if choose_plan is not None and self.device.type == "cpu":
             plan, data = choose_plan(art, plan, config.threads, config.recheck_kernels, invariant)
         self.executor = PlanExecutor(plan, art.weights, self.device, check_kernels=config.check_kernels,
-                                     data=data, batch_invariant=invariant)
+                                     data=data, batch_invariant=invariant, q4_activations=config.q4_activations)
         self.max_model_len = self.model["max_position_embeddings"]
         num_blocks = num_blocks_for_budget(parse_bytes(config.kv_memory), self.model["kv_bytes_per_token"],
                                            config.block_size)

@@ -47,12 +47,15 @@ class PlanExecutor:
     (a debug check, for tests) fails a step that launches a Triton kernel it does not record."""
 
     def __init__(self, plan: Plan, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                 check_kernels: bool = False, data: dict[str, bytes] | None = None, batch_invariant: bool = False):
+                 check_kernels: bool = False, data: dict[str, bytes] | None = None, batch_invariant: bool = False,
+                 q4_activations: str | None = None):
         self.plan = plan
         # every row's results the same bits whatever else is in the step (runtime/batch_invariance.py)
         self.family = kernel_family(plan)
         self.attention = attention_kind(self.family, plan.target)   # runtime/attention_backends.py
         self.batch_invariant = batch_invariant and self.device_is_cpu(device) and self.attention.batch_invariant
+        # how the native 4-bit GEMVs round activations: the load's choice, else the artifact's
+        self.q4_activations = q4_activations or cpu_kernels.q4_activations(plan.meta)
         self._data = data or {}   # the artifact's data files by path (ONNX segments)
         self.device = torch.device(device)
         # Triton kernels on the CPU run through the interpreter: progress is shown (_walk_shown)
@@ -279,7 +282,8 @@ class PlanExecutor:
             return attrs
         params = [self._params[r] if r < len(self._params) else None for r in args]
         # the mode this load runs, over the one the plan records (the compile's default)
-        meta = {**self.plan.meta, batch_invariance.META_KEY: self.batch_invariant}
+        meta = {**self.plan.meta, batch_invariance.META_KEY: self.batch_invariant,
+                cpu_kernels.Q4_ACTIVATIONS: self.q4_activations}
         return {**attrs, **prepare(params, attrs, meta)}
 
     @torch.inference_mode()

@@ -7,9 +7,10 @@ attention itself), each costing 2-5 us of dispatch for about a microsecond of ar
 here. Likewise a residual add and its norm where quantised GEMMs read the norm, and the int8 and 4-bit
 GEMVs themselves: on activations rounded to int16 codes per block of 64 where the CPU has AVX-512 BW
 (gemv_int16.c: at most 2^-16 of a block's largest value off, where torch's int8 kernel rounds them to
-bf16, 2^-9 of each), else on fp32 ones. Without a compiler (or with LLMC_NATIVE=0) the torch kernels
-run instead: both compute the same function to fp32 rounding (to those roundings for the GEMVs), and
-`llmc bench` prints which ran (`status`).
+bf16, 2^-9 of each), the 4-bit ones to int8 codes per block of 32 where the artifact asks (its
+--q4-activations, int8 by default: llama.cpp's Q8_1 rounding, 2^-8), else on fp32 ones. Without a
+compiler (or with LLMC_NATIVE=0) the torch kernels run instead: both compute the same function to fp32
+rounding (to those roundings for the GEMVs), and `llmc bench` prints which ran (`status`).
 
 What the C code trusts, these wrappers check: dtype float32, the strides it reads, sizes."""
 
@@ -50,15 +51,14 @@ SIGNATURES = {
     "llmc_decode_attention_int4": [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "llmc_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F],
     "llmc_gemv_q8": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I],
-    "llmc_gemv_q4": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I],
+    "llmc_gemv_q4": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I, _I],
     "llmc_gemv_f32": [_P, _I, _I, _P, _P, _I, _I, _P, _I],
     "llmc_swiglu": [_P, _I, _I, _I, _P],
     "llmc_decode_program": [_P, _I, _P],
     "llmc_openmp": [],
     "llmc_gemv_int16": [_I],
     "llmc_gemv_int16_built": [],
-    "llmc_gemv_int8": [_I],
-    "llmc_gemv_int8_built": [],
+    "llmc_gemv_q4_int8_fits": [_I, _I],
 }
 OPENMP = ("-fopenmp",)   # for the GEMV's threads; without it (a compiler lacking OpenMP) that GEMV stays off
 
@@ -151,9 +151,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     _bind(lib, target)
     lib.openmp = bool(lib.llmc_openmp())
     lib.llmc_gemv_int16(os.environ.get("LLMC_INT16_ACTIVATIONS", "1") != "0")
-    lib.llmc_gemv_int8(_int8_setting())
-    if _int8_setting():
-        _warn_no_int8(lib)
     threads = "OpenMP" if lib.openmp else "no OpenMP: the int8 GEMV runs on one thread only"
     return lib, f"on ({Path(compiler).name}, {' '.join(FLAGS[:2])}, {threads})"
 
@@ -167,7 +164,7 @@ def _bind(lib: ctypes.CDLL, target: Path) -> None:
             raise LlmcError(f"native kernel library '{target}' has no symbol {name} (built from other sources?); "
                             f"delete it to rebuild, or set LLMC_NATIVE=0 to run the torch kernels") from None
         fn.argtypes, fn.restype = argtypes, None
-    for name in ("llmc_openmp", "llmc_gemv_int16", "llmc_gemv_int16_built", "llmc_gemv_int8", "llmc_gemv_int8_built"):
+    for name in ("llmc_openmp", "llmc_gemv_int16", "llmc_gemv_int16_built", "llmc_gemv_q4_int8_fits"):
         getattr(lib, name).restype = ctypes.c_int64
 
 
@@ -189,49 +186,16 @@ def fp32_activations():
         set_int16_activations(previous)
 
 
-INT8_ENV = "LLMC_INT8_ACTIVATIONS"
+# how the 4-bit GEMVs round their activations (an artifact's `--q4-activations`): int8 codes per block of 32
+# as llama.cpp's Q8 activations (2^-8 of a block's largest value off; the default), or int16 codes per 64
+Q4_ACTIVATIONS = ("int8", "int16")
 
 
-def _int8_setting() -> bool:
-    value = os.environ.get(INT8_ENV, "0")
-    if value not in ("0", "1"):
-        raise LlmcError(f"{INT8_ENV}={value!r}: use 1 (4-bit GEMVs on int8 activations, llama.cpp's rounding) "
-                        f"or 0 (int16 activations, the default)")
-    return value == "1"
-
-
-def set_int8_activations(on: bool) -> bool:
-    """Whether the 4-bit GEMV rounds its activations to int8 codes per block of 64 (llama.cpp's Q8
-    activations: 2^-8 of a block's largest value off, against the int16 path's 2^-16) where the CPU has
-    AVX-512 VNNI and K is a multiple of 128, for ~1.35x the int16 path's rate over weights in DRAM;
-    off by default (LLMC_INT8_ACTIVATIONS=1 turns it on). Returns the previous setting."""
+def takes_int8(k: int, group: int) -> bool:
+    """Whether the 4-bit GEMV of K `k` in groups of `group` runs on int8 activations where asked (AVX-512 BW,
+    K a multiple of 64, groups of 32, 64 or a multiple of 128; else it stays on int16 ones)."""
     lib = _load()[0]
-    if lib is None:
-        return False
-    if on:
-        _warn_no_int8(lib)
-    return bool(lib.llmc_gemv_int8(int(on)))
-
-
-def _warn_no_int8(lib) -> None:
-    """Int8 activations asked for where this build cannot take them: said once, not silently dropped."""
-    if not lib.llmc_gemv_int8_built():
-        _warn_once(f"{INT8_ENV}=1: this CPU (or its compiler) has no AVX-512 VNNI, so the 4-bit GEMVs stay on "
-                   f"int16 activations (the default rounding); unset it to silence this")
-
-
-def _int8_shape_refusal(k: int, group: int) -> str | None:
-    """Why the int8-activation GEMV (llmc_gemv_q4_int8) does not take weights of K `k` in groups of `group`."""
-    if k % 128:
-        return f"K {k} is not a multiple of 128"
-    if group not in (32, 64) and group % 128:
-        return f"groups of {group} codes are not 32, 64 or a multiple of 128"
-    return None
-
-
-@lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    warn(message)
+    return lib is not None and bool(lib.llmc_gemv_int16_built()) and bool(lib.llmc_gemv_q4_int8_fits(k, group))
 
 
 def int16_activations() -> bool:
@@ -467,30 +431,30 @@ class Q4Weights(NamedTuple):
     other: torch.Tensor    # zero points or offsets, scales' dtype: [N, K / group], or [1, K / group] for all rows
     zero_point: bool
     group: int
+    int8: bool = False     # activations rounded to int8 codes per block of 32 (else int16 per 64): Q4_ACTIVATIONS
 
 
 def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor | float,
-               zero_point: bool) -> Q4Weights | None:
+               zero_point: bool, activations: str = "int16") -> Q4Weights | None:
     """4-bit codes as stored (uint8 [N, K / 2], two a byte, the even k in the low nibble) with scales and zero
     points or offsets [N, K / group] (or a number: the same zero point everywhere) in gemv_q4's form: as they
     are where both are fp16, else fp16 copies where every value is exactly one, else fp32 ones; None where it
-    cannot run them (groups not a multiple of 32 codes)."""
+    cannot run them (groups not a multiple of 32 codes). `activations` (Q4_ACTIVATIONS): how the GEMV rounds
+    its activations, int8 only where it takes them (takes_int8)."""
+    if activations not in Q4_ACTIVATIONS:
+        raise LlmcError(f"4-bit GEMV activations {activations!r}: use one of {', '.join(Q4_ACTIVATIONS)}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or scales.numel() == 0 or scales.numel() % qweight.shape[0]:
         return None
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     groups = scales.numel() // n
     if k % groups or (k // groups) % 32:
         return None
-    lib = _load()[0]
-    why = _int8_shape_refusal(k, k // groups)
-    if why and lib is not None and lib.llmc_gemv_int8(-1) and lib.llmc_gemv_int8_built():
-        _warn_once(f"{INT8_ENV}=1: 4-bit weights of K {k}, groups of {k // groups}, stay on int16 activations: "
-                   f"{why}")
     s = scales.reshape(n, groups)
     other = (second.reshape(n, groups) if isinstance(second, torch.Tensor)
              else torch.full((1, groups), float(second), dtype=s.dtype if s.is_floating_point() else F32))
     s, other = _q4_params(s, other)
-    return Q4Weights(qweight.contiguous(), s, other, zero_point, k // groups)
+    return Q4Weights(qweight.contiguous(), s, other, zero_point, k // groups,
+                     activations == "int8" and takes_int8(k, k // groups))
 
 
 def _q4_params(scales: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -515,7 +479,7 @@ def gemv_q4(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) -> t
     y = torch.empty(rows, n, dtype=F32) if out is None else out
     lib.llmc_gemv_q4(x.data_ptr(), x.stride(0), rows, w.packed.data_ptr(), w.scales.data_ptr(), w.other.data_ptr(),
                      q4_other_row(w), w.scales.dtype is torch.float16, w.zero_point, n, k, w.group, y.data_ptr(),
-                     threads)
+                     threads, w.int8)
     return y
 
 
@@ -582,7 +546,7 @@ def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
 
 
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
-           "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations", "set_int8_activations",
+           "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations", "Q4_ACTIVATIONS", "takes_int8",
            "gemv_runs", "gemm",
            "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "q4_other_row", "gemv", "decode_step",
            "cache_pointers",

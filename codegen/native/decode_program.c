@@ -13,7 +13,7 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
                   int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
 void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s, const void *o,
                   int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y,
-                  int64_t threads);
+                  int64_t threads, int64_t int8);
 void llmc_gemv_f32(const float *x, int64_t x_stride, int64_t m, const float *w, const float *bias, int64_t n,
                    int64_t k, float *y, int64_t threads);
 void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
@@ -75,7 +75,7 @@ void llmc_decode_program(const int64_t *ops, int64_t n_ops, const int64_t *step)
             break;
         case OP_GEMV_Q4:
             llmc_gemv_q4(P(1, const float *), op[2], m, P(3, const uint8_t *), P(4, const void *), P(12, const void *),
-                         op[13], op[5], op[11], op[6], op[7], op[8], P(9, float *), threads);
+                         op[13], op[5], op[11], op[6], op[7], op[8], P(9, float *), threads, op[14]);
             if (op[10]) add_bias(P(9, float *), P(10, const float *), m, op[6]);
             break;
         case OP_GEMV_F32:

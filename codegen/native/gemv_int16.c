@@ -16,23 +16,16 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static int64_t enabled = 1;
-static int64_t int8_q4 = 0;
 
-/* whether the GEMVs take int16 activations where they can (1, the default) or stay on fp32 ones (0); -1
- * only asks. Returns the setting before (the tests and bench/decode_step.py compare the two). */
+/* whether the GEMVs take integer activations (int16 codes, or int8 where a 4-bit GEMV is asked for them) where
+ * they can (1, the default) or stay on fp32 ones (0); -1 only asks. Returns the setting before (the tests
+ * and bench/decode_step.py compare the two). */
 int64_t llmc_gemv_int16(int64_t on) {
     int64_t was = enabled;
     if (on >= 0) enabled = on;
-    return was;
-}
-
-/* whether the 4-bit GEMV takes int8 activations where it can (1) instead of int16 ones (0, the default);
- * -1 only asks. Returns the setting before. See llmc_gemv_q4_int8 below. */
-int64_t llmc_gemv_int8(int64_t on) {
-    int64_t was = int8_q4;
-    if (on >= 0) int8_q4 = on;
     return was;
 }
 
@@ -45,14 +38,6 @@ int64_t llmc_gemv_int16_built(void) {
 #endif
 }
 
-/* whether this build has the 4-bit GEMV on int8 activations (AVX-512 BW and VNNI) */
-int64_t llmc_gemv_int8_built(void) {
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 #if defined(__AVX512BW__)
 #include <immintrin.h>
@@ -326,83 +311,127 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
     return 1;
 }
 
-#ifdef __AVX512VNNI__
-/* ---- the 4-bit GEMV on int8 activations (vpdpbusd), llama.cpp's arithmetic: opt-in ----
+/* ---- the 4-bit GEMV on int8 activations, llama.cpp's rounding (its Q8 activation blocks of 32) ----
  *
- * Activations round to int8 codes round(x * 127 / max|x|) per block of 64 (an error of up to 2^-8 of the
- * block's largest magnitude, as llama.cpp's Q8 activations; the int16 path's is 2^-16), so that the
- * unsigned 4-bit codes multiply them four at a time into int32 lanes: 64 weight bytes (two blocks of 64
- * codes) cost a mask, a shift and two vpdpbusd, one conversion and one FMA per row, against twice that
- * per 32 bytes on int16 codes. On the 2-core Xeon that took the GEMV over weights in DRAM (0.88 GB on
- * huge pages) from 13.5 to 18.2 GB/s against torch.mv's 22, the software prefetch then off: with the
- * loop this cheap the hardware prefetcher keeps up alone, and extra prefetches only take line fill
- * buffers (16.6 GB/s with them). */
+ * Activations round to int8 codes round(x * 127 / max|x|) per block of 32 (an error of up to 2^-8 of the
+ * block's largest magnitude, as llama.cpp's Q8_0/Q8_1 activations, whose scales are fp16 where these are
+ * fp32; the int16 path's is 2^-16 of a block of 64; a group's offset term takes the rounded activations'
+ * sum, as Q8_1's, see quantise_row8), so that the unsigned 4-bit codes multiply them four
+ * at a time into int32 lanes: 64 weight bytes (128 codes) cost a mask, a shift and two vpdpbusd, one
+ * conversion and one FMA per row, against twice that per 32 bytes on int16 codes. On the 2-core Xeon that
+ * took the GEMV over weights in DRAM (0.88 GB on huge pages) from 13.5 to 18.2 GB/s against torch.mv's 22
+ * (the software prefetch off: with the loop this cheap the hardware prefetcher keeps up alone, and extra
+ * prefetches only take line fill buffers), and a Llama-3B prefill of 512 tokens 1.6x. Without VNNI the
+ * same integer sums come from vpmaddubsw + vpmaddwd: a pair of products of a 4-bit and an int8 code is at
+ * most 2 * 15 * 127, inside int16, so nothing saturates and the results are the same bits. */
 
-/* a call's activations: row r's int8 codes at codes + r * k, in the order a 64-byte load of weights
- * unpacks them (per 128 codes: the 64 even ones, partners of the low nibbles, then the 64 odd ones);
- * block scales at scale + r * (k / 64); group sums as struct act16's */
-struct act8 { int8_t *codes; float *scale; float *sums; };
+#ifdef __AVX512VNNI__
+#define DPBUSD(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#else
+#define DPBUSD(acc, u, s) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
+#endif
 
-static void quantise_row8(const float *x, int64_t k, int64_t group, int8_t *codes, float *scale, float *sums) {
+#define BLOCK8 32
+
+/* a call's activations: row r's int8 codes at codes + r * kp (kp: K rounded up to 128, the tail zero), in
+ * the order a 64-byte load of weights unpacks them (per 128 codes: the 64 even ones, partners of the low
+ * nibbles, then the 64 odd ones); block scales at scale + r * (kp / 32) (the tail's 0); group sums (of the
+ * rounded activations) at sums[r * groups + g] */
+struct act8 { int8_t *codes; float *scale; float *sums; int64_t kp; };
+
+/* the largest magnitudes of a block of 64's two halves (v loaded as block_top loads it); bad[h] flags inf
+ * or nan lanes in half h */
+static inline void half_tops(const float *x, __m512 v[4], float top[2], __mmask16 bad[2]) {
+    const __m512 finite = _mm512_set1_ps(FLT_MAX);
+    for (int h = 0; h < 2; h++) {
+        v[2 * h] = _mm512_loadu_ps(x + 32 * h);
+        v[2 * h + 1] = _mm512_loadu_ps(x + 32 * h + 16);
+        __m512 a = _mm512_abs_ps(v[2 * h]), b = _mm512_abs_ps(v[2 * h + 1]);
+        bad[h] = _mm512_cmp_ps_mask(a, finite, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(b, finite, _CMP_NLE_UQ);
+        top[h] = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+    }
+}
+
+/* row x's int8 codes and block scales, and its group sums: of the rounded activations (each block's scale
+ * times its codes' sum), as llama.cpp's Q8_1 keeps them. With 4-bit codes q in 0..15 the weights are
+ * w = q * s + o, o near -8 s; the rounding errors e then enter as sum w e when the sums are the rounded
+ * ones, against s * sum q e (uncentred q) with the unrounded ones: 2.5x the error on SmolLM2's projections. */
+static void quantise_row8(const float *x, int64_t k, int64_t kp, int64_t group, int8_t *codes, float *scale,
+                          float *sums) {
+    memset(codes + k, 0, kp - k);
+    for (int64_t i = k / BLOCK8; i < kp / BLOCK8; i++) scale[i] = 0.f;
+    for (int64_t g = 0; g < k / group; g++) sums[g] = 0.f;
     for (int64_t b = 0; b < k / BLOCK; b++) {
         __m512 v[4];
-        __mmask16 bad;
-        float amax = block_top(x + b * BLOCK, v, &bad);
-        scale[b] = bad ? NAN : amax / 127.f;
-        __m512 inv = _mm512_set1_ps(bad || amax == 0.f ? 0.f : 127.f / amax);
-        int tiny = !bad && amax > 0.f && amax < 1e-30f;
-        /* block b's 32 even codes go to its pair's evens (the first or second 32 of them), its odd to the odds */
-        int8_t *pair = codes + (b / 2) * 128 + (b % 2) * 32;
-        nibble_order(v);
-        for (int u = 0; u < 4; u++) {
-            __m512 c = tiny ? _mm512_div_ps(v[u], _mm512_set1_ps(scale[b])) : _mm512_mul_ps(v[u], inv);
-            _mm_storeu_si128((__m128i *)(pair + (u / 2) * 64 + (u % 2) * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
+        __mmask16 bad[2];
+        float top[2];
+        half_tops(x + b * BLOCK, v, top, bad);
+        __m512 inv[2];
+        int tiny[2];
+        for (int h = 0; h < 2; h++) {
+            scale[2 * b + h] = bad[h] ? NAN : top[h] / 127.f;   /* a non-finite activation makes every output nan */
+            inv[h] = _mm512_set1_ps(bad[h] || top[h] == 0.f ? 0.f : 127.f / top[h]);
+            tiny[h] = !bad[h] && top[h] > 0.f && top[h] < 1e-30f;   /* near where 127 / top overflows: divide */
         }
-    }
-    for (int64_t g = 0; g < k / group; g++) {
-        float s = 0;
-        for (int64_t i = 0; i < group; i++) s += x[g * group + i];
-        sums[g] = s;
+        /* after nibble_order: v[0], v[2] the first half's evens and odds, v[1], v[3] the second's. Block b's
+         * evens go to its pair's evens (the first or second 32 of them), its odds to the odds. */
+        nibble_order(v);
+        int8_t *pair = codes + (b / 2) * 128 + (b % 2) * 32;
+        __m512i total[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int u = 0; u < 4; u++) {
+            int h = u % 2;
+            __m512 c = tiny[h] ? _mm512_div_ps(v[u], _mm512_set1_ps(scale[2 * b + h])) : _mm512_mul_ps(v[u], inv[h]);
+            __m512i q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(c), _mm512_set1_epi32(127)),
+                                         _mm512_set1_epi32(-128));   /* what the saturating store keeps */
+            total[h] = _mm512_add_epi32(total[h], q);
+            _mm_storeu_si128((__m128i *)(pair + (u / 2) * 64 + h * 16), _mm512_cvtepi32_epi8(q));
+        }
+        for (int h = 0; h < 2; h++)
+            sums[(b * BLOCK + h * BLOCK8) / group] += scale[2 * b + h] * (float)_mm512_reduce_add_epi32(total[h]);
     }
 }
 
 static int quantise8(const float *x, int64_t xs, int64_t m, int64_t k, int64_t group, struct act8 *a) {
-    int64_t blocks = k / BLOCK, groups = k / group;
-    char *mem = malloc(m * (k + (blocks + groups) * sizeof(float)));
+    int64_t kp = (k + 127) / 128 * 128, blocks = kp / BLOCK8, groups = k / group;
+    char *mem = malloc(m * (kp + (blocks + groups) * sizeof(float)));
     if (!mem) return 0;
+    a->kp = kp;
     a->scale = (float *)mem;
     a->sums = a->scale + m * blocks;
     a->codes = (int8_t *)(a->sums + m * groups);
     for (int64_t r = 0; r < m; r++)
-        quantise_row8(x + r * xs, k, group, a->codes + r * k, a->scale + r * blocks, a->sums + r * groups);
+        quantise_row8(x + r * xs, k, kp, group, a->codes + r * kp, a->scale + r * blocks, a->sums + r * groups);
     return 1;
 }
 
-/* 128 codes (64 bytes: blocks 2p and 2p + 1) against M rows: dpbusd lane l sums bytes 4l..4l+3, codes
- * 8l..8l + 7 of block 2p + l / 8; so groups of 32 scale lanes in fours, of 64 in eights */
-static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, const struct act8 *a, int64_t k,
-                                                          const int64_t M, const float *sc, const int64_t G,
-                                                          int64_t p, __m512 *acc) {
+/* 128 codes (64 bytes: blocks 2p and 2p + 1; `half`: block 2p alone, the row's last 64 codes) against M
+ * rows: dpbusd lane l sums bytes 4l..4l+3, codes 8l..8l + 7, of activation block 4p + l / 4; so the
+ * activations' scales, and groups of 32's, take lanes in fours, groups of 64 in eights */
+static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, const struct act8 *a, const int64_t M,
+                                                          const float *sc, const int64_t G, int64_t p, int half,
+                                                          __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(15);
-    __m512i w = _mm512_loadu_si512(q + 64 * p);
+    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i w = half ? _mm512_maskz_loadu_epi8(0xffffffffull, q + 64 * p) : _mm512_loadu_si512(q + 64 * p);
     __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-    __m512 s;
+    __m128 s4 = _mm_setzero_ps();
+    __m512 s = _mm512_setzero_ps();
     if (G == 32)
-        s = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                  _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * p)));
+        s4 = half ? _mm_maskz_loadu_ps(3, sc + 4 * p) : _mm_loadu_ps(sc + 4 * p);
     else if (G == 64)
         s = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                  _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 2 * p)))));
+                                  _mm512_castps128_ps512(half ? _mm_maskz_loadu_ps(1, sc + 2 * p)
+                                                              : _mm_castpd_ps(_mm_load_sd((const double *)(sc + 2 * p)))));
     else
         s = _mm512_set1_ps(sc[p * 128 / G]);
-    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t r = 0; r < M; r++) {
-        const int8_t *x = a->codes + r * k + 128 * p;
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
-        d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(x + 64));
-        const float *xs = a->scale + r * (k / BLOCK) + 2 * p;
-        __m512 sx = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)xs))));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, sx), acc[r]);
+        const int8_t *x = a->codes + r * a->kp + 128 * p;
+        __m512i d = DPBUSD(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+        d = DPBUSD(d, hi, _mm512_loadu_si512(x + 64));
+        __m128 x4 = _mm_loadu_ps(a->scale + r * (a->kp / BLOCK8) + 4 * p);
+        __m512 both = G == 32 ? _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(_mm_mul_ps(s4, x4)))
+                              : _mm512_mul_ps(s, _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(x4)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), both, acc[r]);
     }
 }
 
@@ -413,21 +442,26 @@ static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, con
     for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm512_setzero_ps();
     int64_t pairs = k / 128, p = 0;
     for (; p + 2 <= pairs; p += 2) {
-        pair_q4(q, a, k, M, sc, G, p, f);
-        pair_q4(q, a, k, M, sc, G, p + 1, h);
+        pair_q4(q, a, M, sc, G, p, 0, f);
+        pair_q4(q, a, M, sc, G, p + 1, 0, h);
     }
-    if (p < pairs) pair_q4(q, a, k, M, sc, G, p, f);
+    if (p < pairs) pair_q4(q, a, M, sc, G, p++, 0, f);
+    if (k % 128) pair_q4(q, a, M, sc, G, p, 1, h);
     finish_q4(f, h, M, sc, zo, a->sums, k, G, zp, y, n);
 }
 
-/* llmc_gemv_q4's work on int8 activations where turned on (llmc_gemv_int8) and the shapes fit (K a
- * multiple of 128; groups of 32, 64 or a multiple of 128): 1 where done, else 0 */
+/* whether the int8-activation GEMV takes weights of K `k` in groups of `group` (fits, and a pair of blocks
+ * never straddles two groups of more than 64) */
+static int fits8(int64_t m, int64_t k, int64_t group) {
+    return fits(m, k, group) && (group == 32 || group == 64 || group % 128 == 0);
+}
+
+/* llmc_gemv_q4's work on int8 activations where the shapes fit: 1 where done, else 0 */
 int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
                           float *y, int64_t threads) {
     struct act8 a;
-    if (!int8_q4 || !fits(m, k, group) || k % 128 || !(group == 32 || group == 64 || group % 128 == 0) ||
-        !quantise8(x, x_stride, m, k, group, &a))
+    if (!fits8(m, k, group) || !quantise8(x, x_stride, m, k, group, &a))
         return 0;
 #define Q4(M, G) row_q4_8(row, &a, k, M, p, po, zp, G, y + j, n)
 #define Q4_CASE(M) case M: switch (group) { \
@@ -439,15 +473,17 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
     free(a.scale);
     return 1;
 }
-#else
-int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
-                          const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
-                          float *y, int64_t threads) {
-    return 0;
+
+/* whether the 4-bit GEMV of these shapes runs on int8 activations when asked (1) or stays on int16 ones */
+int64_t llmc_gemv_q4_int8_fits(int64_t k, int64_t group) {
+    return enabled && fits8(1, k, group);
 }
-#endif
 
 #else   /* no AVX-512 BW: the fp32-activation loops do all the work */
+
+int64_t llmc_gemv_q4_int8_fits(int64_t k, int64_t group) {
+    return 0;
+}
 
 int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,

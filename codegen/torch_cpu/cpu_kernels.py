@@ -238,7 +238,7 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
             or (attrs.get("has_act_scale") and act_scale is None)):
         return {}
     scheme = attrs["scheme"]
-    native = native_gemv_weights(scheme, qweight, scales, zeros)
+    native = native_gemv_weights(scheme, qweight, scales, zeros, q4_activations(meta))
     extra = {} if native is None else {"native_gemv": native}
     if (meta or {}).get(BATCH_INVARIANT) and cpu_native.gemv_runs() and (native is not None or scheme in DENSE_SCHEMES):
         # every row count through one per-row code path: the GEMVs, else dequantise + the fp32 GEMV
@@ -272,6 +272,13 @@ def packed_run(packed, native=None) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 BATCH_INVARIANT = "batch_invariant"   # the key of plan meta (as the executor passes it) and launch attrs
+Q4_ACTIVATIONS = "q4_activations"     # plan meta (as the executor passes it): cpu_native.Q4_ACTIVATIONS
+
+
+def q4_activations(meta: dict | None) -> str:
+    """How the 4-bit GEMVs round activations for this plan (an artifact without the record: int16, as it
+    was compiled and measured)."""
+    return (meta or {}).get(Q4_ACTIVATIONS) or "int16"
 DENSE_SCHEMES = schemes_where(family=TORCH)   # what dense_source reads
 
 

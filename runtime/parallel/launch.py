@@ -112,8 +112,9 @@ class ShardedModelRunner(LeadRunner):
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def _worker_args(self) -> dict:
-        # the followers run rank 0's invariance mode (the load's batch_invariant, not only the artifact's)
-        return {"ring-threshold": self.ring_threshold, "batch-invariant": int(self.executor.batch_invariant)}
+        # the followers run rank 0's invariance mode and activation rounding (the load's, not only the artifact's)
+        return {"ring-threshold": self.ring_threshold, "batch-invariant": int(self.executor.batch_invariant),
+                "q4-activations": self.executor.q4_activations}
 
     def tell(self, kind: int, payload: torch.Tensor | None = None) -> None:
         send(self._ranks.streams(), kind, payload)

@@ -28,7 +28,8 @@ class PipelineModelRunner(ShardedModelRunner):
             raise
 
     def _worker_args(self) -> dict:
-        return {"tp": self.stage_tp, "batch-invariant": int(self.executor.batch_invariant)}
+        return {"tp": self.stage_tp, "batch-invariant": int(self.executor.batch_invariant),
+                "q4-activations": self.executor.q4_activations}
 
     def _rank_name(self, rank: int) -> str:
         return f"pipeline stage {rank // self.stage_tp} (rank {rank})"

@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--batch-invariant", type=int, choices=(0, 1), default=None)   # rank 0's mode
+    parser.add_argument("--q4-activations", choices=("int8", "int16"), default=None)   # rank 0's
     parser.add_argument("artifact")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         return follow_step({"tp": args.tp, "pp": stages}, executor, cache, attention)
     invariant = None if args.batch_invariant is None else bool(args.batch_invariant)
     return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size, device=args.device,
-                                   local_rank=args.rank, batch_invariant=invariant), join)
+                                   local_rank=args.rank, batch_invariant=invariant,
+                                   q4_activations=args.q4_activations), join)
 
 
 if __name__ == "__main__":

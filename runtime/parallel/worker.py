@@ -37,10 +37,11 @@ from llmc.runtime.threads import apply_threads
 
 
 def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_threshold: int = 0,
-              timeout: float = 60.0, device: str = "cpu", local_rank: int = 0, batch_invariant: bool | None = None):
+              timeout: float = 60.0, device: str = "cpu", local_rank: int = 0, batch_invariant: bool | None = None,
+              q4_activations: str | None = None):
     """(executor, cache, attention backend) of rank `rank`: its plan and weights only, on `device`
     ("cuda": this machine's GPU `local_rank`); prefills of `ring_threshold` tokens or more run ring
-    attention (0: never); `batch_invariant` as rank 0 runs (None: the artifact's mode)."""
+    attention (0: never); `batch_invariant` and `q4_activations` as rank 0 runs (None: the artifact's)."""
     art = read_artifact(path, rank=rank)
     # first: a GPU artifact run on the CPU must choose Triton's interpreter before triton loads
     where = rank_device(resolve_device(art.manifest, device, path), local_rank)
@@ -53,7 +54,8 @@ def load_rank(path: str, rank: int, num_blocks: int, block_size: int, ring_thres
     # rank 0's batch-invariance mode (runtime/batch_invariance.py): a rank rounding otherwise, or not ringing
     # where rank 0 rings, would part from it
     executor = PlanExecutor(plan, art.weights, where,
-                            batch_invariant=compiled_mode(plan) if batch_invariant is None else batch_invariant)
+                            batch_invariant=compiled_mode(plan) if batch_invariant is None else batch_invariant,
+                            q4_activations=q4_activations)
     cache = PagedKVCache(model["num_layers"], num_blocks, block_size, model["num_kv_heads"], model["head_dim"], dtype,
                          device=where)
     attention = ring_backend(executor.paged_backend(cache), art.manifest, ring_threshold, timeout)
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--ring-threshold", type=int, default=0)
     parser.add_argument("--batch-invariant", type=int, choices=(0, 1), default=None)
+    parser.add_argument("--q4-activations", choices=("int8", "int16"), default=None)   # rank 0's
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("artifact")
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return follow_step({"tp": args.world}, executor, cache, attention)
     invariant = None if args.batch_invariant is None else bool(args.batch_invariant)
     return serve(lambda: load_rank(args.artifact, args.rank, args.blocks, args.block_size, args.ring_threshold,
-                                   args.timeout, args.device, args.rank, invariant), join)
+                                   args.timeout, args.device, args.rank, invariant, args.q4_activations), join)
 
 
 def serve(load, join) -> int:

@@ -5,7 +5,6 @@ groups and head sizes on and off the vector fast path; and the torch fallback.""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from llmc.codegen.native import cpu_native
 from llmc.compiler.ops import apply_rope, rope_cos_sin
 from llmc.compiler.quant import pack_int4
+from llmc.errors import LlmcError
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"native kernels {cpu_native.status()}")
 
@@ -283,22 +283,24 @@ def test_only_norms_that_quantised_gemms_read_go_native(tmp_path, compiled):
     torch.testing.assert_close(native, unmarked.run_values(feed)["logits"], rtol=1e-3, atol=1e-3)
 
 
-def _random_q4(g: torch.Generator, n: int, k: int, group: int, zero_point: bool, half: bool):
+def _random_q4(g: torch.Generator, n: int, k: int, group: int, zero_point: bool, half: bool,
+               activations: str = "int16"):
     """Random 4-bit codes [n, k] with scales and zero points (or offsets) per group, fp16-exact where `half`,
-    and their gemv_q4 weights."""
+    and their gemv_q4 weights (on `activations`)."""
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = torch.rand(n, k // group, generator=g) * 0.1 + 1e-3
     second = torch.randint(0, 16, scales.shape, generator=g).float() if zero_point else \
         torch.randn(scales.shape, generator=g) * 0.05
     if half:
         scales, second = scales.half().float(), second.half().float()
-    return codes, scales, second, cpu_native.q4_weights(pack_int4(codes), scales, second, zero_point)
+    return codes, scales, second, cpu_native.q4_weights(pack_int4(codes), scales, second, zero_point, activations)
 
 
-def _int16_rounded(x: torch.Tensor, largest: float = 32767.0) -> torch.Tensor:
-    """x [rows, k] as gemv_int16.c rounds it, in float64: per block of 64, codes round(x * (largest / max|x|))
-    (fp32 product, ties to even) times max|x| / largest; largest 32767 for int16 codes, 127 for int8"""
-    blocks = x.reshape(x.shape[0], -1, 64)
+def _int16_rounded(x: torch.Tensor, largest: float = 32767.0, block: int = 64) -> torch.Tensor:
+    """x [rows, k] as gemv_int16.c rounds it, in float64: per block, codes round(x * (largest / max|x|))
+    (fp32 product, ties to even) times max|x| / largest; int16 codes: largest 32767, blocks of 64; int8 ones:
+    127, blocks of 32"""
+    blocks = x.reshape(x.shape[0], -1, block)
     top = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(top > 0, torch.tensor(largest) / top, torch.zeros(()))
     return (torch.round(blocks * inv).double() * (top / largest).double()).reshape(x.shape)
@@ -414,66 +416,61 @@ def test_gemv_q4_matches_float64(rows, n, k, group, zero_point, half, threads, i
     assert ((y.double() - want).abs().max() / want.abs().max()) < 1e-4
 
 
-def _vnni() -> bool:
-    return "avx512_vnni" in Path("/proc/cpuinfo").read_text() and cpu_native.int16_activations()
-
-
 @pytest.mark.parametrize("rows,n,k,group,zero_point,half,threads", [
     (1, 70, 512, 32, False, True, 2),        # GGUF Q4_1: fp16 scales and offsets per 32 codes
     (3, 33, 384, 32, True, True, 1),         # Q4_0-style zero points, K three pairs of blocks (odd)
+    (2, 45, 576, 32, False, True, 2),        # SmolLM2's K: four pairs of blocks and a half pair
     (cpu_native.MAX_ROWS, 40, 256, 64, True, False, 2),
+    (4, 19, 320, 64, True, False, 2),        # groups of 64 with a half pair
     (2, 21, 1024, 128, False, False, 2),
     (5, 17, 768, 256, True, False, 1)])
 def test_gemv_q4_on_int8_activations_is_its_rounding_exactly(rows, n, k, group, zero_point, half, threads):
-    """With LLMC_INT8_ACTIVATIONS' switch on, the 4-bit GEMV computes s * sum(q * x8) + o * sum(x) per group
-    on x rounded to int8 codes per block of 64 (llama.cpp's activation rounding), within fp32 summation of
-    the float64 reference; off again, it is back on int16 codes. Shapes it cannot take stay on int16."""
-    if not _vnni():
-        pytest.skip("no AVX-512 VNNI: the int8 path is not built")
+    """Weights made for int8 activations compute sum(w * x8) on x rounded to int8 codes per block of 32
+    (llama.cpp's Q8_1 activations: s * sum(q * x8) + o * sum(x8) per group), within fp32 summation of the
+    float64 reference; the same codes made for int16 ones stay on int16 codes per 64."""
+    if not cpu_native.int16_activations():
+        pytest.skip("no AVX-512 BW: the GEMVs multiply fp32 activations")
     from llmc.compiler.quant import dequantize_affine_codes, dequantize_int4_codes
 
     g = torch.Generator().manual_seed(n + group + k)
-    codes, scales, second, w = _random_q4(g, n, k, group, zero_point, half)
+    codes, scales, second, w = _random_q4(g, n, k, group, zero_point, half, "int8")
+    assert w.int8 and cpu_native.takes_int8(k, group)
     x = torch.randn(rows, k + 3, generator=g)[:, 1:1 + k]
-    previous = cpu_native.set_int8_activations(True)
-    try:
-        y = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w))
-    finally:
-        cpu_native.set_int8_activations(previous)
+    x[0, :32] *= 40.0   # one block's largest value far above its neighbours': blocks of 32 keep theirs exact
+    y = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w))
     s, o = scales.double().repeat_interleave(group, 1), second.double().repeat_interleave(group, 1)
     offsets = -s * o if zero_point else o
-    want = _int16_rounded(x, 127.0) @ (s * codes.double()).T + x.double() @ offsets.T
     dense = (dequantize_int4_codes if zero_point else dequantize_affine_codes)(codes, scales, second)
+    want = _int16_rounded(x, 127.0, 32) @ dense.double().T
     exact = x.double() @ dense.double().T
     assert ((y.double() - want).abs().max() / exact.abs().max()) < 1e-6
     assert ((y.double() - exact).abs().max() / exact.abs().max()) < 2e-2     # 2^-8 of each block's largest
-    y16 = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w))
+    w16 = w._replace(int8=False)
+    y16 = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w16))
     rounded16 = _int16_rounded(x) @ (s * codes.double()).T + x.double() @ offsets.T
     assert ((y16.double() - rounded16).abs().max() / exact.abs().max()) < 1e-6
 
 
+def test_gemv_q4_int8_rows_are_batch_invariant():
+    """On int8 activations a row's outputs are the same bits at every row count of a call (1..MAX_ROWS), and
+    a non-finite activation makes its row's outputs nan."""
+    if not cpu_native.int16_activations():
+        pytest.skip("no AVX-512 BW")
+    g = torch.Generator().manual_seed(7)
+    *_, w = _random_q4(g, 37, 576, 32, False, True, "int8")
+    x = torch.randn(cpu_native.MAX_ROWS, 576, generator=g)
+    alone = torch.cat([cpu_native.gemv_q4(x[r:r + 1], w) for r in range(len(x))])
+    for rows in range(2, cpu_native.MAX_ROWS + 1):
+        assert torch.equal(cpu_native.gemv_q4(x[:rows], w), alone[:rows])
+    x[1, 100] = float("inf")
+    y = cpu_native.gemv_q4(x[:2], w)
+    assert torch.equal(y[0], alone[0]) and bool(y[1].isnan().all())
 
-def test_int8_activations_say_once_where_they_cannot_apply(capsys, monkeypatch):
-    """LLMC_INT8_ACTIVATIONS' switch on weights the int8 GEMV cannot take (K not a multiple of 128), or on a
-    build without AVX-512 VNNI, is said in one warning line naming why, not dropped silently."""
-    if not cpu_native.available():
-        pytest.skip("no native kernels")
-    cpu_native._warn_once.cache_clear()
-    previous = cpu_native.set_int8_activations(True)
-    try:
-        for _ in range(2):
-            _random_q4(torch.Generator().manual_seed(1), 8, 192, 64, True, True)
-        _random_q4(torch.Generator().manual_seed(1), 8, 256, 64, True, True)
-        err = capsys.readouterr().err
-        if _vnni():
-            assert err.count("llmc: warning:") == 1 and "K 192 is not a multiple of 128" in err
-        lib = cpu_native._load()[0]
-        monkeypatch.setattr(lib, "llmc_gemv_int8_built", lambda: 0)
-        cpu_native.set_int8_activations(True)
-        assert "has no AVX-512 VNNI" in capsys.readouterr().err
-    finally:
-        cpu_native.set_int8_activations(previous)
-        cpu_native._warn_once.cache_clear()
+
+def test_q4_weights_refuse_an_unknown_activation_rounding():
+    with pytest.raises(LlmcError, match="int4"):
+        _random_q4(torch.Generator().manual_seed(1), 8, 256, 64, True, True, "int4")
+
 
 def test_gemv_int16_activations_keep_non_finite_values():
     """an inf or nan activation makes the outputs nan, as fp32 ones would make them inf or nan; tiny ones

@@ -57,14 +57,17 @@ def test_decode_steps_match_the_walk_and_hf(models, name):
     assert program.end == len(llm.engine.executor.plan.steps)   # the LM head too: logits leave as a copy
     ids = prompt_ids(40, seed=7)
     rounded = cpu_native.int16_activations() and name in ("int8", "int4")
-    # the quantised GEMVs' int16 activation codes round at 2^-16 of a block's largest, so an fp32 rounding
-    # difference upstream (a SwiGLU in torch on the walk, native in the program) can move a code: the walk's
-    # function is checked on fp32 activations, then int16 ones stay within their rounding of it
+    # the quantised GEMVs' activation codes round at 2^-16 (int16) or 2^-8 (int8, the 4-bit GEMVs' default) of
+    # a block's largest, so an fp32 rounding difference upstream (a SwiGLU in torch on the walk, native in the
+    # program) can move a code: the walk's function is checked on fp32 activations, then integer ones stay
+    # within their rounding of it
     with cpu_native.fp32_activations():
         got = paged_logits(llm, ids, prefill_chunks=(10,))
     if rounded:
-        on_int16 = paged_logits(llm, ids, prefill_chunks=(10,))
-        assert max_relative_error(on_int16, got) < 1e-3 and torch.equal(on_int16.argmax(-1), got.argmax(-1))
+        on_codes = paged_logits(llm, ids, prefill_chunks=(10,))
+        int8 = llm.engine.executor.q4_activations == "int8" and name == "int4"
+        assert max_relative_error(on_codes, got) < (2e-2 if int8 else 1e-3)
+        assert (on_codes.argmax(-1) == got.argmax(-1)).float().mean() >= (0.9 if int8 else 1.0)
     _without_program(llm)
     with cpu_native.fp32_activations():
         walked = paged_logits(llm, ids, prefill_chunks=(10,))
