@@ -11,6 +11,7 @@ import torch
 
 from llmc.codegen.family import attention_backend
 from llmc.codegen.family import resolve_kernel as resolve_family_kernel
+from llmc.codegen.native import cpu_native
 from llmc.codegen.plan import ORT_SEGMENT, RECOMPILE, Plan
 from llmc.codegen.torch_cpu import cpu_kernels
 from llmc.codegen.torch_cpu.cpu_kernels import RopeCache
@@ -81,6 +82,8 @@ class PlanExecutor:
         self._registers.update({v: base + s for v, s in plan.memory.slot_of.items()})
         self._num_registers = base + len(plan.memory.slot_bytes)
         self._file_maps = file_mappings() if self.device.type == "cpu" else []   # where the mapped weights lie
+        self._weights_cached = cpu_native.weights_fit_cache(sum(p.numel() * p.element_size() for p in self._params
+                                                                if isinstance(p, torch.Tensor)))
         self._program = [self._launch(i, step) for i, step in enumerate(plan.steps)]
         self._mark_norms_feeding_qlinears()
         if self.batch_invariant:
@@ -283,7 +286,7 @@ class PlanExecutor:
         params = [self._params[r] if r < len(self._params) else None for r in args]
         # the mode this load runs, over the one the plan records (the compile's default)
         meta = {**self.plan.meta, batch_invariance.META_KEY: self.batch_invariant,
-                cpu_kernels.Q4_ACTIVATIONS: self.q4_activations}
+                cpu_kernels.Q4_ACTIVATIONS: self.q4_activations, cpu_kernels.WEIGHTS_CACHED: self._weights_cached}
         return {**attrs, **prepare(params, attrs, meta)}
 
     @torch.inference_mode()

@@ -189,7 +189,7 @@ def _qlinear(enc: _Encoder, step, attrs: dict) -> list:
         enc.weights += [w.packed, w.scales, w.other]
         return [OP_GEMV_Q4, At(x.offset), x.stride, w.packed.data_ptr(), w.scales.data_ptr(),
                 int(w.scales.dtype is torch.float16), n, k, w.group, y, bias, int(w.zero_point), w.other.data_ptr(),
-                cpu_native.q4_other_row(w), int(w.int8)]
+                cpu_native.q4_other_row(w), cpu_native.q4_flags(w)]
     if type(w) is cpu_native.Q8Weights and w.codes.shape == (n, k):
         enc.weights += [w.codes, w.scales]
         return [OP_GEMV_Q8, At(x.offset), x.stride, w.codes.data_ptr(), w.scales.data_ptr(),

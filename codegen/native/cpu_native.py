@@ -432,15 +432,17 @@ class Q4Weights(NamedTuple):
     zero_point: bool
     group: int
     int8: bool = False     # activations rounded to int8 codes per block of 32 (else int16 per 64): Q4_ACTIVATIONS
+    cached: bool = False   # the model's weights sit in the last-level cache: the int8 GEMV fetches rows ahead
 
 
 def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor | float,
-               zero_point: bool, activations: str = "int16") -> Q4Weights | None:
+               zero_point: bool, activations: str = "int16", cached: bool = False) -> Q4Weights | None:
     """4-bit codes as stored (uint8 [N, K / 2], two a byte, the even k in the low nibble) with scales and zero
     points or offsets [N, K / group] (or a number: the same zero point everywhere) in gemv_q4's form: as they
     are where both are fp16, else fp16 copies where every value is exactly one, else fp32 ones; None where it
     cannot run them (groups not a multiple of 32 codes). `activations` (Q4_ACTIVATIONS): how the GEMV rounds
-    its activations, int8 only where it takes them (takes_int8)."""
+    its activations, int8 only where it takes them (takes_int8); `cached`: the model's weights fit the
+    last-level cache (weights_fit_cache)."""
     if activations not in Q4_ACTIVATIONS:
         raise LlmcError(f"4-bit GEMV activations {activations!r}: use one of {', '.join(Q4_ACTIVATIONS)}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or scales.numel() == 0 or scales.numel() % qweight.shape[0]:
@@ -454,7 +456,7 @@ def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor
              else torch.full((1, groups), float(second), dtype=s.dtype if s.is_floating_point() else F32))
     s, other = _q4_params(s, other)
     return Q4Weights(qweight.contiguous(), s, other, zero_point, k // groups,
-                     activations == "int8" and takes_int8(k, k // groups))
+                     activations == "int8" and takes_int8(k, k // groups), cached)
 
 
 def _q4_params(scales: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,8 +481,27 @@ def gemv_q4(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) -> t
     y = torch.empty(rows, n, dtype=F32) if out is None else out
     lib.llmc_gemv_q4(x.data_ptr(), x.stride(0), rows, w.packed.data_ptr(), w.scales.data_ptr(), w.other.data_ptr(),
                      q4_other_row(w), w.scales.dtype is torch.float16, w.zero_point, n, k, w.group, y.data_ptr(),
-                     threads, w.int8)
+                     threads, q4_flags(w))
     return y
+
+
+def q4_flags(w: Q4Weights) -> int:
+    """llmc_gemv_q4's flags for these weights: Q4_INT8 (1), Q4_CACHED (2)."""
+    return int(w.int8) | 2 * int(w.cached)
+
+
+def weights_fit_cache(weight_bytes: int) -> bool:
+    """Whether a model of `weight_bytes` would sit in this CPU's last-level cache, with half of it left for
+    the KV cache and activations (Linux's sysfs; unknown: no)."""
+    index = Path("/sys/devices/system/cpu/cpu0/cache")
+    sizes = []
+    for level in index.glob("index*"):
+        try:
+            text = (level / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return bool(sizes) and weight_bytes <= max(sizes) // 2
 
 
 def q4_other_row(w: Q4Weights) -> int:
@@ -547,6 +568,7 @@ def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
 
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
            "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations", "Q4_ACTIVATIONS", "takes_int8",
+           "q4_flags", "weights_fit_cache",
            "gemv_runs", "gemm",
            "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "q4_other_row", "gemv", "decode_step",
            "cache_pointers",

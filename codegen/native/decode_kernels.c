@@ -30,7 +30,7 @@ int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const ui
 /* and the 4-bit one on int8 activations (llama.cpp's rounding), where the artifact asks for them */
 int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
-                          float *y, int64_t threads);
+                          float *y, int64_t threads, int64_t ahead);
 
 /* rotate-half rotary of one head: y = x * cos + [-x2, x1] * sin */
 static void rotate_head(const float *x, const float *cos, const float *sin, float *y, int64_t hd) {
@@ -700,12 +700,17 @@ static void deinterleave(const float *x, int64_t x_stride, int64_t m, int64_t k,
  * codes q [n, k / 2] as stored (two a byte, the even one low) and per group of `group` codes (a multiple
  * of 32 dividing k) a scale s [n, k / group] and a zero point (zp: w = (q - z) * s) or offset (w = q * s +
  * m) o, `o_row` values a row apart (0: one row for all), both fp16 when f16, else fp32; y [m, n]
- * contiguous. Weight rows split over `threads` as llmc_gemv_q8's. `int8`: on activations rounded to int8
- * codes per block of 32 where the shapes allow (llmc_gemv_q4_int8), else on int16 codes per 64 (or fp32). */
+ * contiguous. Weight rows split over `threads` as llmc_gemv_q8's. `flags` Q4_INT8: on activations rounded to
+ * int8 codes per block of 32 where the shapes allow (llmc_gemv_q4_int8; with Q4_CACHED, the weights sit in
+ * the last-level cache: fetch rows ahead), else on int16 codes per 64 (or fp32). */
+#define Q4_INT8 1
+#define Q4_CACHED 2
 void llmc_gemv_q4(const float *x_, int64_t x_stride, int64_t m, const uint8_t *q, const void *s, const void *o,
                   int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y,
-                  int64_t threads, int64_t int8) {
-    if (int8 && llmc_gemv_q4_int8(x_, x_stride, m, q, s, o, o_row, f16, zp, n, k, group, y, threads)) return;
+                  int64_t threads, int64_t flags) {
+    if ((flags & Q4_INT8) && llmc_gemv_q4_int8(x_, x_stride, m, q, s, o, o_row, f16, zp, n, k, group, y, threads,
+                                               flags & Q4_CACHED ? Q4_PREFETCH_ROWS : 0))
+        return;
     if (llmc_gemv_q4_int16(x_, x_stride, m, q, s, o, o_row, f16, zp, n, k, group, y, threads)) return;
     float *x = malloc(m * k * sizeof(float));
     if (!x) {   /* out of memory for a few rows of activations: nan outputs, never stale ones */

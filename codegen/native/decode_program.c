@@ -13,7 +13,7 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
                   int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
 void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s, const void *o,
                   int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y,
-                  int64_t threads, int64_t int8);
+                  int64_t threads, int64_t flags);
 void llmc_gemv_f32(const float *x, int64_t x_stride, int64_t m, const float *w, const float *bias, int64_t n,
                    int64_t k, float *y, int64_t threads);
 void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,

@@ -320,8 +320,8 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
  * at a time into int32 lanes: 64 weight bytes (128 codes) cost a mask, a shift and two vpdpbusd, one
  * conversion and one FMA per row, against twice that per 32 bytes on int16 codes. On the 2-core Xeon that
  * took the GEMV over weights in DRAM (0.88 GB on huge pages) from 13.5 to 18.2 GB/s against torch.mv's 22
- * (the software prefetch off: with the loop this cheap the hardware prefetcher keeps up alone, and extra
- * prefetches only take line fill buffers), and a Llama-3B prefill of 512 tokens 1.6x. Without VNNI the
+ * (the software prefetch off where the weights are in DRAM: see llmc_gemv_q4_int8), and a Llama-3B prefill
+ * of 512 tokens 1.5x. Without VNNI the
  * same integer sums come from vpmaddubsw + vpmaddwd: a pair of products of a 4-bit and an int8 code is at
  * most 2 * 15 * 127, inside int16, so nothing saturates and the results are the same bits. */
 
@@ -456,10 +456,14 @@ static int fits8(int64_t m, int64_t k, int64_t group) {
     return fits(m, k, group) && (group == 32 || group == 64 || group % 128 == 0);
 }
 
-/* llmc_gemv_q4's work on int8 activations where the shapes fit: 1 where done, else 0 */
+/* llmc_gemv_q4's work on int8 activations where the shapes fit: 1 where done, else 0. The weight rows
+ * `ahead` on (0: none) are fetched into L2 as the int16 path fetches them: where the model's weights sit in
+ * the last-level cache that hides its latency (SmolLM2 on the 2-core Xeon: 85-88 -> 100-103 decode steps/s),
+ * where they stream from DRAM the loop is cheap enough for the hardware prefetcher alone, and extra
+ * prefetches only take line fill buffers (Llama-3B: 7.7-8.0 -> 7.1-7.4). */
 int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
-                          float *y, int64_t threads) {
+                          float *y, int64_t threads, int64_t ahead) {
     struct act8 a;
     if (!fits8(m, k, group) || !quantise8(x, x_stride, m, k, group, &a))
         return 0;
@@ -467,7 +471,7 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
 #define Q4_CASE(M) case M: switch (group) { \
             case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
             default: Q4(M, group); } break;
-    WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(0), k / 2, 0, BY_ROWS(Q4_CASE))
+    WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(ahead), k / 2, ahead, BY_ROWS(Q4_CASE))
 #undef Q4_CASE
 #undef Q4
     free(a.scale);
@@ -487,7 +491,7 @@ int64_t llmc_gemv_q4_int8_fits(int64_t k, int64_t group) {
 
 int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
-                          float *y, int64_t threads) {
+                          float *y, int64_t threads, int64_t ahead) {
     return 0;
 }
 

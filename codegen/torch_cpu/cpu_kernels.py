@@ -238,7 +238,8 @@ def prepare_qlinear(inputs, attrs, meta: dict | None = None) -> dict:
             or (attrs.get("has_act_scale") and act_scale is None)):
         return {}
     scheme = attrs["scheme"]
-    native = native_gemv_weights(scheme, qweight, scales, zeros, q4_activations(meta))
+    native = native_gemv_weights(scheme, qweight, scales, zeros, q4_activations(meta),
+                                 bool((meta or {}).get(WEIGHTS_CACHED)))
     extra = {} if native is None else {"native_gemv": native}
     if (meta or {}).get(BATCH_INVARIANT) and cpu_native.gemv_runs() and (native is not None or scheme in DENSE_SCHEMES):
         # every row count through one per-row code path: the GEMVs, else dequantise + the fp32 GEMV
@@ -273,6 +274,7 @@ def packed_run(packed, native=None) -> Callable[[torch.Tensor], torch.Tensor]:
 
 BATCH_INVARIANT = "batch_invariant"   # the key of plan meta (as the executor passes it) and launch attrs
 Q4_ACTIVATIONS = "q4_activations"     # plan meta (as the executor passes it): cpu_native.Q4_ACTIVATIONS
+WEIGHTS_CACHED = "weights_cached"     # as the executor passes it: the weights fit the last-level cache
 
 
 def q4_activations(meta: dict | None) -> str:

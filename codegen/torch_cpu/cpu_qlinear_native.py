@@ -26,21 +26,22 @@ class NativeGemm(NamedTuple):
     dense: DenseSource
 
 
-def native_gemv_weights(scheme: str, qweight, scales, zeros, activations: str = "int16"):
+def native_gemv_weights(scheme: str, qweight, scales, zeros, activations: str = "int16", cached: bool = False):
     """The native GEMV's form of a qlinear's weights for decode rows (None: it has none): int8 codes
     w = q * s (per channel, or GGUF's Q8_0 blocks), int4 w = (q - z) * s, GGUF's 4-bit blocks w = q * s + m
-    (or (q - 8) * s without minimums, Q4_0), the 4-bit ones on `activations` (cpu_native.Q4_ACTIVATIONS);
-    none either where the native kernels are not built."""
+    (or (q - 8) * s without minimums, Q4_0), the 4-bit ones on `activations` (cpu_native.Q4_ACTIVATIONS),
+    `cached` where the model's weights fit the last-level cache; none either where the native kernels are
+    not built."""
     if not cpu_native.available():
         return None
     if scheme in ("int8", "affine8") and zeros is None:
         return cpu_native.q8_weights(qweight, scales)
     if scheme == "int4" and zeros is not None:
-        return cpu_native.q4_weights(qweight, scales, zeros, True, activations)
+        return cpu_native.q4_weights(qweight, scales, zeros, True, activations, cached)
     if scheme == "affine4":
         if zeros is None:
-            return cpu_native.q4_weights(qweight, scales, AFFINE4_CENTRE, True, activations)
-        return cpu_native.q4_weights(qweight, scales, zeros, False, activations)
+            return cpu_native.q4_weights(qweight, scales, AFFINE4_CENTRE, True, activations, cached)
+        return cpu_native.q4_weights(qweight, scales, zeros, False, activations, cached)
     return None
 
 

@@ -452,8 +452,8 @@ def test_gemv_q4_on_int8_activations_is_its_rounding_exactly(rows, n, k, group, 
 
 
 def test_gemv_q4_int8_rows_are_batch_invariant():
-    """On int8 activations a row's outputs are the same bits at every row count of a call (1..MAX_ROWS), and
-    a non-finite activation makes its row's outputs nan."""
+    """On int8 activations a row's outputs are the same bits at every row count of a call (1..MAX_ROWS) and
+    with rows fetched ahead or not, and a non-finite activation makes its row's outputs nan."""
     if not cpu_native.int16_activations():
         pytest.skip("no AVX-512 BW")
     g = torch.Generator().manual_seed(7)
@@ -462,6 +462,7 @@ def test_gemv_q4_int8_rows_are_batch_invariant():
     alone = torch.cat([cpu_native.gemv_q4(x[r:r + 1], w) for r in range(len(x))])
     for rows in range(2, cpu_native.MAX_ROWS + 1):
         assert torch.equal(cpu_native.gemv_q4(x[:rows], w), alone[:rows])
+    assert torch.equal(cpu_native.gemv_q4(x, w._replace(cached=True)), alone)   # fetching ahead changes no bits
     x[1, 100] = float("inf")
     y = cpu_native.gemv_q4(x[:2], w)
     assert torch.equal(y[0], alone[0]) and bool(y[1].isnan().all())
