@@ -4,7 +4,7 @@ recompute after preemption). Where a kernel's rounding depends on the row count 
 mode, by one whose per-row arithmetic is fixed, the decode program's own kernels (codegen/native):
     fp32 linear      MKL's GEMM rounds a row differently at 1, 2-15 and 16+ rows -> the native fp32 GEMV
     qlinear          the dense GEMM from `dense_from` rows on, torch's packed kernels -> the native GEMVs
-                     (int16 activation codes per row and block) at every row count, MAX_ROWS rows a
+                     (int16 or int8 activation codes per row and block) at every row count, MAX_ROWS rows a
                      call, or dequantise + the native fp32 GEMV where they have no form
     norms, SwiGLU    torch beyond MAX_ROWS rows, native below -> native at every row count
     attention        SDPA for prefill, native for decode, its context split by the batch's size -> native
