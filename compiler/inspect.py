@@ -97,6 +97,7 @@ def report(artifact: str | Path, kv_memory: str = "1GiB") -> dict:
         # cpu: the mode a load runs unless it asks otherwise (--batch-invariant; before the flag: on)
         "batch_invariant": plan_meta.get("batch_invariant", True) is not False,
         "batch_invariant_except": invariance_exceptions(plan, manifest["model"]),
+        "q4_activations": plan_meta.get("q4_activations"),   # cpu: how the 4-bit GEMVs round activations
         "decode_graph": _decode_graph_summary(plan_meta.get("decode_graph")),
         "parallel": manifest.get("parallel"),   # tensor parallel: what each rank holds and runs per step
         "memory_at_load": _memory_at_load(plan, manifest["model"], kv_memory),   # rank 0's
@@ -304,6 +305,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
     if r["target_device"] == "cpu":
         lines += kernel_choice_lines(r["kernel_choice"]) + decode_graph_lines(r["decode_graph"])
         lines.append(batch_invariance_line(r["batch_invariant"], r["batch_invariant_except"]))
+        lines.append(q4_activations_line(r["q4_activations"]))
     if brief:
         return "\n".join(lines)
     lines.append("  passes:")
@@ -331,6 +333,16 @@ def invariance_exceptions(plan: dict, model: dict) -> list[str]:
     if any(s["kernel"] == "cpu.flash_attention" and s["attrs"].get("softcap") is not None for s in plan["steps"]):
         out.append("soft-capped attention")
     return out
+
+
+def q4_activations_line(mode: str | None) -> str:
+    """How the native 4-bit GEMVs round activations unless a load asks otherwise (--q4-activations)."""
+    if mode == "int8":
+        return ("  4-bit GEMV activations: int8 codes per block of 32, llama.cpp's Q8_1 rounding "
+                "(llmc.load(..., q4_activations=\"int16\") for int16 codes per 64)")
+    why = "--q4-activations int16" if mode == "int16" else "compiled before --q4-activations"
+    return (f"  4-bit GEMV activations: int16 codes per block of 64 ({why}; llmc.load(..., "
+            f"q4_activations=\"int8\") for llama.cpp's Q8_1 rounding, the faster)")
 
 
 def batch_invariance_line(on: bool, exceptions: list[str] = ()) -> str:

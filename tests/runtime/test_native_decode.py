@@ -200,3 +200,24 @@ def test_a_verification_chunk_runs_it_and_gives_the_walks_bits(models, monkeypat
     got = step(program=True)
     assert ran[-1] is True
     assert torch.equal(got, step(program=False))
+
+
+def test_q4_activations_are_the_artifacts_unless_a_load_asks(models):
+    """A cpu compile records int8 activations for the 4-bit GEMVs (--q4-activations' default), `llmc inspect`
+    says so, and a load may ask for int16 ones; an unknown rounding is refused in one line."""
+    from llmc.compiler.inspect import summarize
+    from llmc.errors import LlmcError
+
+    _, path = models["int4"]
+
+    def rounding(llm) -> set:
+        return {launch.attrs["native_gemv"].int8 for launch in llm.engine.executor._program
+                if type(launch.attrs.get("native_gemv")) is cpu_native.Q4Weights}
+    llm = llmc.load(path, kv_memory="8MiB")
+    assert llm.engine.executor.q4_activations == "int8"
+    assert rounding(llm) == {cpu_native.int16_activations()}   # int8 where the GEMVs take integer codes
+    assert "4-bit GEMV activations: int8 codes per block of 32" in summarize(path)
+    llm = llmc.load(path, kv_memory="8MiB", q4_activations="int16")
+    assert llm.engine.executor.q4_activations == "int16" and rounding(llm) == {False}
+    with pytest.raises(LlmcError, match="q4_activations='int4'"):
+        llmc.load(path, kv_memory="8MiB", q4_activations="int4")
