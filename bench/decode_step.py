@@ -61,9 +61,11 @@ def main() -> None:
                     help="walk every launch on decode steps (the native decode program unused), for an A/B")
     ap.add_argument("--fp32-activations", action="store_true",
                     help="native 4-bit / int8 GEMVs on fp32 activations instead of int16 codes, for an A/B")
+    ap.add_argument("--q4-activations", choices=cpu_native.Q4_ACTIVATIONS, default=None,
+                    help="how the 4-bit GEMVs round activations (default: the artifact's)")
     ap.add_argument("--kv-memory", default="1GiB", help="KV cache budget; every sequence must fit to its last step")
     args = ap.parse_args()
-    engine = Engine(args.artifact, EngineConfig(kv_memory=args.kv_memory, seed=0))
+    engine = Engine(args.artifact, EngineConfig(kv_memory=args.kv_memory, seed=0, q4_activations=args.q4_activations))
     if args.no_decode_graph:
         engine.executor.decode_graph = None
     if args.no_native_program:
