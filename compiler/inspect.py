@@ -93,6 +93,7 @@ def report(artifact: str | Path, kv_memory: str = "1GiB") -> dict:
         "llmc_version": manifest["llmc_version"],
         "torch_version": manifest["torch_version"],
         "draft_of": manifest.get("draft_of"),   # the target artifact a speculative-decoding draft serves
+        "distilled": manifest.get("distilled"),   # `llmc distill`: teacher, text, steps, held-out KL
         "kernel_choice": plan_meta.get("kernel_choice"),  # cpu: --kernels
         # cpu: the mode a load runs unless it asks otherwise (--batch-invariant; before the flag: on)
         "batch_invariant": plan_meta.get("batch_invariant", True) is not False,
@@ -300,6 +301,7 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
         d = r["draft_of"]
         lines.append(f"  draft of: {d['model']} ({d['num_layers']} layers; this draft has {m['num_layers']}), "
                      f"target manifest sha256 {d['manifest_sha256'][:16]}")
+    lines += distilled_lines(r["distilled"])
     lines += (memory_lines(r["memory_at_load"], memory) + _weight_lines(r["weights"]) + _quant_lines(r["quant"])
               + _parallel_lines(r["parallel"]))
     if r["target_device"] == "cpu":
@@ -321,6 +323,26 @@ def summarize(artifact: str | Path, brief: bool = False, show_ir: bool = False, 
         view = rank_view(read_manifest(path), 0, f"artifact '{path}'")
         lines.append(str(Graph.from_json(_read_listed(path, view, rank_file(view, GRAPH)))))
     return "\n".join(lines)
+
+
+def distilled_lines(record: dict | None) -> list[str]:
+    """What `llmc distill` recorded: from which teacher, on which text, how long, and the held-out
+    KL(teacher || student) before and after (and the hidden-state loss, where matched)."""
+    if not record:
+        return []
+    teacher = record["teacher"]
+    loss = "-" if record["final_loss"] is None else f"{record['final_loss']:.4f}"
+    lines = [f"  distilled from: {teacher['model']} (teacher manifest sha256 {teacher['manifest_sha256'][:16]}), "
+             f"{record['steps']} steps of {record['batch']} x {record['seq_len']} tokens at lr {record['lr']:g}",
+             f"    text sha256 {record['text_sha256'][:16]} ({record['text_tokens']:,} tokens); held-out "
+             f"KL(teacher || student) {record['kl_before']:.4f} -> {record['kl_after']:.4f} over "
+             f"{record['held_out_tokens']:,} tokens; final training loss {loss}"]
+    hidden = record.get("hidden")
+    if hidden:
+        lines.append(f"    hidden states matched ({hidden['loss']}, weight {hidden['weight']:g}, student -> teacher "
+                     f"layer {', '.join(f'{s}->{t}' for s, t in hidden['layer_map'])}): held-out loss "
+                     f"{hidden['before']:.4f} -> {hidden['after']:.4f}")
+    return lines
 
 
 def invariance_exceptions(plan: dict, model: dict) -> list[str]:

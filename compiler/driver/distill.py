@@ -1,7 +1,8 @@
 """Knowledge distillation (`llmc distill STUDENT --teacher TEACHER --text FILE -o OUT`): train a
 student artifact's weights, on the CPU with torch, so that its next-token distribution matches a
-teacher artifact's (KL(teacher || student) on the logits, temperature-scaled as Hinton et al. 2015)
-over the user's text, and write the result as a normal artifact.
+teacher artifact's (KL(teacher || student) on the logits, temperature-scaled as Hinton et al. 2015;
+with --hidden-weight, also the hidden states of mapped layers, distill_hidden.py) over the user's
+text, and write the result as a normal artifact.
 
 How the student is trained. Its own graph runs through each op's reference semantics
 (distill_student.py), with the float weights as leaf tensors: what is trained is what the artifact
@@ -64,6 +65,7 @@ from llmc.compiler.driver.distill_checkpoint import (
     remove_checkpoint,
     save_checkpoint,
 )
+from llmc.compiler.driver.distill_hidden import HiddenMatch, hidden_match
 from llmc.compiler.driver.distill_options import DistillError, DistillOptions
 from llmc.compiler.driver.distill_student import StudentGraph
 from llmc.compiler.ir import Graph
@@ -208,6 +210,7 @@ class Run:
     windows: Windows
     text_sha256: str
     key: dict
+    hidden: HiddenMatch | None = None      # with --hidden-weight
 
 
 def prepare(student_path, teacher_path, text_path, options: DistillOptions) -> Run:
@@ -223,7 +226,9 @@ def prepare(student_path, teacher_path, text_path, options: DistillOptions) -> R
     text_sha = hashlib.sha256(data).hexdigest()
     key = {"student": sha256_file(student.path / MANIFEST), "teacher": sha256_file(teacher.path / MANIFEST),
            "text_sha256": text_sha, **options.run_key()}
-    return Run(student, teacher, graph, teacher_logits, windows, text_sha, key)
+    hidden = hidden_match(student, graph, teacher, options.hidden_loss, options.hidden_weight) \
+        if options.hidden_weight > 0 else None
+    return Run(student, teacher, graph, teacher_logits, windows, text_sha, key, hidden)
 
 
 def train(run: Run, options: DistillOptions, checkpoint: Path, say: Callable[[str], None]) -> tuple[int, list[float]]:
@@ -273,13 +278,23 @@ def accumulate_gradients(run: Run, step: int, options: DistillOptions) -> float:
         p.grad = None
     total = 0.0
     for ids in run.windows.batch(step, options.batch, options.seed):
-        with torch.no_grad():
-            target = run.teacher_logits(ids)
-        loss = distill_loss(run.graph.logits(ids), target, options.temperature) / options.batch
+        loss = window_loss(run, ids, options) / options.batch
         loss.backward()
         total += loss.item()
     torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
     return total
+
+
+def window_loss(run: Run, ids: torch.Tensor, options: DistillOptions) -> torch.Tensor:
+    """One window's loss: the KL on the logits, plus --hidden-weight times the hidden-state loss."""
+    if run.hidden is None:
+        with torch.no_grad():
+            target = run.teacher_logits(ids)
+        return distill_loss(run.graph.logits(ids), target, options.temperature)
+    target, target_hidden = run.hidden.teacher(ids)
+    logits, hidden = run.graph.forward(ids, run.hidden.student_values)
+    matched = run.hidden.loss(hidden, target_hidden)
+    return distill_loss(logits, target, options.temperature) + run.hidden.weight * matched
 
 
 def recent(history: list[float], n: int = 10) -> float:
@@ -287,7 +302,8 @@ def recent(history: list[float], n: int = 10) -> float:
     return sum(tail) / len(tail)
 
 
-def write_distilled(run: Run, output: Path, options: DistillOptions, history: list[float], kl_before: float) -> float:
+def write_distilled(run: Run, output: Path, options: DistillOptions, history: list[float], kl_before: float,
+                    hidden_before: float | None) -> float:
     """Measure the trained weights' held-out KL through the student's own plan, write them through the
     compile's writer (staged, hashed), and read the result back with every hash checked and its graph
     verified before it is moved into place; returns the KL."""
@@ -296,7 +312,7 @@ def write_distilled(run: Run, output: Path, options: DistillOptions, history: li
     kl_after = held_out_kl(PlanLogits(student, weights), run.teacher_logits, run.windows.held_out)
     manifest = {k: v for k, v in student.manifest.items() if k not in ("files", "format_version", "weight_aliases")}
     manifest.update(llmc_version=llmc.__version__, torch_version=torch.__version__.split("+")[0],
-                    distilled=distilled_record(run, options, history, kl_before, kl_after))
+                    distilled=distilled_record(run, options, history, kl_before, kl_after, hidden_before))
     index = student.path / KERNEL_INDEX
     with staged_output(output, options.force) as staging:
         write_contents(staging, [RankFiles(student.graph_json, student.plan_json, weights)], load_tokenizer(student),
@@ -307,17 +323,20 @@ def write_distilled(run: Run, output: Path, options: DistillOptions, history: li
 
 
 def distilled_record(run: Run, options: DistillOptions, history: list[float], kl_before: float,
-                     kl_after: float | None) -> dict:
+                     kl_after: float | None, hidden_before: float | None = None) -> dict:
     """The manifest's `distilled` section: from which teacher, on which text, how, and the held-out
-    KL(teacher || student) before and after (None until measured on the written artifact)."""
+    KL(teacher || student) before and after (None until measured on the written artifact); with
+    --hidden-weight, the layer map and the held-out hidden-state loss before and after."""
     teacher = run.teacher.manifest["model"]
+    hidden = None if run.hidden is None else \
+        {**run.hidden.record(), "before": hidden_before, "after": run.hidden.held_out(run.graph, run.windows.held_out)}
     return {"teacher": {"model": teacher["name"], "manifest_sha256": run.key["teacher"],
                         "num_layers": teacher["num_layers"], "num_kv_heads": teacher["num_kv_heads"]},
             "student_manifest_sha256": run.key["student"], "text_sha256": run.text_sha256,
             "text_tokens": run.windows.tokens, "held_out_tokens": sum(len(w) for w in run.windows.held_out),
             **options.run_key(), "trained": "all float weights", "parameters": run.graph.parameter_count(),
             "final_loss": round(recent(history), 6) if history else None,
-            "kl_before": kl_before, "kl_after": kl_after}
+            "kl_before": kl_before, "kl_after": kl_after, "hidden": hidden}
 
 
 def distill_artifact(student: str | Path, teacher: str | Path, text: str | Path, output: str | Path,
@@ -338,19 +357,27 @@ def distill_artifact(student: str | Path, teacher: str | Path, text: str | Path,
         run = prepare(student, teacher, text, options)
         stages.start(f"measuring KL on {len(run.windows.held_out)} held-out windows")
         kl_before = held_out_kl(PlanLogits(run.student), run.teacher_logits, run.windows.held_out)
+        hidden_before = None if run.hidden is None else run.hidden.held_out(run.graph, run.windows.held_out)
         stages.start(f"training {run.graph.parameter_count():,} weights for {options.steps} steps of "
                      f"{options.batch} x {options.seq_len} tokens")
         trained = time.perf_counter()
         start, history = train(run, options, checkpoint, say)
         trained = time.perf_counter() - trained
         stages.start(f"writing the artifact '{output}'")
-        kl_after = write_distilled(run, output, options, history, kl_before)
+        kl_after = write_distilled(run, output, options, history, kl_before, hidden_before)
     remove_checkpoint(checkpoint)
     resumed = f", resumed at step {start}" if start else ""
     say(f"llmc: distilled '{student}' from '{teacher}' into '{output}' in {time.perf_counter() - began:.1f} s "
         f"({options.steps - start} steps in {trained:.1f} s{resumed}): held-out KL(teacher || student) "
-        f"{kl_before:.4f} -> {kl_after:.4f}")
+        f"{kl_before:.4f} -> {kl_after:.4f}{hidden_change(output)}")
     return output
+
+
+def hidden_change(output: Path) -> str:
+    hidden = json.loads((output / MANIFEST).read_text())["distilled"]["hidden"]
+    if hidden is None:
+        return ""
+    return f", hidden-state loss ({hidden['loss']}) {hidden['before']:.4f} -> {hidden['after']:.4f}"
 
 
 __all__ = ["DistillOptions", "DistillError", "distill_artifact", "distill_loss", "learning_rate", "Windows"]

@@ -11,6 +11,8 @@ from typing import Any
 
 from llmc.errors import LlmcError
 
+HIDDEN_LOSSES = ("cosine", "mse")
+
 
 class DistillError(LlmcError):
     """A distillation that cannot run as asked (its artifacts, text or options)."""
@@ -30,6 +32,12 @@ class DistillOptions:
     batch: int = option(4, "Windows per step.", int)
     temperature: float = option(1.0, "Temperature of both distributions in the KL loss (scaled by T^2).", float)
     seed: int = option(0, "Seed of the order the training windows are drawn in.", int)
+    hidden_weight: float = option(0.0, "Weight of a loss on the hidden states of mapped layers, added to the KL "
+                                       "(0: logits only). Each student layer's output is matched to a teacher "
+                                       "layer's: the one a draft or layer pruning kept next, else evenly spaced.",
+                                  float)
+    hidden_loss: str = option("cosine", "Hidden-state loss: cosine (1 - cosine similarity, as DistilBERT) or mse "
+                                        "(of the RMS-normalised states, as TinyBERT).")
     checkpoint: str | Path | None = option(None, "Checkpoint directory (default: OUTPUT.ckpt beside the output); "
                                                  "an interrupted run resumes from it, a finished one removes it.")
     checkpoint_every: int = option(25, "Steps between checkpoints (an interrupt also saves one).", int)
@@ -43,6 +51,12 @@ class DistillOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise DistillError(f"{flag_name(name)} is {value!r}; give a whole number of at least {least}")
+        if isinstance(self.hidden_weight, bool) or not isinstance(self.hidden_weight, (int, float)) \
+                or not 0 <= self.hidden_weight < math.inf:
+            raise DistillError(f"--hidden-weight is {self.hidden_weight!r}; give a finite number of at least 0 "
+                               f"(0: match the logits only)")
+        if self.hidden_loss not in HIDDEN_LOSSES:
+            raise DistillError(f"--hidden-loss is {self.hidden_loss!r}; give one of {', '.join(HIDDEN_LOSSES)}")
         for name in ("lr", "temperature"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -62,7 +76,8 @@ class DistillOptions:
     def run_key(self) -> dict:
         """What makes two runs the same run (a checkpoint resumes only its own)."""
         return {"steps": self.steps, "lr": self.lr, "seq_len": self.seq_len, "batch": self.batch,
-                "temperature": self.temperature, "seed": self.seed}
+                "temperature": self.temperature, "seed": self.seed, "hidden_weight": self.hidden_weight,
+                "hidden_loss": self.hidden_loss}
 
 
 def flag_name(field: str) -> str:

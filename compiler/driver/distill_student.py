@@ -6,6 +6,8 @@ read, so the trained weights drop back into the same graph and plan."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from llmc.compiler.artifact import Artifact
@@ -54,17 +56,11 @@ class StudentGraph:
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [t] at positions 0..t-1 -> float32 logits [t, vocab] of every position, differentiable
         in the masters (run under torch.no_grad() to measure)."""
-        rows = torch.arange(len(ids), dtype=torch.long)
-        feeds = {"input_ids": ids, "positions": rows, "logits_indices": rows}
-        env = {v.name: feeds[v.name] for v in self.graph.inputs}
-        last_use = {name: i for i, node in enumerate(self.graph.nodes) for name in node.inputs}
-        for i, node in enumerate(self.graph.nodes):
-            outs = run_reference(node, [env[x] if x in env else self.weight(x) for x in node.inputs])
-            env.update({value.name: out for value, out in zip(node.outputs, outs)})
-            for name in node.inputs:   # autograd keeps what backward needs; the env need not
-                if last_use[name] == i and name not in self.graph.outputs:
-                    env.pop(name, None)
-        return env[self.graph.outputs[0]].float()
+        return run_graph(self.graph, self.weight, ids)[0]
+
+    def forward(self, ids: torch.Tensor, keep: tuple[str, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The logits and the values named in `keep` (hidden states), differentiable in the masters."""
+        return run_graph(self.graph, self.weight, ids, keep)
 
     def trained_weights(self) -> dict[str, torch.Tensor]:
         """Every weight of the graph as it is to be stored: masters cast back to the stored dtype
@@ -80,6 +76,26 @@ class StudentGraph:
                 cast[key] = self.masters[key[0]].detach().to(key[1]).contiguous()
             out[name] = cast[key]
         return out
+
+
+def run_graph(graph: Graph, weight: Callable[[str], torch.Tensor], ids: torch.Tensor,
+              keep: tuple[str, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Run a whole model's graph on ids [t] at positions 0..t-1 through each op's reference semantics,
+    reading each param through `weight`: float32 logits [t, vocab] of every position, and the values
+    named in `keep` as float32 [t, hidden]."""
+    rows = torch.arange(len(ids), dtype=torch.long)
+    feeds = {"input_ids": ids, "positions": rows, "logits_indices": rows}
+    env = {v.name: feeds[v.name] for v in graph.inputs}
+    kept = {}
+    last_use = {name: i for i, node in enumerate(graph.nodes) for name in node.inputs}
+    for i, node in enumerate(graph.nodes):
+        outs = run_reference(node, [env[x] if x in env else weight(x) for x in node.inputs])
+        env.update({value.name: out for value, out in zip(node.outputs, outs)})
+        kept.update({value.name: out for value, out in zip(node.outputs, outs) if value.name in keep})
+        for name in node.inputs:   # autograd keeps what backward needs; the env need not
+            if last_use[name] == i and name not in graph.outputs:
+                env.pop(name, None)
+    return env[graph.outputs[0]].float(), [kept[name].float() for name in keep]
 
 
 def trained_names(graph: Graph) -> list[str]:
@@ -120,4 +136,4 @@ def refuse_untrainable(graph: Graph, manifest: dict, where: str) -> None:
                            f"gradients can train; compile the student with --quant none")
 
 
-__all__ = ["StudentGraph", "trained_names", "refuse_untrainable", "TRAINED_INPUTS"]
+__all__ = ["StudentGraph", "run_graph", "trained_names", "refuse_untrainable", "TRAINED_INPUTS"]

@@ -18,7 +18,11 @@ from llmc.compiler.artifact import MANIFEST, read_artifact, sha256_file
 from llmc.compiler.driver import distill as distill_module
 from llmc.compiler.driver.distill import text_windows
 from llmc.compiler.driver.distill_checkpoint import STATE
+from llmc.compiler.driver.distill_hidden import layer_map, layer_streams
+from llmc.compiler.driver.distill_student import StudentGraph, run_graph
 from llmc.compiler.driver.distill_options import DistillError
+from llmc.compiler.frontends.samples import build_tiny_llama
+from llmc.compiler.inspect import summarize
 from llmc.compiler.scoring import row_kl
 from llmc.tools.evaluate import DEFAULT_TEXT, ArtifactScorer
 
@@ -69,6 +73,72 @@ def test_distillation_lowers_the_kl_of_a_one_kv_head_student(student, compiled, 
     text = llmc.load(out).generate("Once upon a time", llmc.SamplingParams(max_tokens=4))[0].outputs[0].text
     assert isinstance(text, str)
     assert not Path(f"{out}.ckpt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["distilled.llmc"]
+
+
+@pytest.fixture(scope="module")
+def draft(compiled, tmp_path_factory):
+    """A one-layer --draft-of draft of the two-layer tiny-llama, in float weights."""
+    return llmc.compile("tiny-llama", target="cpu", output=tmp_path_factory.mktemp("draft") / "draft.llmc",
+                        kernels="cpu", draft_of=str(compiled), draft_layers=1, quant="none", calib=str(TEXT),
+                        calib_samples=1, calib_seq_len=32)
+
+
+def test_layer_streams_are_the_residual_stream_transformers_reports(compiled):
+    """The values hidden-state matching reads are HF's hidden_states: the embedding, each layer's
+    output, and (through the final norm) the last one."""
+    model = build_tiny_llama().module
+    ids = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(7))
+    graph = StudentGraph(read_artifact(compiled))
+    streams = layer_streams(graph.graph, "tiny")
+    assert len(streams) == model.config.num_hidden_layers + 1
+    with torch.no_grad():
+        _, ours = run_graph(graph.graph, graph.weight, ids, tuple(streams))
+        theirs = model(ids[None], output_hidden_states=True).hidden_states
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(ours[layer], theirs[layer][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.model.norm(ours[-1][None])[0], theirs[-1][0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_draft_maps_its_layers_to_the_teacher_layers_it_kept_and_others_map_evenly():
+    removed = [1, 3, 4, 6, 7, 9, 11, 13, 14, 16, 18, 19, 21, 22, 24, 26, 27, 29]   # 12 of 30 kept
+    draft = {"pipeline": [{"name": "prune_layers", "details": {"layers_before": 30, "removed_layers": removed}}]}
+    kept = [0, 2, 5, 8, 10, 12, 15, 17, 20, 23, 25, 28]
+    # the stream after j draft layers is what teacher layer kept[j] reads; the last, the final stream
+    assert layer_map(draft, 12, 30) == [(j, kept[j]) for j in range(1, 12)] + [(12, 30)]
+    assert layer_map({"pipeline": []}, 12, 30) == [(1, 2), (2, 5), (3, 7), (4, 10), (5, 12), (6, 15), (7, 17),
+                                                   (8, 20), (9, 22), (10, 25), (11, 27), (12, 30)]
+
+
+def test_hidden_state_matching_lowers_the_hidden_loss_of_a_draft(draft, compiled, tmp_path, capfd):
+    out = tmp_path / "distilled.llmc"
+    code, stdout, _ = llmc_in_process(capfd, "distill", draft, "--teacher", compiled, "--text", TEXT, "-o", out,
+                                      "--steps", 12, "--seq-len", 64, "--batch", 2, "--lr", 2e-3,
+                                      "--hidden-weight", 1.0, "--hidden-loss", "mse", "-q")
+    assert code == 0
+    record = json.loads((out / MANIFEST).read_text())["distilled"]
+    hidden = record["hidden"]
+    assert (hidden["loss"], hidden["weight"], hidden["layer_map"]) == ("mse", 1.0, [[1, 2]])
+    assert hidden["after"] < 0.9 * hidden["before"], hidden
+    assert record["kl_after"] < record["kl_before"], record
+    assert read_artifact(out).plan_json == read_artifact(draft).plan_json   # every hash checked
+    text = llmc.load(out).generate("Once upon a time", llmc.SamplingParams(max_tokens=4))[0].outputs[0].text
+    assert isinstance(text, str)
+    # `llmc inspect` says it was distilled, from what, on which text, and how far it came
+    report = summarize(out, brief=True)
+    assert f"distilled from: tiny-llama (teacher manifest sha256 {sha256_file(compiled / MANIFEST)[:16]}), " \
+           f"12 steps of 2 x 64 tokens" in report
+    assert f"text sha256 {hashlib.sha256(TEXT.read_bytes()).hexdigest()[:16]}" in report
+    assert f"KL(teacher || student) {record['kl_before']:.4f} -> {record['kl_after']:.4f}" in report
+    assert f"hidden states matched (mse, weight 1, student -> teacher layer 1->2): held-out loss " \
+           f"{hidden['before']:.4f} -> {hidden['after']:.4f}" in report
+
+
+def test_hidden_state_matching_through_the_python_api_records_cosine_by_default(draft, compiled, tmp_path):
+    out = llmc.distill(draft, compiled, TEXT, tmp_path / "d.llmc", steps=2, hidden_weight=0.5, **FAST)
+    hidden = json.loads((out / MANIFEST).read_text())["distilled"]["hidden"]
+    assert (hidden["loss"], hidden["weight"]) == ("cosine", 0.5) and 0 <= hidden["after"] <= 2
+    assert "distilled from: tiny-llama" in summarize(out)
+    assert "distilled" not in summarize(compiled)
 
 
 def interrupt_at(monkeypatch, stop: int, error: type[BaseException]) -> None:
@@ -144,6 +214,10 @@ REFUSALS = {
     "zero steps": (lambda t, c: {"--steps": 0}, r"^--steps is 0; give a whole number of at least 1$"),
     "zero lr": (lambda t, c: {"--lr": 0}, r"^--lr is 0.0; give a positive finite number$"),
     "nan lr": (lambda t, c: {"--lr": "nan"}, r"^--lr is nan; give a positive finite number$"),
+    "negative hidden weight": (lambda t, c: {"--hidden-weight": -1},
+                               r"^--hidden-weight is -1.0; give a finite number of at least 0"),
+    "unknown hidden loss": (lambda t, c: {"--hidden-loss": "l1", "--hidden-weight": 1},
+                            r"^--hidden-loss is 'l1'; give one of cosine, mse$"),
     "one-token windows": (lambda t, c: {"--seq-len": 1}, r"^--seq-len is 1; give a whole number of at least 2$"),
     "windows past the positions": (lambda t, c: {"--seq-len": 4096},
                                    r"^--seq-len 4096 exceeds what teacher '.*' takes \(512 positions"),
