@@ -19,8 +19,8 @@ from llmc.compiler.driver import distill as distill_module
 from llmc.compiler.driver.distill import text_windows
 from llmc.compiler.driver.distill_checkpoint import STATE
 from llmc.compiler.driver.distill_hidden import layer_map, layer_streams
-from llmc.compiler.driver.distill_student import StudentGraph, run_graph
 from llmc.compiler.driver.distill_options import DistillError
+from llmc.compiler.driver.distill_student import StudentGraph, run_graph
 from llmc.compiler.frontends.samples import build_tiny_llama
 from llmc.compiler.inspect import summarize
 from llmc.compiler.scoring import row_kl
