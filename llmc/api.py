@@ -33,7 +33,8 @@ def distill(student: str | Path, teacher: str | Path, text: str | Path, output: 
     artifact `teacher`'s next-token distribution on the text file `text`, with torch on the CPU, and
     write the result as the artifact `output` (as `llmc distill`; see compiler/driver/distill.py).
     `options` (compiler/driver/distill_options.py): steps, lr, seq_len, batch, temperature, seed,
-    checkpoint, checkpoint_every, threads, force, quiet (default True)."""
+    checkpoint, checkpoint_every, hidden_weight, hidden_loss (hidden-state matching), threads, force,
+    quiet (default True)."""
     from llmc.compiler.driver.distill import distill_artifact  # the training stack: only distill
     from llmc.compiler.driver.distill_options import DistillOptions  # the same
 
