@@ -125,27 +125,51 @@ def _group_starts(perm: torch.Tensor, g: int) -> dict[int, tuple[int, torch.Tens
 
 
 def clipped_grid(x: torch.Tensor, importance: torch.Tensor, bits: int = 4, steps: int = 100,
-                 max_shrink: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scales, zeros) [N] of the min/max grid of x [N, g] shrunk, per row, by the factor in
-    {1, 1 - 1/steps, ...} (above 1 - max_shrink) minimising Σ_j importance_j (x_j - x̂_j)²:
+                 max_shrink: float = 0.8, coarse: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zeros) [N] of the min/max grid of x [N, g] shrunk, per row, by the factor
+    1 - step/steps (0 <= step < max_shrink·steps) minimising Σ_j importance_j (x_j - x̂_j)²:
     a weight's rounding error costs the layer output in proportion to its input's energy
     H_jj, and clipping a rare outlier buys every other weight of the group a finer step.
 
-    Every factor's grid is made in one go ([factors, N]; rounding is monotonic, so the shrunk
-    rows' extremes are the shrunk extremes, bit for bit), each factor's error is one pass of
-    in-place operations and a matrix-vector product, and the least error is taken once at the
-    end (the first factor on ties, the largest range): 1.6-1.8x the rate of a loop that made
-    each grid and kept the best as it went, which ran ~20 small operations per factor."""
+    Coarse to fine: every `coarse`-th step first, then the steps within coarse - 1 of each
+    row's best (first best on ties, the largest range, in each round): 20 + 6 grids instead of
+    80 (the search was 29% of an int4-gptq compile of SmolLM2); it returns the exhaustive
+    search's factor wherever that lies within coarse - 1 steps of the best coarse one. Each
+    round makes its grids in one go ([factors, N]; rounding is monotonic, so the shrunk rows'
+    extremes are the shrunk extremes, bit for bit) and scores each factor with one pass of
+    in-place operations and a matrix-vector product."""
     lo, hi = x.amin(1), x.amax(1)
-    factors = torch.tensor([1 - step / steps for step in range(int(max_shrink * steps))], dtype=x.dtype)
-    scales, zeros = int4_grid_of_range(lo * factors[:, None], hi * factors[:, None], bits)
-    err = x.new_empty(factors.numel(), x.shape[0])
+    last = int(max_shrink * steps) - 1
+    step = torch.arange(0, last + 1, coarse, device=x.device)[:, None].expand(-1, x.shape[0])
+    best, err = _best_steps(x, importance, lo, hi, step, steps, bits)
+    if coarse > 1:
+        offsets = torch.tensor([o for o in range(-coarse + 1, coarse) if o], device=x.device)
+        fine = (best[None] + offsets[:, None]).clamp(0, last)
+        fine_best, fine_err = _best_steps(x, importance, lo, hi, fine, steps, bits)
+        # a tie goes to the smaller step (the larger range), as in one exhaustive pass
+        take = (fine_err < err) | ((fine_err == err) & (fine_best < best))
+        best = torch.where(take, fine_best, best)
+    factors = _factors(best[None], steps, x.dtype)[0]
+    return int4_grid_of_range(lo * factors, hi * factors, bits)
+
+
+def _factors(step: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """1 - step/steps made in float64 and then cast, as Python's float arithmetic gives it."""
+    return (1 - step.double() / steps).to(dtype)
+
+
+def _best_steps(x, importance, lo, hi, step, steps, bits):
+    """Per row of x [N, g], the step of `step` [F, N] (rows' candidates, in order) with the
+    least weighted error, the first on ties, and that error: (best [N], err [N])."""
+    factors = _factors(step, steps, x.dtype)
+    scales, zeros = int4_grid_of_range(lo * factors, hi * factors, bits)
+    err = x.new_empty(step.shape[0], x.shape[0])
     t = torch.empty_like(x)
     for i, (s, z) in enumerate(zip(scales.to(x.dtype)[:, :, None], zeros.to(x.dtype)[:, :, None])):
         torch.mv(_grid_residual(x, s, z, bits, t).square_(), importance, out=err[i])
-    best = err.argmin(0)
+    at = err.argmin(0)
     rows = torch.arange(x.shape[0], device=x.device)
-    return scales[best, rows], zeros[best, rows]
+    return step[at, rows], err[at, rows]
 
 
 def _grid_residual(x, s, z, bits, out):

@@ -99,35 +99,72 @@ def test_gptq_matches_unbatched_obs_reference(act_order, block_size):
     assert torch.equal(q, ref_q)
 
 
-def brute_force_clip(x, importance, steps=100, max_shrink=0.8):
-    """Per row, every shrink factor tried on its own in float64; the first of the least
-    weighted squared errors wins."""
+def shrink_error(row, importance, factor):
+    """(weighted squared error, scale, zero) of `row` on its min/max grid shrunk by `factor`,
+    in float64 (the scale rounded through float32, as stored)."""
+    lo, hi = min((row * factor).min().item(), 0.0), max((row * factor).max().item(), 0.0)
+    s = torch.tensor((hi - lo) / 15).float().double()
+    z = torch.clamp(torch.round(-lo / s), 0, 15)
+    x_hat = (torch.clamp(torch.round(row / s) + z, 0, 15) - z) * s
+    return ((row - x_hat) ** 2 * importance.double()).sum().item(), s, z
+
+
+def brute_force_clip(x, importance, steps=100, max_shrink=0.8, coarse=1):
+    """Per row, each shrink factor 1 - step/steps tried on its own in float64, the first of the
+    least weighted squared errors winning: every step (coarse=1), or every coarse-th step and
+    then the steps within coarse - 1 of the best of those."""
+    last = int(max_shrink * steps) - 1
     scales, zeros = torch.zeros(x.shape[0]), torch.zeros(x.shape[0])
     for r in range(x.shape[0]):
-        best = None
-        for step in range(int(max_shrink * steps)):
-            row = x[r].double() * (1 - step / steps)
-            lo, hi = min(row.min().item(), 0.0), max(row.max().item(), 0.0)
-            s = torch.tensor((hi - lo) / 15).float().double()
-            z = torch.clamp(torch.round(-lo / s), 0, 15)
-            x_hat = (torch.clamp(torch.round(x[r].double() / s) + z, 0, 15) - z) * s
-            err = ((x[r].double() - x_hat) ** 2 * importance.double()).sum().item()
-            if best is None or err < best[0]:
-                best = err, s, z
-        scales[r], zeros[r] = best[1], best[2]
+        row = x[r].double()
+        error = {step: shrink_error(row, importance, 1 - step / steps) for step in range(last + 1)}
+        best = min(range(0, last + 1, coarse), key=lambda step: (error[step][0], step))
+        near = range(max(best - coarse + 1, 0), min(best + coarse, last + 1))
+        best = min(near, key=lambda step: (error[step][0], step))
+        scales[r], zeros[r] = error[best][1], error[best][2]
     return scales, zeros
 
 
-def test_clipped_grid_is_the_least_weighted_error_shrink_of_each_row():
-    gen = torch.Generator().manual_seed(3)
-    x = 0.02 * torch.randn(12, 32, generator=gen, dtype=torch.float64)
+def clip_error(x, importance, scales, zeros):
+    s, z = scales.double()[:, None], zeros.double()[:, None]
+    x_hat = (torch.clamp(torch.round(x / s) + z, 0, 15) - z) * s
+    return ((x - x_hat) ** 2 * importance).sum(1)
+
+
+def outlier_groups(seed, rows=12):
+    gen = torch.Generator().manual_seed(seed)
+    x = 0.02 * torch.randn(rows, 32, generator=gen, dtype=torch.float64)
     x[:4, 5] = 0.2                                   # an outlier worth clipping in some rows
-    importance = torch.rand(32, generator=gen, dtype=torch.float64) + 0.1
+    return x, torch.rand(32, generator=gen, dtype=torch.float64) + 0.1
+
+
+def test_clipped_grid_is_the_coarse_to_fine_least_weighted_error_shrink_of_each_row():
+    x, importance = outlier_groups(3)
     scales, zeros = clipped_grid(x, importance)
-    ref_scales, ref_zeros = brute_force_clip(x, importance)
+    ref_scales, ref_zeros = brute_force_clip(x, importance, coarse=4)
     torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
     assert torch.equal(zeros, ref_zeros)
     assert bool((scales[:4] < int4_grid(x[:4])[0]).all())   # the outlier rows were clipped
+
+
+def test_clipped_grid_with_coarse_1_is_the_exhaustive_search():
+    x, importance = outlier_groups(4)
+    scales, zeros = clipped_grid(x, importance, coarse=1)
+    ref_scales, ref_zeros = brute_force_clip(x, importance)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    assert torch.equal(zeros, ref_zeros)
+
+
+def test_coarse_to_fine_clip_is_nearly_as_good_as_the_exhaustive_search():
+    weight, sample = make_layer(5, n=256, k=128)
+    groups = weight.reshape(-1, 32)
+    importance = hessian_of(sample(512)).diagonal()[:32]
+    exhaustive = clip_error(groups, importance, *brute_force_clip(groups, importance))
+    fast = clip_error(groups, importance, *clipped_grid(groups, importance))
+    rtn = clip_error(groups, importance, *int4_grid(groups))
+    assert bool((fast >= exhaustive * (1 - 1e-9)).all())
+    assert fast.sum() / exhaustive.sum() < 1.01, f"{fast.sum() / exhaustive.sum():.4f}"
+    assert fast.sum() / rtn.sum() < 0.9
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -135,7 +172,8 @@ def test_gptq_with_clip_matches_obs_reference_with_brute_force_clip(act_order):
     weight, sample = make_layer(2, n=16, k=64)
     hessian = hessian_of(sample(512))
     q, scales, zeros = gptq_quantize_weight(weight, hessian, group_size=32, act_order=act_order, clip=True)
-    ref_q, ref_scales, ref_zeros = obs_reference(weight, hessian, 4, 32, act_order, 0.01, grid=brute_force_clip)
+    ref_q, ref_scales, ref_zeros = obs_reference(weight, hessian, 4, 32, act_order, 0.01,
+                                                 grid=lambda x, h: brute_force_clip(x, h, coarse=4))
     torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
     assert torch.equal(zeros, ref_zeros) and torch.equal(q, ref_q)
 
