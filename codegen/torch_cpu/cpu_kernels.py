@@ -275,13 +275,13 @@ def packed_run(packed, native=None) -> Callable[[torch.Tensor], torch.Tensor]:
 BATCH_INVARIANT = "batch_invariant"   # the key of plan meta (as the executor passes it) and launch attrs
 Q4_ACTIVATIONS = "q4_activations"     # plan meta (as the executor passes it): cpu_native.Q4_ACTIVATIONS
 WEIGHTS_CACHED = "weights_cached"     # as the executor passes it: the weights fit the last-level cache
+DENSE_SCHEMES = schemes_where(family=TORCH)   # what dense_source reads
 
 
 def q4_activations(meta: dict | None) -> str:
     """How the 4-bit GEMVs round activations for this plan (an artifact without the record: int16, as it
     was compiled and measured)."""
     return (meta or {}).get(Q4_ACTIVATIONS) or "int16"
-DENSE_SCHEMES = schemes_where(family=TORCH)   # what dense_source reads
 
 
 @kernel("qlinear", prepare=prepare_qlinear)
