@@ -65,7 +65,8 @@ def test_segments_kept_on_torch_are_lowered_where_onnx_runtime_measures_faster(t
     rows = torch.arange(9)
     inputs = {"input_ids": ids, "positions": rows, "logits_indices": rows}
     got = PlanExecutor(chosen, art.weights, data=data).run_values(inputs)["logits"]
-    want = PlanExecutor(plan, art.weights).run_values(inputs)["logits"]
+    # against the torch plan on int16 activation codes (2^-16): its default int8 ones round at 2^-8
+    want = PlanExecutor(plan, art.weights, q4_activations="int16").run_values(inputs)["logits"]
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     invariant, _ = run_site.recheck(art, _moved(Plan.from_json(art.plan_json), cpu="Another CPU"), resolve_threads(),
                                     invariant=True)
