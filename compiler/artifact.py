@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
 import tempfile
 import uuid
@@ -102,13 +103,18 @@ def staged_output(path: Path, force: bool, kind: OutputKind | None = None) -> It
     kind = kind or ARTIFACT
     check_output(path, force, kind)
     made = make_parents(path)
+    # SIGTERM and SIGINT wait until the cleanup below covers the new directory: one landing inside mkdtemp
+    # after its mkdir, or before the try, would leave the directory behind (seen under load)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     try:
         staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     except OSError as e:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         remove_empty(made)
         raise ArtifactError(f"cannot write output '{path}': its directory '{path.parent}' does not take new "
                             f"entries ({e.strerror}); choose another -o") from None
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         yield staging
         set_modes(staging)
         move_into_place(staging, path, force, kind)
