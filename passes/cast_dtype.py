@@ -65,6 +65,9 @@ def wanted_dtype(node: Node, index: int, current: str, dtype: str) -> str:
     for `cast` nodes, which take anything)."""
     if current not in FLOAT_DTYPES or node.op == "cast":
         return current
+    start = FP32_INPUTS_FROM.get(node.op)
+    if start is not None and index >= start:
+        return current   # quantisation params: kept as stored (a GGUF's fp16 scales are read as fp16)
     return "float32" if fp32_slot(node, index) else dtype
 
 

@@ -158,6 +158,21 @@ def test_kept_logits_equal_the_dequantised_fp32_artifacts(compiled):
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
+def test_cpu_bf16_keeps_the_blocks_and_their_fp16_scales_uncast(compiled, tmp_path):
+    """cpu-bf16 on a GGUF: the kept blocks' fp16 scales feed their kernels as stored (a cast node on
+    one once crashed the ONNX Runtime segment build: KeyError 'cast_92'); bf16 activations round the
+    logits within bf16's 2^-8."""
+    _, (kept, _), _, root = compiled
+    graph, _ = artifact_graph(llmc.compile(str(root / "tiny.gguf"), target="cpu-bf16",
+                                           output=tmp_path / "bf16.llmc", quiet=True))
+    scales = {n.inputs[2] for n in graph.nodes if n.op in ("qlinear", "qembedding")}
+    assert scales and scales <= set(graph.params)
+    ids = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "positions": torch.arange(9), "logits_indices": torch.arange(9)}
+    got, want = interpret(graph, inputs)["logits"], interpret(kept, inputs)["logits"]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
+
+
 def test_another_quant_re_quantises_and_says_so(compiled, tmp_path):
     *_, root = compiled
     messages = []
