@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from llmc.compiler.page_cache import map_on_huge_pages
 from llmc.compiler.weight_store import Entry, as_lazy, values_of
 
 # safetensors orders tensors by dtype, widest first as its Rust enum lists them, then by name
@@ -111,9 +112,7 @@ def map_weights_file(path: Path) -> dict[str, torch.Tensor]:
         header = json.loads(f.read(size))
         if not isinstance(header, dict):
             raise ValueError("its header is no JSON object")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if f.seek(0, 2) else None
-    if mapped is not None and hasattr(mmap, "MADV_HUGEPAGE"):
-        mapped.madvise(mmap.MADV_HUGEPAGE)   # pages read from disk come in as huge folios (see WRITE_SPAN)
+        mapped = map_on_huge_pages(f)   # read from disk as huge folios (see WRITE_SPAN)
     base = 8 + size
     header.pop("__metadata__", None)
     return {name: mapped_tensor(mapped, base, name, entry) for name, entry in header.items()}
