@@ -236,8 +236,21 @@ static void weigh_values_any(float *o, int64_t group, const float *value, int64_
     }
 #define SCORE(nv) score_keys(qh, group, key, row, run, scale, at, n, nv)
 #define WEIGH(nv) weigh_values(o, group, value, row, run, p, n, nv)
-#define NO_PREFETCH(t) ((void)0)
-DEFINE_ATTEND_KV_HEAD(attend_kv_head, float, SCORE, score_keys_any, WEIGH, weigh_values_any, NO_PREFETCH)
+
+/* each of `n` rows (`row` floats apart) of a head's `hd` values fetched into L2 */
+static inline void prefetch_rows_f32(const float *at, int64_t n, int64_t row, int64_t hd) {
+    for (int64_t i = 0; i < n; i++, at += row)
+        for (int64_t c = 0; c < hd * (int64_t)sizeof(float); c += 64) __builtin_prefetch((const char *)at + c, 0, 2);
+}
+
+/* the next block of this sequence's keys and values into L2 while this one is scored: a sequence's cache
+ * blocks lie anywhere, so the hardware prefetcher stops at each block's end */
+#define PREFETCH_NEXT_BLOCK_F32(t)                                                                      \
+    if ((t) / block + 1 <= (len - 1) / block) {                                                         \
+        prefetch_rows_f32(k_cache + table[(t) / block + 1] * block * row + h * hd, block, row, hd);   \
+        prefetch_rows_f32(v_cache + table[(t) / block + 1] * block * row + h * hd, block, row, hd);   \
+    }
+DEFINE_ATTEND_KV_HEAD(attend_kv_head, float, SCORE, score_keys_any, WEIGH, weigh_values_any, PREFETCH_NEXT_BLOCK_F32)
 
 /* Into how many parts of their context the (sequence, KV head) pairs are split, so that `threads` threads
  * get equal shares (flash-decoding): 1 where the pairs divide evenly, else enough parts that they do, each
@@ -323,7 +336,9 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
         }
     }
     int64_t parts = invariant ? context_parts(kv_heads, threads, -1) : context_parts(b * kv_heads, threads, longest);
-    float partial[parts > 1 ? b * heads * parts * (hd + 2) : 1];   /* each part's outputs, then max and sum */
+    /* each part's outputs, then max and sum; on the heap: a call may bring hundreds of rows (a prefill's) */
+    float *partial = parts > 1 ? malloc(b * heads * parts * (hd + 2) * sizeof(float)) : NULL;
+    if (parts > 1 && !partial) abort();   /* another order of sums would break batch invariance unseen */
 #pragma omp parallel for collapse(3) schedule(static) num_threads(threads) if (threads > 1 && b * kv_heads * parts > 1)
     for (int64_t s = 0; s < b; s++) {
         for (int64_t h = 0; h < kv_heads; h++) {
@@ -345,6 +360,7 @@ void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int
         }
     }
     if (parts > 1) merge_parts(partial, b * kv_heads, parts, group, hd, out);
+    free(partial);
 }
 
 /* ---- decode attention over a bf16 cache (the cpu-bf16 target's batched decode) ---- */
