@@ -396,13 +396,14 @@ def q8_weights(codes: torch.Tensor, scales: torch.Tensor) -> Q8Weights | None:
     return Q8Weights(codes.contiguous(), s.contiguous(), k // s.shape[1])
 
 
-def _gemv_lib(x: torch.Tensor, k: int) -> tuple[ctypes.CDLL | None, int]:
+def _gemv_lib(x: torch.Tensor, k: int, any_rows: bool = False) -> tuple[ctypes.CDLL | None, int]:
     """(the library, threads) for a native GEMV of x [rows, k] (fp32 CPU rows, unit column stride, at most
-    MAX_ROWS); (None, 0) where it does not apply."""
+    MAX_ROWS unless `any_rows`); (None, 0) where it does not apply."""
     lib = _load()[0]
     threads = torch.get_num_threads()
     if (lib is None or x.dtype is not F32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu
-            or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] != k or (threads > 1 and not lib.openmp)):
+            or not 0 < x.shape[0] <= (x.shape[0] if any_rows else MAX_ROWS) or x.shape[1] != k
+            or (threads > 1 and not lib.openmp)):
         return None, 0
     return lib, threads
 
@@ -470,11 +471,13 @@ def _q4_params(scales: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor,
     return (hs, ho) if exact else (s.contiguous(), o.contiguous())
 
 
-def gemv_q4(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def gemv_q4(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None,
+            any_rows: bool = False) -> torch.Tensor | None:
     """x [rows, K] (fp32, a few rows) @ w.T in fp32, as gemv_q8, reading half a byte a weight: on fp32
     activations each group's weights made exactly as the reference dequantises them; on int16 codes
-    s * sum(q * x) + o * sum(x) per group (o = -s * z, or the offset m). None where it does not apply."""
-    lib, threads = _gemv_lib(x, 2 * w.packed.shape[1])
+    s * sum(q * x) + o * sum(x) per group (o = -s * z, or the offset m). `any_rows`: more than MAX_ROWS rows
+    in one call, which only the int8 path (w.int8) takes. None where it does not apply."""
+    lib, threads = _gemv_lib(x, 2 * w.packed.shape[1], any_rows and w.int8)
     if lib is None:
         return None
     (rows, k), n = x.shape, w.packed.shape[0]
@@ -556,9 +559,12 @@ def gemv_runs() -> bool:
 
 
 def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
-    """gemv over any number of rows x [rows, K], MAX_ROWS rows a call; None where it does not apply."""
+    """gemv over any number of rows x [rows, K]: one call on int8 activations (the weights read once, MAX_ROWS
+    rows against each weight row at a time), else MAX_ROWS rows a call; None where it does not apply."""
     if x.shape[0] <= MAX_ROWS:
         return gemv(x, w)
+    if type(w) is Q4Weights and w.int8 and takes_int8(2 * w.packed.shape[1], w.group):   # not inside fp32_activations
+        return gemv_q4(x, w, any_rows=True)
     y = torch.empty(x.shape[0], (w.packed if type(w) is Q4Weights else w.codes).shape[0], dtype=F32)
     for start in range(0, x.shape[0], MAX_ROWS):
         if gemv(x[start:start + MAX_ROWS], w, y[start:start + MAX_ROWS]) is None:

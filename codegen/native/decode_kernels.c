@@ -728,6 +728,10 @@ void llmc_gemv_q4(const float *x_, int64_t x_stride, int64_t m, const uint8_t *q
                                                flags & Q4_CACHED ? Q4_PREFETCH_ROWS : 0))
         return;
     if (llmc_gemv_q4_int16(x_, x_stride, m, q, s, o, o_row, f16, zp, n, k, group, y, threads)) return;
+    if (m > MAX_ROWS) {   /* only the int8 path takes more rows (cpu_native.gemm asks it so): never a wrong sum */
+        for (int64_t i = 0; i < m * n; i++) y[i] = NAN;
+        return;
+    }
     float *x = malloc(m * k * sizeof(float));
     if (!x) {   /* out of memory for a few rows of activations: nan outputs, never stale ones */
         for (int64_t i = 0; i < m * n; i++) y[i] = NAN;

@@ -453,10 +453,18 @@ static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, con
 /* whether the int8-activation GEMV takes weights of K `k` in groups of `group` (fits, and a pair of blocks
  * never straddles two groups of more than 64) */
 static int fits8(int64_t m, int64_t k, int64_t group) {
-    return fits(m, k, group) && (group == 32 || group == 64 || group % 128 == 0);
+    return fits(m < MAX_ROWS ? m : MAX_ROWS, k, group) && (group == 32 || group == 64 || group % 128 == 0);
 }
 
-/* llmc_gemv_q4's work on int8 activations where the shapes fit: 1 where done, else 0. The weight rows
+/* rows r0.. of a call's activations */
+static inline struct act8 rows8(const struct act8 *a, int64_t r0, int64_t k, int64_t group) {
+    struct act8 sub = {a->codes + r0 * a->kp, a->scale + r0 * (a->kp / BLOCK8), a->sums + r0 * (k / group), a->kp};
+    return sub;
+}
+
+/* llmc_gemv_q4's work on int8 activations where the shapes fit, for any number of rows m (each weight row
+ * against MAX_ROWS of them at a time, so the weights are read once whatever m; a row's sums do not depend
+ * on which others share its call): 1 where done, else 0. The weight rows
  * `ahead` on (0: none) are fetched into L2 as the int16 path fetches them: where the model's weights sit in
  * the last-level cache that hides its latency (SmolLM2 on the 2-core Xeon: 85-88 -> 100-103 decode steps/s),
  * where they stream from DRAM the loop is cheap enough for the hardware prefetcher alone, and extra
@@ -467,11 +475,18 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
     struct act8 a;
     if (!fits8(m, k, group) || !quantise8(x, x_stride, m, k, group, &a))
         return 0;
-#define Q4(M, G) row_q4_8(row, &a, k, M, p, po, zp, G, y + j, n)
+#define Q4(M, G) row_q4_8(row, &sub, k, M, p, po, zp, G, y + r0 * n + j, n)
 #define Q4_CASE(M) case M: switch (group) { \
             case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
             default: Q4(M, group); } break;
-    WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(ahead), k / 2, ahead, BY_ROWS(Q4_CASE))
+#define CHUNKS \
+    for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) { \
+        struct act8 sub = rows8(&a, r0, k, group); \
+        int64_t rows = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS; \
+        switch (rows) { Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8) } \
+    }
+    WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(ahead), k / 2, ahead, CHUNKS)
+#undef CHUNKS
 #undef Q4_CASE
 #undef Q4
     free(a.scale);

@@ -468,6 +468,23 @@ def test_gemv_q4_int8_rows_are_batch_invariant():
     assert torch.equal(y[0], alone[0]) and bool(y[1].isnan().all())
 
 
+def test_gemm_q4_int8_takes_any_rows_in_one_call_with_each_rows_bits():
+    """cpu_native.gemm on int8 activations: one call for 9..70 rows (the weights read once), each row the bits
+    it has alone; inside fp32_activations it goes back to MAX_ROWS rows a call."""
+    if not cpu_native.int16_activations():
+        pytest.skip("no AVX-512 BW")
+    g = torch.Generator().manual_seed(8)
+    *_, w = _random_q4(g, 45, 576, 32, False, True, "int8")
+    x = torch.randn(70, 576, generator=g)
+    alone = torch.cat([cpu_native.gemv_q4(x[r:r + 1], w) for r in range(len(x))])
+    for rows in (9, 16, 23, 70):
+        assert torch.equal(cpu_native.gemm(x[:rows], w), alone[:rows])
+    assert cpu_native.gemv_q4(x, w) is None   # more than MAX_ROWS only through gemm's any_rows
+    with cpu_native.fp32_activations():
+        y = cpu_native.gemm(x, w)
+    assert not bool(y.isnan().any()) and ((y - alone).abs().max() / alone.abs().max()) < 2e-2
+
+
 def test_q4_weights_refuse_an_unknown_activation_rounding():
     with pytest.raises(LlmcError, match="int4"):
         _random_q4(torch.Generator().manual_seed(1), 8, 256, 64, True, True, "int4")
