@@ -408,12 +408,14 @@ def _gemv_lib(x: torch.Tensor, k: int, any_rows: bool = False) -> tuple[ctypes.C
     return lib, threads
 
 
-def gemv_q8(x: torch.Tensor, w: Q8Weights, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def gemv_q8(x: torch.Tensor, w: Q8Weights, out: torch.Tensor | None = None,
+            any_rows: bool = False) -> torch.Tensor | None:
     """x [rows, K] (fp32, a few rows) @ w.T in fp32, the weight rows split over torch's thread count:
     the reference's arithmetic (dequantise, fp32 GEMM) on x or its int16 codes (int16_activations),
     reading one byte a weight. torch's own int8 kernel rounds x to bf16 and measured 1.45x slower over
-    SmolLM2's layers (2 threads, weights from memory). None where it does not apply."""
-    lib, threads = _gemv_lib(x, w.codes.shape[1])
+    SmolLM2's layers (2 threads, weights from memory). `any_rows`: more than MAX_ROWS rows in one call,
+    which only the int16 path takes (q8_takes_int16). None where it does not apply."""
+    lib, threads = _gemv_lib(x, w.codes.shape[1], any_rows and q8_takes_int16(w))
     if lib is None:
         return None
     (rows, k), n = x.shape, w.codes.shape[0]
@@ -421,6 +423,13 @@ def gemv_q8(x: torch.Tensor, w: Q8Weights, out: torch.Tensor | None = None) -> t
     lib.llmc_gemv_q8(x.data_ptr(), x.stride(0), rows, w.codes.data_ptr(), w.scales.data_ptr(),
                      w.scales.dtype is torch.float16, n, k, w.group, y.data_ptr(), threads)
     return y
+
+
+def q8_takes_int16(w: Q8Weights) -> bool:
+    """Whether the int8 GEMV runs these weights on int16 activation codes now (llmc_gemv_q8_int16's shapes:
+    K a multiple of 64, groups of 32 or multiples of 64; not inside fp32_activations)."""
+    k = w.codes.shape[1]
+    return k % 64 == 0 and (w.group == 32 or w.group % 64 == 0) and int16_activations()
 
 
 class Q4Weights(NamedTuple):
@@ -559,12 +568,15 @@ def gemv_runs() -> bool:
 
 
 def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
-    """gemv over any number of rows x [rows, K]: one call on int8 activations (the weights read once, MAX_ROWS
-    rows against each weight row at a time), else MAX_ROWS rows a call; None where it does not apply."""
+    """gemv over any number of rows x [rows, K]: one call where the activations round to integer codes (4-bit
+    weights on int8 ones, int8 weights on int16 ones: the weights read once, MAX_ROWS rows against each
+    weight row at a time), else MAX_ROWS rows a call; None where it does not apply."""
     if x.shape[0] <= MAX_ROWS:
         return gemv(x, w)
     if type(w) is Q4Weights and w.int8 and takes_int8(2 * w.packed.shape[1], w.group):   # not inside fp32_activations
         return gemv_q4(x, w, any_rows=True)
+    if type(w) is Q8Weights and q8_takes_int16(w):
+        return gemv_q8(x, w, any_rows=True)
     y = torch.empty(x.shape[0], (w.packed if type(w) is Q4Weights else w.codes).shape[0], dtype=F32)
     for start in range(0, x.shape[0], MAX_ROWS):
         if gemv(x[start:start + MAX_ROWS], w, y[start:start + MAX_ROWS]) is None:
@@ -574,7 +586,7 @@ def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
 
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
            "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations", "Q4_ACTIVATIONS", "takes_int8",
-           "q4_flags", "weights_fit_cache",
+           "q4_flags", "weights_fit_cache", "q8_takes_int16",
            "gemv_runs", "gemm",
            "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "q4_other_row", "gemv", "decode_step",
            "cache_pointers",

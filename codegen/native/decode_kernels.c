@@ -21,6 +21,8 @@
 
 #include "half_params.h"
 
+#define MAX_ROWS 8   /* cpu_native.MAX_ROWS */
+
 /* gemv_int16.c: the same GEMVs on int16 activations, where the CPU and the shapes allow (1 where done) */
 int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *scales,
                            int64_t f16, int64_t n, int64_t k, int64_t group, float *y, int64_t threads);
@@ -599,6 +601,10 @@ static inline const float *row_params(const void *p, int64_t f16, int64_t s0, in
 void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *scales, int64_t f16,
                   int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
     if (llmc_gemv_q8_int16(x, x_stride, m, q, scales, f16, n, k, group, y, threads)) return;
+    if (m > MAX_ROWS) {   /* only the int16 path takes more rows (cpu_native.gemm asks it so): never a wrong sum */
+        for (int64_t i = 0; i < m * n; i++) y[i] = NAN;
+        return;
+    }
     int64_t groups = k / group;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < n; j++) {
@@ -619,7 +625,6 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
  * possible weights are made once, exactly as the reference dequantises them: (q - z) * s with a zero
  * point, q * s + m (one rounding: q * s is exact for GGUF's scales) with an offset. With AVX-512 they
  * are a register that vpermps indexes by each lane's low 4 bits, so a code costs no convert. */
-#define MAX_ROWS 8   /* cpu_native.MAX_ROWS */
 #if VL == 16
 static const float IOTA_[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 #define IOTA (*(const vec *)IOTA_)

@@ -298,13 +298,23 @@ int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const ui
 int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *params,
                            int64_t f16, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
     struct act16 a;
-    if (!fits(m, k, group) || !quantise(x, x_stride, m, k, group, 0, &a))
+    if (!fits(m < MAX_ROWS ? m : MAX_ROWS, k, group) || !quantise(x, x_stride, m, k, group, 0, &a))
         return 0;
-#define Q8(M, G) row_q8(row, &a, k, M, p, G, y + j, n)
+    /* any number of rows m, as llmc_gemv_q4_int8 takes them: each weight row against MAX_ROWS at a time */
+#define Q8(M, G) row_q8(row, &sub, k, M, p, G, y + r0 * n + j, n)
 #define Q8_CASE(M) case M: switch (group) { \
             case 32: Q8(M, 32); break; case 64: Q8(M, 64); break; default: Q8(M, group); } break;
+#define CHUNKS \
+    for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) { \
+        struct act16 sub = a; \
+        sub.codes += r0 * k; \
+        sub.scale += r0 * (k / BLOCK); \
+        switch (m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS) { \
+            Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8) } \
+    }
     WEIGHT_ROWS(k / group + 16, (p = params_f32(params, f16, j * (k / group), k / group, buf), po = 0), k,
-                Q8_PREFETCH_ROWS, BY_ROWS(Q8_CASE))
+                Q8_PREFETCH_ROWS, CHUNKS)
+#undef CHUNKS
 #undef Q8_CASE
 #undef Q8
     free(a.scale);

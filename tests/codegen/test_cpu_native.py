@@ -485,6 +485,21 @@ def test_gemm_q4_int8_takes_any_rows_in_one_call_with_each_rows_bits():
     assert not bool(y.isnan().any()) and ((y - alone).abs().max() / alone.abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_gemm_q8_takes_any_rows_in_one_call_with_each_rows_bits(group):
+    """int8 weights on int16 activation codes (the Q8_0 LM head): as the 4-bit GEMV, one call for any rows."""
+    if not cpu_native.int16_activations():
+        pytest.skip("no AVX-512 BW")
+    g = torch.Generator().manual_seed(9)
+    codes = torch.randint(-127, 128, (53, 576), generator=g, dtype=torch.int8)
+    w = cpu_native.q8_weights(codes, (torch.rand(53, 576 // group, generator=g) * 0.01 + 1e-3).half())
+    assert cpu_native.q8_takes_int16(w)
+    x = torch.randn(40, 576, generator=g)
+    alone = torch.cat([cpu_native.gemv_q8(x[r:r + 1], w) for r in range(len(x))])
+    for rows in (9, 17, 40):
+        assert torch.equal(cpu_native.gemm(x[:rows], w), alone[:rows])
+
+
 def test_q4_weights_refuse_an_unknown_activation_rounding():
     with pytest.raises(LlmcError, match="int4"):
         _random_q4(torch.Generator().manual_seed(1), 8, 256, 64, True, True, "int4")
