@@ -37,6 +37,7 @@ ENTRIES = {
     "triton": ("rendered Triton kernels", False),
     "native": ("native CPU kernels built for this machine", False),
     "smollm2-135m": ("the SmolLM2-135M sample model", False),
+    "calibration": ("calibration text each model sampled (calibrated compiles)", False),
     "wheels": ("fetched wheels", False),
 }
 

@@ -3,6 +3,8 @@ alone, a --calib file is cut into consecutive chunks of its tokens, and the comp
 calibration data only for a pipeline with a lossy pass."""
 
 import hashlib
+import json
+import shutil
 
 import pytest
 import torch
@@ -20,17 +22,47 @@ def tiny():
     return load_model("tiny-llama")
 
 
-def test_self_generated_calibration_is_deterministic_per_seed(tiny):
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Sampled text is kept in $LLMC_CACHE/calibration: each test starts with none."""
+    monkeypatch.setenv("LLMC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "calibration"
+
+
+def test_self_generated_calibration_is_deterministic_per_seed(tiny, own_cache):
     torch.manual_seed(123)
     before = torch.rand(3)
     torch.manual_seed(123)
     a = calibration_sequences(tiny, None, 3, 24, seed=0)
     assert torch.equal(torch.rand(3), before)  # the global RNG is where the caller left it
+    shutil.rmtree(own_cache)   # sampled again, not read back
     b = calibration_sequences(tiny, None, 3, 24, seed=0)
     c = calibration_sequences(tiny, None, 3, 24, seed=1)
     assert [s.shape for s in a] == [(24,)] * 3 and all(s.dtype == torch.long for s in a)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_sampled_text_is_kept_and_read_back_once_whole(tiny, own_cache, monkeypatch):
+    """A model's sampled set is kept per seed and size and read back instead of sampling again; a file
+    that is not a whole set of that shape (cut short, other sizes, tokens past the vocabulary) is sampled
+    again and replaced."""
+    from llmc.compiler import calibration
+
+    sampled = []
+    real = calibration.generated_sequences
+    monkeypatch.setattr(calibration, "generated_sequences", lambda *a: sampled.append(a) or real(*a))
+    first = calibration_sequences(tiny, None, 3, 24, seed=5)
+    again = calibration_sequences(tiny, None, 3, 24, seed=5)
+    assert len(sampled) == 1 and all(torch.equal(x, y) for x, y in zip(first, again))
+    [kept] = own_cache.iterdir()
+    calibration_sequences(tiny, None, 2, 24, seed=5)
+    calibration_sequences(tiny, None, 3, 24, seed=6)
+    assert len(sampled) == 3 and len(list(own_cache.iterdir())) == 3
+    for bad in (kept.read_text()[:-7], "[[1, 2]]", json.dumps([[10 ** 9] * 24] * 3)):
+        kept.write_text(bad)
+        assert all(torch.equal(x, y) for x, y in zip(calibration_sequences(tiny, None, 3, 24, seed=5), first))
+    assert len(sampled) == 6 and json.loads(kept.read_text()) == [s.tolist() for s in first]
 
 
 def test_self_generated_sequences_start_with_the_prompts(tiny):
