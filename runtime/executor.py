@@ -228,7 +228,7 @@ class PlanExecutor:
         Params the prepared attrs `kept` use in place (the native 4-bit GEMV's) keep their pages."""
         if self._file_maps:
             # (strided ones: oneDNN's blocked copies are opaque, and never views of the file)
-            in_place = {t.data_ptr() for t in cpu_tensors(kept) if t.layout is torch.strided}
+            in_place = {t.data_ptr() for t in cpu_tensors(_read_in_place(kept)) if t.layout is torch.strided}
             registers = (self._registers.get(n) for n in names)
             release_file_pages([self._params[r] for r in registers if r is not None and r < len(self._params)
                                 and self._params[r].data_ptr() not in in_place], self._file_maps)
@@ -492,6 +492,18 @@ def resolve_kernel(name: str):
     been chosen)."""
     return resolve_family_kernel(name)
 
+
+
+def _read_in_place(value):
+    """`value` (a launch's prepared attrs) with each 4-bit GEMV's weights as the tensors its kernels read
+    (cpu_native.kernel_tensors): weights repacked into AMX tiles leave their stored pages to be released."""
+    if type(value) is cpu_native.Q4Weights:
+        return cpu_native.kernel_tensors(value)
+    if isinstance(value, dict):
+        return {k: _read_in_place(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return [_read_in_place(v) for v in value]
+    return value
 
 __all__ = ["PlanExecutor", "Launch", "kernel_family", "plan_launch_configs", "resolve_kernel"]
 

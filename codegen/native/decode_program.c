@@ -14,6 +14,10 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
 void llmc_gemv_q4(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s, const void *o,
                   int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y,
                   int64_t threads, int64_t flags);
+int64_t llmc_gemm_q4_amx(const float *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int64_t n, int64_t k,
+                         int64_t group, int64_t zero_point, float *y, int64_t threads);
+int64_t llmc_gemv_q4_int8_fits(int64_t k, int64_t group);
+#define Q4_TILES 4   /* cpu_native.q4_flags */
 void llmc_gemv_f32(const float *x, int64_t x_stride, int64_t m, const float *w, const float *bias, int64_t n,
                    int64_t k, float *y, int64_t threads);
 void llmc_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
@@ -74,8 +78,13 @@ void llmc_decode_program(const int64_t *ops, int64_t n_ops, const int64_t *step)
             if (op[10]) add_bias(P(9, float *), P(10, const float *), m, op[6]);
             break;
         case OP_GEMV_Q4:
-            llmc_gemv_q4(P(1, const float *), op[2], m, P(3, const uint8_t *), P(4, const void *), P(12, const void *),
-                         op[13], op[5], op[11], op[6], op[7], op[8], P(9, float *), threads, op[14]);
+            /* Q4_TILES: op[3] is the weights' AMX tiles (gemm_amx.c), while int8 activations are on */
+            if (!(op[14] & Q4_TILES) || !llmc_gemv_q4_int8_fits(op[7], op[8]) ||
+                !llmc_gemm_q4_amx(P(1, const float *), op[2], m, P(3, const uint8_t *), op[6], op[7], op[8], op[11],
+                                  P(9, float *), threads))
+                llmc_gemv_q4(P(1, const float *), op[2], m, P(15, const uint8_t *), P(4, const void *),
+                             P(12, const void *), op[13], op[5], op[11], op[6], op[7], op[8], P(9, float *), threads,
+                             op[14] & ~Q4_TILES);
             if (op[10]) add_bias(P(9, float *), P(10, const float *), m, op[6]);
             break;
         case OP_GEMV_F32:

@@ -468,13 +468,18 @@ def test_gemv_q4_int8_rows_are_batch_invariant():
     assert torch.equal(y[0], alone[0]) and bool(y[1].isnan().all())
 
 
-def test_gemm_q4_int8_takes_any_rows_in_one_call_with_each_rows_bits():
+@pytest.mark.parametrize("cached", [False, True])
+def test_gemm_q4_int8_takes_any_rows_in_one_call_with_each_rows_bits(cached):
     """cpu_native.gemm on int8 activations: one call for 9..70 rows (the weights read once), each row the bits
-    it has alone; inside fp32_activations it goes back to MAX_ROWS rows a call."""
+    it has alone; inside fp32_activations it goes back to MAX_ROWS rows a call. Weights that sit in the
+    last-level cache (`cached`) run on AMX tiles where this CPU has them (gemm_amx.c), within fp32 summation
+    of the VNNI GEMV's sums."""
     if not cpu_native.int16_activations():
         pytest.skip("no AVX-512 BW")
     g = torch.Generator().manual_seed(8)
-    *_, w = _random_q4(g, 45, 576, 32, False, True, "int8")
+    codes, scales, second, w = _random_q4(g, 45, 576, 32, False, True, "int8")
+    w = w._replace(cached=cached, tiles=cpu_native.amx_tiles(w) if cached else None)
+    assert (w.tiles is not None) == (cached and cpu_native.amx_ready())
     x = torch.randn(70, 576, generator=g)
     alone = torch.cat([cpu_native.gemv_q4(x[r:r + 1], w) for r in range(len(x))])
     for rows in (9, 16, 23, 70):
@@ -483,6 +488,8 @@ def test_gemm_q4_int8_takes_any_rows_in_one_call_with_each_rows_bits():
     with cpu_native.fp32_activations():
         y = cpu_native.gemm(x, w)
     assert not bool(y.isnan().any()) and ((y - alone).abs().max() / alone.abs().max()) < 2e-2
+    vnni = cpu_native.gemm(x, w._replace(tiles=None))
+    assert ((alone - vnni).abs().max() / vnni.abs().max()) < 1e-6
 
 
 @pytest.mark.parametrize("group", [32, 64])

@@ -88,8 +88,11 @@ def test_load_grows_rss_by_the_weights_once_and_the_split_adds_up(lean_artifact)
     expected = report(lean_artifact, kv_memory=KV_MEMORY)["memory_at_load"]   # what `llmc inspect` says
     assert split["kv_cache_allocated"] == expected["kv_cache"] and split["weights_file"] == expected["weights_file"]
     # the native GEMV reads the GGUF's 4-bit blocks in place: copies are params off a 64-byte boundary
-    # (executor._held), few if any
-    assert expected["weights_repacked"] == 0 and split["weights_repacked"] <= 0.01 * weights
+    # (executor._held), few if any; where AMX runs the 4-bit GEMMs (a model in the last-level cache), their
+    # tiles are the one copy of those weights (their stored pages left the RSS: the bound above)
+    tiled = expected["weights_repacked"]
+    assert (tiled == 0) == (not cpu_native.amx_ready() or not cpu_native.weights_fit_cache(weights))
+    assert split["weights_repacked"] <= 1.01 * tiled + 0.01 * weights
 
 
 def test_weights_read_as_stored_are_views_of_the_file_mapping(lean_artifact):
