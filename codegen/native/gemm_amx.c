@@ -238,6 +238,19 @@ static void column_params(const struct head *h, const uint8_t *t, const uint8_t 
         _tile_loadd(A, a + 32 * b, k); _tile_loadd(B, ub + 512 * (b & mask), 64); \
         _tile_zero(C); _tile_dpbsud(C, A, B); _tile_stored(C, cb, 64); } while (0)
 
+/* the offsets' terms in group order (the end of every row's fixed sequence), then the R rows' 16 columns
+ * stored (those of them below n: `n` is also the rows' stride) */
+static inline __attribute__((always_inline)) void finish_rows(const int R, __m512 *acc, const float *ow,
+                                                              const float *sums, int64_t rows, int64_t groups,
+                                                              float *y, int64_t n, int64_t col) {
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 o = _mm512_load_ps(ow + 16 * g);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(sums[g * rows + r]), acc[r]);
+    }
+    __mmask16 live = n - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - col)) - 1);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * n, live, acc[r]);
+}
+
 static inline void amx_block(int64_t b, const int8_t *a, int64_t k, const uint8_t *ub, int64_t mask, int32_t *cb) {
     switch (b % SLOTS) {
     case 0: AMX_BLOCK(0, 4, 6); break;
@@ -271,12 +284,7 @@ static inline __attribute__((always_inline)) void row_tile(const int R, const st
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(d + 16 * r)),
                                      _mm512_mul_ps(s, _mm512_set1_ps(sx[b * x->rows + r])), acc[r]);
     }
-    for (int64_t g = 0; g < groups; g++) {
-        __m512 o = _mm512_load_ps(ow + 16 * g);
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(sums[g * x->rows + r]), acc[r]);
-    }
-    __mmask16 live = n - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - col)) - 1);
-    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (r0 + r) * n + col, live, acc[r]);
+    finish_rows(R, acc, ow, sums, x->rows, groups, y + r0 * n + col, n, col);
 }
 
 /* The same D and the same fp32 sequence from VNNI where a tile has few rows (VNNI_ROWS or fewer): each of
@@ -328,12 +336,7 @@ static inline __attribute__((always_inline)) void row_tile_vnni(const int R, con
                                      _mm512_mul_ps(s, _mm512_set1_ps(sx[b * x->rows + r])), acc[r]);
         }
     }
-    for (int64_t g = 0; g < groups; g++) {
-        __m512 o = _mm512_load_ps(ow + 16 * g);
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(sums[g * x->rows + r]), acc[r]);
-    }
-    __mmask16 live = n - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - col)) - 1);
-    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (r0 + r) * n + col, live, acc[r]);
+    finish_rows(R, acc, ow, sums, x->rows, groups, y + r0 * n + col, n, col);
 }
 
 #define VNNI_CASE(R) case R: row_tile_vnni(R, &x, r0, k, group, t, sw, ow, y, n, 16 * j); break;
