@@ -184,8 +184,8 @@ def memory_lines(at_load: dict, measured: dict | None = None) -> list[str]:
     """What a load holds: expected from the plan, and measured when the artifact was loaded."""
     repacked = at_load["weights_repacked"]
     lines = [f"  memory at load: weights {_mib(at_load['weights_file'])} read from the mapped weights file"
-             + (f", {_mib(repacked)} of them held repacked instead (4-bit codes in the native GEMV's order)"
-                if repacked else ""),
+             + (f", {_mib(repacked)} of them held repacked instead (4-bit weights in the AMX GEMM's tiles, "
+                "or integer zero points converted)" if repacked else ""),
              f"    KV cache {_mib(at_load['kv_cache'])} at --kv-memory {at_load['kv_memory']} "
              f"({at_load['kv_blocks']:,} blocks); activations up to {_mib(at_load['activations_planned'])} planned"]
     if at_load["ort_sessions"]:

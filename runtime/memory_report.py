@@ -1,6 +1,6 @@
 """What a loaded model holds in memory, as `llmc bench` and `llmc inspect --memory` print it: the process's
 resident memory (RSS) split into weights (the pages of the artifact's weights file the kernels read as
-stored; the copies they read instead: 4-bit codes in the native GEMV's order, ONNX Runtime initializers
+stored; the copies they read instead: 4-bit weights in the AMX GEMM's tiles, ONNX Runtime initializers
 made by a transform; what ONNX Runtime's sessions hold of their own, its packed weights, measured as they
 were built), the KV cache, activations (the native decode arena, the dequantisation scratch) and the rest
 (Python, torch, the tokenizer, freed activations the heap keeps for the next step). `expected` says what
