@@ -493,7 +493,6 @@ def resolve_kernel(name: str):
     return resolve_family_kernel(name)
 
 
-
 def _read_in_place(value):
     """`value` (a launch's prepared attrs) with each 4-bit GEMV's weights as the tensors its kernels read
     (cpu_native.kernel_tensors): weights repacked into AMX tiles leave their stored pages to be released."""
@@ -504,6 +503,7 @@ def _read_in_place(value):
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return [_read_in_place(v) for v in value]
     return value
+
 
 __all__ = ["PlanExecutor", "Launch", "kernel_family", "plan_launch_configs", "resolve_kernel"]
 
