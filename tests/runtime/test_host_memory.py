@@ -84,7 +84,10 @@ def test_weights_move_onto_huge_pages_unchanged(monkeypatch):
     assert torch.equal(small, before[0]) and torch.equal(large, before[1])
     if done < small.numel() * 4 + large.numel() * 4:   # THP off, Linux before 6.1, or no free huge page now
         pytest.skip(f"the kernel collapsed {done} bytes of the weights' spans")
-    assert _huge_bytes(small) == small.numel() * 4 and _huge_bytes(large) == large.numel() * 4
+    # an end span shared with other heap memory may be split again when the heap trims or frees beside it
+    # (the full suite once left one 4 KiB page of the larger weight so): a page at either end is allowed
+    edges = 2 * 4096
+    assert _huge_bytes(small) >= small.numel() * 4 - edges and _huge_bytes(large) >= large.numel() * 4 - edges
 
 
 def test_released_file_pages_leave_the_rss_and_read_back_unchanged(tmp_path):
