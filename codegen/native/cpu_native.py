@@ -64,7 +64,7 @@ SIGNATURES = {
     "llmc_q4_repack": [_P, _P, _P] + [_I] * 6 + [_P, _I],
     "llmc_gemm_q4_amx": [_P, _I, _I, _P] + [_I] * 4 + [_P, _I],
 }
-AMX_ENV = "LLMC_AMX"   # "0": the 4-bit weights stay on the VNNI GEMV where AMX could take them (an A/B)
+AMX_ENV = "LLMC_AMX"   # "0": the 4-bit weights stay on the VNNI GEMV (an A/B); "all": AMX tiles for every model
 OPENMP = ("-fopenmp",)   # for the GEMV's threads; without it (a compiler lacking OpenMP) that GEMV stays off
 
 
@@ -478,7 +478,9 @@ def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor
                   activations == "int8" and takes_int8(k, k // groups), cached)
     # AMX where the model's weights sit in the last-level cache: a 64-row step of SmolLM2's 4-bit GEMMs 93 -> 48
     # ms, batch 1 even; streaming from DRAM at one row its tiles ran 12% slower than the VNNI GEMV (Llama-3B)
-    return w._replace(tiles=amx_tiles(w)) if w.int8 and cached else w
+    # (LLMC_AMX=all: every model, trading that for the GEMM's prefill and batched speed)
+    everywhere = os.environ.get(AMX_ENV, "").strip() == "all"
+    return w._replace(tiles=amx_tiles(w)) if w.int8 and (cached or everywhere) else w
 
 
 def amx_ready() -> bool:

@@ -492,6 +492,22 @@ def test_gemm_q4_int8_takes_any_rows_in_one_call_with_each_rows_bits(cached):
     assert ((alone - vnni).abs().max() / vnni.abs().max()) < 1e-6
 
 
+def test_amx_tiles_only_for_weights_in_cache_unless_asked_everywhere(monkeypatch):
+    """Tiles where the model's weights sit in the last-level cache (streaming from DRAM the VNNI GEMV is faster at
+    one row); LLMC_AMX=all takes them for every model, LLMC_AMX=0 for none."""
+    g = torch.Generator().manual_seed(10)
+    args = (pack_int4(torch.randint(0, 16, (32, 256), generator=g, dtype=torch.uint8)),
+            torch.rand(32, 8, generator=g).half().float() + 0.01, torch.randn(32, 8, generator=g).half().float(), False)
+    ready = cpu_native.amx_ready() and cpu_native.takes_int8(256, 32)
+    assert (cpu_native.q4_weights(*args, "int8", cached=True).tiles is not None) == ready
+    assert cpu_native.q4_weights(*args, "int8", cached=False).tiles is None
+    assert cpu_native.q4_weights(*args, "int16", cached=True).tiles is None
+    monkeypatch.setenv(cpu_native.AMX_ENV, "all")
+    assert (cpu_native.q4_weights(*args, "int8", cached=False).tiles is not None) == ready
+    monkeypatch.setenv(cpu_native.AMX_ENV, "0")
+    assert cpu_native.q4_weights(*args, "int8", cached=True).tiles is None
+
+
 @pytest.mark.parametrize("group", [32, 64])
 def test_gemm_q8_takes_any_rows_in_one_call_with_each_rows_bits(group):
     """int8 weights on int16 activation codes (the Q8_0 LM head): as the 4-bit GEMV, one call for any rows."""
