@@ -98,7 +98,8 @@ def main():
         seconds = min(_once(lambda: amx.llmc_q4_repack(packed.ctypes.data, scales.ctypes.data, mins.ctypes.data,
                                                        k // GROUP, 1, 0, n, k, GROUP, out.ctypes.data, args.threads))
                       for _ in range(20))
-        print(f"{n:>5} x {k:<4} repack {stored / seconds / 1e9:.2f} GB/s of stored weights ({stored} -> {out.nbytes} B)")
+        rate = stored / seconds / 1e9
+        print(f"{n:>5} x {k:<4} repack {rate:.2f} GB/s of stored weights ({stored} -> {out.nbytes} B)")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

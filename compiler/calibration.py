@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from llmc.cache import cache_root
+from llmc.cache import cache_root, write_json
 from llmc.compiler.bounded_input import read_input
 from llmc.errors import PassError
 
@@ -49,7 +48,7 @@ def calibration_sequences(loaded, calib_file: str | Path | None, num_samples: in
     if kept is not None:
         return kept
     seqs = generated_sequences(loaded.module, loaded.tokenizer, num_samples, seq_len, seed)
-    keep_sequences(path, seqs)
+    write_json(path, [s.tolist() for s in seqs])   # atomically; a cache that cannot be written is skipped
     return seqs
 
 
@@ -80,15 +79,6 @@ def cached_sequences(path: Path, num_samples: int, seq_len: int, vocab: int) -> 
     return [torch.tensor(r, dtype=torch.long) for r in rows]
 
 
-def keep_sequences(path: Path, seqs: list[torch.LongTensor]) -> None:
-    """Write the sequences to `path` atomically; a cache that cannot be written is skipped."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([s.tolist() for s in seqs]))
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def calibration_source(calib_file: str | Path | None, seed: int = 0) -> str:

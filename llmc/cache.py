@@ -123,7 +123,7 @@ def busy_reason(record: dict) -> str | None:
     return None if loadavg <= cores + BUSY_MARGIN else f"the load average was {loadavg:.1f} on {cores} cores"
 
 
-def write_json(path: Path, entry: dict) -> None:
+def write_json(path: Path, entry: dict | list) -> None:
     """`entry` as JSON at `path`, atomically (a rename), so concurrent processes never read half a file;
     a cache that cannot be written only costs measuring again."""
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

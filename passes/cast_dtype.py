@@ -35,16 +35,19 @@ FP32_INPUTS = {"rope": {2}, "flash_attention": {4}, "send": {0}}
 FP32_INPUTS_FROM = {"qlinear": 2, "qembedding": 1}
 
 
+def quant_param_slot(node: Node, index: int) -> bool:
+    """Whether input `index` of `node` is a quantisation param (scales, zero points, activation scales)."""
+    start = FP32_INPUTS_FROM.get(node.op)
+    return start is not None and index >= start
+
+
 def fp32_slot(node: Node, index: int) -> bool:
     """Whether input `index` of `node` must be float32."""
     if node.op == "aten":
         return True
     if node.attrs.get("kv_cache") and kv_format(node.attrs["kv_cache"]).static and index == len(node.inputs) - 1:
         return True   # a calibrated KV cache's scales
-    if index in FP32_INPUTS.get(node.op, ()):
-        return True
-    start = FP32_INPUTS_FROM.get(node.op)
-    return start is not None and index >= start
+    return index in FP32_INPUTS.get(node.op, ()) or quant_param_slot(node, index)
 
 
 def kept_params(graph: Graph) -> set[str]:
@@ -65,9 +68,8 @@ def wanted_dtype(node: Node, index: int, current: str, dtype: str) -> str:
     for `cast` nodes, which take anything)."""
     if current not in FLOAT_DTYPES or node.op == "cast":
         return current
-    start = FP32_INPUTS_FROM.get(node.op)
-    if start is not None and index >= start:
-        return current   # quantisation params: kept as stored (a GGUF's fp16 scales are read as fp16)
+    if quant_param_slot(node, index):
+        return current   # kept as stored, never cast down (a GGUF's fp16 scales are read as fp16)
     return "float32" if fp32_slot(node, index) else dtype
 
 

@@ -118,8 +118,8 @@ def expected(plan: dict, model: dict, kv_memory: str | int = "1GiB", block_size:
     # the native GEMV reads 4-bit codes in place, and fp16 or fp32 scales and zero points or offsets; on int8
     # activations where AMX runs here and the weights sit in the last-level cache, all three go into tiles
     four_bit = [s for s in plan["steps"] if s["kernel"] == "cpu.qlinear" and s["attrs"].get("scheme") in NATIVE_4BIT]
-    tiled = (plan["meta"].get("q4_activations", "int16") == "int8" and cpu_native.amx_ready()
-             and cpu_native.weights_fit_cache(sum(nbytes.values())))
+    tiled = (plan["meta"].get("q4_activations", "int16") == "int8"
+             and cpu_native.tiles_wanted(cpu_native.weights_fit_cache(sum(nbytes.values()))))
     repacked = {p for s in four_bit for p in (s["inputs"][1:4] if tiled else s["inputs"][2:4])
                 if p in nbytes and (tiled or types[p]["dtype"] not in ("float16", "float32"))}
     per_token = model["kv_bytes_per_token"]

@@ -476,11 +476,15 @@ def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor
     s, other = _q4_params(s, other)
     w = Q4Weights(qweight.contiguous(), s, other, zero_point, k // groups,
                   activations == "int8" and takes_int8(k, k // groups), cached)
-    # AMX where the model's weights sit in the last-level cache: a 64-row step of SmolLM2's 4-bit GEMMs 93 -> 48
-    # ms, batch 1 even; streaming from DRAM at one row its tiles ran 12% slower than the VNNI GEMV (Llama-3B)
-    # (LLMC_AMX=all: every model, trading that for the GEMM's prefill and batched speed)
-    everywhere = os.environ.get(AMX_ENV, "").strip() == "all"
-    return w._replace(tiles=amx_tiles(w)) if w.int8 and (cached or everywhere) else w
+    return w._replace(tiles=amx_tiles(w)) if w.int8 and tiles_wanted(cached) else w
+
+
+def tiles_wanted(cached: bool) -> bool:
+    """Whether 4-bit weights on int8 activations go into AMX tiles: where the model's weights sit in the
+    last-level cache (`cached`; a 64-row step of SmolLM2's 4-bit GEMMs 93 -> 48 ms, batch 1 even; streaming
+    from DRAM at one row the tiles ran 12% slower than the VNNI GEMV on Llama-3B), or every model with
+    LLMC_AMX=all (for the GEMM's prefill and batched speed); never with LLMC_AMX=0 or without AMX."""
+    return (cached or os.environ.get(AMX_ENV, "").strip() == "all") and amx_ready()
 
 
 def amx_ready() -> bool:
@@ -639,7 +643,8 @@ def gemm(x: torch.Tensor, w: Q8Weights | Q4Weights) -> torch.Tensor | None:
 
 __all__ = ["available", "status", "timing_key", "read_step", "decode_attention_bf16", "add_rms_norm", "q8_weights",
            "gemv_q8", "Q8Weights", "set_int16_activations", "int16_activations", "Q4_ACTIVATIONS", "takes_int8",
-           "q4_flags", "weights_fit_cache", "q8_takes_int16", "amx_ready", "amx_tiles", "kernel_tensors",
+           "q4_flags", "weights_fit_cache", "q8_takes_int16", "amx_ready", "amx_tiles", "tiles_wanted",
+           "kernel_tensors",
            "gemv_runs", "gemm",
            "fp32_activations", "q4_weights", "gemv_q4", "Q4Weights", "q4_other_row", "gemv", "decode_step",
            "cache_pointers",
