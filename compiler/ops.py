@@ -41,6 +41,7 @@ from llmc.compiler.op_attrs import (
     optional,
 )
 from llmc.compiler.quant import (
+    K_SUPER,
     KV_QMAX,
     fake_quant_fp8,
     fake_quant_int8_per_token,
@@ -48,7 +49,15 @@ from llmc.compiler.quant import (
     fake_quant_kv_int4,
     kv_int4_group,
 )
-from llmc.compiler.schemes import FP8_STATIC, INT8_PER_TOKEN, SCHEMES, dequantize_weight, kv_format, schemes_where
+from llmc.compiler.schemes import (
+    FLOAT_OFFSET,
+    FP8_STATIC,
+    INT8_PER_TOKEN,
+    SCHEMES,
+    dequantize_weight,
+    kv_format,
+    schemes_where,
+)
 from llmc.errors import IRError
 
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -106,6 +115,7 @@ def runtime_refusal(op: str, attrs: dict, in_types: list[TensorType]) -> str | N
 # The rules check every input a kernel relies on, so a graph or plan that type-checks also runs.
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
 INDEX_DTYPES = ("int64", "int32")
+GROUP_PARAM_DTYPES = FLOAT_DTYPES + ("uint8",)   # a GGUF's K-quant params, packed (compiler/quant.py)
 DTYPE = one_of(*TORCH_DTYPES)
 
 
@@ -301,6 +311,16 @@ def _qlinear_type(ts, attrs):
     return [TensorType(x.shape[:-1] + (n,), x.dtype)]
 
 
+def _group_params_shape(t, scheme: str, rows: int, k: int, group_size: int) -> tuple[int, int]:
+    """[rows, K/g] group params, or K-quant packed ones (uint8, affine schemes): [rows, 2 K/256 + K/g]."""
+    if t is None or t.dtype != "uint8":
+        return rows, k // group_size
+    if SCHEMES[scheme].zero_point != FLOAT_OFFSET or k % K_SUPER or K_SUPER % group_size:
+        raise IRError(f"packed (uint8) group params need an affine scheme, K a multiple of {K_SUPER} and groups "
+                      f"dividing it; got {scheme} with K={k}, group_size={group_size}")
+    return rows, 2 * (k // K_SUPER) + k // group_size
+
+
 def _quant_params(ts, attrs, what: str, scheme: str, rows: int, k: int, group_size) -> None:
     """scales (and zeros, act_scale, bias) as docs/quantization.md lays them out for `rows` output
     channels over `k` inputs: one scale a row, or one a group of `group_size` along k for int4."""
@@ -311,7 +331,8 @@ def _quant_params(ts, attrs, what: str, scheme: str, rows: int, k: int, group_si
             raise IRError(f"{what} ({scheme}): group_size {group_size!r} must be a positive divisor of {k}")
         for name, t in (("scales", scales), ("zeros", zeros)):
             if t is not None or SCHEMES[scheme].zeros_required:
-                _want(t, f"{what} ({scheme}) {name}", shape=(rows, k // group_size))
+                _want(t, f"{what} ({scheme}) {name}", GROUP_PARAM_DTYPES if SCHEMES[scheme].gguf else FLOAT_DTYPES,
+                      shape=_group_params_shape(t, scheme, rows, k, group_size))
     elif SCHEMES[scheme].per_tensor and scales.shape == (1,):
         _want(scales, f"{what} ({scheme}) scales", shape=(1,))
     else:

@@ -114,6 +114,41 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 # once, as gguf.quants.dequantize does: the weights are bit-identical to the file's.
 AFFINE4_CENTRE = 8
 
+# K-quant group params, packed: GGUF's Q4_K/Q5_K/Q6_K scale each group of g (32 or 16) weights by d * c, an
+# fp16 factor d per super-block of 256 weights times a small signed integer c per group (minimums alike, with
+# -dmin). Their fp32 products are exact (11 by at most 8 significant bits) but not fp16-exact, so stored as
+# fp32 they took 2 bits a weight (a 4.5-bit Q4_K weight became 6); packed they take 0.625 (4.625 a weight).
+# A packed row is uint8 [2 S + G]: the S = K/256 factors d (fp16 bits), then the G = K/g integers c (int8).
+# Unpacking gives the very fp32 values, so every kernel computes what it did on the fp32 params.
+K_SUPER = 256
+
+
+def pack_k_params(factors: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    """fp16 factors [N, S] and integers [N, G] (each within int8) -> packed uint8 [N, 2 S + G]."""
+    n = factors.shape[0]
+    return torch.cat([factors.to(torch.float16).contiguous().view(torch.uint8).reshape(n, -1),
+                      ints.to(torch.int8).view(torch.uint8).reshape(n, -1)], dim=1)
+
+
+def is_packed(params: torch.Tensor | None) -> bool:
+    """Whether group params are K-quant packed (uint8) rather than float values."""
+    return params is not None and params.dtype == torch.uint8
+
+
+def packed_groups(width: int, k: int) -> int:
+    """Groups G of a packed row `width` bytes wide over K inputs (width = 2 K/256 + G)."""
+    return width - 2 * (k // K_SUPER)
+
+
+def group_params(params: torch.Tensor | None, k: int) -> torch.Tensor | None:
+    """Group scales or minimums [N, G] as float values: float ones as they are, packed ones unpacked to fp32."""
+    if not is_packed(params):
+        return params
+    n, supers = params.shape[0], k // K_SUPER
+    factors = params[:, :2 * supers].contiguous().view(torch.float16).float()
+    ints = params[:, 2 * supers:].contiguous().view(torch.int8).float()
+    return (ints.reshape(n, supers, -1) * factors[..., None]).reshape(n, -1)
+
 
 def dequantize_affine(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -127,9 +162,11 @@ def dequantize_affine(scheme: str, qweight: torch.Tensor, scales: torch.Tensor, 
 
 def dequantize_affine_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                             centre: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unpacked codes [N, K], scales/mins [N, K/g] -> w = (q - centre) * s (+ m) [N, K] in `dtype`."""
+    """Unpacked codes [N, K], scales/mins [N, K/g] (or K-quant packed) -> w = (q - centre) * s (+ m) [N, K]
+    in `dtype`."""
     # in place on one fresh copy: a whole model's weights pass through here at load, and each
     # further [N, K] temporary costs its page faults (the same operations, so the same values)
+    scales, mins = group_params(scales, codes.shape[1]), group_params(mins, codes.shape[1])
     q = codes.to(dtype, copy=True)
     if centre:
         q.sub_(centre)
@@ -227,4 +264,5 @@ __all__ = ["INT8_MAX", "INT4_MAX", "FP8_E4M3_MAX", "compute_dtype", "quantize_in
            "fake_quant_fp8", "fake_quant_int8_per_token", "KV_QMAX", "fake_quant_kv",
            "KV_INT4_GROUP", "kv_int4_group", "kv_int4_row_bytes", "kv_int4_scales", "kv_int4_codes",
            "fake_quant_kv_int4",
-           "AFFINE4_CENTRE", "dequantize_affine", "dequantize_affine_codes"]
+           "AFFINE4_CENTRE", "K_SUPER", "pack_k_params", "is_packed", "packed_groups", "group_params",
+           "dequantize_affine", "dequantize_affine_codes"]

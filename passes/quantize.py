@@ -140,8 +140,9 @@ def add_quant_params(graph: Graph, weight: str, fmt: WeightFormat, codes: torch.
     if DTYPE_NAMES[stored.dtype] != want:
         raise PassError(f"quantising {weight}: the {fmt.method} method gave {stored.dtype} codes, "
                         f"the {fmt.scheme} format stores {want}")
-    # float16 scales stay so (GGUF's own, kept exactly); every other scale is stored as float32
-    scales = scales if scales.dtype == torch.float16 else as_dtype(scales, torch.float32)
+    # float16 scales stay so (GGUF's own, kept exactly), K-quant packed ones too (compiler/quant.py's
+    # pack_k_params); every other scale is stored as float32
+    scales = scales if scales.dtype in (torch.float16, torch.uint8) else as_dtype(scales, torch.float32)
     tensors = {"qweight": stored, "scales": scales, "zeros": zeros, "act_scale": act_scale}
     tensors = {k: contiguous(t) for k, t in tensors.items() if t is not None}
     scheme = QuantScheme(fmt.method, fmt.bits, fmt.group_size, fmt.symmetric, names["scales"],

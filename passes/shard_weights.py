@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from llmc.compiler.ir import Graph, Node, TensorType
+from llmc.compiler.quant import group_params
 from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import PassError
 
@@ -67,7 +68,9 @@ def cut_row(graph: Graph, node: Node, start: int, stop: int, rank: int, pass_nam
             cuts[index] = tensor[:, start // per_byte: stop // per_byte]
         elif role in ("scales", "zeros") and tensor.dim() == 2:
             group = _whole_groups(graph, node, start, stop, pass_name)
-            cuts[index] = tensor[:, start // group: stop // group]
+            # K-quant packed params hold whole rows' super-blocks: cut their values (fp32, the same numbers)
+            values = group_params(tensor, in_features(graph, node))
+            cuts[index] = values[:, start // group: stop // group]
         elif role == "bias" and rank != 0:
             cuts[index] = torch.zeros_like(tensor)
     _store(graph, node, cuts)

@@ -32,7 +32,7 @@ import torch
 
 from llmc.cache import cache_root
 from llmc.codegen.native_cache import CacheRefused, digest_path, private_directory, record, verified_open, warn
-from llmc.compiler.quant import kv_int4_row_bytes
+from llmc.compiler.quant import K_SUPER, group_params, is_packed, kv_int4_row_bytes, packed_groups
 from llmc.errors import LlmcError
 
 SOURCES = tuple(Path(__file__).with_name(name)
@@ -385,8 +385,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 class Q8Weights(NamedTuple):
     """An int8 GEMV's weights: w = q * s per group of `group` codes along K."""
     codes: torch.Tensor    # int8 [N, K], contiguous
-    scales: torch.Tensor   # float16 or float32 [N, K / group], contiguous
+    scales: torch.Tensor   # float16 or float32 [N, K / group], or K-quant packed (uint8), contiguous
     group: int
+
+
+def param_format(params: torch.Tensor, group: int) -> int:
+    """How the GEMVs read a weight's group params (half_params.h): 0 fp32, 1 fp16, else K-quant packed
+    (compiler/quant.py's pack_k_params) with that many groups a super-block."""
+    if is_packed(params):
+        return K_SUPER // group
+    return int(params.dtype is torch.float16)
+
+
+def _groups(params: torch.Tensor, n: int, k: int) -> int:
+    """Groups a row of these params covers (packed rows hold their super-block factors too)."""
+    return packed_groups(params.shape[-1], k) if is_packed(params) else params.numel() // n
 
 
 def q8_weights(codes: torch.Tensor, scales: torch.Tensor) -> Q8Weights | None:
@@ -395,11 +408,11 @@ def q8_weights(codes: torch.Tensor, scales: torch.Tensor) -> Q8Weights | None:
     if codes.dtype != torch.int8 or codes.dim() != 2 or scales.numel() == 0 or scales.numel() % codes.shape[0]:
         return None
     n, k = codes.shape
-    s = scales.reshape(n, -1)
-    if k % s.shape[1] or (k // s.shape[1]) % 16:
+    s, groups = scales.reshape(n, -1), _groups(scales, n, k)
+    if groups <= 0 or k % groups or (k // groups) % 16:
         return None
-    s = s if s.dtype in (torch.float16, F32) else s.float()
-    return Q8Weights(codes.contiguous(), s.contiguous(), k // s.shape[1])
+    s = s if s.dtype in (torch.float16, F32) or is_packed(s) else s.float()
+    return Q8Weights(codes.contiguous(), s.contiguous(), k // groups)
 
 
 def _gemv_lib(x: torch.Tensor, k: int, any_rows: bool = False) -> tuple[ctypes.CDLL | None, int]:
@@ -427,7 +440,7 @@ def gemv_q8(x: torch.Tensor, w: Q8Weights, out: torch.Tensor | None = None,
     (rows, k), n = x.shape, w.codes.shape[0]
     y = torch.empty(rows, n, dtype=F32) if out is None else out
     lib.llmc_gemv_q8(x.data_ptr(), x.stride(0), rows, w.codes.data_ptr(), w.scales.data_ptr(),
-                     w.scales.dtype is torch.float16, n, k, w.group, y.data_ptr(), threads)
+                     param_format(w.scales, w.group), n, k, w.group, y.data_ptr(), threads)
     return y
 
 
@@ -443,7 +456,7 @@ class Q4Weights(NamedTuple):
     All three arrays are the artifact's own where it stores them so (a GGUF's Q4_0 and Q4_1 blocks: fp16
     scales and minimums), read in place from its mapped file: nothing is copied or reordered at load."""
     packed: torch.Tensor   # uint8 [N, K / 2] as stored: byte j holds code 2j (low nibble) and 2j + 1 (high)
-    scales: torch.Tensor   # float16 or float32 [N, K / group]
+    scales: torch.Tensor   # float16 or float32 [N, K / group], or K-quant packed (uint8)
     other: torch.Tensor    # zero points or offsets, scales' dtype: [N, K / group], or [1, K / group] for all rows
     zero_point: bool
     group: int
@@ -467,13 +480,13 @@ def q4_weights(qweight: torch.Tensor, scales: torch.Tensor, second: torch.Tensor
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or scales.numel() == 0 or scales.numel() % qweight.shape[0]:
         return None
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    groups = scales.numel() // n
-    if k % groups or (k // groups) % 32:
+    groups = _groups(scales, n, k)
+    if groups <= 0 or k % groups or (k // groups) % 32:
         return None
-    s = scales.reshape(n, groups)
-    other = (second.reshape(n, groups) if isinstance(second, torch.Tensor)
+    s = scales.reshape(n, -1)
+    other = (second.reshape(n, -1) if isinstance(second, torch.Tensor)
              else torch.full((1, groups), float(second), dtype=s.dtype if s.is_floating_point() else F32))
-    s, other = _q4_params(s, other)
+    s, other = _q4_params(s, other, k)
     w = Q4Weights(qweight.contiguous(), s, other, zero_point, k // groups,
                   activations == "int8" and takes_int8(k, k // groups), cached)
     return w._replace(tiles=amx_tiles(w)) if w.int8 and tiles_wanted(cached) else w
@@ -501,14 +514,17 @@ def amx_tiles(w: Q4Weights) -> torch.Tensor | None:
         return None
     lib = _load()[0]
     n, k = w.packed.shape[0], 2 * w.packed.shape[1]
-    f16, other_row = int(w.scales.dtype is torch.float16), q4_other_row(w)
+    # the tiles hold fp16 or fp32 params: packed ones are unpacked for the repack (a layer's worth at a time)
+    scales, other = (group_params(w.scales, k), group_params(w.other, k)) if is_packed(w.scales) else (w.scales,
+                                                                                                        w.other)
+    f16, other_row = int(scales.dtype is torch.float16), 0 if other.shape[0] == 1 else other.stride(0)
     size = lib.llmc_q4_tiles_bytes(n, k, w.group, f16, other_row)
     if size <= 0:
         return None
     tiles = torch.empty(size + 64, dtype=torch.uint8)
     start = -tiles.data_ptr() % 64   # a cache line's start: the kernel's tile loads
     tiles = tiles[start:start + size]
-    done = lib.llmc_q4_repack(w.packed.data_ptr(), w.scales.data_ptr(), w.other.data_ptr(), other_row, f16,
+    done = lib.llmc_q4_repack(w.packed.data_ptr(), scales.data_ptr(), other.data_ptr(), other_row, f16,
                               int(w.zero_point), n, k, w.group, tiles.data_ptr(), torch.get_num_threads())
     return tiles if done == size else None
 
@@ -519,12 +535,12 @@ def kernel_tensors(w: Q4Weights) -> tuple[torch.Tensor, ...]:
     return (w.tiles,) if w.int8 and w.tiles is not None else (w.packed, w.scales, w.other)
 
 
-def _q4_params(scales: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales and zero points or offsets in one dtype the GEMV reads: fp16 where both are exactly fp16 (as
-    they are, contiguous, where they are stored so), else fp32."""
-    if scales.dtype == other.dtype == torch.float16:
+def _q4_params(scales: torch.Tensor, other: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zero points or offsets in one format the GEMV reads: K-quant packed or fp16 where both are
+    (as they are, contiguous, where they are stored so), else fp16 where both are exactly fp16, else fp32."""
+    if scales.dtype == other.dtype == torch.float16 or (is_packed(scales) and is_packed(other)):
         return scales.contiguous(), other.contiguous()
-    s, o = scales.float(), other.float()
+    s, o = group_params(scales, k).float(), group_params(other, k).float()
     hs, ho = s.half(), o.half()
     exact = all(bool(torch.isfinite(h).all()) and torch.equal(h.float(), f) for h, f in ((hs, s), (ho, o)))
     return (hs, ho) if exact else (s.contiguous(), o.contiguous())
@@ -548,7 +564,7 @@ def gemv_q4(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None,
                                "a bug in llmc")
         return y
     lib.llmc_gemv_q4(x.data_ptr(), x.stride(0), rows, w.packed.data_ptr(), w.scales.data_ptr(), w.other.data_ptr(),
-                     q4_other_row(w), w.scales.dtype is torch.float16, w.zero_point, n, k, w.group, y.data_ptr(),
+                     q4_other_row(w), param_format(w.scales, w.group), w.zero_point, n, k, w.group, y.data_ptr(),
                      threads, q4_flags(w))
     return y
 
@@ -574,8 +590,11 @@ def weights_fit_cache(weight_bytes: int) -> bool:
 
 
 def q4_other_row(w: Q4Weights) -> int:
-    """Values between two weight rows' zero points or offsets: 0 where one row serves all."""
-    return 0 if w.other.shape[0] == 1 else w.other.stride(0)
+    """Values between two weight rows' zero points or offsets: 0 where one row serves all (a packed row
+    counts as its groups: the kernels find row j's bytes from j * groups)."""
+    if w.other.shape[0] == 1:
+        return 0
+    return _groups(w.other, w.other.shape[0], 2 * w.packed.shape[1]) if is_packed(w.other) else w.other.stride(0)
 
 
 def gemv(x: torch.Tensor, w: Q8Weights | Q4Weights, out: torch.Tensor | None = None) -> torch.Tensor | None:

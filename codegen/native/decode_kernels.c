@@ -574,6 +574,10 @@ static inline float dot_q8(const uint8_t *q, const float *x, const float *sc, in
  * scalar tail, cost a 4-bit GEMV row of 576 codes 15-20% (a memcpy call; lane-by-lane converts). */
 static inline const float *row_params(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
     if (!f16) return (const float *)p + s0;
+    if (f16 > 1) {   /* K-quant packed (half_params.h); s0 = row * count */
+        k_params_to_floats((const uint8_t *)p + s0 / count * param_row_bytes(f16, count), count, f16, buf);
+        return buf;
+    }
     const uint16_t *h = (const uint16_t *)p + s0;
 #if VL == 16 && defined(__AVX512BW__)
     halves_to_floats(h, count, buf);

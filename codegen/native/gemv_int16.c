@@ -141,10 +141,12 @@ static inline int64_t row_tile(int64_t row_bytes) {
     return rows > MAX_ROWS ? rows : MAX_ROWS;
 }
 
-/* a row's `count` weight parameters as fp32: where they lie, or fp16 ones converted into buf */
+/* a row's `count` weight parameters (from s0 = row * count on) as fp32: where they lie, or fp16 or packed
+ * ones (half_params.h's formats) converted into buf */
 static inline const float *params_f32(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
     if (!f16) return (const float *)p + s0;
-    halves_to_floats((const uint16_t *)p + s0, count, buf);
+    if (f16 == 1) halves_to_floats((const uint16_t *)p + s0, count, buf);
+    else k_params_to_floats((const uint8_t *)p + s0 / count * param_row_bytes(f16, count), count, f16, buf);
     return buf;
 }
 
@@ -272,10 +274,10 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
  * arrays the artifact's own, two streams beside the codes', fetched AHEAD rows ahead with them */
 #define Q4_PARAMS(AHEAD) \
     do { \
-        int64_t groups_ = k / group, size_ = f16 ? 2 : 4; \
-        for (int64_t c = 0; (AHEAD) && c < groups_ * size_; c += 64) { \
-            __builtin_prefetch((const char *)s + (j + (AHEAD)) * groups_ * size_ + c, 0, 2); \
-            __builtin_prefetch((const char *)o + (j + (AHEAD)) * o_row * size_ + c, 0, 2); \
+        int64_t groups_ = k / group, bytes_ = param_row_bytes(f16, groups_); \
+        for (int64_t c = 0; (AHEAD) && c < bytes_; c += 64) { \
+            __builtin_prefetch((const char *)s + (j + (AHEAD)) * bytes_ + c, 0, 2); \
+            __builtin_prefetch((const char *)o + (j + (AHEAD)) * (o_row ? bytes_ : 0) + c, 0, 2); \
         } \
         p = params_f32(s, f16, j * groups_, groups_, buf); \
         po = params_f32(o, f16, j * o_row, groups_, buf + groups_ + 16); \

@@ -22,8 +22,45 @@ static inline float half_bits_to_float(uint16_t h) {
     return f;
 }
 
+/* A weight row's group parameters come in one of these formats (cpu_native.param_format): 0 fp32, 1 fp16,
+ * or K-quant packed with `fmt` groups a super-block (8 or 16): per row, the super-blocks' fp16 factors d,
+ * then one int8 c per group, the group's value d * c (exact in fp32: compiler/quant.py's pack_k_params). */
+static inline int64_t param_row_bytes(int64_t fmt, int64_t groups) {
+    return fmt == 0 ? 4 * groups : fmt == 1 ? 2 * groups : groups + 2 * (groups / fmt);
+}
+
+static inline float k_param(const uint8_t *row, int64_t groups, int64_t subs, int64_t g) {
+    uint16_t bits;
+    memcpy(&bits, row + 2 * (g / subs), sizeof bits);
+    return half_bits_to_float(bits) * (float)((const int8_t *)row)[2 * (groups / subs) + g];
+}
+
 #if defined(__AVX512BW__)
 #include <immintrin.h>
+
+/* a packed row's `groups` values as floats into out, 16 at a time (masked: nothing written past groups);
+ * lanes 0-7 and 8-15 each lie within one super-block (8 or 16 groups a super-block) */
+static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
+    const uint8_t *ints = row + 2 * (groups / subs);
+    for (int64_t g = 0; g < groups; g += 16) {
+        __mmask16 live = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(live, ints + g)));
+        int64_t upper = g + 8 < groups ? g + 8 : g;
+        uint16_t d0, d1;
+        memcpy(&d0, row + 2 * (g / subs), sizeof d0);
+        memcpy(&d1, row + 2 * (upper / subs), sizeof d1);
+        __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half_bits_to_float(d0)),
+                                      _mm256_set1_ps(half_bits_to_float(d1)), 1);
+        _mm512_mask_storeu_ps(out + g, live, _mm512_mul_ps(c, d));
+    }
+}
+#else
+static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
+    for (int64_t g = 0; g < groups; g++) out[g] = k_param(row, groups, subs, g);
+}
+#endif
+
+#if defined(__AVX512BW__)
 
 static inline void halves_to_floats(const uint16_t *h, int64_t count, float *out) {
     for (int64_t g = 0; g < count; g += 16) {

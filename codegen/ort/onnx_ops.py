@@ -187,15 +187,15 @@ def _affine_rows(b: OnnxBuilder, n, rows) -> str:
     """The selected rows of a grouped affine table, dequantised as compiler.quant.dequantize_affine."""
     dim, qweight, scales = n.attrs["embedding_dim"], n.inputs[1], n.inputs[2]
     mins = n.inputs[3] if n.attrs.get("has_zeros") else None
-    groups = b.graph.type_of(scales).shape[1]
+    vocab, groups = b.graph.type_of(qweight).shape[0], dim // n.attrs["group_size"]
     four = n.attrs["scheme"] == "affine4"
     codes = b.one("Cast", rows(b.weight(qweight, "int4_codes" if four else "same")), to=1)
     codes = b.one("Reshape", codes, b.ints(0, groups, dim // groups))
     if four and mins is None:
         codes = b.one("Sub", codes, b.scalar(8.0))
-    out = b.one("Mul", codes, b.one("Unsqueeze", rows(b.weight(scales, "f32")), b.ints(-1)))
+    out = b.one("Mul", codes, b.one("Unsqueeze", rows(b.weight(scales, "f32", (vocab, groups))), b.ints(-1)))
     if mins is not None:
-        out = b.one("Add", out, b.one("Unsqueeze", rows(b.weight(mins, "f32")), b.ints(-1)))
+        out = b.one("Add", out, b.one("Unsqueeze", rows(b.weight(mins, "f32", (vocab, groups))), b.ints(-1)))
     return b.one("Reshape", out, b.ints(0, dim))
 
 
@@ -312,7 +312,7 @@ def _affine_matmul(b: OnnxBuilder, x: str, attrs: dict, qweight: str, scales: st
     if mins is None:
         return y
     group_sums = b.one("ReduceSum", b.one("Reshape", x, b.ints(0, blocks, group)), b.ints(-1), keepdims=0)
-    return b.one("Add", y, b.one("Gemm", group_sums, b.weight(mins, "f32"), transB=1))
+    return b.one("Add", y, b.one("Gemm", group_sums, b.weight(mins, "f32", (n, blocks)), transB=1))
 
 
 def _zero_points(b: OnnxBuilder, n: int, blocks: int) -> str:

@@ -5,12 +5,13 @@ stored once, in weights.safetensors. Torch only: the runtime imports this module
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from llmc.compiler.quant import pack_int4, unpack_int4
+from llmc.compiler.quant import K_SUPER, group_params, is_packed, pack_int4, unpack_int4
 
 NBITS_INT8_ZERO = 128     # MatMulNBits bits=8 without zero points reads codes as unsigned, zero 128
 
@@ -24,7 +25,15 @@ def _transposed(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 def _float32(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    return t.float()
+    """float32 values; K-quant packed group params (compiler/quant.py) unpacked, their group count read
+    from `dims` (the initializer's shape: rows x groups values)."""
+    if not is_packed(t):
+        return t.float()
+    if not dims:
+        raise ValueError("packed group params need the initializer's shape to be unpacked")
+    rows, width = t.shape
+    groups = math.prod(dims) // rows
+    return group_params(t, K_SUPER * ((width - groups) // 2))
 
 
 def _int4_codes(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -81,7 +90,7 @@ def _low_nibbles(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 def _float32_times_16(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """16 s in float32: exact, a power of two."""
-    return t.float() * 16
+    return _float32(t, dims) * 16
 
 
 TRANSFORMS: dict[str, Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]] = {

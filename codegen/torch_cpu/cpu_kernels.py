@@ -141,15 +141,15 @@ def embedding(ids, weight, **attrs):
 def qembedding(ids, qweight, scales, zeros=None, *, scheme, embedding_dim, **attrs):
     """Gather the selected rows of codes first, so only those rows are dequantised (fp32 out)."""
     rows = ids.reshape(-1)
-    codes, s = qweight.index_select(0, rows), scales.index_select(0, rows).float()
-    if SCHEMES[scheme].gguf:
+    codes, s = qweight.index_select(0, rows), scales.index_select(0, rows)
+    if SCHEMES[scheme].gguf:   # its params as stored (dequantize_affine widens them; K-quant ones are packed)
         out = dequantize_affine(scheme, codes, s, None if zeros is None else zeros.index_select(0, rows))
     elif scheme == "int8":
-        out = codes.float() * s[:, None]
+        out = codes.float() * s.float()[:, None]
     else:
         # codes [T, K/g, g] against scales and zeros [T, K/g, 1]
         q = unpack_int4(codes).float().reshape(len(rows), s.shape[1], -1)
-        out = (q - zeros.index_select(0, rows).float()[..., None]) * s[..., None]
+        out = (q - zeros.index_select(0, rows).float()[..., None]) * s.float()[..., None]
     return [out.reshape(*ids.shape, embedding_dim)]
 
 

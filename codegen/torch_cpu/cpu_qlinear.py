@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llmc.compiler.quant import AFFINE4_CENTRE, dequantize_affine, unpack_int4
+from llmc.compiler.quant import AFFINE4_CENTRE, dequantize_affine, group_params, unpack_int4
 
 # _weight_int8pack_mm returns garbage (K=72) or crashes (K=100) unless K is a multiple of 16.
 INT8_K_MULTIPLE = 16
@@ -85,6 +85,8 @@ def pack_affine4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     w = (q - 8)·s, zero_point 0); group sizes torch cannot pack run dequantised."""
     if group_size not in INT4_GROUP_SIZES:
         return pack_affine8("affine4", qweight, scales, mins)
+    k = 2 * qweight.shape[1]
+    scales, mins = group_params(scales, k), group_params(mins, k)
     zero_point = torch.zeros_like(scales, dtype=torch.float32) if mins is None else (
         mins.float() + AFFINE4_CENTRE * scales.float())
     return _pack_int4_codes(unpack_int4(qweight), scales.float(), zero_point, group_size)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.codegen.native import cpu_native
-from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token
+from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token, group_params, is_packed
 from llmc.compiler.schemes import FLOAT_OFFSET, FP8_STATIC, INT8_PER_TOKEN, INT_ZERO, SCHEMES
 from llmc.errors import RuntimeLlmcError
 
@@ -43,7 +43,8 @@ class DenseSource(NamedTuple):
     w = q * s + m (affine4 without minimums (q - 8) * s), int8/w8a8/fp8 w = q * s per channel."""
     scheme: str
     codes: torch.Tensor             # as stored: uint8 [N, K/2] (two nibbles), int8 or fp8 [N, K]
-    scales: torch.Tensor            # [N, groups] (per channel: groups = 1), fp32 or fp16/bf16 (widened exactly)
+    scales: torch.Tensor            # [N, groups] (per channel: groups = 1), fp32 or fp16/bf16 (widened exactly),
+                                    # or K-quant packed rows (uint8; compiler/quant.py's pack_k_params)
     zeros: torch.Tensor | None      # int4: zero points [N, groups]
     mins: torch.Tensor | None       # affine: minimums [N, groups]
     act_scale: torch.Tensor | None  # fp8: the static activation scale
@@ -77,7 +78,7 @@ def dense_source(scheme: str, qweight, scales, zeros, act_scale) -> DenseSource 
 
 
 def _widenable(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t.float()
+    return t if t.dtype in (torch.float32, torch.float16, torch.bfloat16) or is_packed(t) else t.float()
 
 
 def q4_source(scheme: str, w) -> DenseSource:
@@ -124,14 +125,15 @@ def dequantize_into(src: DenseSource, out: torch.Tensor) -> torch.Tensor:
         pairs[..., 1].copy_(src.codes >> 4)
     else:
         out.copy_(src.codes)
-    groups = out.view(n, src.scales.shape[1], -1)
+    scales, mins = group_params(src.scales, k), group_params(src.mins, k)   # K-quant packed rows: unpacked here
+    groups = out.view(n, scales.shape[1], -1)
     if src.zeros is not None:
         groups.sub_(src.zeros[..., None])
-    elif src.scheme == "affine4" and src.mins is None:
+    elif src.scheme == "affine4" and mins is None:
         groups.sub_(AFFINE4_CENTRE)
-    groups.mul_(src.scales[..., None])
-    if src.mins is not None:
-        groups.add_(src.mins[..., None])
+    groups.mul_(scales[..., None])
+    if mins is not None:
+        groups.add_(mins[..., None])
     return out
 
 

@@ -19,6 +19,7 @@ from llmc.codegen.triton.triton_gemm import dequant_gemm, w8a8_gemm
 from llmc.codegen.triton.triton_moe import moe as launch_moe
 from llmc.codegen.triton.triton_moe import qmoe as launch_qmoe
 from llmc.compiler.ops import OPS, qlinear_inputs, qmoe_inputs, split_kv_scales
+from llmc.compiler.quant import group_params, is_packed
 from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import ArtifactError, RuntimeLlmcError
 
@@ -86,6 +87,8 @@ def qlinear(*inputs, scheme, target, launch_configs=None, group_size=None, **att
     config = (launch_configs or {}).get("gemm")
     if SCHEMES[scheme].activations == INT8_PER_TOKEN:
         return [w8a8_gemm(x, qweight, scales, bias=bias, act_scale=act_scale, target=target, config=config)]
+    if is_packed(scales):   # a GGUF K-quant's packed group params: values for the GEMM (a few KB a weight)
+        scales, zeros = group_params(scales, attrs["in_features"]), group_params(zeros, attrs["in_features"])
     return [dequant_gemm(x, qweight, scales, zeros, scheme=scheme,
                          group_size=group_size if SCHEMES[scheme].grouped else None,
                          act_scale=act_scale, bias=bias, target=target, config=config)]

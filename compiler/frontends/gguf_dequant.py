@@ -18,7 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize as reference_dequantize
 
-from llmc.compiler.quant import AFFINE4_CENTRE, dequantize_affine_codes, pack_int4, unpack_int4
+from llmc.compiler.quant import AFFINE4_CENTRE, dequantize_affine_codes, pack_int4, pack_k_params, unpack_int4
 from llmc.compiler.weight_store import LazyTensor
 
 Q = GGMLQuantizationType
@@ -31,6 +31,10 @@ class BlockParts(NamedTuple):
     scales: torch.Tensor          # float16 (the file's own) or float32 [blocks, block_size / group_size]
     mins: torch.Tensor | None     # like scales, or None: w = q * s (affine4: (q - 8) * s)
     packed: torch.Tensor | None = None   # affine4: uint8 [blocks, block_size / 2] as pack_int4 packs codes
+    # K-quants: scales (and minimums) as their super-block's fp16 factor [blocks, 1] and the groups' integers
+    # [blocks, groups], which the artifact keeps packed (compiler/quant.py's pack_k_params)
+    k_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    k_mins: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def block_size(self) -> int:
@@ -46,8 +50,8 @@ class AffineWeight(NamedTuple):
     format: str                   # the GGUF type it came from, e.g. "Q4_1"
     group_size: int
     qweight: torch.Tensor         # affine4: uint8 [N, K/2] (packed); affine8: int8 [N, K]
-    scales: torch.Tensor          # float16 where that holds every value exactly, else float32 [N, K/g]
-    mins: torch.Tensor | None
+    scales: torch.Tensor          # float16 where that holds every value exactly, else float32 [N, K/g];
+    mins: torch.Tensor | None     # K-quants' packed uint8 [N, 2 K/256 + K/g] (compiler/quant.py's pack_k_params)
 
     @property
     def symmetric(self) -> bool:
@@ -161,7 +165,10 @@ def affine_weight(parts: BlockParts, source_format: str, shape: tuple[int, int])
         qweight = parts.codes.reshape(rows, k)
         qweight = pack_int4(qweight) if parts.scheme == "affine4" else qweight
     store = (lambda t: None if t is None else narrowest_float(t.reshape(rows, k // group_size)))
-    return AffineWeight(parts.scheme, source_format, group_size, qweight, store(parts.scales), store(parts.mins))
+    packed = (lambda f_i: pack_k_params(f_i[0].reshape(rows, -1), f_i[1].reshape(rows, -1)))
+    scales = packed(parts.k_scales) if parts.k_scales else store(parts.scales)
+    mins = packed(parts.k_mins) if parts.k_mins else store(parts.mins)
+    return AffineWeight(parts.scheme, source_format, group_size, qweight, scales, mins)
 
 
 def narrowest_float(values: torch.Tensor) -> torch.Tensor:
@@ -270,14 +277,17 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, minimum
 
 
-def _k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's eight sub-block scales d·sc and minimums -(dmin·m), float32 (blocks, 8)."""
+def _k_groups(blocks: torch.Tensor) -> dict:
+    """Q4_K/Q5_K's eight sub-block scales d·sc and minimums -(dmin·m), float32 (blocks, 8), and their parts
+    (d, sc) and (-dmin, m) for the packed form."""
     scale, minimum = _k_scale_min(blocks[:, 4:16])
-    return _half(blocks, 0) * scale.float(), -(_half(blocks, 2) * minimum.float())
+    d, neg_dmin = _half16(blocks, 0), -_half16(blocks, 2)   # negating an fp16 is exact
+    return {"scales": d.float() * scale.float(), "mins": neg_dmin.float() * minimum.float(),
+            "k_scales": (d, scale), "k_mins": (neg_dmin, minimum)}
 
 
 def _q4_k(blocks: torch.Tensor) -> BlockParts:
-    return BlockParts("affine4", None, *_k_groups(blocks), _repacked(blocks[:, 16:], 32))
+    return BlockParts("affine4", None, packed=_repacked(blocks[:, 16:], 32), **_k_groups(blocks))
 
 
 def _q5_k(blocks: torch.Tensor) -> BlockParts:
@@ -285,16 +295,17 @@ def _q5_k(blocks: torch.Tensor) -> BlockParts:
     shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
     high = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 0x01       # bit j of byte i: sub-block j
     codes = _nibbles(blocks[:, 48:], 32) | (high << 4)
-    return BlockParts("affine8", _flat(codes).to(torch.int8), *_k_groups(blocks))
+    return BlockParts("affine8", _flat(codes).to(torch.int8), **_k_groups(blocks))
 
 
 def _q6_k(blocks: torch.Tensor) -> BlockParts:
     n = blocks.shape[0]
-    scales = _half(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
+    d, sc = _half16(blocks, 208), blocks[:, 192:208].contiguous().view(torch.int8)
+    scales = d.float() * sc.float()
     low = _nibbles(blocks[:, :128], 64).reshape(n, -1, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
     high = ((blocks[:, 128:192].reshape(n, -1, 1, 32) >> shifts) & 0x03).reshape(n, -1, 32)
-    return BlockParts("affine8", _flat((low | (high << 4)).to(torch.int8) - 32), scales, None)
+    return BlockParts("affine8", _flat((low | (high << 4)).to(torch.int8) - 32), scales, None, k_scales=(d, sc))
 
 
 def _bf16(raw: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,12 @@ def test_each_format_imports_as_affine_params_that_dequantise_to_gguf_bit_for_bi
         scheme, group_size, has_mins, kind.name)
     codes = unpack_int4(stored.qweight) if scheme == "affine4" else stored.qweight
     assert codes.shape == (6, 512) and low <= int(codes.min()) and int(codes.max()) <= high
-    # GGUF's own fp16 scales stay fp16; K-quant sub-block scales (fp16 times 6 bits) need fp32
-    assert stored.scales.dtype == (torch.float32 if kind in K_SCALE_FIELDS else torch.float16)
+    # GGUF's own fp16 scales stay fp16; K-quant sub-block scales (fp16 times 6 bits) stay packed as the file
+    # has them: an fp16 factor a super-block and an int8 a group (2 K/256 + K/g bytes a row)
+    if kind in K_SCALE_FIELDS:
+        assert stored.scales.dtype == torch.uint8 and stored.scales.shape == (6, 2 * 2 + 512 // group_size)
+    else:
+        assert stored.scales.dtype == torch.float16
     ours = dequantize_affine(stored.scheme, stored.qweight, stored.scales, stored.mins)
     reference = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, kind))).reshape(6, 512)
     assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))
