@@ -115,13 +115,14 @@ def expected(plan: dict, model: dict, kv_memory: str | int = "1GiB", block_size:
     its MatMulNBits read."""
     types = plan["types"]
     nbytes = {p: _type_bytes(types[p]) for p in plan["params"] if p in types}
-    # the native GEMV reads 4-bit codes in place, and fp16 or fp32 scales and zero points or offsets; on int8
-    # activations where AMX runs here and the weights sit in the last-level cache, all three go into tiles
+    # the native GEMV reads 4-bit codes in place, and fp16, fp32 or K-quant packed (uint8) scales and zero points
+    # or offsets; on int8 activations where AMX runs here and the weights sit in the last-level cache, all three
+    # go into tiles
     four_bit = [s for s in plan["steps"] if s["kernel"] == "cpu.qlinear" and s["attrs"].get("scheme") in NATIVE_4BIT]
     tiled = (plan["meta"].get("q4_activations", "int16") == "int8"
              and cpu_native.tiles_wanted(cpu_native.weights_fit_cache(sum(nbytes.values()))))
     repacked = {p for s in four_bit for p in (s["inputs"][1:4] if tiled else s["inputs"][2:4])
-                if p in nbytes and (tiled or types[p]["dtype"] not in ("float16", "float32"))}
+                if p in nbytes and (tiled or types[p]["dtype"] not in ("float16", "float32", "uint8"))}
     per_token = model["kv_bytes_per_token"]
     blocks = num_blocks_for_budget(parse_bytes(kv_memory), per_token, block_size)
     sessions = sum(s["kernel"] == "ort.segment" for s in plan["steps"])

@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from llmc.codegen.native import cpu_native
-from llmc.compiler.quant import AFFINE4_CENTRE, fake_quant_fp8, fake_quant_int8_per_token, group_params, is_packed
+from llmc.compiler.quant import (
+    AFFINE4_CENTRE,
+    fake_quant_fp8,
+    fake_quant_int8_per_token,
+    group_params,
+    is_packed,
+    packed_groups,
+)
 from llmc.compiler.schemes import FLOAT_OFFSET, FP8_STATIC, INT8_PER_TOKEN, INT_ZERO, SCHEMES
 from llmc.errors import RuntimeLlmcError
 
@@ -189,6 +196,7 @@ def shape_key(scheme: str, qweight: torch.Tensor, scales: torch.Tensor) -> str:
     """The dispatch record's key: scheme, N x K and the groups per row of the scales."""
     src_k = qweight.shape[1] * SCHEMES[scheme].codes_per_element
     groups = scales.shape[1] if scales.dim() == 2 else (1 if scales.numel() > 1 else 0)
+    groups = packed_groups(groups, src_k) if is_packed(scales) else groups
     return f"{scheme} {qweight.shape[0]}x{src_k} groups {groups}"
 
 
