@@ -38,35 +38,37 @@ static inline float k_param(const uint8_t *row, int64_t groups, int64_t subs, in
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 
-/* a packed row's `groups` values as floats into out, 16 at a time (masked: nothing written past groups);
- * lanes 0-7 and 8-15 each lie within one super-block (8 or 16 groups a super-block) */
-static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
-    const uint8_t *ints = row + 2 * (groups / subs);
-    for (int64_t g = 0; g < groups; g += 16) {
-        __mmask16 live = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
-        __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(live, ints + g)));
-        int64_t upper = g + 8 < groups ? g + 8 : g;
-        uint16_t d0, d1;
-        memcpy(&d0, row + 2 * (g / subs), sizeof d0);
-        memcpy(&d1, row + 2 * (upper / subs), sizeof d1);
-        __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half_bits_to_float(d0)),
-                                      _mm256_set1_ps(half_bits_to_float(d1)), 1);
-        _mm512_mask_storeu_ps(out + g, live, _mm512_mul_ps(c, d));
-    }
-}
-#else
-static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
-    for (int64_t g = 0; g < groups; g++) out[g] = k_param(row, groups, subs, g);
-}
-#endif
-
-#if defined(__AVX512BW__)
-
 static inline void halves_to_floats(const uint16_t *h, int64_t count, float *out) {
     for (int64_t g = 0; g < count; g += 16) {
         __mmask16 live = count - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - g)) - 1);
         _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, h + g)));
     }
+}
+
+/* a packed row's `groups` values as floats into out, 16 at a time (masked: nothing written past groups):
+ * up to 16 super-blocks' factors in one register (vcvtph2ps), which a lane index (its group / subs)
+ * picks for each group's integer; converting the factors one by one cost more than the row's codes */
+static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
+    int64_t supers = groups / subs;
+    const int8_t *ints = (const int8_t *)(row + 2 * supers);
+    const __m512i step = _mm512_set1_epi32((int)(16 / subs));
+    for (int64_t s0 = 0; s0 < supers; s0 += 16) {
+        int64_t count = supers - s0 < 16 ? supers - s0 : 16;
+        __m512 f = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << count) - 1),
+                                                            (const uint16_t *)row + s0));
+        __m512i pick = subs == 8 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                 : _mm512_setzero_si512();
+        for (int64_t g = s0 * subs; g < (s0 + count) * subs; g += 16) {
+            __mmask16 live = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+            __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(live, ints + g)));
+            _mm512_mask_storeu_ps(out + g, live, _mm512_mul_ps(c, _mm512_permutexvar_ps(pick, f)));
+            pick = _mm512_add_epi32(pick, step);
+        }
+    }
+}
+#else
+static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
+    for (int64_t g = 0; g < groups; g++) out[g] = k_param(row, groups, subs, g);
 }
 #endif
 #endif

@@ -26,7 +26,8 @@ def _packed(g: torch.Generator, n: int, k: int, group: int, low: int, high: int,
 
 
 @pytest.mark.parametrize("activations", ["int8", "int16", "fp32"])
-@pytest.mark.parametrize("rows,n,k", [(1, 70, 512), (3, 33, 768), (cpu_native.MAX_ROWS, 40, 256)])
+@pytest.mark.parametrize("rows,n,k", [(1, 70, 512), (3, 33, 768), (cpu_native.MAX_ROWS, 40, 256),
+                                      (2, 20, 4352)])   # 17 super-blocks: more than one register of factors
 def test_gemv_q4_on_packed_params_equals_fp32_params(rows, n, k, activations):
     """A Q4_K weight (codes, packed d*sc and -dmin*m) against the same weight with fp32 params: the same bits."""
     g = torch.Generator().manual_seed(n + k)
@@ -55,7 +56,7 @@ def _dense(codes, scales, mins):
     return dequantize_affine("affine4", codes, scales, mins).double()
 
 
-@pytest.mark.parametrize("group,k", [(16, 512), (32, 768)])
+@pytest.mark.parametrize("group,k", [(16, 512), (32, 768), (16, 4352)])
 def test_gemv_q8_on_packed_params_equals_fp32_params(group, k):
     """Q6_K (groups of 16, signed integers) and Q5_K-like (groups of 32) int8 codes: the same bits as fp32
     params, on int16 activations where the shapes take them and on fp32 ones."""
