@@ -3,6 +3,7 @@ text the source model samples itself from a fixed list of prompts under a fixed 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -34,6 +35,12 @@ PROMPTS = (
     "The following table lists the planets of the solar system in order:",
 )
 TEMPERATURE = 0.8
+# Sampling runs on a bfloat16 copy of a float32 model up to SAMPLE_COPY_BYTES of parameters: a decode step
+# reads half the bytes and runs on the CPU's bf16 matrix units (SmolLM2, 8 x 128 tokens: 12.9 -> 8.6 s on
+# the 2-core Xeon). The text only has to be the model's own plausible continuation, and a fixed seed still
+# fixes it; larger models sample in place rather than hold a second copy.
+SAMPLE_DTYPE = torch.bfloat16
+SAMPLE_COPY_BYTES = 2 << 30
 
 
 def calibration_sequences(loaded, calib_file: str | Path | None, num_samples: int, seq_len: int,
@@ -62,7 +69,8 @@ def generation_key(source_hash: str, num_samples: int, seq_len: int, seed: int) 
     """What fixes a sampled calibration set: the model's bytes, the prompts, the sampling and the library
     versions whose arithmetic draws the tokens."""
     import transformers  # deferred: loading a model imports it anyway; this module is imported earlier
-    what = [source_hash, PROMPTS, TEMPERATURE, num_samples, seq_len, seed, torch.__version__, transformers.__version__]
+    what = [source_hash, PROMPTS, TEMPERATURE, str(SAMPLE_DTYPE), num_samples, seq_len, seed, torch.__version__,
+            transformers.__version__]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
 
 
@@ -141,10 +149,19 @@ def generated_sequences(module: torch.nn.Module, tokenizer, num_samples: int, se
     new_tokens = seq_len - shortest
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # leave the caller's RNG untouched
         torch.manual_seed(seed)
-        out = module.generate(input_ids=input_ids, attention_mask=mask, do_sample=True,
+        out = sampler(module).generate(input_ids=input_ids, attention_mask=mask, do_sample=True,
                               temperature=TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, pad_token_id=pad)
     return [out[row, width - len(ids):width - len(ids) + seq_len].clone() for row, ids in enumerate(encoded)]
+
+
+def sampler(module: torch.nn.Module) -> torch.nn.Module:
+    """The model the calibration text is sampled from: a SAMPLE_DTYPE copy of a small float32 one, else itself."""
+    params = list(module.parameters())
+    if not params or any(p.dtype != torch.float32 or p.is_meta for p in params) or \
+            sum(p.nbytes for p in params) > SAMPLE_COPY_BYTES:
+        return module
+    return copy.deepcopy(module).to(SAMPLE_DTYPE)
 
 
 def pad_token_id(tokenizer, config) -> int:

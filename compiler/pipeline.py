@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 import llmc
 from llmc.codegen import autotune as triton_autotune  # through the module: tests fake autotune
 from llmc.codegen.kernel_sources import kernel_sources
+from llmc.codegen.native import cpu_native
 from llmc.codegen.ort.ort_lowering import DEFAULT_MODE, check_kernels_option
 from llmc.codegen.plan import build_plan
 from llmc.compiler import recipes
@@ -345,6 +346,8 @@ def build_into(staging: Path, source: str, target: str | Target, opts: CompileOp
     tgt = get_target(target)
     tgt.check_ready()
     check_kernels_option(opts.kernels, tgt.name, tgt.device)
+    if tgt.device == "cpu":   # the kernel timings load the native kernels: build them while the model loads
+        cpu_native.build_in_background()
     if opts.kv_policy not in (None, "none") and tgt.device != "cpu":
         raise PassError(f"--kv-policy {opts.kv_policy}: the {tgt.name} target's Triton attention kernels keep no "
                         "attention scores; compile for --target cpu or drop --kv-policy")

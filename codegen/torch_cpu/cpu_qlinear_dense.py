@@ -233,16 +233,25 @@ def choose_dense_from(meta: dict | None, key: str, packed_run, src: DenseSource)
 
 # a probe's repeats stop early once MIN_REPEATS have run and they took PROBE_BUDGET_S: the best of two
 # or three calls of many milliseconds is as steady as of five, and five at 256 and 512 rows took a
-# second of SmolLM2's compile
+# second of SmolLM2's compile. Where the first calls already differ by CLEAR_MARGIN, no repeat would
+# change which is faster, and none is made: SmolLM2's LM head (49152 x 576, 83 ms a dense call at one
+# row against 3 ms packed) took 7 s of its first compile's timings with them.
 MIN_REPEATS = 2
 PROBE_BUDGET_S = 0.03
+CLEAR_MARGIN = 2.0
 
 
 def _time_us(runs, x, repeats: int) -> list[float]:
     """Best microseconds per call of each of `runs` on x, their calls alternated so that both meet
-    the same machine (a burst of other work slows both, not one)."""
+    the same machine (a burst of other work slows both, not one); the first calls' times alone where
+    they differ by CLEAR_MARGIN."""
+    first = []
     for fn in runs:
+        start = time.perf_counter()
         fn(x)
+        first.append(time.perf_counter() - start)
+    if max(first) >= CLEAR_MARGIN * min(first):
+        return [round(b * 1e6, 1) for b in first]
     best = [float("inf")] * len(runs)
     began = time.perf_counter()
     for repeat in range(repeats):

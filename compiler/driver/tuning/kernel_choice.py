@@ -154,7 +154,10 @@ def _unlowered_beats_int8(graph: Graph, plan: Plan, segments: list, built, kinds
     if reference is None or not candidates or int8_gain(kinds, candidates) < MIN_GAIN:
         return None
     hopeful = {id(k): {**k, "chosen": INT8_ACTIVATIONS} if k.get("int8_candidate") else k for k in kinds}
-    trial_choice = {**choice, "measured": {**choice["measured"], "kinds": list(hopeful.values())}}
+    # the torch qlinears the lowered plan keeps load with the dispatch measured already (without it every
+    # shape's dense switch was measured again as the trial plans loaded: 7 s of SmolLM2's GPTQ compile)
+    trial_choice = {**choice, DISPATCH_META: trial_meta["kernel_choice"][DISPATCH_META],
+                    "measured": {**choice["measured"], "kinds": list(hopeful.values())}}
     models = built.overlay({i: SegmentModels(graph, segments, INT8_COMPUTE)[i] for i in candidates})
     chosen = [hopeful[id(kind)]["chosen"] != "cpu" for kind in kinds]
     if batch_invariant:
