@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from llmc.compiler.ir import Graph, Node, TensorType
+from llmc.compiler.ops import DTYPE_NAMES
 from llmc.compiler.quant import group_params
 from llmc.compiler.schemes import INT8_PER_TOKEN, SCHEMES
 from llmc.errors import PassError
@@ -107,7 +108,8 @@ def _store(graph: Graph, node: Node, cuts: dict[int, torch.Tensor]) -> None:
         quant = param.quant and dataclasses.replace(
             param.quant, scales=renames.get(param.quant.scales, param.quant.scales),
             zeros=renames.get(param.quant.zeros, param.quant.zeros))
-        graph.add_param(renames[old], TensorType(tuple(tensor.shape), param.type.dtype), tensor.clone(),
+        # the tensor's own dtype: K-quant packed params are cut as their fp32 values (cut_row)
+        graph.add_param(renames[old], TensorType(tuple(tensor.shape), DTYPE_NAMES[tensor.dtype]), tensor.clone(),
                         quant=quant)
         node.inputs[index] = renames[old]
 

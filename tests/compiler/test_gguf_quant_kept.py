@@ -230,3 +230,25 @@ def test_the_kept_artifact_exports_to_onnx_with_the_same_logits(compiled, tmp_pa
     want = interpret(graph, {"input_ids": ids, "positions": torch.arange(11), "logits_indices": torch.arange(11)})
     want = want["logits"].numpy()
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_k_quant_params_shard_for_tensor_parallel_ranks(compiled, tmp_path):
+    """--tp 2 on K-quant blocks: column cuts keep their params packed (uint8), row cuts take their fp32
+    values (a packed row holds its super-blocks' factors whole), and the ranks together give the
+    unsharded artifact's logits."""
+    from tests.parallel.test_shard_pass import run_ranks
+
+    _, (kept, _), _, root = compiled
+    out = llmc.compile(str(root / "tiny.gguf"), target="cpu", output=tmp_path / "tp2.llmc", quiet=True, tp=2)
+    ranks = []
+    for rank in range(2):
+        art = read_artifact(out, rank=rank)
+        graph = Graph.from_json(art.graph_json)
+        graph.weights = art.weights
+        ranks.append(graph)
+    dtypes = {graph.weights[n.inputs[2]].dtype for n in ranks[0].nodes if n.op == "qlinear"}
+    assert torch.uint8 in dtypes and torch.float32 in dtypes
+    ids = torch.randint(0, 512, (11,), generator=torch.Generator().manual_seed(3))
+    inputs = {"input_ids": ids, "positions": torch.arange(11), "logits_indices": torch.arange(11)}
+    got, want = run_ranks(ranks, inputs), interpret(kept, inputs)["logits"]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
