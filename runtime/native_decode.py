@@ -189,8 +189,9 @@ def _qlinear(enc: _Encoder, step, attrs: dict) -> list:
         enc.weights += [w.packed, w.scales, w.other] + ([w.tiles] if w.tiles is not None else [])
         # the AMX tiles where w has them (Q4_TILES in the flags), the stored codes last for the VNNI GEMV
         return [OP_GEMV_Q4, At(x.offset), x.stride, (w.packed if w.tiles is None else w.tiles).data_ptr(),
-                w.scales.data_ptr(), cpu_native.param_format(w.scales, w.group), n, k, w.group, y, bias, int(w.zero_point),
-                w.other.data_ptr(), cpu_native.q4_other_row(w), cpu_native.q4_flags(w), w.packed.data_ptr()]
+                w.scales.data_ptr(), cpu_native.param_format(w.scales, w.group), n, k, w.group, y, bias,
+                int(w.zero_point), w.other.data_ptr(), cpu_native.q4_other_row(w), cpu_native.q4_flags(w),
+                w.packed.data_ptr()]
     if type(w) is cpu_native.Q8Weights and w.codes.shape == (n, k):
         enc.weights += [w.codes, w.scales]
         return [OP_GEMV_Q8, At(x.offset), x.stride, w.codes.data_ptr(), w.scales.data_ptr(),

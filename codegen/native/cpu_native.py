@@ -132,7 +132,8 @@ def _compile_and_link(compiler: str, flags: tuple[str, ...], objects: Path, out:
     done = subprocess.run([compiler, *flags, *map(str, outputs), "-o", out, "-lm"], capture_output=True, text=True,
                           timeout=120)
     if done.returncode:
-        raise RuntimeError(f"{compiler} failed to link {' '.join(o.name for o in outputs)}: {done.stderr.strip()[:300]}")
+        names = " ".join(o.name for o in outputs)
+        raise RuntimeError(f"{compiler} failed to link {names}: {done.stderr.strip()[:300]}")
 
 
 def _remove(target: Path) -> None:
