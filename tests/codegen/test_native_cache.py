@@ -179,3 +179,12 @@ def test_a_cache_root_that_is_a_file_is_refused_with_one_warning(cache, capfd):
     assert not cpu_native.available()
     [line] = capfd.readouterr().err.splitlines()
     assert line.startswith("llmc: warning: native kernels off") and "cannot be made (Not a directory)" in line
+
+
+def test_the_sources_build_where_a_compiler_exists(cache):
+    """Where a C compiler is present the native library builds and loads: without this, a source that no
+    longer compiles would turn every native-kernel test into a skip ("no native kernels here") and the
+    suite would pass on the torch kernels alone."""
+    lib, status = cpu_native._load()
+    assert lib is not None, f"the native kernels did not build with {CC}: {status}"
+    assert status.startswith("on")
