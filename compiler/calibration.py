@@ -156,10 +156,14 @@ def generated_sequences(module: torch.nn.Module, tokenizer, num_samples: int, se
 
 
 def sampler(module: torch.nn.Module) -> torch.nn.Module:
-    """The model the calibration text is sampled from: a SAMPLE_DTYPE copy of a small float32 one, else itself."""
+    """The model the calibration text is sampled from: a SAMPLE_DTYPE copy of a small float32 transformers
+    model, else itself (an ONNX source's graph keeps float32 constants outside its parameters, which a
+    cast copy would multiply with bf16 ones)."""
+    from transformers import PreTrainedModel  # deferred, as in generation_key
     params = list(module.parameters())
-    if not params or any(p.dtype != torch.float32 or p.is_meta for p in params) or \
-            sum(p.nbytes for p in params) > SAMPLE_COPY_BYTES:
+    small_fp32 = bool(params) and all(p.dtype == torch.float32 and not p.is_meta for p in params) and \
+        sum(p.nbytes for p in params) <= SAMPLE_COPY_BYTES
+    if not (isinstance(module, PreTrainedModel) and small_fp32):
         return module
     return copy.deepcopy(module).to(SAMPLE_DTYPE)
 
