@@ -30,6 +30,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "half_params.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define MAGIC 0x34714d41u   /* "AMq4" */
@@ -154,7 +156,9 @@ struct act { int8_t *codes; float *sx, *sums; int64_t rows; };
  * contracted or not `+=` would leave it to the compiler). The call splits the work by groups, so that two
  * threads never write the same cache line of scales (a tile's 16 rows share one per block). */
 static void quantise_group(const float *x, int64_t b0, int64_t b1, int8_t *codes, float *sx, float *sum,
-                           int64_t step) {
+                           int64_t step, int split) {
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
     const __m512 finite = _mm512_set1_ps(FLT_MAX);
     *sum = 0.f;
     for (int64_t b = b0; b < b1; b++) {
@@ -165,14 +169,19 @@ static void quantise_group(const float *x, int64_t b0, int64_t b1, int8_t *codes
         float scale = bad ? NAN : top / 127.f;
         __m512 inv = _mm512_set1_ps(bad || top == 0.f ? 0.f : 127.f / top);
         int tiny = !bad && top > 0.f && top < 1e-30f;   /* near where 127 / top overflows: divide, as quantise_row8 */
-        __m512i total = _mm512_setzero_si512();
+        __m512i total = _mm512_setzero_si512(), q[2];
         for (int u = 0; u < 2; u++) {
             __m512 c = tiny ? _mm512_div_ps(v[u], _mm512_set1_ps(scale)) : _mm512_mul_ps(v[u], inv);
-            __m512i q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(c), _mm512_set1_epi32(127)),
-                                         _mm512_set1_epi32(-128));
-            total = _mm512_add_epi32(total, q);
-            _mm_storeu_si128((__m128i *)(codes + 32 * b + 16 * u), _mm512_cvtepi32_epi8(q));
+            q[u] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(c), _mm512_set1_epi32(127)),
+                                    _mm512_set1_epi32(-128));
+            total = _mm512_add_epi32(total, q[u]);
         }
+        if (split) {   /* the block's 16 even codes, then its 16 odd ones: the stored weights' nibble order */
+            __m512i e = _mm512_permutex2var_epi32(q[0], evens, q[1]), o = _mm512_permutex2var_epi32(q[0], odds, q[1]);
+            q[0] = e;
+            q[1] = o;
+        }
+        for (int u = 0; u < 2; u++) _mm_storeu_si128((__m128i *)(codes + 32 * b + 16 * u), _mm512_cvtepi32_epi8(q[u]));
         sx[b * step] = scale;
         *sum = fmaf(scale, (float)_mm512_reduce_add_epi32(total), *sum);
     }
@@ -302,10 +311,28 @@ static inline __attribute__((always_inline)) void row_tile(const int R, const st
 #define PREFETCH_TILES 2
 #endif
 
+/* block b's D for R rows (codes a, k apart) from its B tile's rows w (low nibbles w[0..3], high w[4..7]),
+ * into each row's fixed sequence */
+static inline __attribute__((always_inline)) void vnni_block(const int R, const __m512i *w, __m512 s, const int8_t *a,
+                                                             int64_t k, int64_t b, const float *sx, int64_t rows,
+                                                             __m512 *acc) {
+    for (int r = 0; r < R; r++) {
+        const int32_t *xa = (const int32_t *)(a + r * k + 32 * b);
+        __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xa[0]));
+        __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(xa[4]));
+        for (int i = 1; i < 4; i++) {
+            d0 = _mm512_dpbusd_epi32(d0, w[i], _mm512_set1_epi32(xa[i]));
+            d1 = _mm512_dpbusd_epi32(d1, w[i + 4], _mm512_set1_epi32(xa[i + 4]));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)),
+                                 _mm512_mul_ps(s, _mm512_set1_ps(sx[b * rows + r])), acc[r]);
+    }
+}
+
 static inline __attribute__((always_inline)) void row_tile_vnni(const int R, const struct act *x, int64_t r0,
                                                                 int64_t k, int64_t group, const uint8_t *t,
                                                                 const float *sw, const float *ow, float *y,
-                                                                int64_t n, int64_t col) {
+                                                                int64_t n, int64_t col, const int stored) {
     const __m512i low = _mm512_set1_epi8(15);
     int64_t blocks = k / 32, groups = k / group;
     const int8_t *a = x->codes + r0 * k;
@@ -314,7 +341,8 @@ static inline __attribute__((always_inline)) void row_tile_vnni(const int R, con
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i w[8];
-        for (int q = 0; q < 4; q++) {
+        for (int q = 0; stored && q < 8; q++) w[q] = _mm512_load_si512(t + 512 * b + 64 * q);   /* unpacked */
+        for (int q = 0; !stored && q < 4; q++) {
             __m512i v = _mm512_loadu_si512(t + 256 * b + 64 * q);
             w[q] = _mm512_and_si512(v, low);
 #ifdef __GFNI__
@@ -323,23 +351,12 @@ static inline __attribute__((always_inline)) void row_tile_vnni(const int R, con
             w[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #endif
         }
-        __m512 s = _mm512_load_ps(sw + 16 * b);
-        for (int r = 0; r < R; r++) {
-            const int32_t *xa = (const int32_t *)(a + r * k + 32 * b);
-            __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xa[0]));
-            __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(xa[4]));
-            for (int i = 1; i < 4; i++) {
-                d0 = _mm512_dpbusd_epi32(d0, w[i], _mm512_set1_epi32(xa[i]));
-                d1 = _mm512_dpbusd_epi32(d1, w[i + 4], _mm512_set1_epi32(xa[i + 4]));
-            }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)),
-                                     _mm512_mul_ps(s, _mm512_set1_ps(sx[b * x->rows + r])), acc[r]);
-        }
+        vnni_block(R, w, _mm512_load_ps(sw + 16 * b), a, k, b, sx, x->rows, acc);
     }
     finish_rows(R, acc, ow, sums, x->rows, groups, y + r0 * n + col, n, col);
 }
 
-#define VNNI_CASE(R) case R: row_tile_vnni(R, &x, r0, k, group, t, sw, ow, y, n, 16 * j); break;
+#define VNNI_CASE(R) case R: row_tile_vnni(R, &x, r0, k, group, t, sw, ow, y, n, 16 * j, 0); break;
 #define ROWS_CASE(R) case R: row_tile(R, &x, r0, k, group, t, ub, m <= 16, sw, ow, cbuf, y, n, 16 * j); break;
 
 /* y [m, n] (rows n apart) = x [m, k] (rows x_stride floats apart) @ W.T from llmc_q4_repack's tiles;
@@ -366,7 +383,7 @@ int64_t llmc_gemm_q4_amx(const float *x_rows, int64_t x_stride, int64_t m, const
         for (int64_t g = 0; g < groups; g++)
             for (int64_t r = 0; r < m; r++)
                 quantise_group(x_rows + r * x_stride, g * (group / 32), (g + 1) * (group / 32), x.codes + r * k,
-                               x.sx + r, x.sums + g * m + r, m);
+                               x.sx + r, x.sums + g * m + r, m, 0);
         uint8_t *ub = aligned_alloc(64, blocks * 512 + (blocks + groups) * 64 + SLOTS * 1024);
         if (!ub) {
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
@@ -402,6 +419,174 @@ int64_t llmc_gemm_q4_amx(const float *x_rows, int64_t x_stride, int64_t m, const
     return !failed;
 }
 
+/* ---- the same GEMM on the weights as stored ----
+ *
+ * llmc_gemm_q4_stored reads the codes as the artifact stores them ([n, k / 2], two a byte, the even k in
+ * the low nibble) with their group params ([n, groups] fp32, fp16 or K-quant packed: half_params.h): no
+ * repacked copy, so a model beyond the last-level cache keeps one copy of its weights. Per 16 columns,
+ * each 4 blocks' 16 x 64 code bytes are transposed in registers (16 x 16 dwords) into the blocks' B tiles,
+ * whose low nibbles pair with each block's even activations and high nibbles with its odd ones
+ * (quantise_group's split order); the params are transposed likewise; then the rows run as from tiles.
+ * D is exact and the fp32 sequence is llmc_gemm_q4_amx's: a row's outputs are the same bits from the
+ * stored weights as from tiles, at any row count.
+ *
+ * It serves many rows (a prefill outside batch-invariant mode: cpu_native.gemm_q4_stored). A decode step
+ * stays on gemv_int16.c's GEMV, whose rows round differently: the same transposes for one row (4 blocks'
+ * tiles at a time, in registers, the next tile fetched into L2) decoded Llama-3B's shapes from its artifact
+ * 8-18% slower (6.1-6.9 against 6.6-8.3 steps/s, Q4_K and Q4_1, 2-core Xeon): 16 rows read side by side
+ * from 4 KiB pages of the file mapping, where the GEMV streams one. */
+
+static inline __m512i high_nibbles(__m512i v) {
+#ifdef __GFNI__
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+#endif
+}
+
+/* r[i]'s dword j to r[j]'s dword i: unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {   /* r[4i + j]'s lane L: rows 4i..4i + 3, dword 4L + j */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+        __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), v3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+        t[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        t[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        t[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* blocks b0..b0 + nb - 1 (nb <= 4) of 16 columns (cols[c]: column c's code bytes) as unpacked B tiles at
+ * out + 512 * (b - b0): rows 0-3 the low nibbles (codes 8i, 8i + 2, 8i + 4, 8i + 6 of each column), rows
+ * 4-7 the high ones, as unpack_block lays out a record's */
+static inline void stored_tiles(const uint8_t *const *cols, int64_t b0, int64_t nb, uint8_t *out) {
+    __m512i r[16];
+    __mmask64 live = nb >= 4 ? ~0ull : (1ull << (16 * nb)) - 1;
+    for (int c = 0; c < 16; c++) r[c] = _mm512_maskz_loadu_epi8(live, cols[c] + 16 * b0);
+    transpose16(r);
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < 4; i++) {
+            _mm512_store_si512(out + 512 * b + 64 * i, _mm512_and_si512(r[4 * b + i], _mm512_set1_epi8(15)));
+            _mm512_store_si512(out + 512 * b + 256 + 64 * i, high_nibbles(r[4 * b + i]));
+        }
+}
+
+/* a row's `groups` params as floats into out */
+static inline void row_floats(const void *p, int64_t fmt, int64_t row, int64_t groups, float *out) {
+    if (fmt == 0) memcpy(out, (const float *)p + row * groups, groups * sizeof(float));
+    else if (fmt == 1) halves_to_floats((const uint16_t *)p + row * groups, groups, out);
+    else k_params_to_floats((const uint8_t *)p + row * param_row_bytes(fmt, groups), groups, fmt, out);
+}
+
+/* column_params' sw [blocks][16] and ow [groups][16] for columns c0.. (`live` of them; the lanes past them
+ * repeat the last, whose outputs are never stored) from the stored params; buf: 2 * 16 * gp floats, gp
+ * the groups rounded up to 16 */
+static void stored_params(const void *s, const void *o, int64_t o_rows, int64_t fmt, int64_t zp, int64_t c0,
+                          int64_t live, int64_t k, int64_t group, float *buf, float *sw, float *ow) {
+    int64_t groups = k / group, per = group / 32, gp = (groups + 15) / 16 * 16;
+    float *bs = buf, *bo = buf + 16 * gp;
+    for (int c = 0; c < 16; c++) {
+        int64_t row = c0 + (c < live ? c : live - 1);
+        row_floats(s, fmt, row, groups, bs + c * gp);
+        row_floats(o, fmt, o_rows ? row : 0, groups, bo + c * gp);
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        __m512i rs[16], ro[16];
+        for (int c = 0; c < 16; c++) {
+            rs[c] = _mm512_castps_si512(_mm512_loadu_ps(bs + c * gp + g0));
+            ro[c] = _mm512_castps_si512(_mm512_loadu_ps(bo + c * gp + g0));
+        }
+        transpose16(rs);
+        transpose16(ro);
+        for (int64_t g = g0; g < groups && g < g0 + 16; g++) {
+            __m512 sv = _mm512_castsi512_ps(rs[g - g0]), ov = _mm512_castsi512_ps(ro[g - g0]);
+            if (zp) ov = _mm512_xor_ps(_mm512_mul_ps(sv, ov), _mm512_set1_ps(-0.f));   /* as column_params */
+            for (int64_t b = g * per; b < (g + 1) * per; b++) _mm512_store_ps(sw + 16 * b, sv);
+            _mm512_store_ps(ow + 16 * g, ov);
+        }
+    }
+}
+
+#define STORED_VNNI(R) case R: row_tile_vnni(R, &x, r0, k, group, ub, sw, ow, y, n, c0, 1); break;
+#define STORED_AMX(R) case R: row_tile(R, &x, r0, k, group, NULL, ub, 0, sw, ow, cbuf, y, n, c0); break;
+
+/* y [m, n] (rows n apart) = x [m, k] (rows x_stride floats apart) @ W.T from the stored weights: codes
+ * [n, k / 2], scales s and offsets or zero points o [n or 1 (o_rows 0), k / group] in param format `fmt`
+ * (0 fp32, 1 fp16, else K-quant packed with fmt groups a super-block); 1 where done, 0 where the shapes do
+ * not fit (k and group multiples of 32, group dividing k) or memory runs out. Without AMX's permission
+ * every row takes the VNNI path: the same bits, slower. */
+int64_t llmc_gemm_q4_stored(const float *x_rows, int64_t x_stride, int64_t m, const uint8_t *packed, const void *s,
+                            const void *o, int64_t o_rows, int64_t fmt, int64_t zp, int64_t n, int64_t k,
+                            int64_t group, float *y, int64_t threads) {
+    if (m < 1 || !shapes_fit(n, k, group)) return 0;
+    int64_t blocks = k / 32, groups = k / group, ntiles = (n + 15) / 16, gp = (groups + 15) / 16 * 16;
+    int amx = llmc_amx_ready();
+    struct act x;
+    char *mem = aligned_alloc(64, (m * k + m * (blocks + groups) * 4 + 63) / 64 * 64);
+    if (!mem) return 0;
+    x.codes = (int8_t *)mem;
+    x.sx = (float *)(mem + m * k);
+    x.sums = x.sx + m * blocks;
+    x.rows = m;
+    int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t r = 0; r < m; r++)
+                quantise_group(x_rows + r * x_stride, g * (group / 32), (g + 1) * (group / 32), x.codes + r * k,
+                               x.sx + r, x.sums + g * m + r, m, 1);
+        int64_t unpacked = blocks * 512;
+        uint8_t *ub = aligned_alloc(64, unpacked + (blocks + groups) * 64 + SLOTS * 1024 + 2 * 16 * gp * 4);
+        if (!ub) {
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        } else {
+            float *sw = (float *)(ub + unpacked), *ow = sw + 16 * blocks;
+            int32_t *cbuf = (int32_t *)(ow + 16 * groups);
+            float *buf = (float *)(cbuf + SLOTS * 256);
+            int rows = 0;
+#pragma omp for schedule(static) nowait
+            for (int64_t j = 0; j < ntiles; j++) {
+                int64_t c0 = 16 * j, live = n - c0 < 16 ? n - c0 : 16;
+                const uint8_t *cols[16];
+                for (int c = 0; c < 16; c++) cols[c] = packed + (c0 + (c < live ? c : live - 1)) * (k / 2);
+                stored_params(s, o, o_rows, fmt, zp, c0, live, k, group, buf, sw, ow);
+                for (int64_t b0 = 0; b0 < blocks; b0 += 4)
+                    stored_tiles(cols, b0, blocks - b0 < 4 ? blocks - b0 : 4, ub + 512 * b0);
+                for (int64_t r0 = 0, R; r0 < m; r0 += R) {
+                    R = m - r0 < 16 ? (int)(m - r0) : 16;
+                    if (R <= VNNI_ROWS || !amx) {   /* without AMX, 6 rows at a time */
+                        if (R > VNNI_ROWS) R = VNNI_ROWS;
+                        switch (R) { STORED_VNNI(1) STORED_VNNI(2) STORED_VNNI(3) STORED_VNNI(4) STORED_VNNI(5) STORED_VNNI(6) }
+                        continue;
+                    }
+                    if (R != rows) configure(rows = R);
+                    switch (R) {
+                        STORED_AMX(7) STORED_AMX(8) STORED_AMX(9) STORED_AMX(10) STORED_AMX(11) STORED_AMX(12)
+                        STORED_AMX(13) STORED_AMX(14) STORED_AMX(15) STORED_AMX(16)
+                    }
+                }
+            }
+            if (rows) _tile_release();
+            free(ub);
+        }
+    }
+    free(mem);
+    return !failed;
+}
+
 #else   /* no AMX-INT8 in this build: nothing runs here */
 
 int64_t llmc_amx_ready(void) { return 0; }
@@ -412,6 +597,11 @@ int64_t llmc_q4_repack(const uint8_t *packed, const void *scales, const void *ot
 }
 int64_t llmc_gemm_q4_amx(const float *x, int64_t x_stride, int64_t m, const uint8_t *tiles, int64_t n, int64_t k,
                          int64_t group, int64_t zero_point, float *y, int64_t threads) {
+    return 0;
+}
+int64_t llmc_gemm_q4_stored(const float *x_rows, int64_t x_stride, int64_t m, const uint8_t *packed, const void *s,
+                            const void *o, int64_t o_rows, int64_t fmt, int64_t zp, int64_t n, int64_t k,
+                            int64_t group, float *y, int64_t threads) {
     return 0;
 }
 

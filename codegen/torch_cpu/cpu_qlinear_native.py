@@ -58,9 +58,10 @@ def native_gemm(scheme: str, qweight, scales, zeros, native) -> NativeGemm | Non
 
 def run_native_gemm(x: torch.Tensor, w: NativeGemm, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype through the GEMVs on fp32 rows (the dense GEMM where they
-    do not apply)."""
+    do not apply). Only outside batch-invariant mode (which runs cpu_native.gemm itself): many rows may
+    round differently from a few."""
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    y = cpu_native.gemm(rows, w.weights)
+    y = cpu_native.gemm(rows, w.weights, invariant=False)
     if y is None:
         return run_dense(x, w.dense, bias)
     out = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)

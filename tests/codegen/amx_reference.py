@@ -20,7 +20,8 @@ def build(directory: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(lib_path))
     for name, args in (("llmc_amx_ready", []), ("llmc_q4_tiles_bytes", [I64] * 5),
                        ("llmc_q4_repack", [P, P, P] + [I64] * 6 + [P, I64]),
-                       ("llmc_gemm_q4_amx", [P, I64, I64, P] + [I64] * 4 + [P, I64])):
+                       ("llmc_gemm_q4_amx", [P, I64, I64, P] + [I64] * 4 + [P, I64]),
+                       ("llmc_gemm_q4_stored", [P, I64, I64, P, P, P] + [I64] * 6 + [P, I64])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, I64
     return lib
@@ -38,6 +39,21 @@ def repack(lib, packed: np.ndarray, scales: np.ndarray, other: np.ndarray, zero_
                               n, k, k // groups, tiles.ctypes.data, threads)
     assert done == size
     return tiles
+
+
+def gemm_stored(lib, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, other: np.ndarray, zero_point: bool,
+                threads: int = 2, fmt: int | None = None):
+    """y [m, n] fp32 from llmc_gemm_q4_stored on the weights as stored (params fp32 or fp16, or K-quant
+    packed uint8 rows with `fmt` groups a super-block and `groups` the group count), or None where it declined"""
+    m, k = x.shape
+    n = packed.shape[0]
+    fmt = (0 if scales.dtype == np.float32 else 1) if fmt is None else fmt
+    groups = scales.shape[1] if fmt < 2 else scales.shape[1] * fmt // (fmt + 2)
+    y = np.empty((m, n), F32)
+    ok = lib.llmc_gemm_q4_stored(x.ctypes.data, x.strides[0] // 4, m, packed.ctypes.data, scales.ctypes.data,
+                                 other.ctypes.data, 0 if other.shape[0] == 1 else 1, fmt, zero_point, n, k,
+                                 k // groups, y.ctypes.data, threads)
+    return y if ok else None
 
 
 def gemm(lib, x: np.ndarray, tiles: np.ndarray, n: int, group: int, zero_point: bool, threads: int = 2):

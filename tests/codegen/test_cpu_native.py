@@ -492,6 +492,24 @@ def test_gemm_q4_int8_takes_any_rows_in_one_call_with_each_rows_bits(cached):
     assert ((alone - vnni).abs().max() / vnni.abs().max()) < 1e-6
 
 
+def test_gemm_outside_invariant_mode_takes_amx_on_the_stored_codes():
+    """A prefill outside batch-invariant mode (cpu_native.gemm(..., invariant=False)) on weights without tiles
+    runs the AMX GEMM on the stored codes: each row the bits the tiles give it at any row count; a decode's
+    few rows stay on the GEMV; inside batch-invariant mode every row count is the GEMV's."""
+    if not (cpu_native.int16_activations() and cpu_native.amx_ready()):
+        pytest.skip("no AMX-INT8 here")
+    g = torch.Generator().manual_seed(12)
+    _, _, _, w = _random_q4(g, 45, 576, 32, False, True, "int8")
+    assert w.tiles is None
+    x = torch.randn(40, 576, generator=g)
+    tiled = cpu_native.gemm(x, w._replace(tiles=cpu_native.amx_tiles(w)))
+    for rows in (9, 17, 40):
+        assert torch.equal(cpu_native.gemm(x[:rows], w, invariant=False), tiled[:rows])
+        assert torch.equal(cpu_native.gemm(x[:rows], w), cpu_native.gemv_q4(x[:rows], w, any_rows=True))
+    assert torch.equal(cpu_native.gemm(x[:8], w, invariant=False), cpu_native.gemv_q4(x[:8], w))
+    assert cpu_native.gemm_q4_stored(x, w._replace(int8=False)) is None   # int16 activations: the GEMV's
+
+
 def test_amx_tiles_only_for_weights_in_cache_unless_asked_everywhere(monkeypatch):
     """Tiles where the model's weights sit in the last-level cache (streaming from DRAM the VNNI GEMV is faster at
     one row); LLMC_AMX=all takes them for every model, LLMC_AMX=0 for none."""

@@ -146,3 +146,47 @@ def test_fma32_agrees_with_the_c_library():
     c[::2] = -(a[::2].astype(np.float64) * b[::2]).astype(np.float32)   # cancelling: the hard cases
     want = np.array([fmaf(*v) for v in zip(a.tolist(), b.tolist(), c.tolist())], np.float32)
     assert same_bits(ar.fma32(a, b, c), want)
+
+
+STORED_ROWS = (1, 6, 9, 16, 23, 64)
+
+
+@pytest.mark.parametrize("k,n,group,kind", CASES + [(8192, 40, 32, "q4_1")])
+def test_the_stored_weights_give_the_tiles_bits_at_any_row_count(lib, k, n, group, kind):
+    """llmc_gemm_q4_stored transposes the codes as stored: the reference's bits, as from tiles (a K past
+    one 16 x 16 transpose's 4 blocks and not a multiple of them: 576 = 18 blocks)"""
+    rng = np.random.default_rng(5 * k + n)
+    packed, scales, other, zp = weights(rng, n, k, group, kind)
+    tiles = ar.repack(lib, packed, scales, other, zp)
+    x = activations(rng, max(STORED_ROWS), k)
+    want = ar.reference(x, packed, scales, other, zp)
+    for m in STORED_ROWS:
+        assert same_bits(ar.gemm_stored(lib, x[:m], packed, scales, other, zp), want[:m])
+        assert same_bits(ar.gemm(lib, x[:m], tiles, n, group, zp), want[:m])
+
+
+def k_quant_rows(rng, n, groups, subs, offsets: bool):
+    """K-quant packed params [n, 2 * groups / subs + groups] bytes (per row the super-blocks' fp16 factors,
+    then one int8 per group, the group's value their product) and those values as fp32 [n, groups]"""
+    factors = (rng.random((n, groups // subs)) * (0.01 if not offsets else 0.003) + 1e-3).astype(np.float16)
+    ints = rng.integers(0 if not offsets else -63, 64, (n, groups), dtype=np.int8)
+    values = np.repeat(factors.astype(np.float32), subs, 1) * ints.astype(np.float32)
+    if offsets:
+        values = -values
+        factors = -factors
+    return np.concatenate([factors.view(np.uint8), ints.view(np.uint8)], 1), values.astype(np.float32)
+
+
+@pytest.mark.parametrize("subs", [8, 16])
+def test_k_quant_packed_params_are_read_as_their_fp32_values(lib, subs):
+    """Q4_K's groups of 32 (8 a super-block of 256; 16 as Q6_K's): the packed params give the bits of their
+    fp32 values"""
+    rng = np.random.default_rng(subs)
+    n, k, group = 40, 1024, 32
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    s_packed, s = k_quant_rows(rng, n, k // group, subs, False)
+    o_packed, o = k_quant_rows(rng, n, k // group, subs, True)
+    x = activations(rng, 20, k)
+    want = ar.reference(x, packed, s, o, False)
+    for m in (1, 20):
+        assert same_bits(ar.gemm_stored(lib, x[:m], packed, s_packed, o_packed, False, fmt=subs), want[:m])
