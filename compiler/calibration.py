@@ -40,6 +40,7 @@ TEMPERATURE = 0.8
 # the 2-core Xeon). The text only has to be the model's own plausible continuation, and a fixed seed still
 # fixes it; larger models sample in place rather than hold a second copy.
 SAMPLE_DTYPE = torch.bfloat16
+SAMPLE_ROWS = 8   # the row count oneDNN's reordered weights are tuned for: a decode step of the sampled batch
 SAMPLE_COPY_BYTES = 2 << 30
 
 
@@ -165,7 +166,29 @@ def sampler(module: torch.nn.Module) -> torch.nn.Module:
         sum(p.nbytes for p in params) <= SAMPLE_COPY_BYTES
     if not (isinstance(module, PreTrainedModel) and small_fp32):
         return module
-    return copy.deepcopy(module).to(SAMPLE_DTYPE)
+    copied = copy.deepcopy(module).to(SAMPLE_DTYPE)
+    if torch.backends.mkldnn.is_available():
+        for parent in list(copied.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(parent, name, PackedLinear(child))
+    return copied
+
+
+class PackedLinear(torch.nn.Module):
+    """A bf16 nn.Linear on its weight reordered once into oneDNN's blocked layout: torch's own linear
+    reorders it on every call, which at the sampler's 8 rows cost half of each product (SmolLM2's
+    576 x 1536: 82 -> 45 us a call, the same bits)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), SAMPLE_ROWS)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def pad_token_id(tokenizer, config) -> int:
