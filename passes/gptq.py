@@ -66,7 +66,8 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, *, bits: i
     Works in float64 when `weight` is float64, else float32, the inverse Hessian's factor
     included, as GPTQ's reference code does (the Hessian is accumulated in float64): on
     SmolLM2's int4-gptq compile float64 factors took 6 of its 22 s (30 of them at K = 1536: 0.19
-    s each on one thread) for a calibration KL of 0.1703 against float32's 0.1669. With act_order the columns are visited in descending Hessian diagonal (the
+    s each on one thread) for a calibration KL of 0.1703 against float32's 0.1669. With act_order
+    the columns are visited in descending Hessian diagonal (the
     most-used inputs first, while many columns remain to absorb their error), but the groups
     stay the contiguous K-slices of the storage format ("static groups": there is no g_idx
     permutation in our format); a group's scale and zero are fixed when the first of its
