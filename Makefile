@@ -14,6 +14,7 @@ setup: .venv/.installed
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
+	$(LLMC) cache build
 	touch $@
 
 demo: setup

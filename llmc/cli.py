@@ -873,6 +873,14 @@ def _measured_line(records: list[dict]) -> str:
             f"{max(r.get('loadavg', 0.0) for r in records):.1f}")
 
 
+@cache.command("build")
+def cache_build_command():
+    """Build this machine's native CPU kernels into the cache now (`make setup` does): otherwise the
+    first compile or load builds them (8-11 s of C compiling on 2 cores, beside its own work)."""
+    from llmc.codegen.native import cpu_native
+    click.echo(f"native kernels: {cpu_native.status()}")
+
+
 @cache.command("clear")
 @click.argument("what", nargs=-1)
 @click.option("--all", "everything", is_flag=True, help="Everything, built kernels and the sample model too.")

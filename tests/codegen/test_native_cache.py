@@ -62,8 +62,13 @@ def _record_digest(library: Path) -> None:
     native_cache.digest_path(library).write_text(hashlib.sha256(library.read_bytes()).hexdigest() + "\n")
 
 
-def test_the_cache_directory_is_private_and_each_library_has_its_sha256_beside_it(cache):
+def test_the_cache_directory_is_private_and_each_library_has_its_sha256_beside_it(cache, capsys):
+    """`llmc cache build` (make setup runs it) builds the library a compile then finds built"""
+    code, out, _ = llmc_in_process(capsys, "cache", "build")
+    assert code == 0 and out.startswith("native kernels: on")
+    built = sorted((cache / "native").glob("*.so"))
     library = _built(cache)
+    assert built == [library]
     assert (cache / "native").stat().st_mode & 0o777 == 0o700
     assert library.stat().st_mode & 0o022 == 0
     import hashlib
