@@ -33,3 +33,29 @@ def test_a_packed_kernel_slower_everywhere_gives_way_from_one_row():
     finally:
         torch.set_num_threads(previous)
     assert record["dense_from"] == 1 and list(record["us"]["dense"]) == ["1", "2"]
+
+
+def test_the_dispatch_is_timed_on_the_plans_4bit_activations(monkeypatch):
+    """A plan whose 4-bit GEMVs take int8 activations is timed on those (many rows then run the AMX GEMM on the
+    stored codes), and the timing cache keeps them apart from int16 ones"""
+    from llmc.codegen.native import cpu_native
+    from llmc.compiler.driver.tuning import qlinear_dispatch
+    from llmc.compiler.quant import pack_int4
+
+    seen = []
+    monkeypatch.setattr(qlinear_dispatch, "_recalled_measure",
+                        lambda key, kind, threads, run, src, rows: seen.append((kind, run)) or {"dense_from": 1})
+    g = torch.Generator().manual_seed(3)
+    codes, scales = pack_int4(torch.randint(0, 16, (64, 256), generator=g, dtype=torch.uint8)), torch.rand(64, 8) + 0.1
+    zeros = torch.full((64, 8), 8.0)
+    weights = {"w": codes, "s": scales, "z": zeros}
+    attrs = {"scheme": "int4", "group_size": 32, "has_zeros": True, "in_features": 256}
+    step = ("cpu.qlinear", ["x", "w", "s", "z"], attrs)
+    for q4 in ("int16", "int8"):
+        qlinear_dispatch.dispatch_record([step], weights, 1, meta={"q4_activations": q4})
+    assert [kind.split()[-1] for kind, _ in seen] == ["int16", "int8"]
+    if cpu_native.int16_activations() and cpu_native.amx_ready():
+        x = torch.randn(24, 256, generator=g)
+        int8_run = seen[1][1]
+        stored = cpu_native.gemm_q4_stored(x, cpu_native.q4_weights(codes, scales, zeros, True, "int8"))
+        assert torch.equal(int8_run(x), stored)

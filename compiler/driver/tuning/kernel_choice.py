@@ -96,7 +96,7 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
         # the torch qlinears' dense switch, measured once over every step (the unlowered plan runs it, the
         # kinds' torch kernels are timed with it, and a lowered plan keeps it for the qlinears left in torch)
         dispatch = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights,
-                                   resolve_threads())
+                                   resolve_threads(), meta=plan.meta)
         trial_meta = functools.cache(lambda: {**plan.meta, "kernel_choice": {DISPATCH_META: dispatch}})
         kinds, choice["measured"] = choose_segments(graph, segments, built, echo, dispatch)
         unlowered = _unlowered_beats_int8(graph, plan, segments, built, kinds, choice, reference, trial_meta(),
@@ -115,7 +115,7 @@ def lower_kernels(plan: Plan, graph: Graph, mode: str | None, device: str, echo=
     lowered = restep(plan, steps)
     if mode == "auto":
         choice[DISPATCH_META] = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in lowered.steps],
-                                                graph.weights, choice["measured"]["threads"])
+                                                graph.weights, choice["measured"]["threads"], meta=plan.meta)
     lowered.meta = {**plan.meta, "kernel_choice": choice}
     levels = {node.name: INT8_COMPUTE for i in int8 for node in segments[i].nodes}
     cpu_plan, question, too_large = None, "--kernels ort", None
@@ -193,7 +193,8 @@ def _invariant_segments(built, chosen: list[bool], int8: set[int], choice: dict)
 def torch_dispatch_plan(plan: Plan, graph: Graph) -> Plan:
     """The torch plan with its quantised linears' switch to dense GEMMs measured now (once per shape,
     per machine), as auto records it: otherwise every load would measure it (31 s for a 1B model)."""
-    record = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, resolve_threads())
+    record = dispatch_record([(s.kernel, s.inputs, s.attrs) for s in plan.steps], graph.weights, resolve_threads(),
+                             meta=plan.meta)
     plan.meta = {**plan.meta, "kernel_choice": {"mode": "cpu", DISPATCH_META: record}}
     return plan
 

@@ -181,7 +181,7 @@ def _dense_switch(plan: Plan, graph, threads: int, record: dict) -> None:
     if not any(kernel == "cpu.qlinear" for kernel, _, _ in steps):
         return
     before = (plan.meta["kernel_choice"].get(DISPATCH_META) or {}).get("shapes", {})
-    dispatch = dispatch_record(steps, graph.weights, threads)
+    dispatch = dispatch_record(steps, graph.weights, threads, meta=plan.meta)
     plan.meta = {**plan.meta, "kernel_choice": {**plan.meta["kernel_choice"], DISPATCH_META: dispatch}}
     record["dense_from"] = {key: {"compiled": (before.get(key) or {}).get("dense_from"), "here": entry["dense_from"]}
                             for key, entry in dispatch["shapes"].items()}
