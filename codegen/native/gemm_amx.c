@@ -187,6 +187,29 @@ static void quantise_group(const float *x, int64_t b0, int64_t b1, int8_t *codes
     }
 }
 
+/* a call's activations in one allocation (act's fields point into it, rows m); NULL where memory runs out */
+static char *act_alloc(struct act *x, int64_t m, int64_t k, int64_t group) {
+    int64_t blocks = k / 32, groups = k / group;
+    char *mem = aligned_alloc(64, (m * k + m * (blocks + groups) * 4 + 63) / 64 * 64);
+    if (!mem) return NULL;
+    x->codes = (int8_t *)mem;
+    x->sx = (float *)(mem + m * k);   /* k is a multiple of 32: aligned */
+    x->sums = x->sx + m * blocks;
+    x->rows = m;
+    return mem;
+}
+
+/* every row's groups quantised (`split`: quantise_group's order for the stored codes), the groups shared
+ * out among the threads of the enclosing parallel region */
+static void quantise_rows(const float *x_rows, int64_t x_stride, const struct act *x, int64_t k, int64_t group,
+                          int split) {
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < k / group; g++)
+        for (int64_t r = 0; r < x->rows; r++)
+            quantise_group(x_rows + r * x_stride, g * (group / 32), (g + 1) * (group / 32), x->codes + r * k,
+                           x->sx + r, x->sums + g * x->rows + r, x->rows, split);
+}
+
 /* ---- the GEMM ---- */
 
 struct tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
@@ -356,8 +379,30 @@ static inline __attribute__((always_inline)) void row_tile_vnni(const int R, con
     finish_rows(R, acc, ow, sums, x->rows, groups, y + r0 * n + col, n, col);
 }
 
-#define VNNI_CASE(R) case R: row_tile_vnni(R, &x, r0, k, group, t, sw, ow, y, n, 16 * j, 0); break;
-#define ROWS_CASE(R) case R: row_tile(R, &x, r0, k, group, t, ub, m <= 16, sw, ow, cbuf, y, n, 16 * j); break;
+#define VNNI_CASE(R) case R: row_tile_vnni(R, x, r0, k, group, stored ? ub : t, sw, ow, y, n, col, stored); break;
+#define ROWS_CASE(R) case R: row_tile(R, x, r0, k, group, t, ub, !stored && m <= 16, sw, ow, cbuf, y, n, col); break;
+
+/* a call's m rows against one record's 16 columns col..: 16 rows a tile on AMX, the last 1-6 (all rows,
+ * VNNI_ROWS at a time, where `amx` is 0) on VNNI. `stored`: the codes are ub's unpacked B tiles
+ * (llmc_gemm_q4_stored), else the record t's; *rows: the row count the tiles are configured for */
+static inline __attribute__((always_inline)) void tile_rows(const struct act *x, int64_t m, int64_t k, int64_t group,
+                                                            const uint8_t *t, uint8_t *ub, const int stored, int amx,
+                                                            const float *sw, const float *ow, int32_t *cbuf,
+                                                            float *y, int64_t n, int64_t col, int *rows) {
+    for (int64_t r0 = 0, R; r0 < m; r0 += R) {
+        R = m - r0 < 16 ? m - r0 : 16;
+        if (R <= VNNI_ROWS || !amx) {
+            if (R > VNNI_ROWS) R = VNNI_ROWS;
+            switch (R) { VNNI_CASE(1) VNNI_CASE(2) VNNI_CASE(3) VNNI_CASE(4) VNNI_CASE(5) VNNI_CASE(6) }
+            continue;
+        }
+        if (R != *rows) configure(*rows = (int)R);
+        switch (R) {
+            ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
+            ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15) ROWS_CASE(16)
+        }
+    }
+}
 
 /* y [m, n] (rows n apart) = x [m, k] (rows x_stride floats apart) @ W.T from llmc_q4_repack's tiles;
  * 1 where done, 0 where AMX is not usable, the shapes disagree with the tiles' or memory runs out */
@@ -369,21 +414,13 @@ int64_t llmc_gemm_q4_amx(const float *x_rows, int64_t x_stride, int64_t m, const
         return 0;
     int64_t blocks = k / 32, groups = k / group, ntiles = (n + 15) / 16;
     struct act x;
-    char *mem = aligned_alloc(64, (m * k + m * (blocks + groups) * 4 + 63) / 64 * 64);
+    char *mem = act_alloc(&x, m, k, group);
     if (!mem) return 0;
-    x.codes = (int8_t *)mem;
-    x.sx = (float *)(mem + m * k);   /* k is a multiple of 32: aligned */
-    x.sums = x.sx + m * blocks;
-    x.rows = m;
     const uint8_t *shared_other = tiles + HEAD + ntiles * h->tile;
     int failed = 0;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t r = 0; r < m; r++)
-                quantise_group(x_rows + r * x_stride, g * (group / 32), (g + 1) * (group / 32), x.codes + r * k,
-                               x.sx + r, x.sums + g * m + r, m, 0);
+        quantise_rows(x_rows, x_stride, &x, k, group, 0);
         uint8_t *ub = aligned_alloc(64, blocks * 512 + (blocks + groups) * 64 + SLOTS * 1024);
         if (!ub) {
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
@@ -398,18 +435,7 @@ int64_t llmc_gemm_q4_amx(const float *x_rows, int64_t x_stride, int64_t m, const
                     for (int64_t c = 0; c < h->tile; c += 64) __builtin_prefetch(t + PREFETCH_TILES * h->tile + c, 0, 2);
                 for (int64_t b = 0; m > 16 && b < blocks; b++) unpack_block(t + 256 * b, ub + 512 * b);
                 column_params(h, t, shared_other, sw, ow);
-                for (int64_t r0 = 0; r0 < m; r0 += 16) {
-                    int R = m - r0 < 16 ? (int)(m - r0) : 16;
-                    if (R <= VNNI_ROWS) {
-                        switch (R) { VNNI_CASE(1) VNNI_CASE(2) VNNI_CASE(3) VNNI_CASE(4) VNNI_CASE(5) VNNI_CASE(6) }
-                        continue;
-                    }
-                    if (R != rows) configure(rows = R);
-                    switch (R) {
-                        ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
-                        ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15) ROWS_CASE(16)
-                    }
-                }
+                tile_rows(&x, m, k, group, t, ub, 0, 1, sw, ow, cbuf, y, n, 16 * j, &rows);
             }
             if (rows) _tile_release();
             free(ub);
@@ -519,8 +545,6 @@ static void stored_params(const void *s, const void *o, int64_t o_rows, int64_t 
     }
 }
 
-#define STORED_VNNI(R) case R: row_tile_vnni(R, &x, r0, k, group, ub, sw, ow, y, n, c0, 1); break;
-#define STORED_AMX(R) case R: row_tile(R, &x, r0, k, group, NULL, ub, 0, sw, ow, cbuf, y, n, c0); break;
 
 /* y [m, n] (rows n apart) = x [m, k] (rows x_stride floats apart) @ W.T from the stored weights: codes
  * [n, k / 2], scales s and offsets or zero points o [n or 1 (o_rows 0), k / group] in param format `fmt`
@@ -534,20 +558,12 @@ int64_t llmc_gemm_q4_stored(const float *x_rows, int64_t x_stride, int64_t m, co
     int64_t blocks = k / 32, groups = k / group, ntiles = (n + 15) / 16, gp = (groups + 15) / 16 * 16;
     int amx = llmc_amx_ready();
     struct act x;
-    char *mem = aligned_alloc(64, (m * k + m * (blocks + groups) * 4 + 63) / 64 * 64);
+    char *mem = act_alloc(&x, m, k, group);
     if (!mem) return 0;
-    x.codes = (int8_t *)mem;
-    x.sx = (float *)(mem + m * k);
-    x.sums = x.sx + m * blocks;
-    x.rows = m;
     int failed = 0;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t r = 0; r < m; r++)
-                quantise_group(x_rows + r * x_stride, g * (group / 32), (g + 1) * (group / 32), x.codes + r * k,
-                               x.sx + r, x.sums + g * m + r, m, 1);
+        quantise_rows(x_rows, x_stride, &x, k, group, 1);
         int64_t unpacked = blocks * 512;
         uint8_t *ub = aligned_alloc(64, unpacked + (blocks + groups) * 64 + SLOTS * 1024 + 2 * 16 * gp * 4);
         if (!ub) {
@@ -565,19 +581,7 @@ int64_t llmc_gemm_q4_stored(const float *x_rows, int64_t x_stride, int64_t m, co
                 stored_params(s, o, o_rows, fmt, zp, c0, live, k, group, buf, sw, ow);
                 for (int64_t b0 = 0; b0 < blocks; b0 += 4)
                     stored_tiles(cols, b0, blocks - b0 < 4 ? blocks - b0 : 4, ub + 512 * b0);
-                for (int64_t r0 = 0, R; r0 < m; r0 += R) {
-                    R = m - r0 < 16 ? (int)(m - r0) : 16;
-                    if (R <= VNNI_ROWS || !amx) {   /* without AMX, 6 rows at a time */
-                        if (R > VNNI_ROWS) R = VNNI_ROWS;
-                        switch (R) { STORED_VNNI(1) STORED_VNNI(2) STORED_VNNI(3) STORED_VNNI(4) STORED_VNNI(5) STORED_VNNI(6) }
-                        continue;
-                    }
-                    if (R != rows) configure(rows = R);
-                    switch (R) {
-                        STORED_AMX(7) STORED_AMX(8) STORED_AMX(9) STORED_AMX(10) STORED_AMX(11) STORED_AMX(12)
-                        STORED_AMX(13) STORED_AMX(14) STORED_AMX(15) STORED_AMX(16)
-                    }
-                }
+                tile_rows(&x, m, k, group, NULL, ub, 1, amx, sw, ow, cbuf, y, n, c0, &rows);
             }
             if (rows) _tile_release();
             free(ub);
