@@ -509,13 +509,6 @@ static inline void stored_tiles(const uint8_t *const *cols, int64_t b0, int64_t 
         }
 }
 
-/* a row's `groups` params as floats into out */
-static inline void row_floats(const void *p, int64_t fmt, int64_t row, int64_t groups, float *out) {
-    if (fmt == 0) memcpy(out, (const float *)p + row * groups, groups * sizeof(float));
-    else if (fmt == 1) halves_to_floats((const uint16_t *)p + row * groups, groups, out);
-    else k_params_to_floats((const uint8_t *)p + row * param_row_bytes(fmt, groups), groups, fmt, out);
-}
-
 /* column_params' sw [blocks][16] and ow [groups][16] for columns c0.. (`live` of them; the lanes past them
  * repeat the last, whose outputs are never stored) from the stored params; buf: 2 * 16 * gp floats, gp
  * the groups rounded up to 16 */
@@ -525,8 +518,10 @@ static void stored_params(const void *s, const void *o, int64_t o_rows, int64_t 
     float *bs = buf, *bo = buf + 16 * gp;
     for (int c = 0; c < 16; c++) {
         int64_t row = c0 + (c < live ? c : live - 1);
-        row_floats(s, fmt, row, groups, bs + c * gp);
-        row_floats(o, fmt, o_rows ? row : 0, groups, bo + c * gp);
+        const float *sc = params_f32(s, fmt, row * groups, groups, bs + c * gp);
+        const float *ot = params_f32(o, fmt, (o_rows ? row : 0) * groups, groups, bo + c * gp);
+        if (sc != bs + c * gp) memcpy(bs + c * gp, sc, groups * sizeof(float));   /* fp32: where they are */
+        if (ot != bo + c * gp) memcpy(bo + c * gp, ot, groups * sizeof(float));
     }
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
         __m512i rs[16], ro[16];

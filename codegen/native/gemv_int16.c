@@ -141,15 +141,6 @@ static inline int64_t row_tile(int64_t row_bytes) {
     return rows > MAX_ROWS ? rows : MAX_ROWS;
 }
 
-/* a row's `count` weight parameters (from s0 = row * count on) as fp32: where they lie, or fp16 or packed
- * ones (half_params.h's formats) converted into buf */
-static inline const float *params_f32(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
-    if (!f16) return (const float *)p + s0;
-    if (f16 == 1) halves_to_floats((const uint16_t *)p + s0, count, buf);
-    else k_params_to_floats((const uint8_t *)p + s0 / count * param_row_bytes(f16, count), count, f16, buf);
-    return buf;
-}
-
 static inline __m512 block_scale(const struct act16 *a, int64_t r, int64_t blocks, int64_t b, __m512 s) {
     return _mm512_mul_ps(s, _mm512_set1_ps(a->scale[r * blocks + b]));
 }

@@ -66,6 +66,14 @@ static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_
         }
     }
 }
+/* a row's `count` params starting at element s0 (a packed row: at row s0 / count) as floats: where they
+ * are (fp32), else converted into buf */
+static inline const float *params_f32(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
+    if (!f16) return (const float *)p + s0;
+    if (f16 == 1) halves_to_floats((const uint16_t *)p + s0, count, buf);
+    else k_params_to_floats((const uint8_t *)p + s0 / count * param_row_bytes(f16, count), count, f16, buf);
+    return buf;
+}
 #else
 static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
     for (int64_t g = 0; g < groups; g++) out[g] = k_param(row, groups, subs, g);
