@@ -167,7 +167,9 @@ def sampler(module: torch.nn.Module) -> torch.nn.Module:
     if not (isinstance(module, PreTrainedModel) and small_fp32):
         return module
     copied = copy.deepcopy(module).to(SAMPLE_DTYPE)
-    if torch.backends.mkldnn.is_available():
+    # oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (an AVX2-only Zen 3)
+    # it raises, and torch's own bf16 linear samples the text
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         for parent in list(copied.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear:
