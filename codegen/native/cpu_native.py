@@ -8,7 +8,8 @@ here. Likewise a residual add and its norm where quantised GEMMs read the norm, 
 GEMVs themselves: on activations rounded to int16 codes per block of 64 where the CPU has AVX-512 BW
 (gemv_int16.c: at most 2^-16 of a block's largest value off, where torch's int8 kernel rounds them to
 bf16, 2^-9 of each), the 4-bit ones to int8 codes per block of 32 where the artifact asks (its
---q4-activations, int8 by default: llama.cpp's Q8_1 rounding, 2^-8), else on fp32 ones. Without a
+--q4-activations, int8 by default: llama.cpp's Q8_1 rounding, 2^-8; with AVX-512 BW or AVX2, the same bits
+on either: gemv_q4_int8_avx2.c), else on fp32 ones. Without a
 compiler (or with LLMC_NATIVE=0) the torch kernels run instead: both compute the same function to fp32
 rounding (to those roundings for the GEMVs), and `llmc bench` prints which ran (`status`).
 
@@ -37,8 +38,10 @@ from llmc.compiler.quant import K_SUPER, group_params, is_packed, kv_int4_row_by
 from llmc.errors import LlmcError
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("decode_kernels.c", "gemv_int16.c", "decode_program.c", "decode_int4.c", "gemm_amx.c"))
-HEADERS = (Path(__file__).with_name("half_params.h"),)   # included by the sources: in the cache key
+                for name in ("decode_kernels.c", "gemv_int16.c", "gemv_q4_int8_avx2.c", "decode_program.c",
+                             "decode_int4.c", "gemm_amx.c"))
+# included by the sources: in the cache key
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("half_params.h", "gemv_rows.h", "gemv_q4_int8.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
 BF16 = torch.bfloat16
@@ -241,10 +244,11 @@ Q4_ACTIVATIONS = ("int8", "int16")
 
 
 def takes_int8(k: int, group: int) -> bool:
-    """Whether the 4-bit GEMV of K `k` in groups of `group` runs on int8 activations where asked (AVX-512 BW,
-    K a multiple of 64, groups of 32, 64 or a multiple of 128; else it stays on int16 ones)."""
+    """Whether the 4-bit GEMV of K `k` in groups of `group` runs on int8 activations where asked (AVX-512 BW or
+    AVX2, K a multiple of 64, groups of 32, 64 or a multiple of 128; else it stays on int16 ones, or fp32 ones
+    without AVX-512 BW)."""
     lib = _load()[0]
-    return lib is not None and bool(lib.llmc_gemv_int16_built()) and bool(lib.llmc_gemv_q4_int8_fits(k, group))
+    return lib is not None and bool(lib.llmc_gemv_q4_int8_fits(k, group))
 
 
 def int16_activations() -> bool:

@@ -489,9 +489,6 @@ void llmc_add_rms_norm(const float *x, const float *residual, const float *weigh
 /* ---- int8 weight-only GEMV on fp32 activations ---- */
 typedef uint8_t vbyte __attribute__((vector_size(VL), aligned(1)));
 typedef int32_t vint32 __attribute__((vector_size(VL * 4)));
-#ifdef __FLT16_MAX__   /* the compiler has _Float16 (GCC 12+ on x86): F16C converts VL at a time */
-typedef _Float16 vhalf __attribute__((vector_size(VL * 2), aligned(2)));
-#endif
 /* VL int8 codes to floats, exactly. With AVX-512 or AVX2 one sign-extending widen (vpmovsxbd) and a
  * convert; elsewhere read unsigned with the sign bit flipped (q + 128), widened, converted, the 128
  * taken off as floats, since GCC 12 widens unsigned bytes in vector registers but signed ones lane by
@@ -569,28 +566,6 @@ static inline float dot_q8(const uint8_t *q, const float *x, const float *sc, in
     return hsum(t0 + t1);
 }
 
-/* a row's `count` scales (and zero points or offsets) from s0 on as floats: fp32 ones where they lie, fp16
- * ones converted into buf (count + VL floats). Copying fp32 ones too, and converting fp16 ones with a
- * scalar tail, cost a 4-bit GEMV row of 576 codes 15-20% (a memcpy call; lane-by-lane converts). */
-static inline const float *row_params(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
-    if (!f16) return (const float *)p + s0;
-    if (f16 > 1) {   /* K-quant packed (half_params.h); s0 = row * count */
-        k_params_to_floats((const uint8_t *)p + s0 / count * param_row_bytes(f16, count), count, f16, buf);
-        return buf;
-    }
-    const uint16_t *h = (const uint16_t *)p + s0;
-#if VL == 16 && defined(__AVX512BW__)
-    halves_to_floats(h, count, buf);
-#elif defined(__FLT16_MAX__)
-    int64_t g = 0;
-    for (; g + VL <= count; g += VL) *(vec *)(buf + g) = __builtin_convertvector(*(const vhalf *)(h + g), vec);
-    for (; g < count; g++) buf[g] = (float)((const _Float16 *)h)[g];
-#else
-    for (int64_t g = 0; g < count; g++) buf[g] = half_bits_to_float(h[g]);
-#endif
-    return buf;
-}
-
 /* Weight rows are fetched into L2 this many rows ahead. Converting a byte to a float costs more than
  * reading it, so the out-of-order window holds too few rows' loads to keep memory busy and the hardware
  * prefetcher alone does not run far enough ahead: SmolLM2's int8 weights from DRAM, 2 threads on an
@@ -613,7 +588,7 @@ void llmc_gemv_q8(const float *x, int64_t x_stride, int64_t m, const int8_t *q, 
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < n; j++) {
         float buf[groups + VL];
-        const float *sc = row_params(scales, f16, j * groups, groups, buf);
+        const float *sc = params_f32(scales, f16, j * groups, groups, buf);
         if (j + PREFETCH_ROWS < n)
             for (int64_t c = 0; c < k; c += 64) __builtin_prefetch((const char *)q + (j + PREFETCH_ROWS) * k + c, 0, 2);
         for (int64_t r = 0; r < m; r++)
@@ -752,8 +727,8 @@ void llmc_gemv_q4(const float *x_, int64_t x_stride, int64_t m, const uint8_t *q
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < n; j++) {
         float buf[2 * groups + 2 * VL];
-        const float *sc = row_params(s, f16, j * groups, groups, buf);
-        const float *zo = row_params(o, f16, j * o_row, groups, buf + groups + VL);
+        const float *sc = params_f32(s, f16, j * groups, groups, buf);
+        const float *zo = params_f32(o, f16, j * o_row, groups, buf + groups + VL);
         if (j + Q4_PREFETCH_ROWS < n)
             for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(q + (j + Q4_PREFETCH_ROWS) * (k / 2) + c, 0, 2);
         const uint8_t *row = q + j * (k / 2);

@@ -42,12 +42,13 @@ int64_t llmc_gemv_int16_built(void) {
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 
-#include "half_params.h"
+#include "gemv_rows.h"
 
-#define BLOCK 64
-#define MAX_ROWS 8   /* cpu_native.MAX_ROWS */
-#define Q4_PREFETCH_ROWS 32   /* as decode_kernels.c's */
 #define Q8_PREFETCH_ROWS 16
+
+static int fits(int64_t m, int64_t k, int64_t group) {
+    return enabled && rows_fit(m, k, group);
+}
 
 #ifdef __AVX512VNNI__
 #define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
@@ -128,18 +129,7 @@ static int quantise(const float *x, int64_t xs, int64_t m, int64_t k, int64_t gr
     return 1;
 }
 
-/* whether a call's shapes fit: K in whole blocks, each block within one group or halved by two */
-static int fits(int64_t m, int64_t k, int64_t group) {
-    return enabled && k % BLOCK == 0 && (group == 32 || group % BLOCK == 0) && m >= 1 && m <= MAX_ROWS;
-}
 
-/* Rows of activations (of `row_bytes` codes each) a pass over the weights takes: as many as stay in L1 (32 KiB of
- * codes), whole chunks of MAX_ROWS. One pass for all of a 512-row prefill chunk read its codes from L2 for
- * every weight row: SmolLM2's 64 x (128 + 128) reached first tokens 39% later than at 8 rows a call. */
-static inline int64_t row_tile(int64_t row_bytes) {
-    int64_t rows = (32 << 10) / row_bytes / MAX_ROWS * MAX_ROWS;
-    return rows > MAX_ROWS ? rows : MAX_ROWS;
-}
 
 static inline __m512 block_scale(const struct act16 *a, int64_t r, int64_t blocks, int64_t b, __m512 s) {
     return _mm512_mul_ps(s, _mm512_set1_ps(a->scale[r * blocks + b]));
@@ -243,39 +233,8 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
     for (int64_t r = 0; r < M; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(f[r], h[r]));
 }
 
-/* The weight rows j < n split over the threads: each row's parameters as fp32 (PARAMS: scales into p,
- * zero points or offsets into po, through buf [PER_ROW]), its codes (ROW_BYTES a row) at `row`, the rows
- * AHEAD on fetched into L2, then DISPATCH. A macro, not a function taking the GEMV's kind, so that each
- * GEMV's loop is compiled with its own constants: one loop for both, branching per row, measured 5% slower
- * per code in cache. */
-#define WEIGHT_ROWS(PER_ROW, PARAMS, ROW_BYTES, AHEAD, DISPATCH) \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)") \
-    for (int64_t j = 0; j < n; j++) { \
-        float buf[PER_ROW]; \
-        const float *p, *po; \
-        PARAMS; \
-        (void)po; \
-        if ((AHEAD) && j + (AHEAD) < n) \
-            for (int64_t c = 0; c < (ROW_BYTES); c += 64) __builtin_prefetch(q + (j + (AHEAD)) * (ROW_BYTES) + c, 0, 2); \
-        const void *row = q + j * (ROW_BYTES); \
-        DISPATCH \
-    }
 
-/* a 4-bit weight row j's scales (p) and zero points or offsets (po) as fp32, converted where fp16; both
- * arrays the artifact's own, two streams beside the codes', fetched AHEAD rows ahead with them */
-#define Q4_PARAMS(AHEAD) \
-    do { \
-        int64_t groups_ = k / group, bytes_ = param_row_bytes(f16, groups_); \
-        for (int64_t c = 0; (AHEAD) && c < bytes_; c += 64) { \
-            __builtin_prefetch((const char *)s + (j + (AHEAD)) * bytes_ + c, 0, 2); \
-            __builtin_prefetch((const char *)o + (j + (AHEAD)) * (o_row ? bytes_ : 0) + c, 0, 2); \
-        } \
-        p = params_f32(s, f16, j * groups_, groups_, buf); \
-        po = params_f32(o, f16, j * o_row, groups_, buf + groups_ + 16); \
-    } while (0)
 
-/* constant row counts keep each row's sums in registers, constant group sizes index scales by shifts */
-#define BY_ROWS(CASE) switch (m) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
 
 /* llmc_gemv_q4's and llmc_gemv_q8's work on int16 activations: 1 where done, 0 where the shapes do not fit
  * (K not a multiple of 64, groups neither 32 codes nor a multiple of 64) or it is turned off */
@@ -345,13 +304,7 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
 #define DPBUSD(acc, u, s) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
 #endif
 
-#define BLOCK8 32
 
-/* a call's activations: row r's int8 codes at codes + r * kp (kp: K rounded up to 128, the tail zero), in
- * the order a 64-byte load of weights unpacks them (per 128 codes: the 64 even ones, partners of the low
- * nibbles, then the 64 odd ones); block scales at scale + r * (kp / 32) (the tail's 0); group sums (of the
- * rounded activations) at sums[r * groups + g] */
-struct act8 { int8_t *codes; float *scale; float *sums; int64_t kp; };
 
 /* the largest magnitudes of a block of 64's two halves (v loaded as block_top loads it); bad[h] flags inf
  * or nan lanes in half h */
@@ -400,23 +353,13 @@ static void quantise_row8(const float *x, int64_t k, int64_t kp, int64_t group, 
             total[h] = _mm512_add_epi32(total[h], q);
             _mm_storeu_si128((__m128i *)(pair + (u / 2) * 64 + h * 16), _mm512_cvtepi32_epi8(q));
         }
-        for (int h = 0; h < 2; h++)
-            sums[(b * BLOCK + h * BLOCK8) / group] += scale[2 * b + h] * (float)_mm512_reduce_add_epi32(total[h]);
+        for (int h = 0; h < 2; h++) {   /* fmaf: one rounding, whether or not the compiler contracts */
+            float *sum = sums + (b * BLOCK + h * BLOCK8) / group;
+            *sum = fmaf(scale[2 * b + h], (float)_mm512_reduce_add_epi32(total[h]), *sum);
+        }
     }
 }
 
-static int quantise8(const float *x, int64_t xs, int64_t m, int64_t k, int64_t group, struct act8 *a) {
-    int64_t kp = (k + 127) / 128 * 128, blocks = kp / BLOCK8, groups = k / group;
-    char *mem = malloc(m * (kp + (blocks + groups) * sizeof(float)));
-    if (!mem) return 0;
-    a->kp = kp;
-    a->scale = (float *)mem;
-    a->sums = a->scale + m * blocks;
-    a->codes = (int8_t *)(a->sums + m * groups);
-    for (int64_t r = 0; r < m; r++)
-        quantise_row8(x + r * xs, k, kp, group, a->codes + r * kp, a->scale + r * blocks, a->sums + r * groups);
-    return 1;
-}
 
 /* 128 codes (64 bytes: blocks 2p and 2p + 1; `half`: block 2p alone, the row's last 64 codes) against M
  * rows: dpbusd lane l sums bytes 4l..4l+3, codes 8l..8l + 7, of activation block 4p + l / 4; so the
@@ -464,59 +407,12 @@ static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, con
     finish_q4(f, h, M, sc, zo, a->sums, k, G, zp, y, n);
 }
 
-/* whether the int8-activation GEMV takes weights of K `k` in groups of `group` (fits, and a pair of blocks
- * never straddles two groups of more than 64) */
-static int fits8(int64_t m, int64_t k, int64_t group) {
-    return fits(m < MAX_ROWS ? m : MAX_ROWS, k, group) && (group == 32 || group == 64 || group % 128 == 0);
-}
+#include "gemv_q4_int8.h"   /* llmc_gemv_q4_int8 over quantise_row8 and row_q4_8 above */
 
-/* rows r0.. of a call's activations */
-static inline struct act8 rows8(const struct act8 *a, int64_t r0, int64_t k, int64_t group) {
-    struct act8 sub = {a->codes + r0 * a->kp, a->scale + r0 * (a->kp / BLOCK8), a->sums + r0 * (k / group), a->kp};
-    return sub;
-}
+#else   /* no AVX-512 BW: the int16 GEMVs' work falls to the fp32-activation loops (and the int8 one's, without
+         * AVX2 either: gemv_q4_int8_avx2.c) */
 
-/* llmc_gemv_q4's work on int8 activations where the shapes fit, for any number of rows m (each weight row
- * against MAX_ROWS of them at a time, so the weights are read once whatever m; a row's sums do not depend
- * on which others share its call): 1 where done, else 0. The weight rows
- * `ahead` on (0: none) are fetched into L2 as the int16 path fetches them: where the model's weights sit in
- * the last-level cache that hides its latency (SmolLM2 on the 2-core Xeon: 85-88 -> 100-103 decode steps/s),
- * where they stream from DRAM the loop is cheap enough for the hardware prefetcher alone, and extra
- * prefetches only take line fill buffers (Llama-3B: 7.7-8.0 -> 7.1-7.4). */
-int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
-                          const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
-                          float *y, int64_t threads, int64_t ahead) {
-    struct act8 a;
-    if (!fits8(m, k, group) || !quantise8(x, x_stride, m, k, group, &a))
-        return 0;
-#define Q4(M, G) row_q4_8(row, &sub, k, M, p, po, zp, G, y + r0 * n + j, n)
-#define Q4_CASE(M) case M: switch (group) { \
-            case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
-            default: Q4(M, group); } break;
-#define CHUNKS \
-    for (int64_t r0 = t0; r0 < t1; r0 += MAX_ROWS) { \
-        struct act8 sub = rows8(&a, r0, k, group); \
-        int64_t rows = t1 - r0 < MAX_ROWS ? t1 - r0 : MAX_ROWS; \
-        switch (rows) { Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8) } \
-    }
-    for (int64_t t0 = 0, tile = row_tile(a.kp); t0 < m; t0 += tile) {
-        int64_t t1 = t0 + tile < m ? t0 + tile : m;
-        WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(ahead), k / 2, ahead, CHUNKS)
-    }
-#undef CHUNKS
-#undef Q4_CASE
-#undef Q4
-    free(a.scale);
-    return 1;
-}
-
-/* whether the 4-bit GEMV of these shapes runs on int8 activations when asked (1) or stays on int16 ones */
-int64_t llmc_gemv_q4_int8_fits(int64_t k, int64_t group) {
-    return enabled && fits8(1, k, group);
-}
-
-#else   /* no AVX-512 BW: the fp32-activation loops do all the work */
-
+#if !(defined(__AVX2__) && defined(__FMA__))
 int64_t llmc_gemv_q4_int8_fits(int64_t k, int64_t group) {
     return 0;
 }
@@ -526,6 +422,7 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
                           float *y, int64_t threads, int64_t ahead) {
     return 0;
 }
+#endif
 
 int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
                            const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,

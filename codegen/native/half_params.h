@@ -66,6 +66,24 @@ static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_
         }
     }
 }
+#else
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static inline void halves_to_floats(const uint16_t *h, int64_t count, float *out) {
+    int64_t g = 0;
+#if defined(__F16C__)
+    for (; g + 8 <= count; g += 8) _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+#endif
+    for (; g < count; g++) out[g] = half_bits_to_float(h[g]);
+}
+
+static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
+    for (int64_t g = 0; g < groups; g++) out[g] = k_param(row, groups, subs, g);
+}
+#endif
+
 /* a row's `count` params starting at element s0 (a packed row: at row s0 / count) as floats: where they
  * are (fp32), else converted into buf */
 static inline const float *params_f32(const void *p, int64_t f16, int64_t s0, int64_t count, float *buf) {
@@ -74,9 +92,4 @@ static inline const float *params_f32(const void *p, int64_t f16, int64_t s0, in
     else k_params_to_floats((const uint8_t *)p + s0 / count * param_row_bytes(f16, count), count, f16, buf);
     return buf;
 }
-#else
-static inline void k_params_to_floats(const uint8_t *row, int64_t groups, int64_t subs, float *out) {
-    for (int64_t g = 0; g < groups; g++) out[g] = k_param(row, groups, subs, g);
-}
-#endif
 #endif

@@ -428,8 +428,8 @@ def test_gemv_q4_on_int8_activations_is_its_rounding_exactly(rows, n, k, group, 
     """Weights made for int8 activations compute sum(w * x8) on x rounded to int8 codes per block of 32
     (llama.cpp's Q8_1 activations: s * sum(q * x8) + o * sum(x8) per group), within fp32 summation of the
     float64 reference; the same codes made for int16 ones stay on int16 codes per 64."""
-    if not cpu_native.int16_activations():
-        pytest.skip("no AVX-512 BW: the GEMVs multiply fp32 activations")
+    if not cpu_native.takes_int8(k, group):
+        pytest.skip("neither AVX-512 BW nor AVX2: the GEMVs multiply fp32 activations")
     from llmc.compiler.quant import dequantize_affine_codes, dequantize_int4_codes
 
     g = torch.Generator().manual_seed(n + group + k)
@@ -445,17 +445,100 @@ def test_gemv_q4_on_int8_activations_is_its_rounding_exactly(rows, n, k, group, 
     exact = x.double() @ dense.double().T
     assert ((y.double() - want).abs().max() / exact.abs().max()) < 1e-6
     assert ((y.double() - exact).abs().max() / exact.abs().max()) < 2e-2     # 2^-8 of each block's largest
+    if not cpu_native.int16_activations():
+        return
     w16 = w._replace(int8=False)
     y16 = _on_threads(threads, lambda: cpu_native.gemv_q4(x, w16))
     rounded16 = _int16_rounded(x) @ (s * codes.double()).T + x.double() @ offsets.T
     assert ((y16.double() - rounded16).abs().max() / exact.abs().max()) < 1e-6
 
 
+def _fma32(a, b, c):
+    """float32 fused multiply-add: the product of two float32s is exact in float64 (one rounding left, to
+    float32, but for a float64 sum that lands on a float32 tie: about 2^-29 a call)."""
+    import numpy as np
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def _q4_int8_lane_model(x, codes, scales, second, zero_point, group):
+    """y [rows, n] as llmc_gemv_q4_int8 computes it, in float32 numpy, lane for lane: the activations to int8
+    codes per block of 32; per 128 codes, lane L (of AVX-512's 16) sums codes 8L..8L + 7 in integers and
+    takes one FMA with (weight scale x activation scale); pairs alternate between two chains; each lane adds
+    its offsets term; then _mm512_reduce_add_ps's tree. The AVX-512 and the AVX2 kernel must both give it."""
+    import numpy as np
+    f32 = np.float32
+    x, codes = x.numpy().astype(f32), codes.numpy().astype(np.int64)
+    sc, zo = scales.numpy().astype(f32), second.numpy().astype(f32)
+    rows, k = x.shape
+    n, groups, pairs, kp = codes.shape[0], k // group, k // 128, (k + 127) // 128 * 128
+    out = np.zeros((rows, n), f32)
+    for r in range(rows):
+        blocks = x[r].reshape(-1, 32)
+        top = np.abs(blocks).max(axis=1)
+        xs = np.zeros(kp // 32, f32)
+        xs[:len(top)] = top / f32(127)
+        inv = np.where(top == 0, f32(0), f32(127) / np.where(top == 0, f32(1), top)).astype(f32)
+        a = np.zeros(kp, np.int64)
+        a[:k] = np.clip(np.rint(blocks * inv[:, None]), -128, 127).reshape(-1)
+        sums = np.zeros(groups, f32)
+        for b in range(k // 32):
+            g = b * 32 // group
+            sums[g] = _fma32(xs[b:b + 1], f32([a[32 * b:32 * b + 32].sum()]), sums[g:g + 1])[0]
+        lanes = np.arange(16)
+        for j in range(n):
+            w = np.zeros(kp, np.int64)
+            w[:k] = codes[j]
+            chains = [np.zeros(16, f32), np.zeros(16, f32)]
+            for p in range(pairs + (k % 128 > 0)):
+                d = (w[128 * p:128 * p + 128] * a[128 * p:128 * p + 128]).reshape(16, 8).sum(axis=1).astype(f32)
+                half = p == pairs
+                if group == 32:
+                    s = np.array([sc[j, 4 * p + L // 4] if 4 * p + L // 4 < groups else 0 for L in lanes], f32)
+                elif group == 64:
+                    s = np.array([sc[j, 2 * p + L // 8] if not (half and L >= 8) else 0 for L in lanes], f32)
+                else:
+                    s = np.full(16, sc[j, p * 128 // group], f32)
+                both = (s * xs[4 * p + lanes // 4]).astype(f32)
+                chains[1 if half else p % 2] = _fma32(d, both, chains[1 if half else p % 2])
+            total = (chains[0] + chains[1]).astype(f32)
+            t = np.zeros(16, f32)
+            for i in range(0, groups, 16):
+                live = i + lanes < groups
+                at = np.minimum(i + lanes, groups - 1)
+                o = np.where(live, zo[j, at], 0).astype(f32)
+                if zero_point:
+                    o = (o * np.where(live, sc[j, at], 0)).astype(f32)
+                t = _fma32(o, np.where(live, sums[at], 0).astype(f32), t)
+            v = (total - t if zero_point else total + t).astype(f32)
+            t3 = (v[8:] + v[:8]).astype(f32)
+            t6 = (t3[4:] + t3[:4]).astype(f32)
+            out[r, j] = (t6[0] + t6[2]) + (t6[1] + t6[3])
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("rows,n,k,group,zero_point", [
+    (1, 9, 576, 32, False),     # SmolLM2's K: four pairs of blocks and a half pair
+    (3, 6, 512, 32, True),
+    (2, 5, 320, 64, False),     # groups of 64 with a half pair
+    (2, 4, 1024, 128, True),
+    (1, 3, 768, 256, False)])
+def test_gemv_q4_int8_is_its_lane_model_bitwise(rows, n, k, group, zero_point):
+    """The int8-activation GEMV gives exactly the float32 lane model's bits, whether AVX-512 or AVX2 runs it:
+    an artifact's outputs do not depend on which of the two CPUs serves it."""
+    if not cpu_native.takes_int8(k, group):
+        pytest.skip("neither AVX-512 BW nor AVX2")
+    g = torch.Generator().manual_seed(k + group + rows)
+    codes, scales, second, w = _random_q4(g, n, k, group, zero_point, True, "int8")
+    x = torch.randn(rows, k, generator=g)
+    x[0, :32] *= 40.0
+    assert torch.equal(cpu_native.gemv_q4(x, w), _q4_int8_lane_model(x, codes, scales, second, zero_point, group))
+
+
 def test_gemv_q4_int8_rows_are_batch_invariant():
     """On int8 activations a row's outputs are the same bits at every row count of a call (1..MAX_ROWS) and
     with rows fetched ahead or not, and a non-finite activation makes its row's outputs nan."""
-    if not cpu_native.int16_activations():
-        pytest.skip("no AVX-512 BW")
+    if not cpu_native.takes_int8(576, 32):
+        pytest.skip("neither AVX-512 BW nor AVX2")
     g = torch.Generator().manual_seed(7)
     *_, w = _random_q4(g, 37, 576, 32, False, True, "int8")
     x = torch.randn(cpu_native.MAX_ROWS, 576, generator=g)

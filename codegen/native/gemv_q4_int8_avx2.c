@@ -1,0 +1,168 @@
+/* The 4-bit GEMV on int8 activations (llama.cpp's rounding: gemv_int16.c's llmc_gemv_q4_int8) for CPUs
+ * with AVX2 but not AVX-512 BW (AMD Zen 1-3, Intel's client cores), where without it every 4-bit GEMV
+ * multiplied fp32 activations: a table lookup and an FMA per code. Here a 32-byte load of weights (64
+ * codes) costs a mask, a shift, two vpmaddubsw and two vpmaddwd, one conversion and one FMA per row.
+ *
+ * The same bits as the AVX-512 kernel: the activation codes, block scales and group sums are computed the
+ * same way; AVX-512's 16 lanes are two halves of 8 here, each lane summing the same products in integers
+ * and taking the same fp32 operations in the same order; the final sum follows _mm512_reduce_add_ps's tree
+ * (GCC's avx512fintrin.h). So, built by the same compiler, an artifact's outputs should not depend on which
+ * of the two CPUs runs it (by construction: no session has had both CPUs to compare them). */
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BW__)
+#include <float.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gemv_rows.h"
+
+/* the largest of 8 floats */
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_max_ps(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* gemv_int16.c's quantise_row8: per block of 32, codes round(x * 127 / max|x|) (vcvtps2dq, then clamped to
+ * -128..127 as AVX-512's saturating store keeps them: nan is -128, its scale nan); block b of 64 goes,
+ * within its pair of blocks' 128 codes, evens to the first 64 (at (b % 2) * 32 + i / 2), odds to the last
+ * 64; the group sums add each block's scale times its codes' integer sum, half by half as there */
+static void quantise_row8(const float *x, int64_t k, int64_t kp, int64_t group, int8_t *codes, float *scale,
+                          float *sums) {
+    const __m256 sign = _mm256_set1_ps(-0.f), finite = _mm256_set1_ps(FLT_MAX);
+    const __m256i lowest = _mm256_set1_epi32(-128), highest = _mm256_set1_epi32(127);
+    memset(codes + k, 0, kp - k);
+    for (int64_t i = k / BLOCK8; i < kp / BLOCK8; i++) scale[i] = 0.f;
+    for (int64_t g = 0; g < k / group; g++) sums[g] = 0.f;
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        int8_t *pair = codes + (b / 2) * 128 + (b % 2) * 32;
+        for (int h = 0; h < 2; h++) {
+            __m256 v[4], top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+            for (int u = 0; u < 4; u++) {
+                v[u] = _mm256_loadu_ps(x + b * BLOCK + h * BLOCK8 + 8 * u);
+                __m256 a = _mm256_andnot_ps(sign, v[u]);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, finite, _CMP_NLE_UQ));
+                top = _mm256_max_ps(top, a);
+            }
+            int nonfinite = _mm256_movemask_ps(bad) != 0;
+            float t = max8(top), s = nonfinite ? NAN : t / 127.f;
+            __m256 inv = _mm256_set1_ps(nonfinite || t == 0.f ? 0.f : 127.f / t), s8 = _mm256_set1_ps(s);
+            int tiny = !nonfinite && t > 0.f && t < 1e-30f;   /* near where 127 / t overflows: divide */
+            int32_t c[BLOCK8], total = 0;
+            for (int u = 0; u < 4; u++) {
+                __m256 f = tiny ? _mm256_div_ps(v[u], s8) : _mm256_mul_ps(v[u], inv);
+                _mm256_storeu_si256((__m256i *)(c + 8 * u),
+                                    _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(f), highest), lowest));
+            }
+            for (int i = 0; i < BLOCK8; i++) {
+                int at = h * BLOCK8 + i;
+                pair[(at % 2) * 64 + at / 2] = (int8_t)c[i];
+                total += c[i];
+            }
+            scale[2 * b + h] = s;
+            float *sum = sums + (b * BLOCK + h * BLOCK8) / group;
+            *sum = fmaf(s, (float)total, *sum);   /* as gemv_int16.c: one rounding */
+        }
+    }
+}
+
+/* lanes 2c + (l / 4) of a 4-float vector, l = 0..7: the quads that half c of AVX-512's 16 lanes takes */
+static inline __m256 quads(__m128 v, const int c) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), c ? _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)
+                                                                 : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+/* Half c of 128 codes (64 bytes: blocks 2p and 2p + 1; `half`: block 2p alone, the row's last 64 codes)
+ * against M rows, as gemv_int16.c's pair_q4 computes AVX-512's lanes 8c..8c + 7: lane l sums bytes
+ * 4l..4l + 3, codes 8l..8l + 7, of activation block 4p + l / 4. vpmaddubsw's pairs of products of a 4-bit
+ * and an int8 code are at most 2 * 15 * 128 in magnitude, two of them inside int16: nothing saturates, and
+ * the int32 sums are vpdpbusd's. (A half at a time keeps M rows' sums in 16 registers, where AVX-512 has 32.) */
+static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, const struct act8 *a, const int64_t M,
+                                                          const float *sc, const int64_t G, int64_t p, int half,
+                                                          const int c, __m256 *acc) {
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    /* the weights' scales as AVX-512 loads them, lanes past a half pair's zero */
+    __m128 s4 = _mm_setzero_ps();
+    __m256 s = _mm256_setzero_ps();
+    if (G == 32)
+        s4 = half ? _mm_castpd_ps(_mm_load_sd((const double *)(sc + 4 * p))) : _mm_loadu_ps(sc + 4 * p);
+    else
+        s = _mm256_set1_ps(G != 64 ? sc[p * 128 / G] : half && c ? 0.f : sc[2 * p + c]);
+    __m256i w = half && c ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(q + 64 * p + 32 * c));
+    __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+    for (int64_t r = 0; r < M; r++) {
+        const int8_t *x = a->codes + r * a->kp + 128 * p + 32 * c;
+        __m256i d = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64)))),
+            ones);
+        __m128 x4 = _mm_loadu_ps(a->scale + r * (a->kp / BLOCK8) + 4 * p);
+        __m256 both = G == 32 ? quads(_mm_mul_ps(s4, x4), c) : _mm256_mul_ps(s, quads(x4, c));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), both, acc[r]);
+    }
+}
+
+/* up to 8 floats from p (count of them; the rest 0) */
+static inline __m256 load_live(const float *p, int64_t count) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 0 ? 0 : count)), lane));
+}
+
+/* lanes of half c summing to row r's sum_g o_g * sum_{i in g} x_i, as gemv_int16.c's offsets */
+static inline __m256 offsets(const float *sc, const float *zo, const float *sums, int64_t r, int64_t k, int64_t G,
+                             int64_t zp, int c) {
+    int64_t groups = k / G;
+    __m256 t = _mm256_setzero_ps();
+    for (int64_t i = 0; i < groups; i += 16) {
+        int64_t at = i + 8 * c, live = groups - at;
+        __m256 p = load_live(zo + at, live);
+        if (zp) p = _mm256_mul_ps(p, load_live(sc + at, live));   /* s * z */
+        t = _mm256_fmadd_ps(p, load_live(sums + r * groups + at, live), t);
+    }
+    return t;
+}
+
+/* _mm512_reduce_add_ps of the 16 lanes lo, hi: the upper 8 plus the lower, then 4 + 4, then [2, 3] + [0, 1],
+ * then lane 0 + lane 1 */
+static inline float reduce16(__m256 lo, __m256 hi) {
+    __m256 t3 = _mm256_add_ps(hi, lo);
+    __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+/* half c of AVX-512's lanes of one weight row's dot with M rows, before the final sum: blocks alternate
+ * between two chains as there, then each row adds (or, zero points, takes off) its offsets term */
+static inline __attribute__((always_inline)) void half_q4(const uint8_t *q, const struct act8 *a, int64_t k,
+                                                          const int64_t M, const float *sc, const float *zo,
+                                                          int64_t zp, const int64_t G, const int c, __m256 *out) {
+    __m256 f[MAX_ROWS], h[MAX_ROWS];
+    for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm256_setzero_ps();
+    int64_t pairs = k / 128, p = 0;
+    for (; p + 2 <= pairs; p += 2) {
+        pair_q4(q, a, M, sc, G, p, 0, c, f);
+        pair_q4(q, a, M, sc, G, p + 1, 0, c, h);
+    }
+    if (p < pairs) pair_q4(q, a, M, sc, G, p++, 0, c, f);
+    if (k % 128) pair_q4(q, a, M, sc, G, p, 1, c, h);
+    for (int64_t r = 0; r < M; r++) {
+        __m256 total = _mm256_add_ps(f[r], h[r]), t = offsets(sc, zo, a->sums, r, k, G, zp, c);
+        out[r] = zp ? _mm256_sub_ps(total, t) : _mm256_add_ps(total, t);
+    }
+}
+
+static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, const struct act8 *a, int64_t k,
+                                                           const int64_t M, const float *sc, const float *zo,
+                                                           int64_t zp, const int64_t G, float *y, int64_t n) {
+    __m256 lo[MAX_ROWS], hi[MAX_ROWS];
+    half_q4(q, a, k, M, sc, zo, zp, G, 0, lo);
+    half_q4(q, a, k, M, sc, zo, zp, G, 1, hi);
+    for (int64_t r = 0; r < M; r++) y[r * n] = reduce16(lo[r], hi[r]);
+}
+
+#include "gemv_q4_int8.h"
+
+#endif
