@@ -5,11 +5,11 @@ through ctypes.
 A decode step's attention runs ~15 small torch operators a layer (rotary, the cache write, the
 attention itself), each costing 2-5 us of dispatch for about a microsecond of arithmetic; one call
 here. Likewise a residual add and its norm where quantised GEMMs read the norm, and the int8 and 4-bit
-GEMVs themselves: on activations rounded to int16 codes per block of 64 where the CPU has AVX-512 BW
+GEMVs themselves: on activations rounded to int16 codes per block of 64 where the CPU has AVX-512 BW or AVX2
 (gemv_int16.c: at most 2^-16 of a block's largest value off, where torch's int8 kernel rounds them to
 bf16, 2^-9 of each), the 4-bit ones to int8 codes per block of 32 where the artifact asks (its
 --q4-activations, int8 by default: llama.cpp's Q8_1 rounding, 2^-8; with AVX-512 BW or AVX2, the same bits
-on either: gemv_q4_int8_avx2.c), else on fp32 ones. Without a
+on either: gemv_avx2.c), else on fp32 ones. Without a
 compiler (or with LLMC_NATIVE=0) the torch kernels run instead: both compute the same function to fp32
 rounding (to those roundings for the GEMVs), and `llmc bench` prints which ran (`status`).
 
@@ -38,10 +38,10 @@ from llmc.compiler.quant import K_SUPER, group_params, is_packed, kv_int4_row_by
 from llmc.errors import LlmcError
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("decode_kernels.c", "gemv_int16.c", "gemv_q4_int8_avx2.c", "decode_program.c",
+                for name in ("decode_kernels.c", "gemv_int16.c", "gemv_avx2.c", "decode_program.c",
                              "decode_int4.c", "gemm_amx.c"))
 # included by the sources: in the cache key
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("half_params.h", "gemv_rows.h", "gemv_q4_int8.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("half_params.h", "gemv_rows.h", "gemv_int16.h", "gemv_q4_int8.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
 BF16 = torch.bfloat16
@@ -222,7 +222,7 @@ def _bind(lib: ctypes.CDLL, target: Path) -> None:
 
 def set_int16_activations(on: bool) -> bool:
     """Whether the 4-bit and int8 GEMVs quantise their activations to int16 codes per block of 64 where
-    the CPU has AVX-512 BW (the default; LLMC_INT16_ACTIVATIONS=0 turns it off) or multiply fp32 ones;
+    the CPU has AVX-512 BW or AVX2 (the default; LLMC_INT16_ACTIVATIONS=0 turns it off) or multiply fp32 ones;
     returns the previous setting."""
     lib = _load()[0]
     return bool(lib.llmc_gemv_int16(int(on))) if lib is not None else False
@@ -245,14 +245,13 @@ Q4_ACTIVATIONS = ("int8", "int16")
 
 def takes_int8(k: int, group: int) -> bool:
     """Whether the 4-bit GEMV of K `k` in groups of `group` runs on int8 activations where asked (AVX-512 BW or
-    AVX2, K a multiple of 64, groups of 32, 64 or a multiple of 128; else it stays on int16 ones, or fp32 ones
-    without AVX-512 BW)."""
+    AVX2, K a multiple of 64, groups of 32, 64 or a multiple of 128; else it stays on int16 ones)."""
     lib = _load()[0]
     return lib is not None and bool(lib.llmc_gemv_q4_int8_fits(k, group))
 
 
 def int16_activations() -> bool:
-    """Whether the GEMVs take int16 activations: built for them (AVX-512 BW) and not turned off. (Shapes
+    """Whether the GEMVs take int16 activations: built for them (AVX-512 BW or AVX2) and not turned off. (Shapes
     decide per call: K a multiple of 64, groups of 32 codes or multiples of 64.)"""
     lib = _load()[0]
     if lib is None or not lib.llmc_gemv_int16_built():

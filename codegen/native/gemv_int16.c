@@ -29,9 +29,9 @@ int64_t llmc_gemv_int16(int64_t on) {
     return was;
 }
 
-/* whether this build has them (AVX-512 BW) */
+/* whether this build has them (AVX-512 BW here, or AVX2 in gemv_avx2.c) */
 int64_t llmc_gemv_int16_built(void) {
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;
@@ -44,11 +44,6 @@ int64_t llmc_gemv_int16_built(void) {
 
 #include "gemv_rows.h"
 
-#define Q8_PREFETCH_ROWS 16
-
-static int fits(int64_t m, int64_t k, int64_t group) {
-    return enabled && rows_fit(m, k, group);
-}
 
 #ifdef __AVX512VNNI__
 #define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
@@ -56,9 +51,6 @@ static int fits(int64_t m, int64_t k, int64_t group) {
 #define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #endif
 
-/* A call's activations: row r's int16 codes at codes + r * k, its block scales at scale + r * (k / 64),
- * and (for the 4-bit GEMV) its group sums at sums[r * groups + g]. */
-struct act16 { int16_t *codes; float *scale; float *sums; };
 
 /* The even and the odd lanes of two vectors of 16 (a, b): lanes 0-7 from a, 8-15 from b. The 4-bit codes
  * lie as stored (byte j: codes 2j low, 2j + 1 high), so one widen of weight bytes unpacks the even codes
@@ -107,27 +99,9 @@ static void quantise_row(const float *x, int64_t k, int64_t group, int nibbles, 
                                 _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(c)));
         }
     }
-    if (!sums) return;
-    for (int64_t g = 0; g < k / group; g++) {
-        float s = 0;
-        for (int64_t i = 0; i < group; i++) s += x[g * group + i];
-        sums[g] = s;
-    }
+    if (sums) group_sums(x, k, group, sums);
 }
 
-/* quantises m rows of x (`xs` floats apart) into one allocation; 0 where it cannot allocate */
-static int quantise(const float *x, int64_t xs, int64_t m, int64_t k, int64_t group, int nibbles, struct act16 *a) {
-    int64_t blocks = k / BLOCK, groups = nibbles ? k / group : 0;
-    char *mem = malloc(m * (k * sizeof(int16_t) + (blocks + groups) * sizeof(float)));
-    if (!mem) return 0;
-    a->scale = (float *)mem;
-    a->sums = nibbles ? a->scale + m * blocks : 0;
-    a->codes = (int16_t *)(a->scale + m * (blocks + groups));
-    for (int64_t r = 0; r < m; r++)
-        quantise_row(x + r * xs, k, group, nibbles, a->codes + r * k, a->scale + r * blocks,
-                     nibbles ? a->sums + r * groups : 0);
-    return 1;
-}
 
 
 
@@ -236,53 +210,6 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
 
 
 
-/* llmc_gemv_q4's and llmc_gemv_q8's work on int16 activations: 1 where done, 0 where the shapes do not fit
- * (K not a multiple of 64, groups neither 32 codes nor a multiple of 64) or it is turned off */
-int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
-                           const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,
-                           float *y, int64_t threads) {
-    struct act16 a;
-    if (!fits(m, k, group) || !quantise(x, x_stride, m, k, group, 1, &a))
-        return 0;
-#define Q4(M, G) row_q4(row, &a, k, M, p, po, zp, G, y + j, n)
-#define Q4_CASE(M) case M: switch (group) { \
-            case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
-            default: Q4(M, group); } break;
-    WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(Q4_PREFETCH_ROWS), k / 2, Q4_PREFETCH_ROWS, BY_ROWS(Q4_CASE))
-#undef Q4_CASE
-#undef Q4
-    free(a.scale);
-    return 1;
-}
-
-int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const int8_t *q, const void *params,
-                           int64_t f16, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
-    struct act16 a;
-    if (!fits(m < MAX_ROWS ? m : MAX_ROWS, k, group) || !quantise(x, x_stride, m, k, group, 0, &a))
-        return 0;
-    /* any number of rows m, as llmc_gemv_q4_int8 takes them: each weight row against MAX_ROWS at a time */
-#define Q8(M, G) row_q8(row, &sub, k, M, p, G, y + r0 * n + j, n)
-#define Q8_CASE(M) case M: switch (group) { \
-            case 32: Q8(M, 32); break; case 64: Q8(M, 64); break; default: Q8(M, group); } break;
-#define CHUNKS \
-    for (int64_t r0 = t0; r0 < t1; r0 += MAX_ROWS) { \
-        struct act16 sub = a; \
-        sub.codes += r0 * k; \
-        sub.scale += r0 * (k / BLOCK); \
-        switch (t1 - r0 < MAX_ROWS ? t1 - r0 : MAX_ROWS) { \
-            Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8) } \
-    }
-    for (int64_t t0 = 0, tile = row_tile(2 * k); t0 < m; t0 += tile) {   /* int16 codes: 2 bytes each */
-        int64_t t1 = t0 + tile < m ? t0 + tile : m;
-        WEIGHT_ROWS(k / group + 16, (p = params_f32(params, f16, j * (k / group), k / group, buf), po = 0), k,
-                    Q8_PREFETCH_ROWS, CHUNKS)
-    }
-#undef CHUNKS
-#undef Q8_CASE
-#undef Q8
-    free(a.scale);
-    return 1;
-}
 
 /* ---- the 4-bit GEMV on int8 activations, llama.cpp's rounding (its Q8 activation blocks of 32) ----
  *
@@ -407,12 +334,12 @@ static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, con
     finish_q4(f, h, M, sc, zo, a->sums, k, G, zp, y, n);
 }
 
+#include "gemv_int16.h"   /* llmc_gemv_q4_int16 and llmc_gemv_q8_int16 over quantise_row, row_q4 and row_q8 */
 #include "gemv_q4_int8.h"   /* llmc_gemv_q4_int8 over quantise_row8 and row_q4_8 above */
 
-#else   /* no AVX-512 BW: the int16 GEMVs' work falls to the fp32-activation loops (and the int8 one's, without
-         * AVX2 either: gemv_q4_int8_avx2.c) */
+#elif !(defined(__AVX2__) && defined(__FMA__))   /* neither AVX-512 BW nor AVX2 (gemv_avx2.c): the fp32-activation
+                                                  * loops of decode_kernels.c do all the work */
 
-#if !(defined(__AVX2__) && defined(__FMA__))
 int64_t llmc_gemv_q4_int8_fits(int64_t k, int64_t group) {
     return 0;
 }
@@ -422,7 +349,6 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
                           float *y, int64_t threads, int64_t ahead) {
     return 0;
 }
-#endif
 
 int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const uint8_t *q, const void *s,
                            const void *o, int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group,

@@ -2,7 +2,7 @@
  * kernels: a source includes this after defining quantise_row8 (one row of activations to int8 codes, block
  * scales and group sums, struct act8's layout) and row_q4_8 (one weight row's dot with M <= MAX_ROWS rows of
  * them, M and the group size G compile-time constants where the call passes them): gemv_int16.c on
- * AVX-512 BW, gemv_q4_int8_avx2.c on AVX2. */
+ * AVX-512 BW, gemv_avx2.c on AVX2. */
 #ifndef LLMC_GEMV_Q4_INT8_H
 #define LLMC_GEMV_Q4_INT8_H
 #include "gemv_rows.h"

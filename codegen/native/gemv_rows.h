@@ -1,5 +1,5 @@
 /* What llmc's integer-activation GEMVs share, whatever the vector ISA (gemv_int16.c on AVX-512 BW,
- * gemv_q4_int8_avx2.c on AVX2): the blocking constants, the split of weight rows over threads, the tiling
+ * gemv_avx2.c on AVX2): the blocking constants, the split of weight rows over threads, the tiling
  * of a call's activation rows, and the int8 activations' layout. */
 #ifndef LLMC_GEMV_ROWS_H
 #define LLMC_GEMV_ROWS_H
@@ -73,6 +73,19 @@ struct act8 { int8_t *codes; float *scale; float *sums; int64_t kp; };
 static inline struct act8 rows8(const struct act8 *a, int64_t r0, int64_t k, int64_t group) {
     struct act8 sub = {a->codes + r0 * a->kp, a->scale + r0 * (a->kp / BLOCK8), a->sums + r0 * (k / group), a->kp};
     return sub;
+}
+
+/* A call's activations: row r's int16 codes at codes + r * k, its block scales at scale + r * (k / 64),
+ * and (for the 4-bit GEMV) its group sums at sums[r * groups + g]. */
+struct act16 { int16_t *codes; float *scale; float *sums; };
+
+/* each group's sum of the unrounded activations, in order (the 4-bit GEMVs' offset terms on int16 codes) */
+static inline void group_sums(const float *x, int64_t k, int64_t group, float *sums) {
+    for (int64_t g = 0; g < k / group; g++) {
+        float s = 0;
+        for (int64_t i = 0; i < group; i++) s += x[g * group + i];
+        sums[g] = s;
+    }
 }
 
 #endif
