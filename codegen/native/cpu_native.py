@@ -41,7 +41,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("decode_kernels.c", "gemv_int16.c", "gemv_avx2.c", "decode_program.c",
                              "decode_int4.c", "gemm_amx.c"))
 # included by the sources: in the cache key
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("half_params.h", "gemv_rows.h", "gemv_int16.h", "gemv_q4_int8.h"))
+HEADERS = tuple(Path(__file__).with_name(name)
+                for name in ("half_params.h", "gemv_rows.h", "gemv_int16.h", "gemv_q4_int8.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-Wno-psabi", "-fPIC", "-shared")
 F32 = torch.float32
 BF16 = torch.bfloat16
