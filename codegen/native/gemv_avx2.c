@@ -72,10 +72,17 @@ static void quantise_row8(const float *x, int64_t k, int64_t kp, int64_t group, 
     }
 }
 
-/* lanes 2c + (l / 4) of a 4-float vector, l = 0..7: the quads that half c of AVX-512's 16 lanes takes */
-static inline __m256 quads(__m128 v, const int c) {
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), c ? _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)
-                                                                 : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+/* lanes 2c + (l / 4), l = 0..7, of a 4-float vector held twice (v: [x, x]): the quads that half c of
+ * AVX-512's 16 lanes takes. (A 128-bit vector cast up to 256 bits cost a store and a wider reload that
+ * missed store forwarding: GCC 12 spills the undefined upper half.) */
+static inline __m256 quads(__m256 v, const int c) {
+    return _mm256_permutevar8x32_ps(v, c ? _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)
+                                         : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+/* 4 floats at p, twice */
+static inline __m256 twice(const float *p) {
+    return _mm256_broadcast_ps((const __m128 *)p);
 }
 
 /* Half c of 128 codes (64 bytes: blocks 2p and 2p + 1; `half`: block 2p alone, the row's last 64 codes)
@@ -88,10 +95,11 @@ static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, cons
                                                           const int c, __m256 *acc) {
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     /* the weights' scales as AVX-512 loads them, lanes past a half pair's zero */
-    __m128 s4 = _mm_setzero_ps();
-    __m256 s = _mm256_setzero_ps();
+    __m256 s4 = _mm256_setzero_ps(), s = _mm256_setzero_ps();
     if (G == 32)
-        s4 = half ? _mm_castpd_ps(_mm_load_sd((const double *)(sc + 4 * p))) : _mm_loadu_ps(sc + 4 * p);
+        s4 = half ? _mm256_set_m128(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 4 * p))),
+                                    _mm_castpd_ps(_mm_load_sd((const double *)(sc + 4 * p))))   /* [a, b, 0, 0] */
+                  : twice(sc + 4 * p);
     else
         s = _mm256_set1_ps(G != 64 ? sc[p * 128 / G] : half && c ? 0.f : sc[2 * p + c]);
     __m256i w = half && c ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(q + 64 * p + 32 * c));
@@ -102,8 +110,8 @@ static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, cons
             _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
                              _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64)))),
             ones);
-        __m128 x4 = _mm_loadu_ps(a->scale + r * (a->kp / BLOCK8) + 4 * p);
-        __m256 both = G == 32 ? quads(_mm_mul_ps(s4, x4), c) : _mm256_mul_ps(s, quads(x4, c));
+        __m256 x4 = twice(a->scale + r * (a->kp / BLOCK8) + 4 * p);
+        __m256 both = G == 32 ? quads(_mm256_mul_ps(s4, x4), c) : _mm256_mul_ps(s, quads(x4, c));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), both, acc[r]);
     }
 }
