@@ -145,6 +145,36 @@ static inline float reduce16(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
 }
 
+/* half c of AVX-512's lanes of M rows' dots, from the two chains f and h: plus (offsets) or minus (zero
+ * points) each row's offsets term, as gemv_int16.c's finish_q4 before its final sum */
+static inline __attribute__((always_inline)) void finish_half(const __m256 *f, const __m256 *h, const int64_t M,
+                                                              const float *sc, const float *zo, const float *sums,
+                                                              int64_t k, const int64_t G, int64_t zp, const int c,
+                                                              __m256 *out) {
+    for (int64_t r = 0; r < M; r++) {
+        __m256 total = _mm256_add_ps(f[r], h[r]), t = offsets(sc, zo, sums, r, k, G, zp, c);
+        out[r] = zp ? _mm256_sub_ps(total, t) : _mm256_add_ps(total, t);
+    }
+}
+
+/* y[r * n] = the sum of row r's 16 lanes (lo: 0-7, hi: 8-15) */
+static inline __attribute__((always_inline)) void reduce_rows(const __m256 *lo, const __m256 *hi, const int64_t M,
+                                                              float *y, int64_t n) {
+    for (int64_t r = 0; r < M; r++) y[r * n] = reduce16(lo[r], hi[r]);
+}
+
+/* NAME: one 4-bit weight row's dot with M rows of ACT activations, AVX-512's lanes 0-7 then 8-15 (HALF),
+ * summed */
+#define DEFINE_ROW_Q4(NAME, ACT, HALF)                                                                       \
+    static inline __attribute__((always_inline)) void NAME(const uint8_t *q, const ACT *a, int64_t k,         \
+                                                           const int64_t M, const float *sc, const float *zo, \
+                                                           int64_t zp, const int64_t G, float *y, int64_t n) { \
+        __m256 lo[MAX_ROWS], hi[MAX_ROWS];                                                                    \
+        HALF(q, a, k, M, sc, zo, zp, G, 0, lo);                                                               \
+        HALF(q, a, k, M, sc, zo, zp, G, 1, hi);                                                               \
+        reduce_rows(lo, hi, M, y, n);                                                                         \
+    }
+
 /* half c of AVX-512's lanes of one weight row's dot with M rows, before the final sum: blocks alternate
  * between two chains as there, then each row adds (or, zero points, takes off) its offsets term */
 static inline __attribute__((always_inline)) void half_q4(const uint8_t *q, const struct act8 *a, int64_t k,
@@ -159,20 +189,10 @@ static inline __attribute__((always_inline)) void half_q4(const uint8_t *q, cons
     }
     if (p < pairs) pair_q4(q, a, M, sc, G, p++, 0, c, f);
     if (k % 128) pair_q4(q, a, M, sc, G, p, 1, c, h);
-    for (int64_t r = 0; r < M; r++) {
-        __m256 total = _mm256_add_ps(f[r], h[r]), t = offsets(sc, zo, a->sums, r, k, G, zp, c);
-        out[r] = zp ? _mm256_sub_ps(total, t) : _mm256_add_ps(total, t);
-    }
+    finish_half(f, h, M, sc, zo, a->sums, k, G, zp, c, out);
 }
 
-static inline __attribute__((always_inline)) void row_q4_8(const uint8_t *q, const struct act8 *a, int64_t k,
-                                                           const int64_t M, const float *sc, const float *zo,
-                                                           int64_t zp, const int64_t G, float *y, int64_t n) {
-    __m256 lo[MAX_ROWS], hi[MAX_ROWS];
-    half_q4(q, a, k, M, sc, zo, zp, G, 0, lo);
-    half_q4(q, a, k, M, sc, zo, zp, G, 1, hi);
-    for (int64_t r = 0; r < M; r++) y[r * n] = reduce16(lo[r], hi[r]);
-}
+DEFINE_ROW_Q4(row_q4_8, struct act8, half_q4)
 
 
 /* ---- int16 activations: per block of 64, codes round(x * 32767 / max|x|) (gemv_int16.c's quantise_row) ---- */
@@ -209,6 +229,19 @@ static void quantise_row(const float *x, int64_t k, int64_t group, int nibbles, 
     if (sums) group_sums(x, k, group, sums);
 }
 
+/* f and h [M], two chains of sums (one would wait on the FMA latency): the blocks of 64 along K alternate
+ * between them, an odd last one to f, as gemv_int16.c's row_q4 and row_q8 take them; CALL(b, acc) adds
+ * block b's products to acc */
+#define BLOCK_CHAINS(CALL)                                                   \
+    __m256 f[MAX_ROWS], h[MAX_ROWS];                                         \
+    for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm256_setzero_ps();       \
+    int64_t blocks = k / BLOCK, b = 0;                                       \
+    for (; b + 2 <= blocks; b += 2) {                                        \
+        CALL(b, f);                                                          \
+        CALL(b + 1, h);                                                      \
+    }                                                                        \
+    if (b < blocks) CALL(b, f);
+
 /* half c of one block of 64 4-bit codes (32 bytes) against M rows, as gemv_int16.c's block_q4 computes
  * AVX-512's lanes 8c..8c + 7: lane l sums bytes 2l and 2l + 1, codes 4l..4l + 3; for groups of 32 the
  * block's lanes 0-7 take its first group's scale, 8-15 its second's */
@@ -230,28 +263,13 @@ static inline __attribute__((always_inline)) void block_q4(const uint8_t *q, con
 static inline __attribute__((always_inline)) void half_q4_16(const uint8_t *q, const struct act16 *a, int64_t k,
                                                              const int64_t M, const float *sc, const float *zo,
                                                              int64_t zp, const int64_t G, const int c, __m256 *out) {
-    __m256 f[MAX_ROWS], h[MAX_ROWS];
-    for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm256_setzero_ps();
-    int64_t blocks = k / BLOCK, b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        block_q4(q, a, k, M, sc, G, b, c, f);
-        block_q4(q, a, k, M, sc, G, b + 1, c, h);
-    }
-    if (b < blocks) block_q4(q, a, k, M, sc, G, b, c, f);
-    for (int64_t r = 0; r < M; r++) {
-        __m256 total = _mm256_add_ps(f[r], h[r]), t = offsets(sc, zo, a->sums, r, k, G, zp, c);
-        out[r] = zp ? _mm256_sub_ps(total, t) : _mm256_add_ps(total, t);
-    }
+#define Q4_BLOCK(b, acc) block_q4(q, a, k, M, sc, G, b, c, acc)
+    BLOCK_CHAINS(Q4_BLOCK)
+#undef Q4_BLOCK
+    finish_half(f, h, M, sc, zo, a->sums, k, G, zp, c, out);
 }
 
-static inline __attribute__((always_inline)) void row_q4(const uint8_t *q, const struct act16 *a, int64_t k,
-                                                         const int64_t M, const float *sc, const float *zo,
-                                                         int64_t zp, const int64_t G, float *y, int64_t n) {
-    __m256 lo[MAX_ROWS], hi[MAX_ROWS];
-    half_q4_16(q, a, k, M, sc, zo, zp, G, 0, lo);
-    half_q4_16(q, a, k, M, sc, zo, zp, G, 1, hi);
-    for (int64_t r = 0; r < M; r++) y[r * n] = reduce16(lo[r], hi[r]);
-}
+DEFINE_ROW_Q4(row_q4, struct act16, half_q4_16)
 
 /* half c of one block of 64 int8 codes against M rows, as gemv_int16.c's block_q8: lane l sums codes 2l,
  * 2l + 1 and (one sum for larger groups) 32 + 2l, 33 + 2l; for groups of 32 each half scaled by its own
@@ -281,14 +299,9 @@ static inline __attribute__((always_inline)) void block_q8(const int8_t *q, cons
 static inline __attribute__((always_inline)) void half_q8(const int8_t *q, const struct act16 *a, int64_t k,
                                                           const int64_t M, const float *sc, const int64_t G,
                                                           const int c, __m256 *out) {
-    __m256 f[MAX_ROWS], h[MAX_ROWS];
-    for (int64_t r = 0; r < M; r++) f[r] = h[r] = _mm256_setzero_ps();
-    int64_t blocks = k / BLOCK, b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        block_q8(q, a, k, M, sc, G, b, c, f);
-        block_q8(q, a, k, M, sc, G, b + 1, c, h);
-    }
-    if (b < blocks) block_q8(q, a, k, M, sc, G, b, c, f);
+#define Q8_BLOCK(b, acc) block_q8(q, a, k, M, sc, G, b, c, acc)
+    BLOCK_CHAINS(Q8_BLOCK)
+#undef Q8_BLOCK
     for (int64_t r = 0; r < M; r++) out[r] = _mm256_add_ps(f[r], h[r]);
 }
 
@@ -298,7 +311,7 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
     __m256 lo[MAX_ROWS], hi[MAX_ROWS];
     half_q8(q, a, k, M, sc, G, 0, lo);
     half_q8(q, a, k, M, sc, G, 1, hi);
-    for (int64_t r = 0; r < M; r++) y[r * n] = reduce16(lo[r], hi[r]);
+    reduce_rows(lo, hi, M, y, n);
 }
 
 #include "gemv_int16.h"
