@@ -36,7 +36,7 @@ int64_t llmc_gemv_q4_int16(const float *x, int64_t x_stride, int64_t m, const ui
         return 0;
 #define Q4(M, G) row_q4(row, &a, k, M, p, po, zp, G, y + j, n)
 #define Q4_CASE(M) case M: switch (group) { \
-            case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
+            case 32: Q4(M, 32); break; MORE_GROUPS(Q4, M) \
             default: Q4(M, group); } break;
     WEIGHT_ROWS(2 * (k / group) + 32, Q4_PARAMS(Q4_PREFETCH_ROWS), k / 2, Q4_PREFETCH_ROWS, BY_ROWS(Q4_CASE))
 #undef Q4_CASE
@@ -53,7 +53,7 @@ int64_t llmc_gemv_q8_int16(const float *x, int64_t x_stride, int64_t m, const in
     /* any number of rows m, as llmc_gemv_q4_int8 takes them: each weight row against MAX_ROWS at a time */
 #define Q8(M, G) row_q8(row, &sub, k, M, p, G, y + r0 * n + j, n)
 #define Q8_CASE(M) case M: switch (group) { \
-            case 32: Q8(M, 32); break; case 64: Q8(M, 64); break; default: Q8(M, group); } break;
+            case 32: Q8(M, 32); break; MORE_GROUPS(Q8, M) default: Q8(M, group); } break;
 #define CHUNKS \
     for (int64_t r0 = t0; r0 < t1; r0 += MAX_ROWS) { \
         struct act16 sub = a; \

@@ -41,7 +41,7 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
         return 0;
 #define Q4(M, G) row_q4_8(row, &sub, k, M, p, po, zp, G, y + r0 * n + j, n)
 #define Q4_CASE(M) case M: switch (group) { \
-            case 32: Q4(M, 32); break; case 64: Q4(M, 64); break; case 128: Q4(M, 128); break; \
+            case 32: Q4(M, 32); break; MORE_GROUPS(Q4, M) \
             default: Q4(M, group); } break;
 #define CHUNKS \
     for (int64_t r0 = t0; r0 < t1; r0 += MAX_ROWS) { \

@@ -60,7 +60,14 @@ static inline int64_t row_tile(int64_t row_bytes) {
         po = params_f32(o, f16, j * o_row, groups_, buf + groups_ + 16); \
     } while (0)
 
-/* constant row counts keep each row's sums in registers, constant group sizes index scales by shifts */
+/* constant row counts keep each row's sums in registers, constant group sizes index scales by shifts:
+ * groups of 32 (GGUF's Q4_0/Q4_1/Q8_0) always, 64 and 128 too unless the source defines FEW_GROUP_CASES
+ * (gemv_avx2.c, whose halves doubled the code: 64 and 128 then take the general loop, the same arithmetic) */
+#ifdef FEW_GROUP_CASES
+#define MORE_GROUPS(KERNEL, M)
+#else
+#define MORE_GROUPS(KERNEL, M) case 64: KERNEL(M, 64); break; case 128: KERNEL(M, 128); break;
+#endif
 #define BY_ROWS(CASE) switch (m) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
 
 /* a call's activations: row r's int8 codes at codes + r * kp (kp: K rounded up to 128, the tail zero), in
