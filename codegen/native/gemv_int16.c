@@ -38,19 +38,16 @@ int64_t llmc_gemv_int16_built(void) {
 #endif
 }
 
-
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 
 #include "gemv_rows.h"
-
 
 #ifdef __AVX512VNNI__
 #define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
 #define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #endif
-
 
 /* The even and the odd lanes of two vectors of 16 (a, b): lanes 0-7 from a, 8-15 from b. The 4-bit codes
  * lie as stored (byte j: codes 2j low, 2j + 1 high), so one widen of weight bytes unpacks the even codes
@@ -101,9 +98,6 @@ static void quantise_row(const float *x, int64_t k, int64_t group, int nibbles, 
     }
     if (sums) group_sums(x, k, group, sums);
 }
-
-
-
 
 static inline __m512 block_scale(const struct act16 *a, int64_t r, int64_t blocks, int64_t b, __m512 s) {
     return _mm512_mul_ps(s, _mm512_set1_ps(a->scale[r * blocks + b]));
@@ -207,10 +201,6 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
     for (int64_t r = 0; r < M; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(f[r], h[r]));
 }
 
-
-
-
-
 /* ---- the 4-bit GEMV on int8 activations, llama.cpp's rounding (its Q8 activation blocks of 32) ----
  *
  * Activations round to int8 codes round(x * 127 / max|x|) per block of 32 (an error of up to 2^-8 of the
@@ -230,8 +220,6 @@ static inline __attribute__((always_inline)) void row_q8(const int8_t *q, const 
 #else
 #define DPBUSD(acc, u, s) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
 #endif
-
-
 
 /* the largest magnitudes of a block of 64's two halves (v loaded as block_top loads it); bad[h] flags inf
  * or nan lanes in half h */
@@ -286,7 +274,6 @@ static void quantise_row8(const float *x, int64_t k, int64_t kp, int64_t group, 
         }
     }
 }
-
 
 /* 128 codes (64 bytes: blocks 2p and 2p + 1; `half`: block 2p alone, the row's last 64 codes) against M
  * rows: dpbusd lane l sums bytes 4l..4l+3, codes 8l..8l + 7, of activation block 4p + l / 4; so the
