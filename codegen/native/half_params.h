@@ -75,6 +75,7 @@ static inline void halves_to_floats(const uint16_t *h, int64_t count, float *out
     int64_t g = 0;
 #if defined(__F16C__)
     for (; g + 8 <= count; g += 8) _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+    for (; g < count; g++) out[g] = _cvtsh_ss(h[g]);
 #endif
     for (; g < count; g++) out[g] = half_bits_to_float(h[g]);
 }
