@@ -97,10 +97,11 @@ static inline __attribute__((always_inline)) void pair_q4(const uint8_t *q, cons
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     /* the weights' scales as AVX-512 loads them, lanes past a half pair's zero */
     __m256 s4 = _mm256_setzero_ps(), s = _mm256_setzero_ps();
-    if (G == 32)
-        s4 = half ? _mm256_set_m128(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 4 * p))),
-                                    _mm_castpd_ps(_mm_load_sd((const double *)(sc + 4 * p))))   /* [a, b, 0, 0] */
-                  : twice(sc + 4 * p);
+    if (G == 32 && half) {
+        __m128 ab = _mm_castpd_ps(_mm_load_sd((const double *)(sc + 4 * p)));   /* [a, b, 0, 0] */
+        s4 = _mm256_set_m128(ab, ab);
+    } else if (G == 32)
+        s4 = twice(sc + 4 * p);
     else
         s = _mm256_set1_ps(G != 64 ? sc[p * 128 / G] : half && c ? 0.f : sc[2 * p + c]);
     __m256i w = half && c ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(q + 64 * p + 32 * c));
