@@ -10,7 +10,9 @@ mode, by one whose per-row arithmetic is fixed, the decode program's own kernels
     attention        SDPA for prefill, native for decode, its context split by the batch's size -> native
                      for every query row, each split as a batch of one would be
 ONNX Runtime segments keep their kernels: MLAS's fp32 MatMul and its int8-compute MatMulNBits gave a row
-the same bits at any row count; its fp32-compute MatMulNBits did not (`describe` names them), nor does
+the same bits at any row count on an AVX-512 Xeon; on an AVX2 Zen 3 its MatMulNBits round a row called
+alone apart from 2+ rows, so there a one-row call takes a second row (mark_launches); its fp32-compute
+MatMulNBits did not on the Xeon (`describe` names them), nor does
 its decode graph's attention match the native kernel's, so that graph is not used in this mode (and
 `--kernels auto` compiled invariant offers neither: compiler/driver/tuning/kernel_choice.py).
 What stays outside (`describe`): fp32-compute MatMulNBits in ONNX Runtime segments (artifacts compiled
@@ -22,8 +24,10 @@ from __future__ import annotations
 import torch
 
 from llmc.codegen.native import cpu_native
+from llmc.codegen.ort import nbits_rows
 from llmc.codegen.plan import ORT_SEGMENT
 from llmc.codegen.torch_cpu import cpu_kernels
+from llmc.runtime.ort_segment import OrtSegment
 
 META_KEY = cpu_kernels.BATCH_INVARIANT
 # the kernels whose launches take the batch-invariant variant (an attr they read)
@@ -42,7 +46,12 @@ def batch_invariant_of(plan, asked: bool | None) -> bool:
 
 
 def mark_launches(program: list) -> list:
-    """`program`'s launches, those of MARKED kernels told to run their batch-invariant variant."""
+    """`program`'s launches, those of MARKED kernels told to run their batch-invariant variant, and ONNX
+    Runtime segments whose MatMulNBits round a row called alone apart (this machine's MLAS: see
+    codegen/ort/nbits_rows.py) told to give such a call a second row."""
+    for launch in program:
+        if isinstance(launch.fn, OrtSegment):
+            launch.fn.pad_single_rows = launch.fn.rounds_alone_apart()
     return [launch._replace(attrs={**launch.attrs, META_KEY: True}) if launch.fn in MARKED else launch
             for launch in program]
 
@@ -76,6 +85,10 @@ def describe(executor) -> str:
                      if s.kernel == ORT_SEGMENT)
     if fp32_nbits_count:
         left.append(f"{fp32_nbits_count} ONNX Runtime MatMulNBits on fp32 activations (accuracy_level 1)")
+    varies = sorted({level for launch in executor._program if isinstance(launch.fn, OrtSegment)
+                     for level in launch.fn.nbits_levels if nbits_rows.row_rounding(level) == nbits_rows.VARIES})
+    if varies:
+        left.append(f"ONNX Runtime MatMulNBits at accuracy_level {varies}: this CPU's round by the row count")
     kv = executor.kv_dtype()
     if kv not in (None, torch.float32):
         # an int4 cache is uint8 rows: name its format

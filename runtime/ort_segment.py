@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 import torch
 
-from llmc.codegen.ort import ort_int8  # through the module: tests fake signed_int8_exact
+from llmc.codegen.ort import nbits_rows, ort_int8  # through the module: tests fake signed_int8_exact
 from llmc.codegen.ort.onnx_ops import EXTERNAL_LOCATION, SEGMENT_OPS
 from llmc.codegen.ort.onnx_weights import initializer
 from llmc.codegen.plan import RECOMPILE
@@ -160,6 +160,16 @@ class OrtSegment:
         self._shapes: tuple = ()             # the last call's input shapes ...
         self._output_shapes: list = []       # ... and the output shapes they give
         self.where = where
+        self.nbits_levels = nbits_rows.nbits_levels(model)
+        # the symbolic dims that only ever lead a shape (tokens, rows): a one-row call may take a second
+        self._row_dims = row_dims([t for _, t, _ in self.inputs + self.outputs])
+        self.pad_single_rows = False   # set by batch_invariance.pad_single_rows
+
+    def rounds_alone_apart(self) -> bool:
+        """Whether one of this segment's MatMulNBits rounds a row called alone apart from the same row
+        among others, on this machine (codegen/ort/nbits_rows.py), which a second row fixes."""
+        return bool(self._row_dims) and any(nbits_rows.row_rounding(level) == nbits_rows.SINGLE
+                                            for level in self.nbits_levels)
 
     def _sizes(self, values) -> dict[str, int]:
         """The sizes of the symbolic dims, read off the inputs' shapes."""
@@ -180,6 +190,20 @@ class OrtSegment:
         return self._output_shapes
 
     def __call__(self, *values: torch.Tensor, **attrs) -> list[torch.Tensor]:
+        if self.pad_single_rows:
+            return self._padded(values)
+        return self._call(values)
+
+    def _padded(self, values) -> list[torch.Tensor]:
+        """The call with each one-row dim given a copy of its row, and the copies' outputs dropped."""
+        single = {d for d, size in self._sizes(values).items() if d in self._row_dims and size == 1}
+        if not single:
+            return self._call(values)
+        leads = lambda t: t.shape and t.shape[0] in single
+        results = self._call([torch.cat([v, v]) if leads(t) else v for (_, t, _), v in zip(self.inputs, values)])
+        return [out[:1] if leads(t) else out for (_, t, _), out in zip(self.outputs, results)]
+
+    def _call(self, values) -> list[torch.Tensor]:
         values = [v.contiguous() for v in values]   # kept alive until the run returns
         for (name, _, np_dtype), value in zip(self.inputs, values):
             self._bind_input(name, self._device, np_dtype, list(value.shape), value.data_ptr())
@@ -190,6 +214,14 @@ class OrtSegment:
             results.append(out)
         self._run(self.binding._iobinding, None)
         return results
+
+
+def row_dims(types: list[TensorType]) -> frozenset[str]:
+    """The symbolic dims of `types` found only as the leading dim."""
+    symbolic = lambda d: isinstance(d, str) and d.isidentifier()
+    leading = {t.shape[0] for t in types if t.shape and symbolic(t.shape[0])}
+    inner = {d for t in types for d in t.shape[1:] if symbolic(d)}
+    return frozenset(leading - inner)
 
 
 def load_segment(step, data: dict[str, bytes], weights: dict[str, torch.Tensor], type_of, where: str,
@@ -230,5 +262,5 @@ def load_session(attrs: dict, inputs: list[tuple[str, TensorType]], outputs: lis
     return OrtSegment(model, initializers, inputs, outputs, current_threads(), where, spin)
 
 
-__all__ = ["load_segment", "load_session", "OrtSegment", "check_segment_model", "require_ops", "cpu_kernel_ops",
+__all__ = ["load_segment", "load_session", "OrtSegment", "row_dims", "check_segment_model", "require_ops", "cpu_kernel_ops",
            "session_options", "ORT_FIX"]

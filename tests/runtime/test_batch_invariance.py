@@ -287,3 +287,30 @@ def test_inspect_names_what_the_artifact_keeps_outside_invariance(artifacts, tmp
     code, out, _ = llmc_in_process(capsys, "inspect", kv8)
     assert code == 0 and "batch invariance: on, except attention over the int8 KV cache" in out
     assert "int8 KV cache" in llmc.load(kv8, kv_memory="4MiB").engine.executor.invariance()
+
+
+def test_ort_segments_give_a_lone_row_a_second_where_this_cpu_rounds_it_apart(loaded):
+    """Where this machine's MatMulNBits round a row called alone apart from 2+ rows (MLAS's GEMV and
+    GEMM paths; measured on AVX2), an invariant load's segments run a one-row call as two copies of the
+    row: the row then gets the bits it gets among others. A load with invariance off does not."""
+    from llmc.codegen.ort import nbits_rows
+    from llmc.runtime.ort_segment import OrtSegment
+
+    segments = [launch.fn for launch in loaded["ort-int4"].engine.executor._program
+                if isinstance(launch.fn, OrtSegment) and launch.fn.nbits_levels]
+    assert segments and {s._row_dims for s in segments} <= {frozenset({"tokens"}), frozenset({"tokens", "rows"})}
+    apart = nbits_rows.row_rounding(4) == nbits_rows.SINGLE
+    assert all(s.pad_single_rows == apart for s in segments)
+    segment = next(s for s in segments if "rows" not in s._row_dims)
+    rows = [torch.randn(3, *t.shape[1:]) if t.dtype == "float32" else torch.randint(0, 32, (3,))
+            for _, t, _ in segment.inputs]
+    together = segment(*rows)
+    for i in range(3):
+        alone = segment(*[r[i:i + 1] for r in rows])
+        assert all(torch.equal(a, t[i:i + 1]) for a, t in zip(alone, together))
+    segment.pad_single_rows = False
+    try:
+        unpadded = segment(*[r[:1] for r in rows])
+        assert apart != all(torch.equal(a, t[:1]) for a, t in zip(unpadded, together))
+    finally:
+        segment.pad_single_rows = apart
