@@ -262,5 +262,5 @@ def load_session(attrs: dict, inputs: list[tuple[str, TensorType]], outputs: lis
     return OrtSegment(model, initializers, inputs, outputs, current_threads(), where, spin)
 
 
-__all__ = ["load_segment", "load_session", "OrtSegment", "row_dims", "check_segment_model", "require_ops", "cpu_kernel_ops",
-           "session_options", "ORT_FIX"]
+__all__ = ["load_segment", "load_session", "OrtSegment", "row_dims", "check_segment_model", "require_ops",
+           "cpu_kernel_ops", "session_options", "ORT_FIX"]
