@@ -23,7 +23,7 @@ demo: setup
 	$(LLMC) run out/smol.llmc --chat --prompt "What is the capital of France?" --max-tokens 32
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=1200
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=1200 --durations=40
 
 # lint-imports reads the packages as installed (llmc/compiler, …): it runs on a tree of links laid out so.
 IMPORT_TREE := build/import-tree
