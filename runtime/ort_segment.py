@@ -163,7 +163,7 @@ class OrtSegment:
         self.nbits_levels = nbits_rows.nbits_levels(model)
         # the symbolic dims that only ever lead a shape (tokens, rows): a one-row call may take a second
         self._row_dims = row_dims([t for _, t, _ in self.inputs + self.outputs])
-        self.pad_single_rows = False   # set by batch_invariance.pad_single_rows
+        self.pad_single_rows = False   # set by batch_invariance.mark_launches
 
     def rounds_alone_apart(self) -> bool:
         """Whether one of this segment's MatMulNBits rounds a row called alone apart from the same row
