@@ -31,9 +31,27 @@ __attribute__((constructor)) static void planted(void) {
 ALL_SYMBOLS = "\n".join(f"long {name}(void) {{ return 0; }}" for name in cpu_native.SIGNATURES)
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The C compiler's output by flags, kept for the module: each test rebuilds into its fresh cache
+    through the real _build (the checks, the atomic record), but the 20-50 s of compiling (two builds a
+    test on a 2-core AVX2 host) runs once."""
+    real, store, built = cpu_native._compile_and_link, tmp_path_factory.mktemp("compiled"), {}
+
+    def compile_once(compiler, flags, objects, out):
+        key = (compiler, flags)
+        if key not in built:
+            real(compiler, flags, objects, out)
+            built[key] = store / f"{len(built)}.so"
+            shutil.copyfile(out, built[key])
+        shutil.copyfile(built[key], out)
+    return compile_once
+
+
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path, monkeypatch, compiled):
     """A fresh LLMC_CACHE; the native kernels are loaded anew inside the test and after it."""
+    monkeypatch.setattr(cpu_native, "_compile_and_link", compiled)
     monkeypatch.setenv("LLMC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(native_cache.SHARED_ENV, raising=False)
     cpu_native._load.cache_clear()
