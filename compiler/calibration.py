@@ -12,6 +12,7 @@ import torch
 
 from llmc.cache import cache_root, write_json
 from llmc.compiler.bounded_input import read_input
+from llmc.compiler.quant import fast_bf16
 from llmc.errors import PassError
 
 # Short, generic openings across registers (story, explanation, dialogue, list, code, news) so
@@ -38,7 +39,8 @@ TEMPERATURE = 0.8
 # Sampling runs on a bfloat16 copy of a float32 model up to SAMPLE_COPY_BYTES of parameters: a decode step
 # reads half the bytes and runs on the CPU's bf16 matrix units (SmolLM2, 8 x 128 tokens: 12.9 -> 8.6 s on
 # the 2-core Xeon). The text only has to be the model's own plausible continuation, and a fixed seed still
-# fixes it; larger models sample in place rather than hold a second copy.
+# fixes it; larger models sample in place rather than hold a second copy, and so does every model where the
+# CPU has no bf16 arithmetic (fast_bf16: an AVX2 Zen 3 multiplied bf16 6x slower than fp32).
 SAMPLE_DTYPE = torch.bfloat16
 SAMPLE_ROWS = 8   # the row count oneDNN's reordered weights are tuned for: a decode step of the sampled batch
 SAMPLE_COPY_BYTES = 2 << 30
@@ -70,7 +72,8 @@ def generation_key(source_hash: str, num_samples: int, seq_len: int, seed: int) 
     """What fixes a sampled calibration set: the model's bytes, the prompts, the sampling and the library
     versions whose arithmetic draws the tokens."""
     import transformers  # deferred: loading a model imports it anyway; this module is imported earlier
-    what = [source_hash, PROMPTS, TEMPERATURE, str(SAMPLE_DTYPE), num_samples, seq_len, seed, torch.__version__,
+    dtype = SAMPLE_DTYPE if fast_bf16() else torch.float32
+    what = [source_hash, PROMPTS, TEMPERATURE, str(dtype), num_samples, seq_len, seed, torch.__version__,
             transformers.__version__]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
 
@@ -158,17 +161,16 @@ def generated_sequences(module: torch.nn.Module, tokenizer, num_samples: int, se
 
 def sampler(module: torch.nn.Module) -> torch.nn.Module:
     """The model the calibration text is sampled from: a SAMPLE_DTYPE copy of a small float32 transformers
-    model, else itself (an ONNX source's graph keeps float32 constants outside its parameters, which a
-    cast copy would multiply with bf16 ones)."""
+    model where the CPU has bf16 arithmetic, else itself (an ONNX source's graph keeps float32 constants
+    outside its parameters, which a cast copy would multiply with bf16 ones)."""
     from transformers import PreTrainedModel  # deferred, as in generation_key
     params = list(module.parameters())
     small_fp32 = bool(params) and all(p.dtype == torch.float32 and not p.is_meta for p in params) and \
         sum(p.nbytes for p in params) <= SAMPLE_COPY_BYTES
-    if not (isinstance(module, PreTrainedModel) and small_fp32):
+    if not (isinstance(module, PreTrainedModel) and small_fp32 and fast_bf16()):
         return module
     copied = copy.deepcopy(module).to(SAMPLE_DTYPE)
-    # oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (an AVX2-only Zen 3)
-    # it raises, and torch's own bf16 linear samples the text
+    # oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which a CPU with bf16 arithmetic has
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         for parent in list(copied.modules()):
             for name, child in list(parent.named_children()):

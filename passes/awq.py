@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from llmc.compiler.quant import compute_dtype, int4_grid, quantize_to_grid
+from llmc.compiler.quant import compute_dtype, fast_bf16, int4_grid, quantize_to_grid
 from llmc.errors import PassError
 from llmc.passes.gptq import resolve_group_size
 
@@ -110,11 +110,12 @@ def _fake_quantize_groups(groups: torch.Tensor, bits: int, ratio=1.0) -> torch.T
 
 
 def _product_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the search multiplies in: bf16 (AMX on CPUs that have it: ~4x fp32's GEMM) for fp32 weights,
-    float64 for float64 ones. The products are of the rounding error itself (x Dᵀ, D = Q(w·s)/s - w), not
-    a difference of two outputs, so bf16's 2^-9 per factor perturbs each error term by about that
-    share, and the sum over tokens x outputs far less: the grid's choice stands."""
-    return torch.bfloat16 if dtype == torch.float32 else dtype
+    """What the search multiplies in: bf16 (AMX on CPUs that have it: ~4x fp32's GEMM) for fp32 weights where
+    the CPU multiplies bf16 in hardware (fast_bf16; fp32 elsewhere), float64 for float64 ones. The
+    products are of the rounding error itself (x Dᵀ, D = Q(w·s)/s - w), not a difference of two outputs,
+    so bf16's 2^-9 per factor perturbs each error term by about that share, and the sum over tokens x
+    outputs far less: the grid's choice stands."""
+    return torch.bfloat16 if dtype == torch.float32 and fast_bf16() else dtype
 
 
 def _scaled_output_error(w, s, x, bits, g) -> float:
