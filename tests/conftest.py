@@ -67,6 +67,15 @@ def smollm2_model(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def smollm2_fp32(tmp_path_factory, smollm2_model):
+    """SmolLM2 compiled for cpu with its GGUF dequantised (--quant none), once per session (30-45 s on
+    2 cores); read-only: the SmolLM2, speculation and kept-Q4_1 tests each compiled the same artifact."""
+    import llmc
+    return llmc.compile("smollm2-135m", target="cpu", output=tmp_path_factory.mktemp("smol-fp32") / "smol.llmc",
+                        quant="none")
+
+
+@pytest.fixture(scope="session")
 def compiled(tmp_path_factory):
     """tiny-llama compiled for cpu once per session, with torch kernels throughout (tests read and edit
     its plan's steps; the default, measured choice may put them in ONNX Runtime segments); read-only:

@@ -15,10 +15,8 @@ PROMPTS = ["What is the capital of France?", "def fibonacci(n):",
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory, smollm2_model):
-    path = tmp_path_factory.mktemp("art") / "smol.llmc"
-    llmc.compile("smollm2-135m", target="cpu", output=path, quant="none")  # the GGUF dequantised
-    return llmc.load(path, kv_memory="256MiB"), path
+def smol(smollm2_fp32):
+    return llmc.load(smollm2_fp32, kv_memory="256MiB"), smollm2_fp32   # the GGUF dequantised
 
 
 def test_smollm2_lowers_without_fallback_and_every_layer_fuses(smol):

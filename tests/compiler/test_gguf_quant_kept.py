@@ -195,9 +195,9 @@ def test_quant_gguf_on_a_source_without_quantised_weights_is_refused(tmp_path):
 
 
 @pytest.mark.smollm2
-def test_smollm2_with_its_q4_1_kept_gives_the_fp32_artifacts_greedy_tokens(smollm2_gguf, tmp_path):
+def test_smollm2_with_its_q4_1_kept_gives_the_fp32_artifacts_greedy_tokens(smollm2_gguf, smollm2_fp32, tmp_path):
     kept = llmc.compile("smollm2-135m", target="cpu", output=tmp_path / "kept.llmc")
-    plain = llmc.compile("smollm2-135m", target="cpu", output=tmp_path / "fp32.llmc", quant="none")
+    plain = smollm2_fp32
     graph, manifest = artifact_graph(kept)
     formats = next(p for p in manifest["pipeline"] if p["name"] == "keep_gguf_quant")["details"]["quant"]["gguf"]
     assert sorted(set(formats["formats"].values())) == ["Q4_1", "Q8_0"] and "linear" not in graph.op_counts()

@@ -25,11 +25,10 @@ NUM_BATCHED = {"ngram": NUM_PROMPTS, "draft": NUM_PROMPTS, "ngram-tree": NUM_PRO
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory, smollm2_model):
+def smol(tmp_path_factory, smollm2_fp32):
     root = tmp_path_factory.mktemp("spec-smol")
-    target = llmc.compile("smollm2-135m", target="cpu", output=root / "smol.llmc", quant="none")
-    draft = llmc.compile("smollm2-135m", target="cpu", output=root / "draft.llmc", draft_of=str(target))
-    return target, draft
+    draft = llmc.compile("smollm2-135m", target="cpu", output=root / "draft.llmc", draft_of=str(smollm2_fp32))
+    return smollm2_fp32, draft
 
 
 @pytest.fixture(scope="module")
