@@ -3,6 +3,7 @@
 either refuses it with an LlmcError or loads it and generates, with no other exception and no file
 written outside the test's temporary directory."""
 
+import copy
 import json
 import os
 import shutil
@@ -36,9 +37,11 @@ _leaves = st.one_of(st.none(), st.booleans(), _numbers, st.text(max_size=8),
                     st.sampled_from(SYMBOLS), st.builds(lambda k: {"$in": k}, st.integers(-1, 6)),
                     st.sampled_from([{"$dtype": "float32"}, {"$dtype": "qint8"}, {"$device": "meta"},
                                      {"$layout": "sparse_coo"}, {"$float": "nan"}, {"$memory_format": "__class__"}]))
+# each draw a fresh copy: sampled_from gives its dicts themselves, so an edit inside one drawn earlier changed
+# the strategy's constant, and a later draw of it put the dict inside itself (a cycle, a RecursionError)
 _json = st.recursive(_leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                      st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-                     max_leaves=8)
+                     max_leaves=8).map(copy.deepcopy)
 
 
 def _paths(value, prefix=()):
