@@ -521,7 +521,9 @@ def _q4_int8_lane_model(x, codes, scales, second, zero_point, group):
     (3, 6, 512, 32, True),
     (2, 5, 320, 64, False),     # groups of 64 with a half pair
     (2, 4, 1024, 128, True),
-    (1, 3, 768, 256, False)])
+    (1, 3, 768, 256, False),
+    (7, 5, 576, 32, False),     # several rows: AVX2's loop for many rows (tiles of 4, then 3)
+    (5, 3, 8192, 32, True)])    # a long K: AVX2 takes 2 rows a pass there
 def test_gemv_q4_int8_is_its_lane_model_bitwise(rows, n, k, group, zero_point):
     """The int8-activation GEMV gives exactly the float32 lane model's bits, whether AVX-512 or AVX2 runs it:
     an artifact's outputs do not depend on which of the two CPUs serves it."""
