@@ -19,6 +19,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 #define FEW_GROUP_CASES   /* gemv_rows.h: groups of 64 and 128 through the general loop */
 #include "gemv_rows.h"
@@ -297,46 +302,68 @@ static inline __attribute__((always_inline)) void tile_q4_8(const uint8_t *q, co
     reduce_rows(halves[0], halves[1], A, y, n);
 }
 
-/* Activation rows a pass over the weights takes: as many as keep their codes within 16 KiB (their scale
- * lanes another 8), so that with the weight row they stay in L1 for every weight row; whole TILE_ROWS where
- * more than one. At 32 KiB of codes the loop read them from L2 and ran no faster than row_q4_8 (2-core
- * Zen 3, Llama-3B's 3072 x 8192: 256 rows 1.47x row_q4_8's rate at 16 KiB; 8192 x 3072 1.13x) */
+/* Activation rows a tile holds: as many as keep their codes within 16 KiB (their scale lanes another 8), so
+ * that with the weight row they stay in L1 for every weight row; whole TILE_ROWS where more than one. At
+ * 32 KiB of codes the loop read them from L2 and ran no faster than row_q4_8 (2-core Zen 3, Llama-3B's
+ * 3072 x 8192: 256 rows 1.47x row_q4_8's rate at 16 KiB; 8192 x 3072 1.13x) */
 static inline int64_t tile_rows(int64_t kp) {
     int64_t rows = (16 << 10) / kp;
     return rows > TILE_ROWS ? rows / TILE_ROWS * TILE_ROWS : rows > 1 ? rows : 1;
 }
 
-/* gemv_q4_int8.h's loop over weight rows for activation rows t0..t1 of a, TILE_ROWS of them a step */
+/* weight rows a thread takes through every tile before the next ones: they stay in L2 (96 KiB of Llama-3B's
+ * 3072-wide rows), so each is read from memory once however many rows the call has, while each tile's
+ * activations come from L3 once a block */
+#define WEIGHT_BLOCK 64
+
+/* gemv_q4_int8.h's loop for m >= 2 activation rows: one parallel region (a region per tile spent 12% of a
+ * prefill in OpenMP's barriers), weight rows in blocks, each block through every tile of rows */
 #define TILES_Q4_8 tiles_q4_8
-static void tiles_q4_8(const struct act8 *a, int64_t t0, int64_t t1, const uint8_t *q, const void *s, const void *o,
-                       int64_t o_row, int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y,
-                       int64_t threads) {
-    const int64_t groups = k / group, steps = a->kp / 128 * 2;
-    __m256 *lanes = aligned_alloc(32, (t1 - t0) * steps * sizeof(__m256));
-    if (!lanes) { for (int64_t i = t0 * n; i < t1 * n; i++) y[i] = NAN; return; }
-    for (int64_t r = t0; r < t1; r++)
+static int tiles_q4_8(const struct act8 *a, int64_t m, const uint8_t *q, const void *s, const void *o, int64_t o_row,
+                      int64_t f16, int64_t zp, int64_t n, int64_t k, int64_t group, float *y, int64_t threads) {
+    const int64_t groups = k / group, steps = a->kp / 128 * 2, tile = tile_rows(a->kp), per_row = 2 * groups + 32;
+    __m256 *lanes = aligned_alloc(32, m * steps * sizeof(__m256));
+    float *params = malloc(threads * WEIGHT_BLOCK * per_row * sizeof(float));
+    if (!lanes || !params) {
+        free(lanes);
+        free(params);
+        return 0;
+    }
+    for (int64_t r = 0; r < m; r++)
         for (int64_t i = 0; i < steps; i++)
-            lanes[(r - t0) * steps + i] = quads(twice(a->scale + r * (a->kp / BLOCK8) + 4 * (i / 2)), (int)(i % 2));
+            lanes[r * steps + i] = quads(twice(a->scale + r * (a->kp / BLOCK8) + 4 * (i / 2)), (int)(i % 2));
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t j = 0; j < n; j++) {
-        float buf[2 * groups + 32];
-        const float *sc = params_f32(s, f16, j * groups, groups, buf);
-        const float *zo = params_f32(o, f16, j * o_row, groups, buf + groups + 16);
-        const uint8_t *row = q + j * (k / 2);
-        if (j + 1 < n)   /* the next row, from L3 or DRAM, while this one's tiles run: chains read every other line */
-            for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(row + k / 2 + c, 0, 3);
-        for (int64_t r0 = t0; r0 < t1; r0 += TILE_ROWS) {
-            struct act8 sub = rows8(a, r0, k, group);
-            const __m256 *x = lanes + (r0 - t0) * steps;
-            int64_t m = t1 - r0 < TILE_ROWS ? t1 - r0 : TILE_ROWS;
-#define TILE(M, G) tile_q4_8(row, &sub, x, k, M, sc, zo, zp, G, y + r0 * n + j, n)
+    for (int64_t j0 = 0; j0 < n; j0 += WEIGHT_BLOCK) {
+        int64_t j1 = j0 + WEIGHT_BLOCK < n ? j0 + WEIGHT_BLOCK : n;
+        float *buf = params + omp_get_thread_num() * WEIGHT_BLOCK * per_row;
+        const float *sc[WEIGHT_BLOCK], *zo[WEIGHT_BLOCK];
+        for (int64_t j = j0; j < j1; j++) {
+            sc[j - j0] = params_f32(s, f16, j * groups, groups, buf + (j - j0) * per_row);
+            zo[j - j0] = params_f32(o, f16, j * o_row, groups, buf + (j - j0) * per_row + groups + 16);
+        }
+        for (int64_t t0 = 0; t0 < m; t0 += tile) {
+            int64_t t1 = t0 + tile < m ? t0 + tile : m;
+            for (int64_t j = j0; j < j1; j++) {
+                const uint8_t *row = q + j * (k / 2);
+                if (t0 == 0 && j + 1 < n)   /* the next row from memory while this one runs: chains skip lines */
+                    for (int64_t c = 0; c < k / 2; c += 64) __builtin_prefetch(row + k / 2 + c, 0, 3);
+                for (int64_t r0 = t0; r0 < t1; r0 += TILE_ROWS) {
+                    struct act8 sub = rows8(a, r0, k, group);
+                    const __m256 *x = lanes + r0 * steps;
+                    int64_t rows = t1 - r0 < TILE_ROWS ? t1 - r0 : TILE_ROWS;
+                    const float *p = sc[j - j0], *po = zo[j - j0];
+#define TILE(M, G) tile_q4_8(row, &sub, x, k, M, p, po, zp, G, y + r0 * n + j, n)
 #define TILE_CASE(M) case M: if (group == 32) TILE(M, 32); else TILE(M, group); break;
-            switch (m) { TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) }   /* TILE_ROWS */
+                    switch (rows) { TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) }   /* TILE_ROWS */
 #undef TILE_CASE
 #undef TILE
+                }
+            }
         }
     }
     free(lanes);
+    free(params);
+    return 1;
 }
 
 /* ---- int16 activations: per block of 64, codes round(x * 32767 / max|x|) (gemv_int16.c's quantise_row) ---- */

@@ -50,9 +50,8 @@ int64_t llmc_gemv_q4_int8(const float *x, int64_t x_stride, int64_t m, const uin
         switch (rows) { Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8) } \
     }
 #ifdef TILES_Q4_8
-    if (m >= 2) {   /* the ISA's source has a faster loop for several rows, with the same sums */
-        for (int64_t t0 = 0, tile = tile_rows(a.kp); t0 < m; t0 += tile)
-            TILES_Q4_8(&a, t0, t0 + tile < m ? t0 + tile : m, q, s, o, o_row, f16, zp, n, k, group, y, threads);
+    /* where the ISA's source has a faster loop for several rows (the same sums) */
+    if (m >= 2 && TILES_Q4_8(&a, m, q, s, o, o_row, f16, zp, n, k, group, y, threads)) {
         free(a.scale);
         return 1;
     }
