@@ -3,8 +3,8 @@ speculative policy's price of verifying k drafts (runtime/speculative.py). On th
 kernels and on where the weights sit: SmolLM2's Q4_1 weights in the last-level cache make the native
 GEMV's extra rows cost a visible share of a row each, while a model streaming its weights from DRAM
 verifies a few drafts nearly free. So it is measured at load, once per (plan, machine, threads,
-invariance), and kept in $LLMC_CACHE/step_costs: one sequence over a short primed context, steps of
-ROWS rows alternated, best of REPEATS each, relative to one row and linear in between. A measurement
+invariance, native kernels' source), and kept in $LLMC_CACHE/step_costs: one sequence over a short primed
+context, steps of ROWS rows alternated, best of REPEATS each, relative to one row and linear in between. A measurement
 taken while other processes held the cores is used by this engine only (and taken again by the next);
 the cached one makes k, and with it a seeded request's random draws, the same from load to load."""
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.cache import busy_reason, cache_root, watch_load, write_json
+from llmc.codegen.native import cpu_native
 from llmc.runtime.paged_attention import StepMetadata
 from llmc.runtime.roofline import cpu_model
 
@@ -66,7 +67,8 @@ def measured_step_cost(executor, backend, threads: int) -> tuple[StepCost, dict]
     if backend.cache.k_cache[0].shape[0] < blocks:
         return None
     key = {"plan": hashlib.sha256(executor.plan.to_json().encode()).hexdigest(), "cpu": cpu_model(),
-           "threads": threads, "invariant": executor.batch_invariant, "rows": list(ROWS), "format": FORMAT}
+           "kernels": cpu_native.timing_key(), "threads": threads, "invariant": executor.batch_invariant,
+           "rows": list(ROWS), "format": FORMAT}
     text = json.dumps(key, sort_keys=True)
     path = cache_root() / "step_costs" / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
     cached = _read(path, key)
