@@ -161,8 +161,10 @@ def test_auto_times_no_kind_whose_weights_are_over_its_limit(tmp_path, monkeypat
 
 @pytest.mark.smollm2
 def test_compiling_a_300mb_gguf_stays_under_its_memory_bound(smollm2_gguf, tmp_path):
-    """A 0.27 GB Q4_1 file (377M params: 1.5 GB in float32) compiles in under 1 GB, most of it the
-    interpreter, torch and transformers (0.77 GiB measured); before streaming it took 5 GB."""
+    """A 0.27 GB Q4_1 file (377M params: 1.5 GB in float32) compiles in well under its float32 weights,
+    most of it the interpreter, torch and transformers; before streaming it took 5 GB. The bound sits
+    below what holding the float32 weights would add to that base: on the 2-core AVX2 host the same
+    compile peaked at 1.02-1.30 GiB from run to run (2026-12-08), so 1.25 GiB failed a fresh-clone CI."""
     gguf = tmp_path / "ci-300m.gguf"
     subprocess.run([sys.executable, str(MAKE_MODEL), "--shape", "ci-300m", "--format", "q4_1", "-o", str(gguf),
                     "--tokenizer-gguf", str(smollm2_gguf)], check=True, capture_output=True)
@@ -173,7 +175,7 @@ def test_compiling_a_300mb_gguf_stays_under_its_memory_bound(smollm2_gguf, tmp_p
     out = subprocess.run([sys.executable, "-c", measure, str(gguf), str(tmp_path / "ci.llmc")], check=True,
                          capture_output=True, text=True).stdout
     peak = int(out.split()[-1])
-    assert peak < 1.25 * 2**30, f"compiling a 0.27 GB GGUF peaked at {peak / 2**30:.2f} GiB"
+    assert peak < 1.6 * 2**30, f"compiling a 0.27 GB GGUF peaked at {peak / 2**30:.2f} GiB"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
